@@ -1,0 +1,120 @@
+"""Shared fixtures: unique names, a segment-leak check, and real daemon processes."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+
+import posix_ipc
+import pytest
+
+from lmcached import launcher
+from lmcached.launcher import stop_daemon
+from lmcached.shm.arena import list_segments
+
+SEGMENT_LEAK_DEADLINE_S = 10.0
+
+
+# Every daemon or arena a test creates is named after this prefix (see unique_name), so
+# the leak check never touches segments of other processes on the machine.
+TEST_NAME_PREFIX = f"t{os.getpid()}-"
+
+
+def our_segments() -> set[str]:
+    """Segments in /dev/shm created by this test run."""
+    return {s for s in list_segments() if s.startswith(f"lmcached.{TEST_NAME_PREFIX}")}
+
+
+@pytest.fixture
+def unique_name() -> str:
+    """A daemon/arena name no other test (or test run) uses."""
+    return f"{TEST_NAME_PREFIX}{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail the test if it leaves a segment of this test run in /dev/shm (polls a deadline).
+
+    Leaked segments are unlinked so one leak does not fail every later test.
+    """
+    before = our_segments()
+    yield
+    deadline = time.monotonic() + SEGMENT_LEAK_DEADLINE_S
+    leaked = our_segments() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = our_segments() - before
+    for entry in leaked:
+        try:
+            posix_ipc.unlink_shared_memory("/" + entry)
+        except posix_ipc.ExistentialError:
+            pass
+    assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
+
+
+# ------------------------------------------------------------------ daemon processes
+DAEMON_START_DEADLINE_S = 30.0
+
+
+@dataclasses.dataclass
+class DaemonProcess:
+    """A real `lmcached serve` subprocess started by a test."""
+
+    proc: subprocess.Popen
+    name: str
+    socket: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, wait; SIGKILL by pid if it does not stop. Returns the exit status."""
+        return stop_daemon(self.proc, timeout_s)
+
+
+def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None) -> DaemonProcess:
+    """Start `lmcached serve` and wait (deadline) until it answers PING."""
+    try:
+        proc = launcher.start_daemon(name, socket_path, *args, log_path=log_path, env=env,
+                                     timeout_s=DAEMON_START_DEADLINE_S)
+    except RuntimeError as exc:
+        with open(log_path, errors="replace") as f:
+            raise RuntimeError(f"{exc}:\n{f.read()}") from None
+    return DaemonProcess(proc, name, socket_path, log_path)
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temporary directory (Unix socket paths are limited to 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="lmc-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(unique_name, short_tmp):
+    """Start daemons with `factory(*serve_args, env=None)`; all are stopped by pid after."""
+    started: list[DaemonProcess] = []
+
+    def factory(*args: str, env=None, name: str | None = None) -> DaemonProcess:
+        n = name or f"{unique_name}-{len(started)}"
+        daemon = start_daemon(n, os.path.join(short_tmp, f"{len(started)}.sock"),
+                              os.path.join(short_tmp, f"{len(started)}.log"), *args, env=env)
+        started.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in started:
+        daemon.stop()
+        assert not os.path.exists(daemon.socket), "daemon left its socket behind"
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    """A daemon with a 64 MiB arena and 1 MiB blocks."""
+    return daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
