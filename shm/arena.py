@@ -1,0 +1,455 @@
+"""The arena: one POSIX shared-memory segment cut into fixed-size blocks.
+
+Why this file exists: the KV bytes live here, in memory that every process on the node
+maps once and reads in place. The daemon is the only process that creates, prefaults
+and unlinks an arena (`Arena.create`); clients `Arena.attach` to it. Like CPython's
+`multiprocessing.shared_memory`, but the owner is the only one who unlinks: attaching
+goes through posix_ipc, which never registers the segment with Python's
+resource_tracker (on Python 3.11 a `SharedMemory(name)` attach is registered, and the
+attaching process unlinks the daemon's segment when it exits, CPython gh-82300).
+
+Segment layout::
+
+    offset 0            HEADER_BYTES (4 KiB)                               capacity_bytes
+    | header (magic,   | block 0 | block 1 | ... | block num_blocks-1 | unused tail |
+    |  generation, pid)|<------- block_bytes each ------------------->|
+
+Segment names are `/lmcached.<name>.<generation>`: the generation (nanoseconds since the
+epoch at creation) changes on every daemon start, so a client of a restarted daemon can
+never map a stale segment, and `sweep_orphans` finds segments whose daemon died.
+
+Measured on the 2-core machines here (../shared/limits/RESULTS.md): writes into untouched
+shared memory run at 0.4-1.3 GB/s, into touched memory at ~10 GB/s, so `create`
+prefaults every page.
+"""
+
+import mmap
+import os
+import re
+import struct
+import time
+from typing import Callable
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import posix_ipc
+import psutil
+
+from lmcached.logger import init_logger
+
+if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
+    import torch
+
+logger = init_logger(__name__)
+
+SEGMENT_PREFIX = "lmcached."
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 4096
+ARENA_MAGIC = b"LMCACHD1"
+# magic, generation, owner pid, owner create time (s), capacity_bytes, block_bytes
+_HEADER = struct.Struct("<8sQQdQQ")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+_PREFAULT_STEP_BYTES = 64 << 20
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PAGE_BYTES = mmap.PAGESIZE
+
+# Dtypes a block view may have (KV caches are fp16/bf16/fp32/fp8; ints for headers).
+SUPPORTED_DTYPE_NAMES = (
+    "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+    "float64", "float8_e4m3fn", "float8_e5m2",
+)
+
+ProgressCallback = Callable[[int, int], None]  # (done_bytes, total_bytes)
+
+
+def segment_name(name: str, generation: int) -> str:
+    """POSIX name of an arena segment: `/lmcached.<name>.<generation>`.
+
+    Raises:
+        ValueError: `name` is not 1-64 characters of [A-Za-z0-9_-].
+    """
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"arena name {name!r} must be 1-64 characters of letters, digits, '_' or '-'"
+        )
+    return f"/{SEGMENT_PREFIX}{name}.{generation}"
+
+
+class Arena:
+    """A mapped arena segment, as its owner (daemon) or as an attached client.
+
+    Use `Arena.create` (daemon) or `Arena.attach` (clients); do not call the
+    constructor directly.
+
+    Attributes:
+        name: the daemon name part of the segment name.
+        generation: the daemon's generation (segment names differ per generation).
+        capacity_bytes: size of the segment in bytes.
+        block_bytes: size of a block in bytes (0 until `set_block_bytes`).
+        num_blocks: number of whole blocks after the header.
+        is_owner: True in the process that created the segment.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        generation: int,
+        mapping: mmap.mmap,
+        capacity_bytes: int,
+        block_bytes: int,
+        is_owner: bool,
+    ) -> None:
+        self.name = name
+        self.generation = generation
+        self.capacity_bytes = capacity_bytes
+        self.is_owner = is_owner
+        self._mmap: mmap.mmap | None = mapping
+        # One flat uint8 alias of the whole segment, made on first use; every view is a
+        # slice of it. [capacity_bytes], uint8, cpu
+        self._u8_tensor: "torch.Tensor | None" = None
+        self.block_bytes = 0
+        self.num_blocks = 0
+        if block_bytes:
+            self.set_block_bytes(block_bytes)
+
+    # ---------------------------------------------------------------- creation
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        capacity_bytes: int,
+        block_bytes: int = 0,
+        mode: int = 0o600,
+        prefault: bool = True,
+        progress: ProgressCallback | None = None,
+    ) -> "Arena":
+        """Create, map and prefault a new arena segment (daemon only).
+
+        Args:
+            name: daemon name, 1-64 characters of [A-Za-z0-9_-].
+            capacity_bytes: segment size in bytes, > HEADER_BYTES.
+            block_bytes: block size in bytes (multiple of 64), or 0 to set it later with
+                `set_block_bytes` (the daemon does so when the first layout attaches).
+            mode: permission bits of the segment (0600: only the daemon's user).
+            prefault: populate every page now (MADV_POPULATE_WRITE, else touch a byte per
+                page), so that no store pays first-touch page faults later.
+            progress: called as progress(done_bytes, capacity_bytes) while prefaulting.
+
+        Returns:
+            The owning arena; `close()` unmaps and unlinks it.
+
+        Raises:
+            ValueError: bad name, capacity or block size.
+            posix_ipc.ExistentialError: a segment of that name exists (O_EXCL).
+            OSError: the segment cannot be sized or mapped (e.g. /dev/shm is full).
+        """
+        if capacity_bytes <= HEADER_BYTES:
+            raise ValueError(
+                f"capacity_bytes must exceed the {HEADER_BYTES}-byte header, "
+                f"got {capacity_bytes}"
+            )
+        generation = time.time_ns()
+        shm_name = segment_name(name, generation)
+        shm = posix_ipc.SharedMemory(
+            shm_name, posix_ipc.O_CREAT | posix_ipc.O_EXCL, mode=mode, size=capacity_bytes
+        )
+        try:
+            os.fchmod(shm.fd, mode)  # shm_open applied the umask (0022 under systemd)
+            mapping = mmap.mmap(shm.fd, capacity_bytes)
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()
+        try:
+            pid = os.getpid()
+            _HEADER.pack_into(
+                mapping,
+                0,
+                ARENA_MAGIC,
+                generation,
+                pid,
+                psutil.Process(pid).create_time(),
+                capacity_bytes,
+                block_bytes,
+            )
+            arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
+            if prefault:
+                arena.prefault(progress)
+        except BaseException:
+            # Undo the half-built segment, then re-raise.
+            posix_ipc.unlink_shared_memory(shm_name)
+            raise
+        logger.info(
+            "created arena %s: %d bytes, block_bytes=%d", shm_name, capacity_bytes, block_bytes
+        )
+        return arena
+
+    @classmethod
+    def attach(
+        cls, name: str, generation: int, block_bytes: int, populate: bool = True
+    ) -> "Arena":
+        """Map an existing arena read-write (clients).
+
+        The segment is not registered with Python's resource_tracker, so this process
+        exiting never unlinks it.
+
+        Args:
+            name: daemon name.
+            generation: the generation the daemon announced; a segment of another
+                generation is refused.
+            block_bytes: block size the daemon announced.
+            populate: map every page now (~40 ms per GiB here), so that the first read
+                does not pay soft page faults.
+
+        Raises:
+            FileNotFoundError: no such segment (the daemon is gone or restarted).
+            ValueError: the segment's header does not match (`generation`, magic).
+        """
+        shm_name = segment_name(name, generation)
+        try:
+            shm = posix_ipc.SharedMemory(shm_name)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(f"arena segment {shm_name} does not exist") from exc
+        try:
+            mapping = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        magic, header_generation, _, _, capacity_bytes, _ = _HEADER.unpack_from(mapping, 0)
+        if magic != ARENA_MAGIC or header_generation != generation:
+            mapping.close()
+            raise ValueError(
+                f"segment {shm_name} is not an lmcached arena of generation {generation} "
+                f"(magic {magic!r}, generation {header_generation})"
+            )
+        if populate:
+            _populate(mapping, 0, capacity_bytes)
+        return cls(name, generation, mapping, capacity_bytes, block_bytes, False)
+
+    def set_block_bytes(self, block_bytes: int) -> None:
+        """Cut the arena into blocks of `block_bytes` (once; the daemon's first layout).
+
+        Raises:
+            ValueError: not a positive multiple of 64, larger than the arena, or a
+                different block size was already set.
+        """
+        if block_bytes <= 0 or block_bytes % 64:
+            raise ValueError(f"block_bytes must be a positive multiple of 64, got {block_bytes}")
+        if self.block_bytes and block_bytes != self.block_bytes:
+            raise ValueError(
+                f"block_bytes is already {self.block_bytes}, cannot change it to {block_bytes}"
+            )
+        num_blocks = (self.capacity_bytes - HEADER_BYTES) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"block_bytes {block_bytes} does not fit in the arena "
+                f"({self.capacity_bytes - HEADER_BYTES} usable bytes)"
+            )
+        self.block_bytes = block_bytes
+        self.num_blocks = num_blocks
+        if self.is_owner:
+            struct.pack_into("<Q", self._mmap, _HEADER.size - 8, block_bytes)
+
+    def prefault(self, progress: ProgressCallback | None = None) -> None:
+        """Populate every page of the segment for writing, reporting progress."""
+        total = self.capacity_bytes
+        for start in range(0, total, _PREFAULT_STEP_BYTES):
+            _populate(self._mmap, start, min(_PREFAULT_STEP_BYTES, total - start))
+            if progress is not None:
+                progress(min(start + _PREFAULT_STEP_BYTES, total), total)
+
+    # ------------------------------------------------------------------- views
+    @property
+    def _u8(self) -> "torch.Tensor":
+        if self._u8_tensor is None:
+            if self._mmap is None:
+                raise ValueError(f"arena {self.segment_name} is closed")
+            import torch
+
+            self._u8_tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._u8_tensor
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of block `block_id` in the segment.
+
+        Raises:
+            ValueError: block_id is not in [0, num_blocks).
+        """
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(
+                f"block_id {block_id} out of range: the arena has {self.num_blocks} blocks"
+            )
+        return HEADER_BYTES + block_id * self.block_bytes
+
+    def block_view(self, block_id: int) -> "torch.Tensor":
+        """The bytes of one block: uint8 `[block_bytes]`, cpu, aliasing the arena."""
+        offset = self.block_offset(block_id)
+        return self._u8[offset : offset + self.block_bytes]
+
+    def view(
+        self,
+        block_id: int,
+        dtype: "torch.dtype",
+        shape: tuple[int, ...],
+        offset_bytes: int = 0,
+    ) -> "torch.Tensor":
+        """A zero-copy tensor over part of one block.
+
+        Args:
+            block_id: which block.
+            dtype: a torch dtype named in SUPPORTED_DTYPE_NAMES.
+            shape: tensor shape; its bytes must fit in the block after `offset_bytes`.
+            offset_bytes: start within the block, a multiple of the dtype's size.
+
+        Returns:
+            Contiguous tensor of `shape` and `dtype` on cpu aliasing the arena bytes.
+
+        Raises:
+            ValueError: bad block id, unsupported dtype, misaligned offset, or a shape
+                that does not fit (the message gives the numbers).
+        """
+        if str(dtype).removeprefix("torch.") not in SUPPORTED_DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPE_NAMES}")
+        itemsize = dtype.itemsize
+        numel = 1
+        for dim in shape:
+            if dim < 0:
+                raise ValueError(f"negative dimension in shape {tuple(shape)}")
+            numel *= dim
+        nbytes = numel * itemsize
+        if offset_bytes < 0 or offset_bytes % itemsize:
+            raise ValueError(
+                f"offset_bytes {offset_bytes} must be a non-negative multiple of {itemsize}"
+            )
+        if offset_bytes + nbytes > self.block_bytes:
+            raise ValueError(
+                f"shape {tuple(shape)} of {dtype} needs {nbytes} bytes at offset "
+                f"{offset_bytes}, but a block holds {self.block_bytes} bytes"
+            )
+        start = self.block_offset(block_id) + offset_bytes
+        return self._u8[start : start + nbytes].view(dtype).view(shape)
+
+    def numpy_view(self, offset: int, nbytes: int) -> np.ndarray:
+        """uint8 numpy array `[nbytes]` aliasing segment bytes [offset, offset+nbytes)."""
+        if self._mmap is None:
+            raise ValueError(f"arena {self.segment_name} is closed")
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+
+    @property
+    def base_ptr(self) -> int:
+        """Address of the first byte of the mapping in this process."""
+        return self._u8.data_ptr()
+
+    @property
+    def segment_name(self) -> str:
+        """The POSIX name of this arena's segment."""
+        return segment_name(self.name, self.generation)
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Unmap (and, in the owner, unlink) the segment. Safe to call twice.
+
+        Views handed out earlier keep the mapping alive until they are garbage; their
+        contents are undefined after the owner's close.
+        """
+        if self._mmap is None:
+            return
+        if self.is_owner:
+            try:
+                posix_ipc.unlink_shared_memory(self.segment_name)
+            except posix_ipc.ExistentialError:
+                logger.warning("arena %s was already unlinked", self.segment_name)
+        mapping, self._mmap = self._mmap, None
+        self._u8_tensor = None
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # views still alias it; the mapping goes when they do
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _populate(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Map pages [start, start+length) for writing, allocating them where needed."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE, start, length)
+    except OSError:  # kernel < 5.14: touch one byte per page instead
+        pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
+        pages[::_PAGE_BYTES] = pages[::_PAGE_BYTES]
+        del pages
+
+
+def read_segment_owner(path: str) -> tuple[int, int, float] | None:
+    """Read (generation, owner pid, owner create time) from a segment file's header.
+
+    Returns:
+        None when the file is too small or has no lmcached header.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size:
+        return None
+    magic, generation, pid, create_time, _, _ = _HEADER.unpack(raw)
+    if magic != ARENA_MAGIC:
+        return None
+    return generation, pid, create_time
+
+
+def _owner_alive(pid: int, create_time: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) < 0.01
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+def list_segments(name: str | None = None) -> list[str]:
+    """File names in /dev/shm of arena segments (of daemon `name`, or of any daemon)."""
+    prefix = SEGMENT_PREFIX + (f"{name}." if name else "")
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if e.startswith(prefix))
+
+
+def sweep_orphans(name: str | None = None, min_age_s: float = 10.0) -> list[str]:
+    """Unlink arena segments whose owning daemon is dead (start-up janitor).
+
+    A segment is an orphan when the process recorded in its header (pid and create time,
+    so a reused pid does not count) no longer exists. A segment without a valid header is
+    removed only when older than `min_age_s` (it may be one being created right now).
+
+    Args:
+        name: only segments of this daemon name; None for every lmcached segment.
+        min_age_s: age below which a headerless segment is left alone.
+
+    Returns:
+        The names (in /dev/shm) of the segments unlinked.
+    """
+    removed = []
+    for entry in list_segments(name):
+        path = os.path.join(SHM_DIR, entry)
+        owner = read_segment_owner(path)
+        if owner is None:
+            try:
+                if time.time() - os.stat(path).st_mtime < min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+        elif _owner_alive(owner[1], owner[2]):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + entry)
+        except posix_ipc.ExistentialError:
+            continue
+        logger.warning("removed orphaned arena segment %s (its daemon is gone)", entry)
+        removed.append(entry)
+    return removed

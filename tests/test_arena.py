@@ -1,0 +1,155 @@
+"""Arena: create/attach/prefault/unlink, zero-copy views, cross-process, orphan sweep."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lmcached.shm.arena import HEADER_BYTES, Arena, list_segments, sweep_orphans
+
+MiB = 1 << 20
+
+
+def run_child(code: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (a real separate process, like a worker)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def test_create_prefaults_with_progress_and_close_unlinks(unique_name):
+    calls = []
+    arena = Arena.create(unique_name, 8 * MiB, MiB, progress=lambda d, t: calls.append((d, t)))
+    entry = arena.segment_name.lstrip("/")
+    assert entry in list_segments(unique_name)
+    assert os.stat(f"/dev/shm/{entry}").st_mode & 0o777 == 0o600
+    assert calls[-1] == (8 * MiB, 8 * MiB)
+    assert arena.num_blocks == (8 * MiB - HEADER_BYTES) // MiB == 7
+    arena.close()
+    arena.close()  # idempotent
+    assert list_segments(unique_name) == []
+
+
+def test_views_alias_the_arena_bytes_zero_copy(unique_name):
+    with Arena.create(unique_name, 4 * MiB, 64 * 1024) as arena:
+        base = arena.block_view(0).data_ptr()
+        view = arena.view(5, torch.bfloat16, (2, 3, 4), offset_bytes=128)
+        assert view.data_ptr() - base == 5 * 64 * 1024 + 128
+        assert view.dtype == torch.bfloat16 and view.is_contiguous()
+        view.fill_(1.5)
+        raw = arena.block_view(5)[128 : 128 + view.numel() * 2]
+        assert raw.view(torch.bfloat16).eq(1.5).all()
+        assert arena.block_view(6).data_ptr() - base == 6 * 64 * 1024
+        del view, raw
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((63, torch.uint8, (1,)), "block_id 63 out of range: the arena has 63 blocks"),
+        ((-1, torch.uint8, (1,)), "out of range"),
+        ((0, torch.float32, (64 * 1024,)), "needs 262144 bytes at offset 0, but a block holds 65536"),
+        ((0, torch.complex64, (1,)), "unsupported dtype"),
+        ((0, torch.float32, (2,), 2), "multiple of 4"),
+    ],
+)
+def test_bad_views_raise_value_error_with_numbers(unique_name, args, message):
+    with Arena.create(unique_name, 4 * MiB, 64 * 1024) as arena:
+        with pytest.raises(ValueError, match=message):
+            arena.view(*args)
+
+
+def test_create_refuses_bad_names_and_sizes(unique_name):
+    with pytest.raises(ValueError, match="arena name"):
+        Arena.create("bad/name", 4 * MiB)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        Arena.create(unique_name, 100)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Arena.create(unique_name, 4 * MiB, 100)
+
+
+def test_block_bytes_is_set_once(unique_name):
+    with Arena.create(unique_name, 4 * MiB) as arena:
+        assert arena.num_blocks == 0
+        arena.set_block_bytes(MiB)
+        arena.set_block_bytes(MiB)
+        with pytest.raises(ValueError, match="already"):
+            arena.set_block_bytes(2 * MiB)
+
+
+def test_attach_checks_the_generation(unique_name):
+    with Arena.create(unique_name, 4 * MiB, MiB) as arena:
+        with pytest.raises(FileNotFoundError):
+            Arena.attach(unique_name, arena.generation + 1, MiB)
+        client = Arena.attach(unique_name, arena.generation, MiB)
+        assert client.capacity_bytes == 4 * MiB and not client.is_owner
+        client.close()
+        assert arena.segment_name.lstrip("/") in list_segments(unique_name)
+
+
+def test_child_writes_block_parent_reads_and_segment_outlives_child(unique_name):
+    arena = Arena.create(unique_name, 16 * MiB, MiB)
+    try:
+        result = run_child(
+            f"""
+            import torch
+            from lmcached.shm.arena import Arena
+            arena = Arena.attach({unique_name!r}, {arena.generation}, {MiB})
+            view = arena.view(7, torch.int32, ({MiB} // 4,))
+            view.copy_(torch.arange({MiB} // 4, dtype=torch.int32) * 3)
+            print("wrote")
+            """
+        )
+        assert result.returncode == 0, result.stderr
+        assert "wrote" in result.stdout
+        # The child exited normally: the segment must still exist (no resource_tracker).
+        assert arena.segment_name.lstrip("/") in list_segments(unique_name)
+        got = arena.view(7, torch.int32, (MiB // 4,))
+        assert torch.equal(got, torch.arange(MiB // 4, dtype=torch.int32) * 3)
+        del got
+    finally:
+        arena.close()
+    assert list_segments(unique_name) == []
+
+
+def test_sweep_removes_segments_of_dead_daemons_only(unique_name):
+    live = Arena.create(unique_name, 4 * MiB, MiB)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from lmcached.shm.arena import Arena
+                arena = Arena.create({unique_name!r}, {4 * MiB}, {MiB})
+                print(arena.segment_name, flush=True)
+                time.sleep(60)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        dead_name = child.stdout.readline().strip().lstrip("/")
+        assert dead_name in list_segments(unique_name)
+        assert sweep_orphans(unique_name) == []  # its owner is alive
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert dead_name in list_segments(unique_name)  # SIGKILL cannot unlink
+        assert sweep_orphans(unique_name) == [dead_name]
+        assert list_segments(unique_name) == [live.segment_name.lstrip("/")]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        live.close()

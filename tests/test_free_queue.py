@@ -1,0 +1,74 @@
+"""FreeKVCacheBlockQueue: exact orders, O(1) removal, sentinels (after vLLM's tests)."""
+
+import pytest
+
+from lmcached.shm.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+def ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+def make_queue(n: int):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return blocks, FreeKVCacheBlockQueue(blocks)
+
+
+def test_initial_order_is_block_order():
+    _, queue = make_queue(5)
+    assert ids(queue) == [0, 1, 2, 3, 4]
+    assert queue.num_free_blocks == 5
+
+
+def test_popleft_returns_front_and_unlinks():
+    blocks, queue = make_queue(3)
+    block = queue.popleft()
+    assert block is blocks[0]
+    assert block.prev_free_block is None and block.next_free_block is None
+    assert ids(queue) == [1, 2]
+    assert queue.num_free_blocks == 2
+
+
+def test_remove_from_middle_keeps_neighbours_linked():
+    blocks, queue = make_queue(5)
+    queue.remove(blocks[2])
+    assert ids(queue) == [0, 1, 3, 4]
+    assert blocks[1].next_free_block is blocks[3]
+    assert blocks[3].prev_free_block is blocks[1]
+    queue.remove(blocks[0])
+    queue.remove(blocks[4])
+    assert ids(queue) == [1, 3]
+
+
+def test_append_goes_back_appendleft_goes_front():
+    blocks, queue = make_queue(3)
+    first = queue.popleft()
+    last = queue.popleft()
+    queue.append(first)
+    queue.appendleft(last)
+    assert ids(queue) == [1, 2, 0]
+    assert queue.num_free_blocks == 3
+
+
+def test_popleft_on_empty_queue_raises():
+    _, queue = make_queue(1)
+    queue.popleft()
+    with pytest.raises(ValueError, match="empty"):
+        queue.popleft()
+
+
+def test_remove_of_block_not_in_queue_is_a_bug():
+    blocks, queue = make_queue(2)
+    queue.remove(blocks[0])
+    with pytest.raises(AssertionError, match="bug"):
+        queue.remove(blocks[0])
+
+
+def test_empty_queue_then_refill():
+    blocks, queue = make_queue(2)
+    queue.popleft()
+    queue.popleft()
+    assert ids(queue) == []
+    queue.append(blocks[1])
+    assert ids(queue) == [1]
+    assert queue.popleft() is blocks[1]
