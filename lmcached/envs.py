@@ -1,0 +1,33 @@
+"""Every LMCACHED_* environment variable, with its default and meaning (one place).
+
+The daemon's options resolve as: command-line option, else environment variable, else
+the TOML config file, else the default in `lmcached.config`.
+"""
+
+import os
+
+ENV_VARS: dict[str, str] = {
+    "LMCACHED_CONFIG": "path of a TOML config file for `lmcached serve`",
+    "LMCACHED_NAME": "daemon name: arena segment /lmcached.<name>.<gen> and socket name",
+    "LMCACHED_SOCKET": "path of the daemon's Unix socket (daemon and clients)",
+    "LMCACHED_CAPACITY": "arena size: bytes, 512MiB, 8GiB or 25% of RAM",
+    "LMCACHED_BLOCK_SIZE": "block size in bytes (default: the first layout's chunk size)",
+    "LMCACHED_SHM_MODE": "octal permission bits of the arena segment (default 0600)",
+    "LMCACHED_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
+    "LMCACHED_ALLOW_GROUP": "also accept clients of this group (socket 0660)",
+}
+
+# Set by systemd, read here so that no other module touches os.environ.
+SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY")
+
+
+def get(name: str) -> str | None:
+    """Value of environment variable `name` (an LMCACHED_* or systemd one), or None.
+
+    Raises:
+        KeyError: `name` is not a variable lmcached documents (a typo in the code).
+    """
+    if name not in ENV_VARS and name not in SYSTEMD_VARS and name != "XDG_RUNTIME_DIR":
+        raise KeyError(f"{name} is not an lmcached environment variable")
+    value = os.environ.get(name)
+    return value if value else None

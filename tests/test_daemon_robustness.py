@@ -1,0 +1,104 @@
+"""Garbage on the socket never crashes the daemon (hypothesis-generated inputs)."""
+
+import socket
+import struct
+import time
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcached.protocol import MAX_FRAME_BYTES, Connection, Info, Layout, Ping, encode_frame, hello
+
+LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
+TAGS = ["hello", "lookup", "acquire", "release", "alloc", "commit", "abort", "put", "get",
+        "delete", "scan", "info", "clients", "evict", "clear", "ping", "config_get", "nope"]
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=64),
+)
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5), max_leaves=12)
+
+
+def frame(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
+PAYLOADS = st.one_of(
+    st.binary(max_size=512),  # raw bytes, often an incomplete or huge length prefix
+    st.binary(max_size=512).map(frame),  # a well-framed non-msgpack payload
+    st.tuples(st.sampled_from(TAGS), st.lists(VALUES, max_size=4)).map(
+        lambda t: frame(msgspec.msgpack.encode([t[0], *t[1]]))  # msgpack with wrong types
+    ),
+    st.integers(min_value=MAX_FRAME_BYTES + 1, max_value=2**32 - 1).map(
+        lambda n: struct.pack("<I", n) + b"x" * 16  # oversized frame header
+    ),
+)
+
+
+def send_garbage(path: str, greet: bool, data: bytes) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    if greet:
+        sock.sendall(encode_frame(msgspec.structs.replace(
+            __import__("lmcached.protocol", fromlist=["Hello"]).Hello(1, 1, "fuzz", LAYOUT))))
+        sock.recv(4096)
+    try:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):  # the daemon answers what it can, then closes at EOF
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # the daemon dropped a connection that sent a bad frame: allowed
+    finally:
+        sock.close()
+
+
+@pytest.mark.slow
+def test_daemon_survives_garbage_and_releases_everything(daemon):
+    admin = Connection(daemon.socket)
+    hello(admin, "admin")
+
+    @settings(max_examples=150, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(greet=st.booleans(), chunks=st.lists(PAYLOADS, min_size=1, max_size=4))
+    def fuzz(greet, chunks):
+        send_garbage(daemon.socket, greet, b"".join(chunks))
+        admin.request(Ping())  # still serving
+
+    fuzz()
+    deadline = time.monotonic() + 10
+    while True:
+        sections = admin.request(Info()).sections
+        if sections["clients"]["connected_clients"] == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sections["clients"]["connected_clients"] == 1
+    assert sections["blocks"]["pinned_blocks"] == 0
+    assert sections["blocks"]["writing_blocks"] == 0
+    assert sections["stats"]["errors"] > 0
+    assert daemon.proc.poll() is None
+    admin.close()
+
+
+def test_truncated_frame_then_close_is_harmless(daemon):
+    payload = encode_frame(Ping())
+    send_garbage(daemon.socket, True, payload[: len(payload) - 1])
+    with Connection(daemon.socket) as conn:
+        conn.request(Ping())
+
+
+def test_oversized_frame_closes_only_that_connection(daemon):
+    other = Connection(daemon.socket)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(daemon.socket)
+    sock.sendall(struct.pack("<I", MAX_FRAME_BYTES + 1))
+    assert sock.recv(16) == b""  # closed by the daemon
+    sock.close()
+    other.request(Ping())
+    assert other.request(Info("stats")).sections["stats"]["errors_frame_too_large"] == 1
+    assert "frame" in daemon.log() and "closing it" in daemon.log()
+    other.close()

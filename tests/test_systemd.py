@@ -1,0 +1,285 @@
+"""systemd/: the unit files verify and carry the required settings; the sample config loads;
+the daemon behaves as the units expect (socket in $RUNTIME_DIRECTORY, exact shm mode under
+the service umask, SIGHUP reload)."""
+
+import grp
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcached import config, envs
+from lmcached.config import ServerConfig, load_config
+from lmcached.protocol import Connection, Ping
+from lmcached.server import Server
+from lmcached.shm.arena import list_segments
+
+SYSTEMD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd")
+UNITS = {"lmcached.service": "lmcached.service", "lmcached@.service": "lmcached@llama.service"}
+EXAMPLE_TOML = os.path.join(SYSTEMD_DIR, "lmcached.toml.example")
+EXEC_PATH = "/usr/local/bin/lmcached"
+LMCACHED = os.path.join(os.path.dirname(sys.executable), "lmcached")
+MiB = 1 << 20
+START_DEADLINE_S = 30.0
+
+needs_systemd_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed (Debian: apt-get install systemd)",
+)
+
+
+def read_unit(filename: str) -> dict[str, dict[str, list[str]]]:
+    """Directives of a unit file by section: {section: {key: [values in order]}}."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    with open(os.path.join(SYSTEMD_DIR, filename)) as f:
+        for raw in f:
+            line = raw.strip()
+            if not line or line[0] in "#;":
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                current = sections.setdefault(line[1:-1], {})
+                continue
+            key, _, value = line.partition("=")
+            assert current is not None, f"{filename}: {line!r} outside a section"
+            current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def unit_text(filename: str) -> str:
+    return Path(SYSTEMD_DIR, filename).read_text()
+
+
+def verify_unit(text: str, unit_name: str, tmp_path) -> tuple[int, list[str]]:
+    """`systemd-analyze verify` of unit `text` saved as `unit_name`: (return code, lines
+    about it).
+
+    The template is verified as an instance (`lmcached@llama.service`). ExecStart runs a
+    stub executable, because verify refuses a command that does not exist on this
+    machine. verify does not look up User=/Group=, so the lmcached user need not exist.
+    """
+    stub = tmp_path / "lmcached"
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    assert EXEC_PATH in text
+    unit = tmp_path / unit_name
+    unit.write_text(text.replace(EXEC_PATH, str(stub)))
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True, text=True, timeout=120,
+    )
+    # verify also reports on system units it loads as dependencies; keep what is ours.
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if unit_name in line]
+    return proc.returncode, ours
+
+
+# ------------------------------------------------------------------------- the units
+@needs_systemd_analyze
+@pytest.mark.parametrize("filename", sorted(UNITS))
+def test_unit_passes_systemd_analyze_verify(filename, tmp_path):
+    returncode, complaints = verify_unit(unit_text(filename), UNITS[filename], tmp_path)
+    assert returncode == 0 and complaints == [], "\n".join(complaints)
+
+
+@needs_systemd_analyze
+def test_verify_check_catches_a_bad_directive(tmp_path):
+    """The check above can fail: verify exits 0 on an unknown key, but says so."""
+    text = unit_text("lmcached.service").replace("Type=notify\n", "Type=notify\nWatchdogSecs=1\n")
+    _, complaints = verify_unit(text, "lmcached.service", tmp_path)
+    assert any("Unknown key" in line and "WatchdogSecs" in line for line in complaints)
+
+
+@pytest.mark.parametrize("filename", sorted(UNITS))
+def test_unit_has_the_required_service_settings(filename):
+    service = read_unit(filename)["Service"]
+    required = {
+        "Type": "notify",
+        "NotifyAccess": "main",
+        "WatchdogSec": "30s",
+        "Restart": "on-failure",
+        "RuntimeDirectory": "lmcached",
+        "RuntimeDirectoryMode": "0750",
+        "RuntimeDirectoryPreserve": "yes",  # shared by all instances
+        "User": "lmcached",
+        "Group": "lmcached",
+        "LimitMEMLOCK": "infinity",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "KillSignal": "SIGTERM",
+        "RemoveIPC": "no",
+        "ExecReload": "/bin/kill -HUP $MAINPID",
+    }
+    for key, value in required.items():
+        assert service.get(key) == [value], f"{filename}: {key}={service.get(key)}"
+    assert "TimeoutStopSec" in service and "TimeoutStartSec" in service
+    assert read_unit(filename)["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+@pytest.mark.parametrize("filename", sorted(UNITS))
+def test_unit_keeps_dev_shm_and_the_users_ipc(filename):
+    """Nothing may hide /dev/shm (the arena) or delete the shared user's segments."""
+    service = read_unit(filename)["Service"]
+    for key in ("PrivateIPC", "PrivateDevices", "DynamicUser", "InaccessiblePaths",
+                "TemporaryFileSystem", "UMask"):
+        assert key not in service, f"{filename}: {key}= would break the arena"
+    for key in ("ReadOnlyPaths", "InaccessiblePaths"):
+        assert not any("/dev" in v for v in service.get(key, [])), key
+
+
+def test_units_explain_logind_remove_ipc_and_the_system_user():
+    for filename in UNITS:
+        text = unit_text(filename)
+        assert "RemoveIPC=yes" in text and "useradd --system" in text, filename
+    readme = unit_text("README.md")
+    for needle in ("RemoveIPC", "useradd --system", "/run/lmcached/", "allow_group",
+                   "lmcached@llama", "shm_mode"):
+        assert needle in readme, needle
+
+
+def test_exec_start_lines():
+    plain = read_unit("lmcached.service")["Service"]
+    template = read_unit("lmcached@.service")["Service"]
+    assert plain["ExecStart"] == [f"{EXEC_PATH} serve"]
+    assert plain["EnvironmentFile"] == ["-/etc/lmcached/lmcached.env"]  # optional
+    assert template["ExecStart"] == [
+        f"{EXEC_PATH} serve --config /etc/lmcached/%i.toml --name %i"
+    ]
+
+
+# ---------------------------------------------------------------- the sample config
+def clean_environment(monkeypatch) -> None:
+    for name in (*envs.ENV_VARS, *envs.SYSTEMD_VARS, "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_example_toml_loads_and_names_every_key(monkeypatch):
+    clean_environment(monkeypatch)
+    cfg = load_config({}, EXAMPLE_TOML)
+    assert cfg.capacity_bytes == 64 * MiB
+    assert cfg.shm_mode == 0o660 and cfg.allow_group == "lmcached"
+    assert cfg.name == "default" and cfg.log_level == "INFO"
+    text = Path(EXAMPLE_TOML).read_text()
+    for key in config._FILE_KEYS:
+        assert re.search(rf"^(# )?{key} = ", text, re.MULTILINE), f"{key} missing from example"
+
+
+def test_example_toml_commented_values_are_valid_too(monkeypatch, tmp_path):
+    clean_environment(monkeypatch)
+    text = re.sub(r"^# (\w+ = )", r"\1", Path(EXAMPLE_TOML).read_text(), flags=re.MULTILINE)
+    path = tmp_path / "all.toml"
+    path.write_text(text)
+    cfg = load_config({}, str(path))
+    assert cfg.block_bytes == 2 * MiB and cfg.socket == "/run/lmcached/lmcached.sock"
+
+
+# ------------------------------------------------- the daemon as the template runs it
+def wait_until_serving(proc: subprocess.Popen, socket_path: str, log_path: str) -> None:
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            with Connection(socket_path, timeout_s=5) as conn:
+                conn.request(Ping())
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"daemon did not serve on {socket_path}:\n{Path(log_path).read_text()}")
+
+
+def wait_for_log(log_path: str, needle: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if needle in Path(log_path).read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} not logged:\n{Path(log_path).read_text()}")
+
+
+@pytest.mark.slow
+def test_template_exec_start_serves_in_the_runtime_directory(unique_name, short_tmp):
+    """ExecStart of lmcached@NAME under systemd's environment: umask 0022,
+    $RUNTIME_DIRECTORY, $NOTIFY_SOCKET. The socket is $RUNTIME_DIRECTORY/NAME.sock, the
+    arena has exactly the configured 0660, SIGHUP (ExecReload) re-reads the log level,
+    SIGTERM (KillSignal) stops it cleanly."""
+    runtime_dir = os.path.join(short_tmp, "run")
+    os.mkdir(runtime_dir, 0o750)
+    toml_path = os.path.join(short_tmp, f"{unique_name}.toml")
+    group = grp.getgrgid(os.getgid()).gr_name  # the units use lmcached; any group of ours
+    example = Path(EXAMPLE_TOML).read_text()
+    Path(toml_path).write_text(
+        example.replace('allow_group = "lmcached"', f'allow_group = "{group}"')
+    )
+    exec_start = read_unit("lmcached@.service")["Service"]["ExecStart"][0]
+    argv = exec_start.replace(EXEC_PATH, LMCACHED).replace(
+        "/etc/lmcached/%i.toml", toml_path).replace("%i", unique_name).split()
+    notify_path = os.path.join(short_tmp, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(10)
+    env = {k: v for k, v in os.environ.items() if k not in envs.ENV_VARS}
+    env.update(RUNTIME_DIRECTORY=runtime_dir, NOTIFY_SOCKET=notify_path)
+    log_path = os.path.join(short_tmp, "daemon.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                umask=0o022)
+    socket_path = os.path.join(runtime_dir, f"{unique_name}.sock")
+    try:
+        wait_until_serving(proc, socket_path, log_path)
+        while b"READY=1" not in notify.recv(4096):
+            pass
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o660
+        assert os.stat(socket_path).st_gid == os.getgid()
+        (segment,) = list_segments(unique_name)
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{segment}").st_mode) == 0o660
+
+        text = Path(toml_path).read_text()
+        Path(toml_path).write_text(text.replace('log_level = "INFO"', 'log_level = "DEBUG"'))
+        proc.send_signal(signal.SIGHUP)
+        wait_for_log(log_path, "SIGHUP: log level is DEBUG")
+        with Connection(socket_path) as conn:
+            conn.request(Ping())
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        while b"STOPPING=1" not in notify.recv(4096):
+            pass
+        assert not os.path.exists(socket_path) and list_segments(unique_name) == []
+    finally:
+        if proc.poll() is None:  # a failed check: stop it cleanly, by pid
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        notify.close()
+
+
+def test_reload_works_when_the_arena_fills_most_of_dev_shm(monkeypatch, tmp_path):
+    """SIGHUP must not refuse the config because the daemon's own arena uses /dev/shm."""
+    clean_environment(monkeypatch)
+    toml_path = tmp_path / "c.toml"
+    toml_path.write_text('log_level = "DEBUG"\n')
+    cfg = ServerConfig(name="reload", socket=str(tmp_path / "s.sock"), capacity_bytes=64 * MiB,
+                       config_file=str(toml_path))
+    monkeypatch.setattr(config, "shm_free_bytes", lambda: MiB)  # arena took the rest
+    root = logging.getLogger("lmcached")
+    saved_level, saved_handlers = root.level, list(root.handlers)
+    server = Server(cfg)
+    try:
+        server._reload()
+    finally:
+        root.setLevel(saved_level)
+        root.handlers[:] = saved_handlers
+    assert server.config.log_level == "DEBUG"
