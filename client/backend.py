@@ -1,0 +1,144 @@
+"""The seed's storage-backend interface, and a backend over the daemon.
+
+Why this file exists: code written against LMCache's `LMCBackendInterface` (put / get /
+contains / batched_* of KV chunks keyed by `CacheEngineKey`) runs unchanged on lmcached
+through `DaemonBackend`, with values living in the daemon's shared memory instead of a
+process-local dict or a remote server.
+"""
+
+import abc
+import concurrent.futures
+import dataclasses
+from typing import Iterable
+
+import torch
+
+from lmcached.client.tensor_store import TensorStore, kv_namespace
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEngineKey:
+    """Key of one KV chunk (seed: LMCache's CacheEngineKey).
+
+    Attributes:
+        fmt: "vllm" or "huggingface".
+        model_name: the model.
+        world_size / worker_id: tensor-parallel size and rank.
+        chunk_hash: the chunk's prefix hash as a string (e.g. hex).
+    """
+
+    fmt: str
+    model_name: str
+    world_size: int
+    worker_id: int
+    chunk_hash: str
+
+    def to_string(self) -> str:
+        """`fmt@model_name@world_size@worker_id@chunk_hash`."""
+        return f"{self.fmt}@{self.model_name}@{self.world_size}@{self.worker_id}@{self.chunk_hash}"
+
+    @classmethod
+    def from_string(cls, text: str) -> "CacheEngineKey":
+        """Inverse of `to_string`.
+
+        Raises:
+            ValueError: not five '@'-separated fields with integer world size and rank.
+        """
+        parts = text.split("@")
+        if len(parts) != 5:
+            raise ValueError(f"{text!r} is not fmt@model@world_size@worker_id@chunk_hash")
+        fmt, model_name, world_size, worker_id, chunk_hash = parts
+        return cls(fmt, model_name, int(world_size), int(worker_id), chunk_hash)
+
+
+class StorageBackend(abc.ABC):
+    """Where KV chunks are kept (seed: LMCache's LMCBackendInterface).
+
+    Attributes:
+        dst_device: device that `get` returns tensors on.
+    """
+
+    dst_device: str = "cpu"
+
+    @abc.abstractmethod
+    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
+        """Store one chunk (any shape and dtype)."""
+
+    @abc.abstractmethod
+    def contains(self, key: CacheEngineKey) -> bool:
+        """True when the chunk is stored."""
+
+    @abc.abstractmethod
+    def get(self, key: CacheEngineKey) -> torch.Tensor | None:
+        """The chunk, or None."""
+
+    def batched_put(
+        self, keys_and_chunks: Iterable[tuple[CacheEngineKey, torch.Tensor]], blocking: bool = True
+    ) -> int:
+        """Store several chunks. Returns how many were submitted."""
+        count = 0
+        for key, chunk in keys_and_chunks:
+            self.put(key, chunk, blocking=blocking)
+            count += 1
+        return count
+
+    def batched_get(self, keys: Iterable[CacheEngineKey]) -> list[torch.Tensor | None]:
+        """`get` of each key, in order."""
+        return [self.get(key) for key in keys]
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources (and wait for background puts)."""
+
+
+class DaemonBackend(StorageBackend):
+    """StorageBackend whose chunks live in the lmcached daemon's shared memory.
+
+    Every process on the node that opens a DaemonBackend with the same daemon and
+    namespace sees the same chunks. Values may span several arena blocks.
+
+    Args:
+        socket: daemon socket path (default: that of daemon `name`).
+        name: daemon name.
+        namespace: key space shared by the backends that use it.
+        value_bytes_hint: typical chunk size in bytes (sizes the daemon's blocks if this
+            is the first client).
+        dst_device: device for tensors returned by `get`.
+    """
+
+    def __init__(self, socket: str | None = None, name: str = "default",
+                 namespace: str = "lmcached-backend", value_bytes_hint: int = 1 << 20,
+                 dst_device: str = "cpu") -> None:
+        self.dst_device = dst_device
+        self._store = TensorStore(kv_namespace(namespace, value_bytes_hint), socket, name)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future] = []
+
+    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
+        """Store one chunk; blocking=False copies on a background thread (`close` waits)."""
+        if blocking:
+            self._store.put(key.to_string(), kv_chunk)
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcached-put")
+        self._pending.append(self._executor.submit(self._store.put, key.to_string(), kv_chunk))
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        return self._store.contains(key.to_string())
+
+    def get(self, key: CacheEngineKey) -> torch.Tensor | None:
+        value = self._store.get(key.to_string())
+        return None if value is None else value.to(self.dst_device)
+
+    def flush(self) -> None:
+        """Wait for background puts."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        self.flush()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._store.close()

@@ -1,0 +1,528 @@
+"""CacheEngine: LMCacheEngine's store / retrieve / lookup contract over the daemon.
+
+Why this file exists: it is what every worker process uses. It keeps the seed's contract
+(LMCache's `LMCacheEngine`: chunking, prefix hashing, suffix masks, two KV formats, hit
+counters, an instance builder) but the cache lives in the daemon's shared memory, so a
+prefix stored by any process on the node is read in place by every other one.
+
+One request = one round trip for its metadata (ALLOC + COMMIT for a store, ACQUIRE +
+RELEASE for a retrieve) and one memory copy per chunk straight between the caller's
+tensors and the arena blocks; KV bytes never cross the socket.
+
+    store:    hash chunks -> ALLOC (daemon: EXISTS / block / NOSPACE per chunk)
+              -> write header + token ids + KV into each new block -> COMMIT
+    retrieve: hash chunks -> ACQUIRE (pins the cached prefix) -> check each record's
+              header and token ids -> copy KV out -> RELEASE
+"""
+
+import concurrent.futures
+import functools
+import os
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from lmcached.client.cuda import synchronize_if_cuda
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.hashing import as_token_array, hash_request_tokens
+from lmcached.client.kv_io import ChunkCopier, KVSource, copy_tensor, new_kv_buffer
+from lmcached.client.layout import KVLayout
+from lmcached.client.records import RecordIO
+from lmcached.client.views import RetrievedViews
+from lmcached.logger import init_logger
+from lmcached.protocol import (
+    ALLOCATED,
+    NOSPACE,
+    Abort,
+    Acquire,
+    Alloc,
+    Commit,
+    DaemonError,
+    Lookup,
+    Release,
+)
+
+logger = init_logger(__name__)
+
+Tokens = torch.Tensor | np.ndarray | Sequence[int]
+
+
+class CacheEngine:
+    """A worker's handle on the node's shared KV cache (after LMCache's LMCacheEngine).
+
+    Create with `CacheEngine.connect(layout, ...)`. All methods are safe to call while
+    the daemon is down: they behave as misses / skipped stores (one warning per
+    outage) and reconnect with backoff.
+
+    Attributes:
+        layout: the KVLayout (namespace) of this engine.
+        hit_tokens / miss_tokens: tokens found / not found by `retrieve` and
+            `retrieve_views` (after masks).
+        num_stored_chunks: chunks this engine wrote.
+        num_nospace_chunks: chunks not stored because nothing was evictable.
+        num_verify_failures: chunks whose record did not hold the requested tokens
+            (treated as misses).
+    """
+
+    def __init__(self, layout: KVLayout, link: DaemonLink, copy_threads: int | None = None) -> None:
+        self.layout = layout
+        self.link = link
+        self.copier = ChunkCopier(copy_threads or min(2, os.cpu_count() or 1))
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.num_stored_chunks = 0
+        self.num_nospace_chunks = 0
+        self.num_verify_failures = 0
+        self._fingerprint = layout.fingerprint
+        self._records: RecordIO | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future] = []
+        self._pending_lock = threading.Lock()
+        self._warned_mismatch = False
+
+    @classmethod
+    def connect(
+        cls,
+        layout: KVLayout,
+        socket: str | None = None,
+        name: str | None = None,
+        timeout_s: float = 10.0,
+        strict: bool = False,
+        copy_threads: int | None = None,
+        cuda_register: bool = False,
+    ) -> "CacheEngine":
+        """Open a session with the daemon and map its arena once.
+
+        Args:
+            layout: this worker's KV layout (the namespace of its chunks).
+            socket: the daemon's socket path; default: that of daemon `name`
+                ($LMCACHED_SOCKET, $XDG_RUNTIME_DIR/lmcached/<name>.sock, ...).
+            name: daemon name (default "default").
+            timeout_s: connect and per-request timeout in seconds.
+            strict: raise when the daemon cannot be reached now, instead of starting
+                disconnected (misses) and reconnecting later.
+            copy_threads: threads that copy a request's chunks (default: 2, or 1 on a
+                one-core machine).
+            cuda_register: page-lock the arena for CUDA (cudaHostRegister) so that
+                copies between GPU tensors and the arena run by DMA (see client/cuda.py).
+
+        Raises:
+            OSError: only with strict=True, when no daemon answers.
+            lmcached.protocol.DaemonError: the daemon refused the layout (e.g. a chunk
+                larger than the arena).
+        """
+        link = DaemonLink(socket, name or "default", layout.to_wire(), timeout_s,
+                          f"CacheEngine({layout.model_name}, rank {layout.worker_id})")
+        if cuda_register:
+            from lmcached.client.cuda import register_arena, unregister_arena
+
+            link.on_attach, link.on_detach = register_arena, unregister_arena
+        try:
+            link.connect()
+        except OSError as exc:
+            if strict:
+                raise
+            link.mark_down(f"{type(exc).__name__}: {exc}")
+        return cls(layout, link, copy_threads)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / (hit_tokens + miss_tokens), 0.0 before any retrieve."""
+        total = self.hit_tokens + self.miss_tokens
+        return self.hit_tokens / total if total else 0.0
+
+    def _record_io(self) -> RecordIO:
+        """Record reader/writer for the current arena (re-made after a restart)."""
+        arena = self.link.arena
+        if self._records is None or self._records.arena is not arena:
+            self._records = RecordIO(arena, self.layout)
+        return self._records
+
+    def _skip_tokens(self, num_tokens: int, mask) -> int:
+        """Leading tokens a suffix mask leaves out (a multiple of chunk_size)."""
+        if mask is None:
+            return 0
+        mask = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
+        if mask.shape != (num_tokens,):
+            raise ValueError(f"mask has shape {mask.shape}, tokens have ({num_tokens},)")
+        skip = num_tokens - int(mask.sum())
+        if mask[:skip].any() or not mask[skip:].all():
+            raise ValueError("mask must be a suffix mask: False for skipped tokens, then True")
+        if skip % self.layout.chunk_size:
+            raise ValueError(
+                f"mask skips {skip} tokens, not a multiple of chunk_size {self.layout.chunk_size}"
+            )
+        return skip
+
+    def _chunks(self, num_tokens: int, first_chunk: int) -> list[tuple[int, int]]:
+        size = self.layout.chunk_size
+        return [(s, min(s + size, num_tokens)) for s in range(first_chunk * size, num_tokens, size)]
+
+    # ------------------------------------------------------------------- lookup
+    def lookup(self, tokens: Tokens) -> int:
+        """Number of leading tokens of `tokens` whose chunks are cached (no side effects).
+
+        Returns:
+            0 when the daemon is unavailable.
+        """
+        token_array = as_token_array(tokens)
+        hashes = hash_request_tokens(self.layout.chunk_size, token_array)
+        if not hashes:
+            return 0
+        try:
+            ns = self.link.ensure_connected().ns
+            num_chunks = self.link.request(Lookup(ns, b"".join(hashes))).num_chunks
+        except CacheUnavailable:
+            return 0
+        except DaemonError as exc:
+            logger.warning("LOOKUP refused: %s", exc)
+            return 0
+        return min(num_chunks * self.layout.chunk_size, len(token_array))
+
+    # -------------------------------------------------------------------- store
+    def store(self, tokens: Tokens, kv, mask=None, skip_existing: bool = True,
+              blocking: bool = True) -> int:
+        """Store the KV of `tokens`, chunk by chunk, writing only chunks not yet cached.
+
+        Args:
+            tokens: `[num_tokens]` token ids (int tensor, numpy array or list).
+            kv: the KV of the tokens in any form `KVSource` accepts: a blob
+                `[num_layers, 2, T, num_kv_heads, head_size]` (vllm) /
+                `[num_layers, 2, num_kv_heads, T, head_size]` (huggingface), a tuple of
+                per-layer (K, V), or a DynamicCache; dtype = layout.dtype; T is
+                num_tokens, or the number of tokens the mask keeps.
+            mask: optional bool suffix mask `[num_tokens]`; the False prefix (a multiple
+                of chunk_size) is not stored (its KV need not be passed).
+            skip_existing: kept for the seed's signature; a cached chunk is never
+                rewritten (its bytes are equal by construction of the prefix hash).
+            blocking: False copies and commits on a background thread and returns 0 at
+                once; `flush()` waits and returns the chunks written. The caller must
+                not modify `kv` until then.
+
+        Returns:
+            Chunks written now (0 when all were cached, the daemon is down, or
+            blocking=False). Fewer than requested when the arena is full of pinned data.
+
+        Raises:
+            ValueError / TypeError: tokens, kv or mask do not match each other or the
+                layout (nothing is stored).
+        """
+        del skip_existing  # every existing chunk is skipped; see the docstring
+        token_array = as_token_array(tokens)
+        num_tokens = len(token_array)
+        skip = self._skip_tokens(num_tokens, mask)
+        source = KVSource(kv, self.layout)
+        if source.num_tokens == num_tokens:
+            kv_start = 0
+        elif source.num_tokens == num_tokens - skip:
+            kv_start = skip
+        else:
+            raise ValueError(
+                f"KV covers {source.num_tokens} tokens; expected {num_tokens} (all tokens) or "
+                f"{num_tokens - skip} (the tokens the mask keeps)"
+            )
+        if num_tokens == skip:
+            return 0
+        if blocking:
+            return self._store_now(token_array, source, skip, kv_start)
+        with self._pending_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="lmcached-store"
+                )
+            self._pending.append(
+                self._executor.submit(self._store_now, token_array, source, skip, kv_start)
+            )
+        return 0
+
+    def flush(self) -> int:
+        """Wait for every background store (blocking=False). Returns chunks they wrote."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        return sum(future.result() for future in pending)
+
+    def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int) -> int:
+        layout = self.layout
+        chunks = self._chunks(len(tokens), skip // layout.chunk_size)
+        hashes = hash_request_tokens(layout.chunk_size, tokens)[skip // layout.chunk_size :]
+        nbytes = [layout.record_bytes(end - start) for start, end in chunks]
+        link = self.link
+        try:
+            with link.lock:
+                hello = link.ensure_connected()
+                reply = link.request(Alloc(hello.ns, b"".join(hashes), nbytes))
+                generation, records = hello.generation, self._record_io()
+        except CacheUnavailable:
+            return 0
+        except DaemonError as exc:
+            logger.warning("ALLOC refused, chunks not stored: %s", exc)
+            return 0
+        writes = []
+        cursor = 0
+        for status, chunk_hash, (start, end), span_len in zip(
+            reply.status, hashes, chunks, _spans_for(reply)
+        ):
+            if status != ALLOCATED:
+                continue
+            span = reply.block_ids[cursor : cursor + span_len]
+            cursor += span_len
+            writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:end],
+                                            source, start - kv_start, end - kv_start))
+        written = len(writes)
+        try:
+            self.copier.run(writes)
+            synchronize_if_cuda(source.any_tensor)  # device-to-host copies done before COMMIT
+        except BaseException:
+            if reply.block_ids:
+                try:
+                    link.request(Abort(reply.block_ids), generation)
+                except (CacheUnavailable, DaemonError):
+                    pass
+            raise
+        if reply.block_ids:
+            try:
+                link.request(Commit(reply.block_ids), generation)
+            except CacheUnavailable:
+                return 0
+            except DaemonError as exc:
+                logger.warning("COMMIT refused, chunks not stored: %s", exc)
+                return 0
+        num_nospace = reply.status.count(NOSPACE)
+        if num_nospace:
+            logger.debug(
+                "stored %d of %d new chunks: the arena is full of pinned data",
+                written, written + num_nospace,
+            )
+        self.num_stored_chunks += written
+        self.num_nospace_chunks += num_nospace
+        return written
+
+    # ----------------------------------------------------------------- retrieve
+    def _acquire(self, token_array: np.ndarray, skip: int):
+        """ACQUIRE the cached run of chunks from `skip`, and verify their records.
+
+        Returns:
+            (block ids of every pinned value, spans of the verified chunks, chunk ranges,
+            generation, RecordIO), or None when the daemon is unavailable.
+        """
+        layout = self.layout
+        first_chunk = skip // layout.chunk_size
+        hashes = hash_request_tokens(layout.chunk_size, token_array)[first_chunk:]
+        if not hashes:
+            return None
+        link = self.link
+        try:
+            with link.lock:
+                hello = link.ensure_connected()
+                reply = link.request(Acquire(hello.ns, b"".join(hashes)))
+                generation, records = hello.generation, self._record_io()
+        except CacheUnavailable:
+            return None
+        except DaemonError as exc:
+            logger.warning("ACQUIRE refused: %s", exc)
+            return None
+        chunks = self._chunks(len(token_array), first_chunk)
+        spans, cursor = [], 0
+        for span_len in reply.num_blocks:
+            spans.append(reply.block_ids[cursor : cursor + span_len])
+            cursor += span_len
+        num_ok = records.verify_prefix(spans, hashes, token_array, chunks, self._fingerprint)
+        if num_ok < len(spans):
+            self._count_mismatch(spans[num_ok])
+        return reply.block_ids, spans[:num_ok], chunks[:num_ok], generation, records
+
+    def _count_mismatch(self, span: list[int]) -> None:
+        self.num_verify_failures += 1
+        if not self._warned_mismatch:
+            self._warned_mismatch = True
+            logger.warning(
+                "block %s does not hold the requested tokens (hash collision or corrupted "
+                "index): treated as a miss; further mismatches are only counted", span,
+            )
+
+    def _release(self, block_ids: list[int], generation: int) -> None:
+        if not block_ids:
+            return
+        try:
+            self.link.request(Release(block_ids), generation)
+        except CacheUnavailable:
+            pass  # the daemon is gone or restarted: its pins went with it
+        except DaemonError as exc:
+            logger.warning("RELEASE refused: %s", exc)
+
+    def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None):
+        """Copy out the KV of the longest cached prefix of `tokens` (after the mask).
+
+        Args:
+            tokens: `[num_tokens]` token ids.
+            mask: optional bool suffix mask; the skipped prefix (a multiple of
+                chunk_size) is not retrieved and the cached run starts after it.
+            return_tuple: True: a tuple of per-layer (K, V), each `[n, num_kv_heads,
+                head_size]` (vllm) or `[num_kv_heads, n, head_size]` (huggingface);
+                False: one blob `layout.chunk_shape(n)`.
+            out: optional destination with room for every retrieved token: a blob
+                (token dim >= n) or a tuple of per-layer (K, V) buffers; results are
+                views of it (no allocation).
+
+        Returns:
+            (kv, ret_mask): kv is `()` (tuple) or None (blob) when nothing was found;
+            ret_mask is a bool tensor `[num_tokens]`, True for the n retrieved tokens.
+
+        Raises:
+            ValueError: bad mask, or `out` too small / of the wrong shape or dtype.
+        """
+        token_array = as_token_array(tokens)
+        num_tokens = len(token_array)
+        skip = self._skip_tokens(num_tokens, mask)
+        ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        acquired = self._acquire(token_array, skip) if num_tokens > skip else None
+        if acquired is None:
+            self.miss_tokens += num_tokens - skip
+            return (() if return_tuple else None), ret_mask
+        block_ids, spans, chunks, generation, records = acquired
+        try:
+            num_hit = sum(end - start for start, end in chunks)
+            kv = self._copy_out(records, spans, chunks, skip, num_hit, return_tuple, out)
+        finally:
+            self._release(block_ids, generation)
+        self.hit_tokens += num_hit
+        self.miss_tokens += num_tokens - skip - num_hit
+        ret_mask[skip : skip + num_hit] = True
+        if num_hit == 0:
+            return (() if return_tuple else None), ret_mask
+        return kv, ret_mask
+
+    def _copy_out(self, records: RecordIO, spans, chunks, skip: int, num_hit: int,
+                  return_tuple: bool, out):
+        layout = self.layout
+        token_dim = layout.token_dim
+        if isinstance(out, (tuple, list)):
+            layer_token_dim = token_dim - 2
+            _check_out_layers(out, layout, num_hit)
+
+            def copy_to_layers(span, start, end):
+                record = records.read_kv(span, end - start)  # chunk_shape(end - start)
+                for layer, (k_out, v_out) in enumerate(out):
+                    offset = start - skip
+                    copy_tensor(k_out.narrow(layer_token_dim, offset, end - start), record[layer, 0])
+                    copy_tensor(v_out.narrow(layer_token_dim, offset, end - start), record[layer, 1])
+
+            self.copier.run([functools.partial(copy_to_layers, span, start, end)
+                             for span, (start, end) in zip(spans, chunks)])
+            synchronize_if_cuda(out[0][0])  # host-to-device copies done before RELEASE
+            return tuple(
+                (k.narrow(layer_token_dim, 0, num_hit), v.narrow(layer_token_dim, 0, num_hit))
+                for k, v in out
+            )
+        if out is None:
+            blob = new_kv_buffer(layout.chunk_shape(num_hit), layout.torch_dtype)
+        else:
+            _check_out_blob(out, layout, num_hit)
+            blob = out.narrow(token_dim, 0, num_hit)
+        self.copier.run([
+            functools.partial(_copy_record, blob.narrow(token_dim, start - skip, end - start),
+                              records, span)
+            for span, (start, end) in zip(spans, chunks)
+        ])
+        synchronize_if_cuda(blob)  # host-to-device copies done before RELEASE
+        if return_tuple:
+            return tuple((blob[layer, 0], blob[layer, 1]) for layer in range(layout.num_layers))
+        return blob
+
+    def retrieve_views(self, tokens: Tokens, mask=None) -> RetrievedViews:
+        """Pin the cached prefix and return zero-copy views of its arena blocks.
+
+        Use as a context manager; the blocks stay pinned (never evicted or reused)
+        until exit. `.chunks` raises after exit; tensors taken from it before then
+        must not be used afterwards (their bytes may be reused).
+
+        Returns:
+            RetrievedViews with `.chunks` (one view per chunk,
+            `layout.chunk_shape(chunk_tokens)`, layout.dtype, cpu (arena)), `.num_tokens`,
+            `.start_token`, `.block_ids`.
+
+        Raises:
+            ValueError: bad mask, or chunks of this layout span several blocks (the
+                daemon's --block-size is smaller than a chunk): use `retrieve`.
+        """
+        layout = self.layout
+        token_array = as_token_array(tokens)
+        skip = self._skip_tokens(len(token_array), mask)
+        hello = self.link.hello_reply
+        if hello is not None and self.layout.record_bytes(self.layout.chunk_size) > hello.block_bytes:
+            raise ValueError(
+                f"a chunk record of {self.layout.record_bytes(self.layout.chunk_size)} bytes spans "
+                f"several {hello.block_bytes}-byte blocks: zero-copy views need one block per "
+                "chunk (start the daemon without --block-size, or use retrieve())"
+            )
+        acquired = self._acquire(token_array, skip) if len(token_array) > skip else None
+        if acquired is None:
+            self.miss_tokens += len(token_array) - skip
+            return RetrievedViews([], [], skip, 0, None)
+        block_ids, spans, chunks, generation, records = acquired
+        views = [records.kv_view(span[0], end - start) for span, (start, end) in zip(spans, chunks)]
+        num_hit = sum(end - start for start, end in chunks)
+        self.hit_tokens += num_hit
+        self.miss_tokens += len(token_array) - skip - num_hit
+        return RetrievedViews(
+            views, block_ids, skip, num_hit, lambda: self._release(block_ids, generation),
+            layout.token_dim, self.copier,
+        )
+
+    # -------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Finish background stores, end the session (pins are released), unmap."""
+        try:
+            self.flush()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self.copier.close()
+            self._records = None
+            self.link.close()
+
+    def __enter__(self) -> "CacheEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int]) -> None:
+    copy_tensor(dst, records.read_kv(span, dst.shape[records.layout.token_dim]))
+
+
+def _spans_for(reply) -> list[int]:
+    """Blocks per chunk of an AllocReply, aligned with its status list (0 if not ALLOCATED)."""
+    num_blocks = iter(reply.num_blocks)
+    return [next(num_blocks) if status == ALLOCATED else 0 for status in reply.status]
+
+
+def _check_out_blob(out: torch.Tensor, layout: KVLayout, num_tokens: int) -> None:
+    expected = layout.chunk_shape(out.shape[layout.token_dim] if out.dim() == 5 else -1)
+    if out.dim() != 5 or tuple(out.shape) != expected or out.dtype != layout.torch_dtype:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} {out.dtype}; expected {layout.chunk_shape('T')} "
+            f"{layout.torch_dtype}"
+        )
+    if out.shape[layout.token_dim] < num_tokens:
+        raise ValueError(f"out holds {out.shape[layout.token_dim]} tokens, {num_tokens} were found")
+
+
+def _check_out_layers(out, layout: KVLayout, num_tokens: int) -> None:
+    if len(out) != layout.num_layers:
+        raise ValueError(f"out has {len(out)} layers, the layout has {layout.num_layers}")
+    token_dim = layout.token_dim - 2
+    for layer, pair in enumerate(out):
+        for tensor in pair:
+            if tensor.dtype != layout.torch_dtype or tensor.dim() != 3:
+                raise ValueError(f"out layer {layer}: expected 3-d {layout.torch_dtype} tensors")
+            if tensor.shape[token_dim] < num_tokens:
+                raise ValueError(
+                    f"out layer {layer} holds {tensor.shape[token_dim]} tokens, {num_tokens} were found"
+                )
+

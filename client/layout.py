@@ -1,0 +1,160 @@
+"""What a KV chunk is, and how one chunk record lies in the arena.
+
+Why this file exists: every process that shares a cached chunk must agree on its bytes.
+`KVLayout` names the model and the tensor geometry (it is the namespace of the hashes:
+two processes share chunks only when their layouts are equal); `ChunkRecord` places one
+chunk in its arena block(s).
+
+Record of one chunk of `t` tokens (t <= chunk_size), layer-major so that one layer of
+a chunk is a zero-copy slice (layer-wise loading, CacheBlend)::
+
+    offset 0                64                    kv_offset
+    | header (64 bytes)    | token ids           | KV: [num_layers, 2, t, num_kv_heads, head_size]  (vllm)
+    | magic, t, layout fp, | int64[chunk_size]   |  or [num_layers, 2, num_kv_heads, t, head_size]  (huggingface)
+    | chunk hash           | (first t used)      |  dtype = layout.dtype
+
+The header and token ids let a reader check that a block really holds the chunk it asked
+for (a hash collision or a corrupted index becomes a counted miss, never another
+prompt's KV): no peer cache does this.
+"""
+
+import dataclasses
+import struct
+
+import numpy as np
+import torch
+import xxhash
+
+from lmcached.protocol import Layout
+
+FORMATS = ("vllm", "huggingface")
+RECORD_MAGIC = 0x564B4D4C  # "LMKV"
+RECORD_HEADER_BYTES = 64
+# magic u32, num_tokens u32, layout fingerprint u64, chunk hash 16 bytes
+RECORD_HEADER = struct.Struct("<IIQ16s")
+_ALIGN = 64
+
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+# Integer dtype of the same width: numpy has no bfloat16/fp8, so copies go through these.
+_NUMPY_ALIAS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The KV geometry and identity of one model worker (the cache namespace).
+
+    Args:
+        model_name: model identifier (e.g. "meta-llama/Llama-3.1-8B").
+        num_layers: transformer layers, >= 1.
+        num_kv_heads: KV heads of this worker (after tensor-parallel split), >= 1.
+        head_size: elements per head, >= 1.
+        dtype: KV dtype, a torch dtype or its name ("bfloat16", "float16", "float32",
+            "float8_e4m3fn", "float8_e5m2", "uint8").
+        chunk_size: tokens per chunk, >= 1 (default 256, as LMCache).
+        fmt: "vllm" (`[num_layers, 2, num_tokens, num_kv_heads, head_size]`) or
+            "huggingface" (`[num_layers, 2, num_kv_heads, num_tokens, head_size]`).
+        world_size: tensor/pipeline-parallel world size, >= 1.
+        worker_id: this worker's rank, 0 <= worker_id < world_size.
+
+    Raises:
+        ValueError: a field is out of range (the message names it).
+    """
+
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str | torch.dtype = "bfloat16"
+    chunk_size: int = 256
+    fmt: str = "vllm"
+    world_size: int = 1
+    worker_id: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if not self.model_name:
+            raise ValueError("KVLayout.model_name must not be empty")
+        for field in ("num_layers", "num_kv_heads", "head_size", "chunk_size", "world_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVLayout.{field} must be an int >= 1, got {value!r}")
+        if not 0 <= self.worker_id < self.world_size:
+            raise ValueError(
+                f"KVLayout.worker_id must be in [0, world_size={self.world_size}), "
+                f"got {self.worker_id}"
+            )
+        if self.fmt not in FORMATS:
+            raise ValueError(f"KVLayout.fmt must be one of {FORMATS}, got {self.fmt!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The KV dtype as a torch dtype."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per KV element."""
+        return self.torch_dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token over all layers, K and V (Llama-3-8B bf16: 128 KiB)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_size * self.itemsize
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape of `num_tokens` tokens of KV in this layout's format (a blob)."""
+        if self.fmt == "vllm":
+            return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_size)
+        return (self.num_layers, 2, self.num_kv_heads, num_tokens, self.head_size)
+
+    @property
+    def token_dim(self) -> int:
+        """Index of the token dimension in a blob of this format (2 vllm, 3 huggingface)."""
+        return 2 if self.fmt == "vllm" else 3
+
+    @property
+    def kv_offset(self) -> int:
+        """Offset of the KV bytes in a chunk record (header + token ids, 64-aligned)."""
+        return RECORD_HEADER_BYTES + _round_up(self.chunk_size * 8, _ALIGN)
+
+    def record_bytes(self, num_tokens: int) -> int:
+        """Bytes of the record of a chunk of `num_tokens` tokens."""
+        return self.kv_offset + num_tokens * self.token_bytes
+
+    @property
+    def fingerprint(self) -> int:
+        """64-bit identity of the layout, written into every record header."""
+        return xxhash.xxh3_64_intdigest(repr(self.to_wire()).encode())
+
+    def to_wire(self) -> Layout:
+        """The layout as sent in HELLO (the daemon's namespace key)."""
+        return Layout(
+            model_name=self.model_name,
+            world_size=self.world_size,
+            worker_id=self.worker_id,
+            fmt=self.fmt,
+            dtype=self.dtype,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            chunk_size=self.chunk_size,
+            chunk_bytes=self.record_bytes(self.chunk_size),
+        )
+
+    def numpy_alias(self) -> tuple[torch.dtype, type]:
+        """(torch int dtype, numpy dtype) of the same width, for numpy copies."""
+        return _NUMPY_ALIAS[self.itemsize]

@@ -1,0 +1,244 @@
+"""Reading and writing chunk records in arena blocks (layout in `client/layout.py`).
+
+Why this file exists: the engine, the vLLM connector and CacheBlend all need the same
+three things from a block id: write a chunk's record, check that a record holds the
+tokens a reader asked for, and view or copy its KV. A record that fits in one block
+(the normal case: the daemon sizes blocks from the first layout) is written and read in
+place; a record spanning several blocks goes through a contiguous temporary buffer.
+"""
+
+import functools
+from typing import Callable
+
+import numpy as np
+import torch
+
+from lmcached.client.kv_io import KVSource
+from lmcached.client.layout import RECORD_HEADER, RECORD_MAGIC, KVLayout
+from lmcached.shm.arena import Arena
+
+
+class RecordIO:
+    """Chunk records of one layout in one arena (one per arena generation).
+
+    Args:
+        arena: the attached arena.
+        layout: the KV layout of the records.
+        fingerprint: the 64-bit identity written into each record header (default
+            `layout.fingerprint`); a writer whose KV bytes depend on more than the
+            layout (the vLLM connector's paged-block format) passes its own.
+    """
+
+    def __init__(self, arena: Arena, layout: KVLayout, fingerprint: int | None = None) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.fingerprint = layout.fingerprint if fingerprint is None else fingerprint
+        self._u8 = arena.numpy_view(0, arena.capacity_bytes)  # [capacity_bytes] uint8
+        self._kv_offset = layout.kv_offset
+        self._dtype = layout.torch_dtype
+        self._all_full_chunks: torch.Tensor | None = None
+        self._headers: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ write
+    def write(
+        self,
+        span: list[int],
+        chunk_hash: bytes,
+        chunk_tokens: np.ndarray,
+        source: KVSource,
+        src_start: int,
+        src_end: int,
+    ) -> None:
+        """Write one chunk's record into the blocks of `span` (WRITING blocks).
+
+        Args:
+            span: block ids of the value, from ALLOC.
+            chunk_hash: the chunk's 16-byte prefix hash.
+            chunk_tokens: int64 `[t]` token ids of the chunk.
+            source: the request's KV.
+            src_start / src_end: the chunk's token range in `source`.
+        """
+        self.write_with(span, chunk_hash, chunk_tokens,
+                        functools.partial(source.copy_chunk, src_start, src_end))
+
+    def write_with(
+        self,
+        span: list[int],
+        chunk_hash: bytes,
+        chunk_tokens: np.ndarray,
+        fill: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Write one chunk's record whose KV bytes come from the caller's `fill(dst)`.
+
+        Args:
+            span: block ids of the value, from ALLOC.
+            chunk_hash: the chunk's 16-byte prefix hash.
+            chunk_tokens: int64 `[t]` token ids of the chunk.
+            fill: writes the chunk's KV into `dst`, a contiguous
+                `layout.chunk_shape(t)` tensor of layout.dtype, cpu (the arena, or a
+                temporary buffer when the record spans several blocks).
+        """
+        t = len(chunk_tokens)
+        shape = self.layout.chunk_shape(t)
+        if len(span) == 1:
+            base = self.arena.block_offset(span[0])
+            self._write_header(self._u8[base : base + self._kv_offset], chunk_hash, chunk_tokens)
+            fill(self.arena.view(span[0], self._dtype, shape, offset_bytes=self._kv_offset))
+            return
+        record = np.empty(self.layout.record_bytes(t), dtype=np.uint8)
+        self._write_header(record[: self._kv_offset], chunk_hash, chunk_tokens)
+        fill(torch.from_numpy(record[self._kv_offset :]).view(self._dtype).view(shape))
+        scatter(self.arena, span, [record])
+
+    def _write_header(self, header: np.ndarray, chunk_hash: bytes, chunk_tokens: np.ndarray) -> None:
+        t = len(chunk_tokens)
+        RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, self.fingerprint, chunk_hash)
+        header[64 : 64 + 8 * t].view(np.int64)[:] = chunk_tokens
+
+    # ------------------------------------------------------------------- read
+    def verify(
+        self, span: list[int], chunk_hash: bytes, chunk_tokens: np.ndarray, fingerprint: int
+    ) -> bool:
+        """True when the record in `span` holds exactly this chunk (hash, layout, tokens)."""
+        t = len(chunk_tokens)
+        if len(span) == 1:
+            base = self.arena.block_offset(span[0])
+            header = self._u8[base : base + 64 + 8 * t]
+        else:
+            header = gather(self.arena, span, 64 + 8 * t)
+        magic, num_tokens, record_fingerprint, record_hash = RECORD_HEADER.unpack_from(header, 0)
+        if (
+            magic != RECORD_MAGIC
+            or num_tokens != t
+            or record_fingerprint != fingerprint
+            or record_hash != chunk_hash
+        ):
+            return False
+        # A byte comparison in C: ~1 us for 256 tokens, 4x faster than np.array_equal.
+        return header[64 : 64 + 8 * t].tobytes() == chunk_tokens.tobytes()
+
+    def verify_prefix(
+        self,
+        spans: list[list[int]],
+        chunk_hashes: list[bytes],
+        token_array: np.ndarray,
+        chunks: list[tuple[int, int]],
+        fingerprint: int,
+    ) -> int:
+        """How many leading records of `spans` hold exactly their chunk (see `verify`).
+
+        Full one-block records are checked together with a few numpy operations
+        (~1 us a chunk against ~2.5 us one by one); the rest one by one.
+
+        Args:
+            spans: block ids per chunk, as pinned by ACQUIRE.
+            chunk_hashes / chunks: the request's hashes and [start, end) token ranges,
+                aligned with `spans`.
+            token_array: the request's int64 token ids.
+            fingerprint: the expected layout fingerprint.
+        """
+        chunk_size = self.layout.chunk_size
+        num_fast = 0
+        for span, (start, end) in zip(spans, chunks):
+            if len(span) != 1 or end - start != chunk_size:
+                break
+            num_fast += 1
+        if num_fast > 1:
+            headers = self._all_headers()[[span[0] for span in spans[:num_fast]]]
+            expected = np.frombuffer(
+                b"".join(RECORD_HEADER.pack(RECORD_MAGIC, chunk_size, fingerprint, h)
+                         for h in chunk_hashes[:num_fast]),
+                dtype=np.uint8,
+            ).reshape(num_fast, RECORD_HEADER.size)
+            first = chunks[0][0]
+            tokens = token_array[first : first + num_fast * chunk_size].reshape(num_fast, chunk_size)
+            ok = (headers[:, : RECORD_HEADER.size] == expected).all(axis=1)
+            ok &= (headers[:, 64:].view(np.int64) == tokens).all(axis=1)
+            if not ok.all():
+                return int(ok.argmin())
+        else:
+            num_fast = 0
+        for i in range(num_fast, len(spans)):
+            start, end = chunks[i]
+            if not self.verify(spans[i], chunk_hashes[i], token_array[start:end], fingerprint):
+                return i
+        return len(spans)
+
+    def _all_headers(self) -> np.ndarray:
+        """Header and token ids of every block's record: `[num_blocks, 64 + 8*chunk_size]` uint8."""
+        if self._headers is None:
+            arena = self.arena
+            start = arena.block_offset(0)
+            self._headers = np.lib.stride_tricks.as_strided(
+                self._u8[start:], shape=(arena.num_blocks, 64 + 8 * self.layout.chunk_size),
+                strides=(arena.block_bytes, 1), writeable=False,
+            )
+        return self._headers
+
+    def kv_view(self, block_id: int, num_tokens: int) -> torch.Tensor:
+        """Zero-copy KV of a one-block record: `layout.chunk_shape(num_tokens)`, cpu (arena)."""
+        if num_tokens == self.layout.chunk_size and 0 <= block_id < self.arena.num_blocks:
+            return self._full_chunk_views()[block_id]
+        return self.arena.view(
+            block_id, self._dtype, self.layout.chunk_shape(num_tokens), offset_bytes=self._kv_offset
+        )
+
+    def _full_chunk_views(self) -> torch.Tensor:
+        """Every block's full-chunk KV as one strided tensor: indexing it is one cheap op.
+
+        `[num_blocks, *layout.chunk_shape(chunk_size)]`, layout.dtype, cpu (arena).
+        """
+        if self._all_full_chunks is None:
+            itemsize = self._dtype.itemsize
+            arena = self.arena
+            # Offsets are multiples of 64 and block_bytes of 64: exact in elements.
+            flat = arena.block_view(0)[:0].view(self._dtype)  # aliases the arena's storage
+            shape = self.layout.chunk_shape(self.layout.chunk_size)
+            strides, step = [], 1
+            for dim in reversed(shape):
+                strides.append(step)
+                step *= dim
+            first = (arena.block_offset(0) + self._kv_offset) // itemsize
+            self._all_full_chunks = torch.as_strided(
+                flat, (arena.num_blocks, *shape),
+                (arena.block_bytes // itemsize, *reversed(strides)),
+                storage_offset=first,
+            )
+        return self._all_full_chunks
+
+    def read_kv(self, span: list[int], num_tokens: int) -> torch.Tensor:
+        """KV of a record: a view of the arena (one block) or a gathered copy (several)."""
+        if len(span) == 1:
+            return self.kv_view(span[0], num_tokens)
+        record = gather(self.arena, span, self.layout.record_bytes(num_tokens))
+        shape = self.layout.chunk_shape(num_tokens)
+        return torch.from_numpy(record[self._kv_offset :]).view(self._dtype).view(shape)
+
+
+def scatter(arena: Arena, block_ids: list[int], parts: list[np.ndarray]) -> None:
+    """Write the concatenation of uint8 `parts` across `block_ids`, in order."""
+    block_bytes = arena.block_bytes
+    block_index, offset = 0, 0
+    for part in parts:
+        pos = 0
+        while pos < part.size:
+            base = arena.block_offset(block_ids[block_index])
+            n = min(block_bytes - offset, part.size - pos)
+            arena.numpy_view(base + offset, n)[:] = part[pos : pos + n]
+            pos += n
+            offset += n
+            if offset == block_bytes:
+                block_index, offset = block_index + 1, 0
+
+
+def gather(arena: Arena, block_ids: list[int], nbytes: int) -> np.ndarray:
+    """Read the first `nbytes` spread over `block_ids` into a new uint8 array."""
+    block_bytes = arena.block_bytes
+    out = np.empty(nbytes, dtype=np.uint8)
+    for i, block_id in enumerate(block_ids):
+        start = i * block_bytes
+        n = min(block_bytes, nbytes - start)
+        if n <= 0:
+            break
+        out[start : start + n] = arena.numpy_view(arena.block_offset(block_id), n)
+    return out

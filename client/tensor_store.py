@@ -1,0 +1,170 @@
+"""Tensors by string key in the daemon's arena (PUT / GET / DELETE / SCAN).
+
+Why this file exists: the seed's key-value adapters (`StorageBackend`, vLLM's KV
+lookup and store buffers) move whole tensors under string keys between processes. Here
+a value is written straight into arena blocks and read from them; only block ids cross
+the socket. A value larger than one block spans several.
+
+Value record::
+
+    | header (128 bytes): magic, dtype, ndim, shape[8] | raw bytes of the tensor (C order) |
+"""
+
+import struct
+
+import numpy as np
+import torch
+
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.records import gather, scatter
+from lmcached.protocol import (
+    NOSPACE,
+    Commit,
+    DaemonError,
+    Delete,
+    Get,
+    Layout,
+    Put,
+    Release,
+    Scan,
+)
+
+VALUE_MAGIC = 0x42564D4C  # "LMVB"
+VALUE_HEADER_BYTES = 128
+MAX_DIMS = 8
+_HEADER = struct.Struct(f"<IHH{MAX_DIMS}q")
+_DTYPES = [
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def kv_namespace(name: str, value_bytes_hint: int = 1 << 20) -> Layout:
+    """The namespace of a key-value adapter (keys of different names never meet).
+
+    Args:
+        name: adapter namespace, e.g. "vllm-lookup-buffer".
+        value_bytes_hint: typical value size: sizes the daemon's blocks when this is
+            the first layout to attach.
+    """
+    return Layout(model_name=name, world_size=1, worker_id=0, fmt="kv", dtype="uint8",
+                  num_layers=1, num_kv_heads=1, head_size=1, chunk_size=1,
+                  chunk_bytes=value_bytes_hint + VALUE_HEADER_BYTES)
+
+
+class TensorStore:
+    """PUT / GET / DELETE of CPU tensors by string key, through the daemon's arena.
+
+    Args:
+        namespace: a `kv_namespace(...)` layout.
+        socket: daemon socket path (default: that of daemon `name`).
+        name: daemon name.
+        timeout_s: request timeout in seconds.
+
+    Every method degrades when the daemon is unavailable: `put` returns False, `get`
+    None, `delete` False, `scan` [].
+    """
+
+    def __init__(self, namespace: Layout, socket: str | None = None, name: str = "default",
+                 timeout_s: float = 10.0) -> None:
+        self.link = DaemonLink(socket, name, namespace, timeout_s, f"TensorStore({namespace.model_name})")
+        try:
+            self.link.connect()
+        except OSError as exc:
+            self.link.mark_down(f"{type(exc).__name__}: {exc}")
+
+    def put(self, key: str, tensor: torch.Tensor) -> bool:
+        """Store `tensor` under `key`, replacing any value (readers keep the old one).
+
+        Args:
+            key: non-empty string.
+            tensor: any shape up to 8 dims; copied from its device.
+
+        Returns:
+            False when not stored (arena full of pinned data, or no daemon).
+
+        Raises:
+            ValueError: unsupported dtype or more than 8 dims.
+        """
+        if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
+            raise ValueError(f"cannot store a {tensor.dim()}-d {tensor.dtype} tensor")
+        data = tensor.detach().contiguous().cpu()
+        payload = data.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
+        link = self.link
+        try:
+            with link.lock:
+                hello = link.ensure_connected()
+                reply = link.request(Put(hello.ns, key, VALUE_HEADER_BYTES + payload.size))
+                generation, arena = hello.generation, link.arena
+            if reply.status[0] == NOSPACE:
+                return False
+            header = np.zeros(VALUE_HEADER_BYTES, dtype=np.uint8)
+            shape = list(data.shape) + [0] * (MAX_DIMS - data.dim())
+            _HEADER.pack_into(header, 0, VALUE_MAGIC, _DTYPE_CODE[data.dtype], data.dim(), *shape)
+            scatter(arena, reply.block_ids, [header, payload])
+            link.request(Commit(reply.block_ids), generation)
+        except CacheUnavailable:
+            return False
+        except DaemonError as exc:
+            raise ValueError(f"the daemon refused PUT {key!r}: {exc}") from None
+        return True
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """A copy of the tensor under `key`, or None."""
+        link = self.link
+        try:
+            with link.lock:
+                hello = link.ensure_connected()
+                reply = link.request(Get(hello.ns, key))
+                generation, arena = hello.generation, link.arena
+        except CacheUnavailable:
+            return None
+        if not reply.block_ids:
+            return None
+        try:
+            raw = gather(arena, reply.block_ids, reply.nbytes[0])
+        finally:
+            try:
+                link.request(Release(reply.block_ids), generation)
+            except CacheUnavailable:
+                pass
+        magic, code, ndim, *shape = _HEADER.unpack_from(raw, 0)
+        if magic != VALUE_MAGIC or code >= len(_DTYPES) or ndim > MAX_DIMS:
+            return None
+        body = torch.from_numpy(raw[VALUE_HEADER_BYTES:]).view(_DTYPES[code])
+        return body.reshape(shape[:ndim])
+
+    def delete(self, key: str) -> bool:
+        """Remove `key`. Returns True when it existed."""
+        try:
+            hello = self.link.ensure_connected()
+            return self.link.request(Delete(hello.ns, key)).count == 1
+        except CacheUnavailable:
+            return False
+
+    def contains(self, key: str) -> bool:
+        """True when `key` is stored (a GET and RELEASE, no copy)."""
+        link = self.link
+        try:
+            with link.lock:
+                hello = link.ensure_connected()
+                reply = link.request(Get(hello.ns, key))
+                if reply.block_ids:
+                    link.request(Release(reply.block_ids), hello.generation)
+        except CacheUnavailable:
+            return False
+        return bool(reply.block_ids)
+
+    def scan(self, prefix: str = "", limit: int = 100) -> list[str]:
+        """Keys starting with `prefix`, at most `limit`."""
+        try:
+            hello = self.link.ensure_connected()
+            return self.link.request(Scan(hello.ns, prefix, limit)).keys
+        except CacheUnavailable:
+            return []
+
+    def close(self) -> None:
+        """End the session."""
+        self.link.close()

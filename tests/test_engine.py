@@ -1,0 +1,310 @@
+"""CacheEngine semantics against a real daemon (seed: LMCache's LMCacheEngine tests)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from lmcached.client import CacheEngine, CacheEngineBuilder, KVLayout, hash_request_tokens
+from lmcached.client.layout import RECORD_HEADER_BYTES
+from lmcached.protocol import Connection, Info
+
+CHUNK = 16
+
+
+def make_layout(fmt="vllm", dtype="bfloat16", **kw) -> KVLayout:
+    return KVLayout("tiny-llama", num_layers=3, num_kv_heads=2, head_size=8, dtype=dtype,
+                    chunk_size=CHUNK, fmt=fmt, **kw)
+
+
+def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = layout.chunk_shape(num_tokens)
+    return torch.randn(shape, generator=gen).to(layout.torch_dtype)
+
+
+def daemon_info(daemon) -> dict:
+    with Connection(daemon.socket) as conn:
+        sections = conn.request(Info()).sections
+    return {k: v for fields in sections.values() for k, v in fields.items()}
+
+
+@pytest.fixture
+def engine(daemon):
+    eng = CacheEngine.connect(make_layout(), socket=daemon.socket, strict=True)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("num_tokens, num_chunks", [(32, 2), (40, 3), (5, 1)])
+def test_store_writes_full_and_partial_chunks(engine, num_tokens, num_chunks):
+    tokens = torch.arange(num_tokens)
+    assert engine.store(tokens, make_kv(engine.layout, num_tokens)) == num_chunks
+    assert engine.lookup(tokens) == num_tokens
+    assert engine.store(tokens, make_kv(engine.layout, num_tokens)) == 0  # all existing
+
+
+def test_partial_last_chunk_is_keyed_by_its_own_tokens(engine):
+    tokens = torch.arange(40)
+    kv = make_kv(engine.layout, 40)
+    engine.store(tokens, kv)
+    longer = torch.cat([tokens, torch.tensor([999] * 5)])
+    assert engine.lookup(longer) == 32  # the 8-token partial chunk is not a prefix of 13
+    got, ret_mask = engine.retrieve(longer, return_tuple=False)
+    assert torch.equal(got, kv[:, :, :32]) and ret_mask.tolist() == [True] * 32 + [False] * 13
+
+
+def test_store_of_an_extended_prompt_writes_only_new_chunks(engine):
+    kv = make_kv(engine.layout, 64)
+    tokens = torch.arange(64)
+    assert engine.store(tokens[:32], kv[:, :, :32]) == 2
+    assert engine.store(tokens, kv) == 2
+    got, _ = engine.retrieve(tokens, return_tuple=False)
+    assert torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "huggingface"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("return_tuple", [True, False])
+def test_formats_round_trip_bit_exactly(daemon, fmt, dtype, return_tuple):
+    layout = make_layout(fmt=fmt, dtype=dtype)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        kv = make_kv(layout, 50, seed=3)
+        tokens = np.arange(100, 150)
+        assert eng.store(tokens, kv) == 4
+        got, ret_mask = eng.retrieve(tokens, return_tuple=return_tuple)
+        assert bool(ret_mask.all())
+        if return_tuple:
+            assert len(got) == layout.num_layers
+            for layer, (k, v) in enumerate(got):
+                assert torch.equal(k, kv[layer, 0]) and torch.equal(v, kv[layer, 1])
+        else:
+            assert got.dtype == layout.torch_dtype and torch.equal(got, kv)
+
+
+def test_tuple_input_round_trips(engine):
+    kv = make_kv(engine.layout, 40, seed=5)
+    as_tuple = tuple((kv[i, 0].clone(), kv[i, 1].clone()) for i in range(3))
+    tokens = list(range(40))
+    assert engine.store(tokens, as_tuple) == 3
+    got, _ = engine.retrieve(tokens, return_tuple=False)
+    assert torch.equal(got, kv)
+
+
+def test_dynamic_cache_in_and_out(daemon):
+    from transformers import DynamicCache
+
+    layout = make_layout(fmt="huggingface")
+    kv = make_kv(layout, 40, seed=9)  # [layers, 2, heads, tokens, head_size]
+    cache = DynamicCache()
+    for layer in range(layout.num_layers):
+        cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        assert eng.store(torch.arange(40), cache) == 3
+        got, _ = eng.retrieve(torch.arange(40))
+    restored = DynamicCache()
+    for layer, (k, v) in enumerate(got):
+        restored.update(k.unsqueeze(0), v.unsqueeze(0), layer)
+    assert restored.get_seq_length() == 40
+    for layer in range(layout.num_layers):
+        assert torch.equal(restored.layers[layer].keys, cache.layers[layer].keys)
+        assert torch.equal(restored.layers[layer].values, cache.layers[layer].values)
+
+
+def test_dynamic_cache_is_transposed_for_a_vllm_layout(engine):
+    from transformers import DynamicCache
+
+    kv = make_kv(engine.layout, 20, seed=2)  # vllm: [layers, 2, tokens, heads, head_size]
+    cache = DynamicCache()
+    for layer in range(3):
+        cache.update(kv[layer, 0].transpose(0, 1).unsqueeze(0),
+                     kv[layer, 1].transpose(0, 1).unsqueeze(0), layer)
+    engine.store(torch.arange(20), cache)
+    got, _ = engine.retrieve(torch.arange(20), return_tuple=False)
+    assert torch.equal(got, kv)
+
+
+def test_suffix_mask_store_and_retrieve(engine):
+    tokens = torch.arange(48)
+    kv = make_kv(engine.layout, 48)
+    mask = torch.ones(48, dtype=torch.bool)
+    mask[:16] = False
+    # KV of only the masked-in tokens, as the seed passes it.
+    assert engine.store(tokens, kv[:, :, 16:], mask=mask) == 2
+    assert engine.lookup(tokens) == 0  # chunk 0 was not stored: no cached prefix
+    got, ret_mask = engine.retrieve(tokens, mask=mask, return_tuple=False)
+    assert torch.equal(got, kv[:, :, 16:])
+    assert ret_mask.tolist() == [False] * 16 + [True] * 32
+    engine.store(tokens, kv)  # KV for all tokens: fills chunk 0
+    assert engine.lookup(tokens) == 48
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        ([False] * 8 + [True] * 24, "not a multiple of chunk_size"),
+        ([True] * 16 + [False] * 16, "suffix mask"),
+        ([True] * 31, "shape"),
+    ],
+)
+def test_bad_masks_raise(engine, mask, message):
+    with pytest.raises(ValueError, match=message):
+        engine.store(torch.arange(32), make_kv(engine.layout, 32), mask=torch.tensor(mask))
+    with pytest.raises(ValueError, match=message):
+        engine.retrieve(torch.arange(32), mask=torch.tensor(mask))
+
+
+def test_bad_kv_inputs_raise_and_store_nothing(engine, daemon):
+    tokens = torch.arange(32)
+    with pytest.raises(ValueError, match=r"does not match the vllm layout"):
+        engine.store(tokens, torch.zeros(3, 2, 32, 2, 9, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        engine.store(tokens, torch.zeros(3, 2, 32, 2, 8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="KV covers 30 tokens"):
+        engine.store(tokens, make_kv(engine.layout, 30))
+    with pytest.raises(ValueError, match="the layout has 3"):
+        engine.store(tokens, [(torch.zeros(32, 2, 8),) * 2])
+    with pytest.raises(TypeError, match="integers"):
+        engine.store(torch.zeros(32), make_kv(engine.layout, 32))
+    with pytest.raises(TypeError, match="kv must be"):
+        engine.store(tokens, "kv")
+    assert daemon_info(daemon)["cached_blocks"] == 0
+
+
+def test_hit_counters_and_hit_rate(engine):
+    tokens = torch.arange(64)
+    engine.store(tokens[:32], make_kv(engine.layout, 32))
+    engine.retrieve(tokens)  # 32 hit, 32 miss
+    engine.retrieve(torch.arange(1000, 1016))  # 16 miss
+    assert (engine.hit_tokens, engine.miss_tokens) == (32, 48)
+    assert engine.hit_rate == pytest.approx(32 / 80)
+
+
+def test_retrieve_into_out_buffers_allocates_nothing(engine):
+    kv = make_kv(engine.layout, 40)
+    engine.store(torch.arange(40), kv)
+    out = torch.empty(engine.layout.chunk_shape(64), dtype=torch.bfloat16)
+    got, _ = engine.retrieve(torch.arange(40), return_tuple=False, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, kv)
+    out_layers = tuple((torch.empty(64, 2, 8, dtype=torch.bfloat16),
+                        torch.empty(64, 2, 8, dtype=torch.bfloat16)) for _ in range(3))
+    got, _ = engine.retrieve(torch.arange(40), out=out_layers)
+    assert got[2][1].data_ptr() == out_layers[2][1].data_ptr()
+    assert torch.equal(got[2][1], kv[2, 1])
+    with pytest.raises(ValueError, match="holds 16 tokens"):
+        engine.retrieve(torch.arange(40), return_tuple=False,
+                        out=torch.empty(engine.layout.chunk_shape(16), dtype=torch.bfloat16))
+
+
+def test_retrieve_views_are_zero_copy_and_pinned_until_exit(engine, daemon):
+    kv = make_kv(engine.layout, 40)
+    engine.store(torch.arange(40), kv)
+    arena = engine.link.arena
+    with engine.retrieve_views(torch.arange(40)) as views:
+        assert views.num_tokens == 40 and len(views.chunks) == 3
+        assert daemon_info(daemon)["pinned_blocks"] == 3
+        for i, (chunk, block_id) in enumerate(zip(views.chunks, views.block_ids)):
+            expected_ptr = (arena.block_view(block_id).data_ptr()
+                            + engine.layout.kv_offset)
+            assert chunk.data_ptr() == expected_ptr
+            assert torch.equal(chunk, kv[:, :, 16 * i : 16 * (i + 1)])
+        assert torch.equal(views.layer(1)[0], kv[1, :, :16])
+    assert daemon_info(daemon)["pinned_blocks"] == 0
+    with pytest.raises(RuntimeError, match="released"):
+        views.chunks
+
+
+def test_a_corrupted_record_is_a_counted_miss_never_wrong_kv(engine, daemon):
+    tokens = torch.arange(48)
+    engine.store(tokens, make_kv(engine.layout, 48))
+    with engine.retrieve_views(tokens) as views:
+        second_block = views.block_ids[1]
+    # Overwrite one token id in the second chunk's record, as a stray writer would.
+    arena = engine.link.arena
+    token_ids = arena.view(second_block, torch.int64, (CHUNK,), offset_bytes=RECORD_HEADER_BYTES)
+    token_ids[3] += 1
+    got, ret_mask = engine.retrieve(tokens, return_tuple=False)
+    assert got.shape[2] == 16 and int(ret_mask.sum()) == 16
+    assert engine.num_verify_failures == 1
+    assert daemon_info(daemon)["pinned_blocks"] == 0
+
+
+def test_store_when_full_stores_what_fits(daemon_factory):
+    layout = make_layout()
+    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10
+        with eng.retrieve_views(torch.arange(160)) as views:  # pins all 10
+            assert views.num_tokens == 160
+            written = eng.store(torch.arange(500, 660), make_kv(layout, 160, seed=1))
+            assert written == 5 and eng.num_nospace_chunks == 5
+        assert eng.lookup(torch.arange(500, 660)) == 80
+
+
+def test_nonblocking_store_then_flush(engine):
+    kv = make_kv(engine.layout, 64)
+    assert engine.store(torch.arange(64), kv, blocking=False) == 0
+    assert engine.flush() == 4
+    assert engine.lookup(torch.arange(64)) == 64
+
+
+def test_records_spanning_several_blocks(daemon_factory):
+    layout = KVLayout("wide", num_layers=4, num_kv_heads=4, head_size=32, chunk_size=64)
+    assert layout.record_bytes(64) > 3 * 4096
+    daemon = daemon_factory("--capacity", "4MiB", "--block-size", "4KiB")
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        kv = make_kv(layout, 100)
+        assert eng.store(torch.arange(100), kv) == 2
+        got, _ = eng.retrieve(torch.arange(100), return_tuple=False)
+        assert torch.equal(got, kv)
+        with pytest.raises(ValueError, match="spans several"):
+            eng.retrieve_views(torch.arange(100))
+
+
+def test_no_daemon_means_misses_not_exceptions(short_tmp):
+    layout = make_layout()
+    path = os.path.join(short_tmp, "nobody.sock")
+    with pytest.raises(OSError):
+        CacheEngine.connect(layout, socket=path, strict=True)
+    eng = CacheEngine.connect(layout, socket=path)
+    assert eng.store(torch.arange(32), make_kv(layout, 32)) == 0
+    assert eng.lookup(torch.arange(32)) == 0
+    kv, ret_mask = eng.retrieve(torch.arange(32))
+    assert kv == () and not ret_mask.any()
+    with eng.retrieve_views(torch.arange(32)) as views:
+        assert views.num_tokens == 0
+    eng.close()
+
+
+def test_builder_returns_one_engine_per_id_and_refuses_another_layout(daemon):
+    try:
+        a = CacheEngineBuilder.get_or_create("w0", make_layout(), socket=daemon.socket)
+        assert CacheEngineBuilder.get_or_create("w0", make_layout(), socket=daemon.socket) is a
+        assert CacheEngineBuilder.get("w0") is a
+        with pytest.raises(ValueError, match="exists with layout"):
+            CacheEngineBuilder.get_or_create("w0", make_layout(fmt="huggingface"))
+    finally:
+        CacheEngineBuilder.destroy("w0")
+    assert CacheEngineBuilder.get("w0") is None
+
+
+def test_layout_validation_names_the_field():
+    with pytest.raises(ValueError, match="num_layers"):
+        KVLayout("m", num_layers=0, num_kv_heads=1, head_size=1)
+    with pytest.raises(ValueError, match="worker_id"):
+        KVLayout("m", 1, 1, 1, world_size=2, worker_id=2)
+    with pytest.raises(ValueError, match="fmt"):
+        KVLayout("m", 1, 1, 1, fmt="onnx")
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout("m", 1, 1, 1, dtype="int7")
+    assert KVLayout("m", 1, 1, 1, dtype=torch.float16).dtype == "float16"
+
+
+def test_hashes_are_a_prefix_chain():
+    a = hash_request_tokens(4, np.arange(10))
+    b = hash_request_tokens(4, list(range(8)) + [0, 0])
+    assert len(a) == 3 and all(len(h) == 16 for h in a)
+    assert a[:2] == b[:2] and a[2] != b[2]
+    c = hash_request_tokens(4, [1] + list(range(1, 10)))
+    assert all(x != y for x, y in zip(a, c))  # a change in chunk 0 changes every hash
