@@ -1,0 +1,316 @@
+"""`lmcached demo`: worker processes running a real transformer share prompt prefixes.
+
+Why this file exists: it shows, end to end on any machine, what lmcached is for. A
+daemon (started here on a temp socket, or an existing one) and N worker processes, each
+with the same Llama-architecture model built from a config with random weights (nothing
+is downloaded), answer RAG-like prompts: a system prompt, a few documents, a question.
+The documents are the topics of Python's own documentation (`pydoc_data.topics`); the
+tokenizer is a byte-level BPE trained here on that text with the `tokenizers` library.
+
+Worker 1 serves half the prompts; worker 2 the other half plus prompts that share their
+system prompt and documents with worker 1's, so its prefill of those reads worker 1's
+KV from shared memory. Every request is also run without the cache, to check that the
+greedy outputs are identical.
+"""
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Callable, Iterator
+
+from lmcached.launcher import temporary_daemon
+from lmcached.protocol import Connection, Info, Ping, hello
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant for Python programmers. Answer the question using only "
+    "the reference documents below, quote the relevant rule, and say so when the "
+    "documents do not contain the answer. Keep the answer short and precise. "
+)
+QUESTIONS = [
+    "What happens when the condition is false?",
+    "Which statements does this apply to?",
+    "How does the interpreter evaluate this?",
+    "What error is raised in the invalid case?",
+    "Give a minimal example.",
+    "How did this change in recent Python versions?",
+    "What are the common mistakes?",
+    "Summarize the rules in one sentence.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSize:
+    """Model and prompt sizes of a demo run."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    doc_tokens: int
+    docs_per_prompt: int
+    chunk_size: int
+    max_new_tokens: int
+
+
+SIZES = {
+    # Cold prefill of a ~1.3k-token prompt takes ~1-2 s on the 2-core machines here.
+    "demo": DemoSize(512, 10, 8, 4, 8000, 420, 3, 256, 16),
+    # For the end-to-end test: seconds in all.
+    "tiny": DemoSize(64, 2, 4, 2, 1000, 48, 2, 32, 4),
+}
+
+
+def build_model(size: DemoSize):
+    """The demo's Llama: same config and seed in every process, so the same weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=size.vocab_size, hidden_size=size.hidden_size,
+        intermediate_size=3 * size.hidden_size, num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads, num_key_value_heads=size.num_kv_heads,
+        max_position_embeddings=8192,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def train_tokenizer(size: DemoSize, path: str) -> None:
+    """Train a byte-level BPE tokenizer on Python's documentation topics, save it to `path`."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size.vocab_size, special_tokens=["[UNK]"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(list(pydoc_data.topics.topics.values()) + [SYSTEM_PROMPT], trainer)
+    tokenizer.save(path)
+
+
+def build_prompts(size: DemoSize, tokenizer_path: str, num_workers: int) -> list[list[dict]]:
+    """Prompts per worker: [{"id", "tokens", "group"}]; groups share system prompt + documents.
+
+    Worker 1 gets half of the base prompts, the other workers the rest; every other
+    worker also gets prompts on worker 1's document groups (cross-process prefixes).
+    """
+    import pydoc_data.topics
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    topics = pydoc_data.topics.topics
+    names = sorted(n for n, text in topics.items() if len(text) > 8 * size.doc_tokens)
+    docs = [tokenizer.encode(f"Document: {n}\n" + topics[n]).ids[: size.doc_tokens] for n in names]
+    system = tokenizer.encode(SYSTEM_PROMPT).ids
+    num_groups = 2 * num_workers
+    groups = [docs[g * size.docs_per_prompt : (g + 1) * size.docs_per_prompt] for g in range(num_groups)]
+
+    def prompt(group: int, question: int) -> dict:
+        body = [t for doc in groups[group] for t in doc]
+        q = tokenizer.encode("\nQuestion: " + QUESTIONS[question % len(QUESTIONS)] + "\nAnswer:").ids
+        return {"id": f"g{group}-q{question}", "tokens": system + body + q, "group": group}
+
+    per_worker: list[list[dict]] = [[] for _ in range(num_workers)]
+    # Worker 1: groups 0 and 1, one of them asked twice (a same-process hit).
+    per_worker[0] = [prompt(0, 0), prompt(1, 1), prompt(0, 2)]
+    for w in range(1, num_workers):
+        own = [prompt(2 * w, 3), prompt(2 * w + 1, 4), prompt(2 * w, 5)]
+        shared = [prompt(0, 5 + w), prompt(1, 6 + w)]  # worker 1's documents
+        per_worker[w] = own[:2] + shared + own[2:]
+    return per_worker
+
+
+def worker_main(worker_id: int, size: DemoSize, socket: str, tokenizer_path: str, conn) -> None:
+    """A worker process: build the model, then serve prompt lists sent by the parent."""
+    import torch
+
+    from lmcached.client import CacheEngine, hash_request_tokens
+    from lmcached.client.hf import generate_with_cache, layout_for_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    started = time.perf_counter()
+    model = build_model(size)
+    layout = layout_for_model(model, size.chunk_size, model_name="lmcached-demo-llama")
+    engine = CacheEngine.connect(layout, socket=socket, strict=True)
+    conn.send({"event": "ready", "worker": worker_id, "build_s": time.perf_counter() - started})
+    own_hashes: set[bytes] = set()
+    try:
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            for request in message:
+                tokens = torch.tensor(request["tokens"], dtype=torch.int64)
+                hashes = hash_request_tokens(size.chunk_size, tokens)
+                warm = generate_with_cache(model, engine, tokens, size.max_new_tokens)
+                cold = generate_with_cache(model, None, tokens, size.max_new_tokens)
+                cached_chunks = hashes[: -(-warm.num_cached_tokens // size.chunk_size)]
+                cross = sum(
+                    min(size.chunk_size, warm.num_cached_tokens - i * size.chunk_size)
+                    for i, h in enumerate(cached_chunks) if h not in own_hashes
+                )
+                own_hashes.update(hashes)
+                conn.send({
+                    "event": "result", "worker": worker_id, "id": request["id"],
+                    "prompt_tokens": warm.num_prompt_tokens,
+                    "cached_tokens": warm.num_cached_tokens, "cross_process_tokens": cross,
+                    "ttft_s": warm.ttft_s, "ttft_no_cache_s": cold.ttft_s,
+                    "identical": bool(torch.equal(warm.output_ids, cold.output_ids)),
+                    "max_logit_diff": float((warm.prefill_logits - cold.prefill_logits).abs().max()),
+                })
+            conn.send({"event": "done", "worker": worker_id})
+    finally:
+        engine.close()
+
+
+@contextlib.contextmanager
+def _daemon(socket: str | None, capacity: str, log: Callable[[str], None]) -> Iterator[str]:
+    """Use the daemon at `socket`, or start one on a temp socket and stop it after."""
+    if socket is not None:
+        with Connection(socket, timeout_s=5) as conn:
+            conn.request(Ping())
+        yield socket
+        return
+    log(f"starting a daemon with a {capacity} arena on a temp socket")
+    with temporary_daemon("--capacity", capacity, "--log-level", "WARNING",
+                          name=f"demo-{os.getpid()}") as path:
+        yield path
+
+
+def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None = None,
+             capacity: str = "1GiB", log: Callable[[str], None] = print) -> dict:
+    """Run the demo; print progress and results through `log`; return the summary.
+
+    Raises:
+        ValueError: num_workers < 2 or an unknown size.
+        RuntimeError: the daemon or a worker failed.
+    """
+    if num_workers < 2:
+        raise ValueError("the demo needs at least 2 workers to share prefixes between processes")
+    if size_name not in SIZES:
+        raise ValueError(f"unknown size {size_name!r}; choose from {sorted(SIZES)}")
+    size = SIZES[size_name]
+    started = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="lmcdemo-")
+    ctx = multiprocessing.get_context("spawn")
+    workers, pipes = [], []
+    try:
+        log("training a byte-level BPE tokenizer on Python's documentation topics ...")
+        tokenizer_path = os.path.join(tmp, "tokenizer.json")
+        train_tokenizer(size, tokenizer_path)
+        prompts = build_prompts(size, tokenizer_path, num_workers)
+        with _daemon(socket, capacity, log) as sock:
+            log(f"starting {num_workers} worker processes; each builds a {size.num_layers}-layer "
+                f"Llama (hidden {size.hidden_size}, random weights) ...")
+            for w in range(num_workers):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, name=f"lmcached-demo-worker-{w + 1}",
+                                   args=(w + 1, size, sock, tokenizer_path, child_end), daemon=True)
+                proc.start()
+                workers.append(proc)
+                pipes.append(parent_end)
+            for pipe in pipes:
+                ready = _receive(pipe, workers)
+                log(f"worker {ready['worker']} ready (pid {workers[ready['worker'] - 1].pid}, "
+                    f"model built in {ready['build_s']:.1f} s)")
+            log(f"{'worker':>6} {'request':>8} {'prompt':>7} {'cached':>7} {'cross':>6} "
+                f"{'TTFT ms':>8} {'no-cache':>9} {'same':>5}")
+            results = []
+            for w, pipe in enumerate(pipes):  # worker 1 first: its prefixes are then shared
+                pipe.send(prompts[w])
+                while (message := _receive(pipe, workers))["event"] == "result":
+                    results.append(message)
+                    log(f"{message['worker']:>6} {message['id']:>8} {message['prompt_tokens']:>7} "
+                        f"{message['cached_tokens']:>7} {message['cross_process_tokens']:>6} "
+                        f"{message['ttft_s'] * 1e3:>8.0f} {message['ttft_no_cache_s'] * 1e3:>9.0f} "
+                        f"{'yes' if message['identical'] else 'NO':>5}")
+            for pipe in pipes:
+                pipe.send(None)
+            with Connection(sock) as conn:
+                hello(conn, "lmcached-demo")
+                info = conn.request(Info()).sections
+        summary = _summarize(results, info, num_workers, time.perf_counter() - started)
+        _print_summary(summary, log)
+        return summary
+    finally:
+        for proc in workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _receive(pipe, workers) -> dict:
+    """The next message from a worker; fail clearly if a worker died."""
+    while not pipe.poll(0.5):
+        dead = [p for p in workers if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with status {dead[0].exitcode}")
+    return pipe.recv()
+
+
+def _summarize(results: list[dict], info: dict, num_workers: int, wall_s: float) -> dict:
+    cold = [r["ttft_s"] for r in results if r["cached_tokens"] == 0]
+    warm = [r for r in results if r["cached_tokens"] > 0]
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    cached_tokens = sum(r["cached_tokens"] for r in results)
+    stats = info["stats"]
+    return {
+        "workers": num_workers,
+        "requests": len(results),
+        "ttft_cold_median_s": statistics.median(cold) if cold else None,
+        "ttft_warm_median_s": statistics.median(r["ttft_s"] for r in warm) if warm else None,
+        "ttft_warm_no_cache_median_s": (
+            statistics.median(r["ttft_no_cache_s"] for r in warm) if warm else None
+        ),
+        "cross_process_hit_tokens": sum(r["cross_process_tokens"] for r in results),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "outputs_identical": all(r["identical"] for r in results),
+        "num_identical": sum(r["identical"] for r in results),
+        "max_logit_diff": max(r["max_logit_diff"] for r in results),
+        "daemon": {
+            "hits": stats["hits"], "misses": stats["misses"], "stores": stats["stores"],
+            "evictions": stats["evictions"], "stored_bytes": info["memory"]["stored_bytes"],
+            "stored_human": info["memory"]["stored_human"],
+            "clients_seen": stats["connections_received"],
+        },
+        "wall_s": wall_s,
+        "results": results,
+    }
+
+
+def _print_summary(s: dict, log: Callable[[str], None]) -> None:
+    def ms(value):
+        return "-" if value is None else f"{value * 1e3:.0f} ms"
+
+    speedup = (
+        f"{s['ttft_cold_median_s'] / s['ttft_warm_median_s']:.1f}x"
+        if s["ttft_cold_median_s"] and s["ttft_warm_median_s"] else "-"
+    )
+    d = s["daemon"]
+    log("")
+    log(f"requests                          {s['requests']} on {s['workers']} worker processes")
+    log(f"TTFT cold (no cached prefix)      {ms(s['ttft_cold_median_s'])} median")
+    log(f"TTFT warm (cached prefix)         {ms(s['ttft_warm_median_s'])} median ({speedup} faster; "
+        f"{ms(s['ttft_warm_no_cache_median_s'])} for the same prompts without lmcached)")
+    log(f"cross-process hit tokens          {s['cross_process_hit_tokens']}")
+    log(f"hit rate                          {s['hit_rate'] * 100:.1f}% "
+        f"({s['cached_tokens']} of {s['prompt_tokens']} prompt tokens from the cache)")
+    log(f"outputs identical to no-cache run {'yes' if s['outputs_identical'] else 'NO'} "
+        f"({s['num_identical']}/{s['requests']}; max prefill logit difference "
+        f"{s['max_logit_diff']:.1e})")
+    log(f"daemon                            hits={d['hits']} misses={d['misses']} "
+        f"stores={d['stores']} evictions={d['evictions']} stored={d['stored_human']}")
+    log(f"wall time                         {s['wall_s']:.1f} s")
