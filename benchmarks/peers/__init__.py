@@ -1,0 +1,1 @@
+"""Peer caches measured beside lmcached on the same shapes: Redis and LMCache."""
