@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on these machines' disk; a plain `torch` pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-fast test-vllm demo bench bench-quick clean install-test install-hf
+.PHONY: test test-fast test-vllm bench-vllm demo bench bench-quick clean install-test install-hf
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,10 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed-vllm
 	$(VLLM_PY) -m pytest -m vllm tests/test_vllm_connector.py
 
+## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
+bench-vllm: $(VLLM_VENV)/.installed-vllm
+	$(VLLM_PY) benchmarks/bench_vllm.py --out-dir /tmp/lmcached-bench-vllm
+
 ## make demo: two worker processes running a real transformer share prefixes.
 demo: $(VENV)/.installed-hf
 	$(VENV)/bin/lmcached demo
@@ -72,4 +76,4 @@ bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

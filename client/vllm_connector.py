@@ -1,0 +1,432 @@
+"""vLLM KV connector: every vLLM instance on the node reuses prefixes any of them computed.
+
+Why this file exists: it plugs lmcached into vLLM 0.32.0's KV connector V1 API (the only
+vLLM release this file is written and tested against; `pip install lmcached[vllm]`), and
+it is the only lmcached module that imports vllm. Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "LMCachedConnector",
+        "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": "/run/lmcached/lmcached.sock", "chunk_size": 256}}'
+
+Extra config keys: `socket` (default: that of daemon `name`), `name` ("default"),
+`chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
+in the key namespace; default: vLLM's model path or name), `timeout_s` (5).
+
+One engine step (the scheduler and the workers may be separate processes: they share
+only the pickled metadata, the daemon and its arena)::
+
+    scheduler (EngineCore)                         worker (one per TP rank)
+    get_num_new_matched_tokens: LOOKUP per rank
+    update_state_after_alloc:   ACQUIRE per rank (pins the chunks to load)
+    build_connector_meta: loads + saves  --meta-->  start_load_kv: check record headers,
+                                                      copy blocks in (before the forward)
+                                                    forward
+                                                    wait_for_save: ALLOC, copy the new full
+                                                      chunks' blocks out, COMMIT
+    update_connector_output: RELEASE the   <--out-- loaded steps; failed loads as invalid
+      pins once every rank loaded them                block ids (vLLM recomputes them)
+
+A chunk is `chunk_size` prompt tokens = `chunk_size / block_size` whole vLLM blocks. Its
+record is the layout's header (magic, token ids, fingerprint, checked before every load)
+followed by the blocks' bytes, copied as they lie in the paged cache, layer-major::
+
+    KV bytes of a record: [num_layers][blocks_per_chunk][page_bytes]   (opaque)
+
+so the format of a block (vLLM's CPU backend keeps K transposed per head, GPU backends
+interleave K and V per token) never matters. What does matter is in the namespace: the
+model, vLLM's version, device, KV cache layout, block size, page size, KV dtype, CPU
+attention ISA, TP rank and size; the physical format the worker sees (attention backend,
+per-layer slab shape, strides, dtype) is folded into the record fingerprint on top, so a
+reader with any other format counts a mismatch and recomputes instead of loading it.
+
+Choices (vLLM 0.32.0): loads are synchronous (`load_async=False`: vLLM calls
+`start_load_kv` before the forward pass of the step that scheduled them, so
+`wait_for_layer_load` has nothing to wait for); saves happen once per step in
+`wait_for_save`, after every layer's KV is in the paged cache. The scheduler holds the
+pins on its own daemon session and releases them when the workers report, through
+`KVConnectorOutput.kv_connector_worker_meta`, that the step's loads are done (or when
+the request finishes before its load was sent). A failed load (the worker lost its
+session, the arena was replaced, a record does not match) is reported through
+`get_block_ids_with_load_errors` and recomputed by vLLM (the connector sets
+`kv_load_failure_policy="recompute"`); TP ranks agree on failures (a MIN all-reduce on
+the TP CPU group), and KV computed on top of a failed load is never saved. Not supported (the connector then neither loads nor
+saves): pipeline or context parallelism, hybrid/sliding-window KV cache groups; requests
+with LoRA, multimodal inputs, a cache salt or prompt embeddings are not cached.
+"""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmcached.client.layout import KVLayout
+from lmcached.client.vllm_scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm_worker import LMCachedConnectorWorker
+from lmcached.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class UnsupportedConfig(Exception):
+    """The vLLM configuration is one lmcached cannot cache for (the connector idles)."""
+
+
+# ------------------------------------------------------------------------- metadata
+@dataclasses.dataclass
+class LMCachedConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers (pickled to every worker process)."""
+
+    step: int
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, aggregated over TP ranks by vLLM.
+
+    Attributes:
+        loaded_steps: step -> number of ranks that finished (or failed) its loads.
+        failed_chunks: req_id -> index of the first chunk whose load failed.
+    """
+
+    loaded_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    failed_chunks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "LMCachedWorkerMetadata":
+        loaded = dict(self.loaded_steps)
+        for step, count in other.loaded_steps.items():
+            loaded[step] = loaded.get(step, 0) + count
+        failed = dict(self.failed_chunks)
+        for req_id, chunk in other.failed_chunks.items():
+            failed[req_id] = min(chunk, failed.get(req_id, chunk))
+        return LMCachedWorkerMetadata(loaded, failed)
+
+
+# --------------------------------------------------------------------------- layout
+def namespace_layouts(vllm_config, kv_cache_config, chunk_size: int,
+                      model_name: str | None = None) -> list[KVLayout]:
+    """The KV layout (namespace) of every TP rank, from configuration alone.
+
+    The scheduler and the workers compute the same layouts without seeing the KV
+    tensors, so that both sides address the same namespaces.
+
+    Args:
+        vllm_config: the engine's VllmConfig.
+        kv_cache_config: the engine's KVCacheConfig (one full-attention group).
+        chunk_size: tokens per chunk, a multiple of vLLM's block size.
+        model_name: the model id in the namespace (default: model_config.model).
+
+    Returns:
+        One KVLayout per TP rank (index = rank). Geometry: the spec's heads, head size
+        and dtype when a page is exactly K and V of every head; otherwise uint8 "heads"
+        of page_bytes / (2 * block_size) bytes (the bytes are opaque either way).
+
+    Raises:
+        ValueError: chunk_size is not a positive multiple of the block size.
+        UnsupportedConfig: pipeline/context parallelism or an unsupported KV cache.
+    """
+    parallel = vllm_config.parallel_config
+    for field in ("pipeline_parallel_size", "decode_context_parallel_size",
+                  "prefill_context_parallel_size"):
+        if getattr(parallel, field, 1) != 1:
+            raise UnsupportedConfig(f"{field}={getattr(parallel, field)} (only TP is supported)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedConfig(f"{len(groups)} KV cache groups (hybrid models)")
+    spec = groups[0].kv_cache_spec
+    if (not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None
+            or spec.attention_chunk_size is not None):
+        raise UnsupportedConfig(f"KV cache spec {spec!r} is not plain full attention")
+    block_size = spec.block_size
+    if chunk_size < 1 or chunk_size % block_size:
+        raise ValueError(
+            f"chunk_size {chunk_size} must be a positive multiple of vLLM's block size "
+            f"{block_size}: set kv_connector_extra_config.chunk_size"
+        )
+    page_bytes = spec.page_size_bytes
+    cache_config = vllm_config.cache_config
+    kv_cache_layout = kv_cache_config.kv_cache_layout or cache_config.kv_cache_layout
+    backend = vllm_config.attention_config.backend
+    description = "|".join([
+        model_name or vllm_config.model_config.model,
+        f"vllm-{vllm.__version__}",
+        _device_type(),
+        f"layout={kv_cache_layout}",
+        f"bs={block_size}",
+        f"page={page_bytes}",
+        type(spec).__name__,
+        f"kv={cache_config.cache_dtype}",
+        f"attn={backend.name if backend is not None else 'auto'}",
+        f"isa={_cpu_attention_isa(spec, cache_config.cache_dtype)}",
+    ])
+    num_layers = len(groups[0].layer_names)
+    world_size = parallel.tensor_parallel_size
+    for geometry in _geometries(spec, page_bytes):
+        try:
+            return [KVLayout(description, num_layers, chunk_size=chunk_size, fmt="vllm",
+                             world_size=world_size, worker_id=rank, **geometry)
+                    for rank in range(world_size)]
+        except ValueError as exc:  # e.g. a KV dtype KVLayout has no name for
+            logger.debug("geometry %s refused (%s): trying bytes", geometry, exc)
+    raise UnsupportedConfig(f"no KVLayout describes {page_bytes}-byte pages of {spec!r}")
+
+
+def _geometries(spec, page_bytes: int) -> list[dict]:
+    """KVLayout geometries for pages of `page_bytes`, the most descriptive first."""
+    block_size = spec.block_size
+    geometries = []
+    if (spec.head_size_v == spec.head_size and page_bytes
+            == 2 * block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize):
+        geometries.append(dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                               dtype=spec.dtype))
+    if page_bytes % (2 * block_size) == 0:
+        geometries.append(dict(num_kv_heads=1, head_size=page_bytes // (2 * block_size),
+                               dtype="uint8"))
+    return geometries
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def _cpu_attention_isa(spec, cache_dtype: str) -> str:
+    """The CPU attention kernel's ISA ("vec", "amx", ...): it decides how K is packed."""
+    if _device_type() != "cpu":
+        return "-"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
+    except Exception as exc:  # private helper of 0.32.0; a failure only loses sharing
+        return f"unknown({type(exc).__name__})"
+
+
+class LMCachedConnector(KVConnectorBase_V1):
+    """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
+
+    The hooks delegate to LMCachedConnectorScheduler (client/vllm_scheduler.py) or
+    LMCachedConnectorWorker (client/vllm_worker.py), after vLLM's NixlConnector split.
+
+    Args:
+        vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).
+        role: KVConnectorRole.SCHEDULER or WORKER.
+        kv_cache_config: the engine's KVCacheConfig.
+
+    Raises:
+        ValueError: a bad extra config (e.g. chunk_size not a multiple of the block size).
+
+    Attributes:
+        scheduler_side / worker_side: the state of this role (None for the other role,
+            and for both while the connector is inactive).
+        num_matched_tokens / num_loaded_tokens / num_saved_chunks / num_load_errors:
+            counters of the scheduler (matched) and the worker (loaded, saved, failed).
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.chunk_size = int(transfer.get_from_extra_config("chunk_size", DEFAULT_CHUNK_SIZE))
+        if transfer.kv_load_failure_policy != "recompute":
+            # A best-effort cache: a chunk that cannot be loaded is recomputed, never
+            # a failed request. The scheduler reads the policy after building us.
+            logger.info("lmcached: kv_load_failure_policy %r -> 'recompute'",
+                        transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+        self.scheduler_side: LMCachedConnectorScheduler | None = None
+        self.worker_side: LMCachedConnectorWorker | None = None
+        try:
+            layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
+                                        transfer.get_from_extra_config("namespace", None))
+        except UnsupportedConfig as exc:
+            self._disable(str(exc))
+            return
+        self.settings = ConnectorSettings(
+            layouts=layouts,
+            chunk_size=self.chunk_size,
+            block_size=vllm_config.cache_config.block_size,
+            world_size=vllm_config.parallel_config.tensor_parallel_size,
+            socket=transfer.get_from_extra_config("socket", None),
+            daemon_name=transfer.get_from_extra_config("name", "default"),
+            timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
+        )
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = LMCachedConnectorScheduler(self.settings)
+        else:
+            self.worker_side = LMCachedConnectorWorker(self.settings, _tensor_parallel_rank())
+
+    def _disable(self, reason: str) -> None:
+        logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a dropped save is only a future miss, so vLLM never waits for us."""
+        return False
+
+    @property
+    def num_matched_tokens(self) -> int:
+        return self.scheduler_side.num_matched_tokens if self.scheduler_side else 0
+
+    @property
+    def num_loaded_tokens(self) -> int:
+        return self.worker_side.num_loaded_tokens if self.worker_side else 0
+
+    @property
+    def num_saved_chunks(self) -> int:
+        return self.worker_side.num_saved_chunks if self.worker_side else 0
+
+    @property
+    def num_load_errors(self) -> int:
+        return self.worker_side.num_load_errors if self.worker_side else 0
+
+    # ---------------------------------------------------------------- scheduler
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond vLLM's own hit that lmcached holds (LOOKUP: no pins, no LRU change).
+
+        Args:
+            request: the vLLM Request.
+            num_computed_tokens: vLLM's local prefix-cache hit (block aligned).
+
+        Returns:
+            (num_external_tokens, False): a multiple of the block size (the hit ends on a
+            chunk boundary), leaving at least one prompt token to compute; loads are
+            synchronous. 0 when the daemon is unavailable.
+        """
+        if self.scheduler_side is None:
+            return 0, False
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
+        """This step's loads (allocated this step) and saves (full prompt chunks computed
+        by the end of this step and not stored yet), for every worker."""
+        if self.scheduler_side is None:
+            return LMCachedConnectorMetadata(0)
+        return LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        """Release the pins of steps every rank has loaded; replan saves after failures."""
+        meta = connector_output.kv_connector_worker_meta
+        if self.scheduler_side is not None and isinstance(meta, LMCachedWorkerMetadata):
+            self.scheduler_side.on_worker_report(meta.loaded_steps, meta.failed_chunks)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Forget the request; unpin a load that never reached a step. Blocks are freed
+        at once (saves are synchronous)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.request_finished(request)
+        return False, None
+
+    # ------------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map the paged KV cache (shapes and strides as registered) and attach."""
+        if self.worker_side is None:
+            return
+        group = self._kv_cache_config.kv_cache_groups[0]
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        backends = {}
+        for name in group.layer_names:
+            backend = getattr(forward_context.get(name), "attn_backend", None)
+            backends[name] = backend.get_name() if backend is not None else "?"
+        try:
+            self.worker_side.register(kv_caches, list(group.layer_names), backends,
+                                      group.kv_cache_spec.page_size_bytes)
+        except ValueError as exc:
+            self._disable(str(exc))
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Copy this step's planned chunks into their vLLM blocks (before the forward);
+        TP ranks agree on the first failed chunk of each load."""
+        if self.worker_side is None or not self.has_connector_metadata():
+            return
+        meta: LMCachedConnectorMetadata = self._get_connector_metadata()
+        if meta.loads:
+            agree = _all_ranks_first_failure if self.settings.world_size > 1 else None
+            self.worker_side.load(meta.loads, agree)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv loaded every layer before the forward."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        return self.worker_side.take_load_errors() if self.worker_side else set()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: wait_for_save copies whole blocks once every layer is done."""
+
+    def wait_for_save(self) -> None:
+        """Store this step's new full chunks: one ALLOC and one COMMIT for the step."""
+        if self.worker_side is None or not self.has_connector_metadata():
+            return
+        meta: LMCachedConnectorMetadata = self._get_connector_metadata()
+        if meta.saves:
+            self.worker_side.save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing is asynchronous; forget finished requests' failure epochs."""
+        if self.worker_side is not None:
+            self.worker_side.request_finished(finished_req_ids)
+        return None, None
+
+    def build_connector_worker_meta(self) -> "LMCachedWorkerMetadata | None":
+        """Report this step's loads as done (the scheduler then unpins them)."""
+        if self.worker_side is None or not self.has_connector_metadata():
+            return None
+        meta: LMCachedConnectorMetadata = self._get_connector_metadata()
+        if not meta.loads:
+            return None
+        return LMCachedWorkerMetadata({meta.step: 1}, self.worker_side.take_failed_chunks())
+
+    def shutdown(self) -> None:
+        """Close the sessions (the daemon releases every pin they hold)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+
+
+def _all_ranks_first_failure(failed: list[int]) -> list[int]:
+    """Per load, the first chunk that failed on ANY TP rank (collective on the CPU group).
+
+    Every rank takes part whenever the metadata has loads (identical on all ranks), so
+    all ranks report the same load errors and skip the same saves.
+    """
+    from vllm.distributed.parallel_state import get_tp_group
+
+    big = np.iinfo(np.int64).max
+    flags = torch.tensor([big if f < 0 else f for f in failed], dtype=torch.int64)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN,
+                                 group=get_tp_group().cpu_group)
+    return [-1 if f == big else int(f) for f in flags.tolist()]

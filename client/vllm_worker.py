@@ -1,0 +1,311 @@
+"""The worker side of the vLLM connector: copy whole vLLM blocks between the paged KV
+cache and arena records.
+
+Why this file exists: each vLLM worker (one per TP rank) loads the chunks the scheduler
+planned into its paged KV cache before the forward pass, and stores new full chunks after
+it. The paged cache's format differs between vLLM's CPU backend and its GPU backends, so
+blocks are copied as opaque bytes (`PagedBlocks`) and the physical format is folded into
+each record's fingerprint. vllm-free: the connector passes what it reads from vLLM.
+Split from the connector after vLLM's NixlConnectorWorker / LMCache's worker adapter.
+"""
+
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from lmcached.client.cuda import synchronize_if_cuda
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.records import RecordIO
+from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.logger import init_logger
+from lmcached.protocol import ALLOCATED, Abort, Alloc, Commit, DaemonError
+
+logger = init_logger(__name__)
+
+
+class PagedBlocks:
+    """A worker's paged KV cache as raw bytes per (layer, vLLM block).
+
+    Args:
+        kv_caches: layer name -> that layer's cache, any shape whose dim 0 is the block
+            index and whose other dims are one dense slab per block (true for every
+            layout vLLM 0.32 builds: CPU `[num_blocks, num_kv_heads, block_size,
+            2*head_size]` contiguous, GPU LBNHC views with permuted strides, ...).
+        layer_names: the layers in record order.
+        backend_names: layer name -> attention backend name (for the fingerprint).
+
+    Attributes:
+        page_bytes: bytes of one block of one layer.
+        description: shapes, strides, dtype and backend (the physical format).
+
+    Raises:
+        ValueError: a layer is missing, or its blocks are not dense slabs of equal size.
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
+                 backend_names: dict[str, str]) -> None:
+        self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8
+        parts = []
+        self.page_bytes = None
+        for name in layer_names:
+            if name not in kv_caches:
+                raise ValueError(f"layer {name} has no registered KV cache")
+            tensor = kv_caches[name]
+            page_elems = _dense_slab_elems(tensor)
+            if page_elems is None:
+                raise ValueError(
+                    f"layer {name}: blocks of shape {tuple(tensor.shape)} stride "
+                    f"{tensor.stride()} are not dense slabs"
+                )
+            page_bytes = page_elems * tensor.element_size()
+            if self.page_bytes not in (None, page_bytes):
+                raise ValueError(f"layer {name}: {page_bytes}-byte pages, others {self.page_bytes}")
+            self.page_bytes = page_bytes
+            raw = torch.as_strided(tensor, (tensor.shape[0], page_elems), (tensor.stride(0), 1),
+                                   tensor.storage_offset())
+            self.layers.append(raw.view(torch.uint8))
+            parts.append(f"{backend_names.get(name, '?')}:{tensor.dtype}:"
+                         f"{tuple(tensor.shape[1:])}:{tensor.stride()[1:]}")
+        self.device = self.layers[0].device
+        # numpy views of the CPU cache: per-block np.copyto runs at ~18 GB/s here, against
+        # ~2 GB/s for torch.index_select and 0.2 GB/s for index_copy_ (32 KiB-512 KiB pages).
+        self._numpy = ([layer.numpy() for layer in self.layers]
+                       if self.device.type == "cpu" else None)
+        self.description = ";".join(parts)
+
+    def gather(self, block_ids: list[int], dst: torch.Tensor) -> None:
+        """Copy blocks into a record's KV bytes `dst` (cpu, any dtype, contiguous)."""
+        record = dst.view(torch.uint8).view(len(self.layers), len(block_ids), self.page_bytes)
+        if self._numpy is not None:
+            out = record.numpy()  # [num_layers, blocks_per_chunk, page_bytes] uint8 (arena)
+            for layer, blocks in zip(out, self._numpy):
+                for j, block_id in enumerate(block_ids):
+                    np.copyto(layer[j], blocks[block_id])
+            return
+        for layer, blocks in zip(record, self.layers):
+            for j, block_id in enumerate(block_ids):
+                layer[j].copy_(blocks[block_id], non_blocking=True)
+        synchronize_if_cuda(self.layers[0])
+
+    def scatter(self, src: torch.Tensor, offsets: list[int], block_ids: list[int]) -> None:
+        """Copy a record's blocks at `offsets` into vLLM blocks `block_ids`."""
+        record = src.view(torch.uint8).view(len(self.layers), -1, self.page_bytes)
+        if self._numpy is not None:
+            rec = record.numpy()  # [num_layers, blocks_per_chunk, page_bytes] uint8 (arena)
+            for layer, blocks in zip(rec, self._numpy):
+                for offset, block_id in zip(offsets, block_ids):
+                    np.copyto(blocks[block_id], layer[offset])
+            return
+        for layer, blocks in zip(record, self.layers):
+            for offset, block_id in zip(offsets, block_ids):
+                blocks[block_id].copy_(layer[offset], non_blocking=True)
+        synchronize_if_cuda(self.layers[0])  # done before the pins are released
+
+
+def _dense_slab_elems(tensor: torch.Tensor) -> int | None:
+    """Elements of one block (tensor[i]) if it is a dense slab in some dim order, else None."""
+    if tensor.dim() < 2 or any(s <= 0 for s in tensor.stride()):
+        return None
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape[1:], tensor.stride()[1:]), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return expected
+
+
+class LMCachedConnectorWorker:
+    """Worker-side state of LMCachedConnector for one TP rank.
+
+    Args:
+        settings: the connector's settings.
+        rank: this worker's TP rank (its namespace is settings.layouts[rank]).
+
+    Attributes:
+        num_loaded_tokens / num_saved_chunks / num_load_errors: counters of loads
+            (tokens copied into vLLM blocks), stores (chunks committed) and failed loads
+            (chunks reported to vLLM for recompute).
+    """
+
+    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.num_loaded_tokens = 0
+        self.num_saved_chunks = 0
+        self.num_load_errors = 0
+        self._link: DaemonLink | None = None
+        self._paged: PagedBlocks | None = None
+        self._records: RecordIO | None = None
+        self._fingerprint = 0
+        self._load_errors: set[int] = set()
+        self._failed_chunks: dict[str, int] = {}  # this step's failed loads
+        self._failed_epochs: dict[str, int] = {}  # req_id -> epoch whose load failed
+
+    def register(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
+                 backend_names: dict[str, str], spec_page_bytes: int) -> None:
+        """Map the paged KV cache (shapes and strides as registered) and attach.
+
+        Raises:
+            ValueError: the caches are not dense per-block slabs of `spec_page_bytes`
+                (the connector then idles).
+        """
+        layout = self.settings.layouts[self.rank]
+        paged = PagedBlocks(kv_caches, layer_names, backend_names)
+        if paged.page_bytes != spec_page_bytes:
+            raise ValueError(f"registered pages of {paged.page_bytes} bytes, the spec says "
+                             f"{spec_page_bytes}")
+        self._paged = paged
+        self._fingerprint = xxhash.xxh3_64_intdigest(
+            f"{layout.fingerprint}|{paged.description}".encode())
+        self._link = self.settings.open_link(self.rank, f"vllm-worker(rank {self.rank})")
+        logger.info("lmcached connector: rank %d/%d, %d layers, %d-byte pages, chunk %d tokens",
+                    self.rank, self.settings.world_size, layout.num_layers, paged.page_bytes,
+                    self.settings.chunk_size)
+
+    def _record_io(self) -> tuple[RecordIO, int] | None:
+        """(records of the current arena, its generation), or None if unreachable."""
+        if self._link is None:
+            return None
+        try:
+            hello = self._link.ensure_connected()
+        except CacheUnavailable:
+            return None
+        arena = self._link.arena
+        if self._records is None or self._records.arena is not arena:
+            self._records = RecordIO(arena, self.settings.layouts[self.rank], self._fingerprint)
+        return self._records, hello.generation
+
+    # ------------------------------------------------------------------ loads
+    def load(self, loads: list[LoadSpec],
+             agree: Callable[[list[int]], list[int]] | None = None) -> None:
+        """Copy this step's planned chunks into their vLLM blocks (before the forward).
+
+        Every chunk's record header (hash, token ids, fingerprint) is checked first; a
+        chunk that fails, and every later chunk of its request, become load errors.
+
+        Args:
+            loads: the step's loads.
+            agree: maps this rank's first failed chunk per load (-1: none) to the first
+                failed on any rank (a TP collective); None with a single rank.
+        """
+        failed = [self._load(load) for load in loads]
+        if agree is not None:
+            failed = agree(failed)
+        for load, first_failed in zip(loads, failed):
+            if first_failed < 0:
+                continue
+            for block_ids in load.block_ids[first_failed:]:
+                self._load_errors.update(block_ids)
+            self.num_load_errors += len(load.hashes) - first_failed
+            self._failed_chunks[load.req_id] = load.first_chunk + first_failed
+            self._failed_epochs[load.req_id] = load.epoch
+
+    def _load(self, load: LoadSpec) -> int:
+        """Load one request's chunks; the index of the first that failed, or -1."""
+        opened = self._record_io() if self._paged is not None else None
+        if opened is None:
+            return 0
+        records, generation = opened
+        spans = load.spans[self.rank]
+        if load.generations[self.rank] != generation:
+            return 0  # pinned in another arena generation: those ids mean nothing now
+        chunk = self.settings.chunk_size
+        for i, chunk_hash in enumerate(load.hashes):
+            tokens = load.tokens[i * chunk : (i + 1) * chunk]
+            if i >= len(spans) or not records.verify(spans[i], chunk_hash, tokens,
+                                                     self._fingerprint):
+                return i
+            self._paged.scatter(records.read_kv(spans[i], chunk), load.block_offsets[i],
+                                load.block_ids[i])
+            self.num_loaded_tokens += len(load.block_ids[i]) * self.settings.block_size
+        return -1
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_failed_chunks(self) -> dict[str, int]:
+        """req_id -> first failed chunk of this step's loads (reported to the scheduler)."""
+        failed, self._failed_chunks = self._failed_chunks, {}
+        return failed
+
+    # ------------------------------------------------------------------ saves
+    def save(self, saves: list[SaveSpec]) -> None:
+        """Store this step's new full chunks: one ALLOC and one COMMIT for the step.
+
+        Chunks the daemon already holds are skipped (EXISTS), as are chunks of a
+        request whose load failed in this epoch (their KV attended to bad blocks).
+        """
+        if self._paged is None:
+            return
+        chunk, bpc = self.settings.chunk_size, self.settings.blocks_per_chunk
+        entries, seen = [], set()
+        for save in saves:
+            if self._failed_epochs.get(save.req_id, -1) >= save.epoch:
+                continue
+            for i, chunk_hash in enumerate(save.hashes):
+                if chunk_hash not in seen:
+                    seen.add(chunk_hash)
+                    entries.append((chunk_hash, save.tokens[i * chunk : (i + 1) * chunk],
+                                    save.block_ids[i * bpc : (i + 1) * bpc]))
+        if entries:
+            self._store(entries)
+
+    def _store(self, entries: list[tuple[bytes, np.ndarray, list[int]]]) -> None:
+        layout = self.settings.layouts[self.rank]
+        link = self._link
+        try:
+            with link.lock:
+                opened = self._record_io()
+                if opened is None:
+                    return
+                records, generation = opened
+                record_bytes = layout.record_bytes(self.settings.chunk_size)
+                reply = link.request(Alloc(link.hello_reply.ns,
+                                           b"".join(h for h, _, _ in entries),
+                                           [record_bytes] * len(entries)))
+        except CacheUnavailable:
+            return
+        except DaemonError as exc:
+            logger.warning("ALLOC refused, chunks not stored: %s", exc)
+            return
+        num_blocks = iter(reply.num_blocks)
+        cursor = 0
+        try:
+            for status, (chunk_hash, tokens, block_ids) in zip(reply.status, entries):
+                if status != ALLOCATED:
+                    continue
+                span_len = next(num_blocks)
+                span = reply.block_ids[cursor : cursor + span_len]
+                cursor += span_len
+                records.write_with(span, chunk_hash, tokens,
+                                   lambda dst, ids=block_ids: self._paged.gather(ids, dst))
+                self.num_saved_chunks += 1
+        except BaseException:
+            if reply.block_ids:
+                try:
+                    link.request(Abort(reply.block_ids), generation)
+                except (CacheUnavailable, DaemonError):
+                    pass
+            raise
+        if reply.block_ids:
+            try:
+                link.request(Commit(reply.block_ids), generation)
+            except CacheUnavailable:
+                pass
+            except DaemonError as exc:
+                logger.warning("COMMIT refused, chunks not stored: %s", exc)
+
+    def request_finished(self, req_ids: set[str]) -> None:
+        """Forget finished requests' failure epochs."""
+        for req_id in req_ids:
+            self._failed_epochs.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        """Close the session (the daemon aborts anything it still had allocated)."""
+        if self._link is not None:
+            self._link.close()
+        self._records = None

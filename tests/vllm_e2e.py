@@ -1,0 +1,159 @@
+"""One vLLM (CPU) instance for the end-to-end tests and figures of the lmcached connector.
+
+Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ guard)::
+
+    python tests/vllm_e2e.py build-model DIR
+    python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
+        [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N]
+
+Modes (the result JSON always has "startup_s" and "mode"):
+    outputs: generate() over the prompts, --batch at a time (default: all at once);
+             "outputs" (greedy token ids) and "num_cached_tokens" per prompt (vLLM's
+             local + external prefix hits), "generate_s" and "num_steps" (engine
+             steps) per call, and with --time-hooks "connector_s": time spent inside
+             the connector's hooks per call.
+    ttft:    one generate(max_tokens=1) per prompt, in turn: "ttft_s" per prompt (the
+             wall time of a one-token generate, i.e. the prefill) and "num_cached_tokens".
+Set VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING in the environment.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def build_model(path: str) -> None:
+    """A random-weight Llama (head_size 32: CPU attention needs >= 32), saved without
+    a tokenizer; seeded, so every build is the same model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
+         "get_finished", "get_block_ids_with_load_errors", "build_connector_worker_meta")
+
+
+def time_connector_hooks() -> dict:
+    """Wrap the connector's hooks with timers (in-process mode: both roles live here)."""
+    from lmcached.client import vllm_connector
+
+    spent = {"s": 0.0}
+    for name in HOOKS:
+        inner = getattr(vllm_connector.LMCachedConnector, name)
+
+        def timed(self, *args, _inner=inner, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(self, *args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+
+        setattr(vllm_connector.LMCachedConnector, name, timed)
+    return spent
+
+
+def run(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    hook_time = time_connector_hooks() if args.time_hooks else None
+
+    with open(args.prompts) as f:
+        prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+    kwargs = {}
+    if args.socket:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "LMCachedConnector",
+            "kv_connector_module_path": "lmcached.client.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"socket": args.socket, "chunk_size": args.chunk_size},
+        }
+    start = time.perf_counter()
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              max_model_len=args.max_model_len, seed=0,
+              tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+    result = {"mode": args.mode, "connector": bool(args.socket),
+              "startup_s": round(time.perf_counter() - start, 3)}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            detokenize=False)
+    if args.mode == "ttft":
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        llm.generate([{"prompt_token_ids": [5] * 8}], one, use_tqdm=False)  # warm-up
+        ttft, cached = [], []
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            (out,) = llm.generate([prompt], one, use_tqdm=False)
+            ttft.append(time.perf_counter() - t0)
+            cached.append(out.num_cached_tokens)
+        result.update(ttft_s=ttft, num_cached_tokens=cached)
+    else:
+        engine, steps = llm.llm_engine, {"n": 0}
+        inner_step = engine.step
+
+        def counting_step():
+            steps["n"] += 1
+            return inner_step()
+
+        engine.step = counting_step
+        batch = args.batch or len(prompts)
+        result.update(generate_s=[], num_steps=[], outputs=[], num_cached_tokens=[],
+                      connector_s=[])
+        for first in range(0, len(prompts), batch):
+            steps["n"] = 0
+            if hook_time is not None:
+                hook_time["s"] = 0.0
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts[first : first + batch], params, use_tqdm=False)
+            result["generate_s"].append(time.perf_counter() - t0)
+            if hook_time is not None:
+                result["connector_s"].append(hook_time["s"])
+            result["num_steps"].append(steps["n"])
+            result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
+            result["num_cached_tokens"] += [o.num_cached_tokens for o in outs]
+    del llm
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build-model")
+    build.add_argument("path")
+    gen = sub.add_parser("run")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    gen.add_argument("--out", required=True)
+    gen.add_argument("--socket", help="lmcached socket: enables the connector")
+    gen.add_argument("--chunk-size", type=int, default=256)
+    gen.add_argument("--max-tokens", type=int, default=8)
+    gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="TP workers (needs the default multiprocessing mode)")
+    gen.add_argument("--mode", choices=("outputs", "ttft"), default="outputs")
+    gen.add_argument("--time-hooks", action="store_true",
+                     help="time the connector's hooks (in-process mode only)")
+    gen.add_argument("--batch", type=int, default=0,
+                     help="prompts per generate() call (default: all in one)")
+    args = parser.parse_args()
+    if args.command == "build-model":
+        build_model(args.path)
+        return 0
+    result = run(args)
+    result["pid"] = os.getpid()
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
