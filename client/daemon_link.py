@@ -13,7 +13,7 @@ from typing import Callable
 
 from lmcached.config import default_socket_path
 from lmcached.logger import init_logger
-from lmcached.protocol import Connection, DaemonError, HelloReply, Layout, hello
+from lmcached.protocol import Abort, Commit, Connection, DaemonError, HelloReply, Layout, hello
 from lmcached.shm.arena import Arena
 
 logger = init_logger(__name__)
@@ -176,6 +176,44 @@ class DaemonLink:
             except (OSError, ConnectionError, TimeoutError) as exc:
                 self.mark_down(f"{type(exc).__name__}: {exc}")
                 raise CacheUnavailable(str(exc)) from None
+
+    def fill_and_commit(self, block_ids: list[int], generation: int,
+                        fill: Callable[[], None]) -> bool:
+        """Fill blocks this session ALLOCated with `fill()`, then COMMIT them (DESIGN.md:
+        WRITING -> READY); ABORT them if `fill` raises, so no half-written record is ever
+        readable.
+
+        Args:
+            block_ids: the ALLOC reply's block ids (may be empty: nothing to commit).
+            generation: the arena generation they were allocated in.
+            fill: copies the records' bytes into the blocks.
+
+        Returns:
+            True once committed; False when the daemon is gone or refused the COMMIT
+            (logged): the chunks are then simply not stored.
+
+        Raises:
+            Whatever `fill` raises, after the ABORT.
+        """
+        try:
+            fill()
+        except BaseException:
+            if block_ids:
+                try:
+                    self.request(Abort(block_ids), generation)
+                except (CacheUnavailable, DaemonError):
+                    pass  # the session's end aborts them anyway
+            raise
+        if not block_ids:
+            return True
+        try:
+            self.request(Commit(block_ids), generation)
+        except CacheUnavailable:
+            return False
+        except DaemonError as exc:
+            logger.warning("COMMIT refused, chunks not stored: %s", exc)
+            return False
+        return True
 
     def close(self) -> None:
         """End the session (the daemon releases its pins) and unmap the arena."""

@@ -35,10 +35,8 @@ from lmcached.logger import init_logger
 from lmcached.protocol import (
     ALLOCATED,
     NOSPACE,
-    Abort,
     Acquire,
     Alloc,
-    Commit,
     DaemonError,
     Lookup,
     Release,
@@ -272,24 +270,13 @@ class CacheEngine:
             writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:end],
                                             source, start - kv_start, end - kv_start))
         written = len(writes)
-        try:
+
+        def fill() -> None:
             self.copier.run(writes)
             synchronize_if_cuda(source.any_tensor)  # device-to-host copies done before COMMIT
-        except BaseException:
-            if reply.block_ids:
-                try:
-                    link.request(Abort(reply.block_ids), generation)
-                except (CacheUnavailable, DaemonError):
-                    pass
-            raise
-        if reply.block_ids:
-            try:
-                link.request(Commit(reply.block_ids), generation)
-            except CacheUnavailable:
-                return 0
-            except DaemonError as exc:
-                logger.warning("COMMIT refused, chunks not stored: %s", exc)
-                return 0
+
+        if not link.fill_and_commit(reply.block_ids, generation, fill):
+            return 0
         num_nospace = reply.status.count(NOSPACE)
         if num_nospace:
             logger.debug(

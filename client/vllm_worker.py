@@ -20,7 +20,7 @@ from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
-from lmcached.protocol import ALLOCATED, Abort, Alloc, Commit, DaemonError
+from lmcached.protocol import ALLOCATED, Alloc, DaemonError
 
 logger = init_logger(__name__)
 
@@ -274,30 +274,22 @@ class LMCachedConnectorWorker:
             return
         num_blocks = iter(reply.num_blocks)
         cursor = 0
-        try:
-            for status, (chunk_hash, tokens, block_ids) in zip(reply.status, entries):
-                if status != ALLOCATED:
-                    continue
-                span_len = next(num_blocks)
-                span = reply.block_ids[cursor : cursor + span_len]
-                cursor += span_len
+        writes = []
+        for status, (chunk_hash, tokens, block_ids) in zip(reply.status, entries):
+            if status != ALLOCATED:
+                continue
+            span_len = next(num_blocks)
+            writes.append((reply.block_ids[cursor : cursor + span_len], chunk_hash, tokens,
+                           block_ids))
+            cursor += span_len
+
+        def fill() -> None:
+            for span, chunk_hash, tokens, block_ids in writes:
                 records.write_with(span, chunk_hash, tokens,
                                    lambda dst, ids=block_ids: self._paged.gather(ids, dst))
-                self.num_saved_chunks += 1
-        except BaseException:
-            if reply.block_ids:
-                try:
-                    link.request(Abort(reply.block_ids), generation)
-                except (CacheUnavailable, DaemonError):
-                    pass
-            raise
-        if reply.block_ids:
-            try:
-                link.request(Commit(reply.block_ids), generation)
-            except CacheUnavailable:
-                pass
-            except DaemonError as exc:
-                logger.warning("COMMIT refused, chunks not stored: %s", exc)
+
+        if link.fill_and_commit(reply.block_ids, generation, fill):
+            self.num_saved_chunks += len(writes)
 
     def request_finished(self, req_ids: set[str]) -> None:
         """Forget finished requests' failure epochs."""
