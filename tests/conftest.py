@@ -13,6 +13,7 @@ import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
+from lmcached.protocol import Connection, Info
 from lmcached.shm.arena import list_segments
 
 SEGMENT_LEAK_DEADLINE_S = 10.0
@@ -75,6 +76,12 @@ class DaemonProcess:
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM, wait; SIGKILL by pid if it does not stop. Returns the exit status."""
         return stop_daemon(self.proc, timeout_s)
+
+    def info(self) -> dict:
+        """Every INFO field of every section, flattened into one dict."""
+        with Connection(self.socket) as conn:
+            sections = conn.request(Info()).sections
+        return {k: v for fields in sections.values() for k, v in fields.items()}
 
 
 def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None) -> DaemonProcess:

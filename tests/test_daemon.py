@@ -25,7 +25,6 @@ from lmcached.protocol import (
     Evict,
     Get,
     Hello,
-    Info,
     Layout,
     Lookup,
     Ping,
@@ -50,12 +49,6 @@ def connect(daemon, layout: Layout | None = LAYOUT):
     conn = Connection(daemon.socket)
     reply = hello(conn, "test", layout)
     return conn, reply
-
-
-def info(daemon) -> dict:
-    with Connection(daemon.socket) as conn:
-        sections = conn.request(Info()).sections
-    return {k: v for fields in sections.values() for k, v in fields.items()}
 
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
@@ -93,18 +86,18 @@ def test_chunk_life_cycle_alloc_commit_lookup_acquire_release(daemon):
     reply = conn.request(Alloc(ns, hashes(1, 2, 3), [MiB, MiB, 5]))
     assert reply.status == [ALLOCATED] * 3 and reply.num_blocks == [1, 1, 1]
     assert conn.request(Lookup(ns, hashes(1, 2, 3))).num_chunks == 0  # WRITING is invisible
-    assert info(daemon)["writing_blocks"] == 3
+    assert daemon.info()["writing_blocks"] == 3
     conn.request(Commit(reply.block_ids))
     assert conn.request(Lookup(ns, hashes(1, 2, 3, 4))).num_chunks == 3
     acquired = conn.request(Acquire(ns, hashes(1, 2, 4, 3)))
     assert acquired.block_ids == reply.block_ids[:2]
     assert acquired.nbytes == [MiB, MiB]
-    fields = info(daemon)
+    fields = daemon.info()
     assert fields["pinned_blocks"] == 2 and fields["cached_blocks"] == 3
     assert fields["hits"] == 2 and fields["misses"] == 2 and fields["stores"] == 3
     assert fields["stored_bytes"] == 2 * MiB + 5
     conn.request(Release(acquired.block_ids))
-    assert info(daemon)["pinned_blocks"] == 0
+    assert daemon.info()["pinned_blocks"] == 0
     again = conn.request(Alloc(ns, hashes(1, 2, 3, 4), [MiB] * 4))
     assert again.status == [EXISTS, EXISTS, EXISTS, ALLOCATED]
     conn.request(Abort(again.block_ids))
@@ -133,7 +126,7 @@ def test_misuse_gets_error_replies_and_daemon_serves_on(daemon):
             fresh.request(Lookup(1, hashes(1)))
         with pytest.raises(DaemonError, match="version"):
             fresh.request(Hello(999, os.getpid(), "future"))
-    fields = info(daemon)
+    fields = daemon.info()
     assert fields["errors_not_owner"] == 2 and fields["errors_bad_request"] == 3
     assert fields["errors_bad_namespace"] == 1 and fields["errors_version"] == 1
     conn.close()
@@ -168,7 +161,7 @@ def test_alloc_evicts_lru_then_answers_nospace(daemon_factory):
     conn.request(Release(conn.request(Acquire(ns, hashes(0, 1))).block_ids))
     store_chunks(conn, ns, [100, 101], MiB)
     assert conn.request(Lookup(ns, hashes(0, 1))).num_chunks == 2
-    fields = info(daemon)
+    fields = daemon.info()
     assert fields["evictions"] == 2 and fields["cached_values"] == 7
     pins = conn.request(Acquire(ns, hashes(0, 1)))
     pins2 = conn.request(Acquire(ns, hashes(100, 101)))
@@ -215,7 +208,7 @@ def test_put_get_delete_scan_by_string_key(daemon):
     second = conn.request(Put(ns, "req-1", 2 * MiB))  # replaces on commit
     conn.request(Commit(second.block_ids))
     assert conn.request(Get(ns, "req-1")).block_ids == second.block_ids
-    assert info(daemon)["detached_blocks"] == 1  # the old value, still pinned by us
+    assert daemon.info()["detached_blocks"] == 1  # the old value, still pinned by us
     conn.request(Release(got.block_ids))
     conn.request(Release(second.block_ids))
     conn.request(Commit(conn.request(Put(ns, "req-2", 10)).block_ids))
@@ -266,13 +259,13 @@ def test_sigkilled_client_releases_its_pins_and_writing_blocks(daemon):
     )
     try:
         assert child.stdout.readline().strip() == "holding"
-        fields = info(daemon)
+        fields = daemon.info()
         assert fields["pinned_blocks"] == 3 and fields["writing_blocks"] == 2
         assert fields["connected_clients"] == 3  # us, the child, and info()'s connection
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
-        wait_for(lambda: info(daemon)["connected_clients"] == 2, what="session to end")
-        fields = info(daemon)
+        wait_for(lambda: daemon.info()["connected_clients"] == 2, what="session to end")
+        fields = daemon.info()
         assert fields["pinned_blocks"] == 0 and fields["writing_blocks"] == 0
         # Every block is reusable again: the whole arena can be allocated.
         total = hello_reply.num_blocks
@@ -347,4 +340,4 @@ def test_peer_of_another_uid_is_refused(daemon):
         pytest.skip("needs root to run a client as another uid")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "refused" in out.stdout, out.stdout + out.stderr
-    assert info(daemon)["errors_unauthorized"] == 1
+    assert daemon.info()["errors_unauthorized"] == 1

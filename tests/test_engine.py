@@ -8,7 +8,6 @@ import torch
 
 from lmcached.client import CacheEngine, CacheEngineBuilder, KVLayout, hash_request_tokens
 from lmcached.client.layout import RECORD_HEADER_BYTES
-from lmcached.protocol import Connection, Info
 
 CHUNK = 16
 
@@ -22,12 +21,6 @@ def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = layout.chunk_shape(num_tokens)
     return torch.randn(shape, generator=gen).to(layout.torch_dtype)
-
-
-def daemon_info(daemon) -> dict:
-    with Connection(daemon.socket) as conn:
-        sections = conn.request(Info()).sections
-    return {k: v for fields in sections.values() for k, v in fields.items()}
 
 
 @pytest.fixture
@@ -169,7 +162,7 @@ def test_bad_kv_inputs_raise_and_store_nothing(engine, daemon):
         engine.store(torch.zeros(32), make_kv(engine.layout, 32))
     with pytest.raises(TypeError, match="kv must be"):
         engine.store(tokens, "kv")
-    assert daemon_info(daemon)["cached_blocks"] == 0
+    assert daemon.info()["cached_blocks"] == 0
 
 
 def test_hit_counters_and_hit_rate(engine):
@@ -203,14 +196,14 @@ def test_retrieve_views_are_zero_copy_and_pinned_until_exit(engine, daemon):
     arena = engine.link.arena
     with engine.retrieve_views(torch.arange(40)) as views:
         assert views.num_tokens == 40 and len(views.chunks) == 3
-        assert daemon_info(daemon)["pinned_blocks"] == 3
+        assert daemon.info()["pinned_blocks"] == 3
         for i, (chunk, block_id) in enumerate(zip(views.chunks, views.block_ids)):
             expected_ptr = (arena.block_view(block_id).data_ptr()
                             + engine.layout.kv_offset)
             assert chunk.data_ptr() == expected_ptr
             assert torch.equal(chunk, kv[:, :, 16 * i : 16 * (i + 1)])
         assert torch.equal(views.layer(1)[0], kv[1, :, :16])
-    assert daemon_info(daemon)["pinned_blocks"] == 0
+    assert daemon.info()["pinned_blocks"] == 0
     with pytest.raises(RuntimeError, match="released"):
         views.chunks
 
@@ -227,7 +220,7 @@ def test_a_corrupted_record_is_a_counted_miss_never_wrong_kv(engine, daemon):
     got, ret_mask = engine.retrieve(tokens, return_tuple=False)
     assert got.shape[2] == 16 and int(ret_mask.sum()) == 16
     assert engine.num_verify_failures == 1
-    assert daemon_info(daemon)["pinned_blocks"] == 0
+    assert daemon.info()["pinned_blocks"] == 0
 
 
 def test_store_when_full_stores_what_fits(daemon_factory):

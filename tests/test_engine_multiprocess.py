@@ -13,7 +13,6 @@ import torch
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
-from lmcached.protocol import Connection, Info
 from lmcached.shm.arena import list_segments
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
@@ -26,18 +25,12 @@ def run_worker(*args, env=None, timeout_s: float = 120) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def info(socket: str) -> dict:
-    with Connection(socket) as conn:
-        sections = conn.request(Info()).sections
-    return {k: v for fields in sections.values() for k, v in fields.items()}
-
-
 @pytest.mark.slow
 def test_one_process_stores_two_others_retrieve_the_same_bytes(daemon):
     assert run_worker("store", daemon.socket, 0, 100, 0, 1) == {"stored": 7}
     for _ in range(2):  # processes B and C
         assert run_worker("retrieve", daemon.socket, 0, 100, 0, 1) == {"hit": 100, "mismatches": 0}
-    fields = info(daemon.socket)
+    fields = daemon.info()
     assert fields["hits"] == 14 and fields["stores"] == 7
 
 
@@ -85,7 +78,7 @@ def test_stress_four_processes_small_arena_every_byte_checked(daemon_factory):
     assert sum(r["mismatches"] for r in results) == 0
     assert sum(r["retrieves"] + r["views"] for r in results) > 40
     assert sum(r["hit_tokens"] for r in results) > 0
-    fields = info(daemon.socket)
+    fields = daemon.info()
     assert fields["evictions"] > 0
     assert fields["pinned_blocks"] == 0 and fields["writing_blocks"] == 0
     assert fields["errors"] == 0
