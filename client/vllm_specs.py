@@ -7,12 +7,14 @@ client/vllm_connector.py imports vllm); what they exchange is defined here.
 """
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
 from lmcached.logger import init_logger
+from lmcached.shm.arena import Arena
 from lmcached.protocol import DaemonError
 
 logger = init_logger(__name__)
@@ -44,10 +46,17 @@ class ConnectorSettings:
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
 
-    def open_link(self, rank: int, client_name: str) -> DaemonLink:
-        """A daemon session in rank `rank`'s namespace; marked down (misses) if unreachable."""
+    def open_link(self, rank: int, client_name: str,
+                  on_attach: Callable[[Arena], object] | None = None,
+                  on_detach: Callable[[Arena], object] | None = None) -> DaemonLink:
+        """A daemon session in rank `rank`'s namespace; marked down (misses) if unreachable.
+
+        `on_attach` / `on_detach` are called with each arena the session maps / unmaps
+        (e.g. to page-lock it for CUDA copies).
+        """
         link = DaemonLink(self.socket, self.daemon_name, self.layouts[rank].to_wire(),
                           self.timeout_s, client_name)
+        link.on_attach, link.on_detach = on_attach, on_detach
         try:
             link.connect()
         except (OSError, DaemonError) as exc:

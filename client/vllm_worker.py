@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from lmcached.client.cuda import synchronize_if_cuda
+from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister_arena
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
@@ -159,7 +159,11 @@ class LMCachedConnectorWorker:
         self._paged = paged
         self._fingerprint = xxhash.xxh3_64_intdigest(
             f"{layout.fingerprint}|{paged.description}".encode())
-        self._link = self.settings.open_link(self.rank, f"vllm-worker(rank {self.rank})")
+        # GPU blocks: page-lock the arena so copies run at pinned-memory speed (the
+        # engine's cuda_register path); CPU blocks need nothing.
+        hooks = (register_arena, unregister_arena) if paged.device.type == "cuda" else ()
+        self._link = self.settings.open_link(self.rank, f"vllm-worker(rank {self.rank})",
+                                             *hooks)
         logger.info("lmcached connector: rank %d/%d, %d layers, %d-byte pages, chunk %d tokens",
                     self.rank, self.settings.world_size, layout.num_layers, paged.page_bytes,
                     self.settings.chunk_size)

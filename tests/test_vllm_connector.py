@@ -51,7 +51,7 @@ from lmcached.client.vllm_connector import (  # noqa: E402
     LMCachedConnectorMetadata,
     namespace_layouts,
 )
-from lmcached.protocol import Clients, Connection, Info  # noqa: E402
+from lmcached.protocol import Clients, Connection  # noqa: E402
 
 BLOCK = 16
 CHUNK = 32
@@ -241,12 +241,6 @@ def engine_factory(model_dir, daemon):
         engine.close()
 
 
-def daemon_stats(daemon) -> dict:
-    with Connection(daemon.socket) as conn:
-        sections = conn.request(Info()).sections
-    return {k: v for fields in sections.values() for k, v in fields.items()}
-
-
 def cli_info_stats(daemon) -> list[str]:
     """`lmcached info stats` as its user sees it: `field:value` lines."""
     proc = subprocess.run([sys.executable, "-m", "lmcached.cli", "info", "stats",
@@ -273,7 +267,7 @@ def test_first_instance_saves_full_prompt_chunks(engine_factory, daemon):
     saved = [len(save.hashes) for meta in metas for save in meta.saves]
     assert saved == [3]  # 100 tokens: 3 full chunks of 32, in the prefill step
     assert engine.worker.num_saved_chunks == 3
-    assert daemon_stats(daemon)["stores"] == 3
+    assert daemon.info()["stores"] == 3
     assert not any(meta.loads for meta in metas)
 
 
@@ -300,7 +294,7 @@ def test_second_instance_loads_the_shared_prefix(engine_factory, daemon):
     assert second.worker.num_loaded_tokens == 64
     second.run()
     assert request.is_finished()
-    assert daemon_stats(daemon)["hits"] == 2  # chunks acquired
+    assert daemon.info()["hits"] == 2  # chunks acquired
 
 
 @pytest.mark.parametrize("num_tokens, expected", [(64, 32), (65, 64), (96, 64), (100, 96)])
@@ -351,11 +345,11 @@ def test_lookup_has_no_side_effects(engine_factory, daemon):
     first = engine_factory()
     first.add(tokens)
     first.run()
-    before = daemon_stats(daemon)
+    before = daemon.info()
     second = engine_factory()
     for _ in range(3):
         assert second.connector.get_num_new_matched_tokens(create_request(tokens), 0) == (96, False)
-    after = daemon_stats(daemon)
+    after = daemon.info()
     assert pinned_blocks(daemon) == 0
     assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
 
@@ -576,13 +570,13 @@ def test_second_vllm_instance_hits_what_the_first_stored(e2e, daemon_factory, mu
     first = run_instance(e2e["tmp"], f"a-{tag}", e2e["model"], e2e["a"], daemon.socket,
                          multiprocessing)
     assert first["num_cached_tokens"] == [0] * NUM_PROMPTS
-    assert daemon_stats(daemon)["stores"] == NUM_PROMPTS * 2
+    assert daemon.info()["stores"] == NUM_PROMPTS * 2
     second = run_instance(e2e["tmp"], f"b-{tag}", e2e["model"], e2e["b"], daemon.socket,
                           multiprocessing)
     # B is a fresh instance: every cached token came from lmcached.
     assert second["num_cached_tokens"] == [512] * NUM_PROMPTS
     assert second["outputs"] == e2e["reference"]  # greedy, identical to computing it all
-    stats = daemon_stats(daemon)
+    stats = daemon.info()
     assert (stats["hits"], stats["stores"]) == (NUM_PROMPTS * 2, NUM_PROMPTS * 2)
     assert f"hits:{NUM_PROMPTS * 2}" in cli_info_stats(daemon)
     assert "ended holding" not in daemon.log()  # the connector released its own pins
@@ -595,10 +589,10 @@ def test_tensor_parallel_ranks_share_through_their_own_namespaces(e2e, daemon_fa
     daemon = daemon_factory("--capacity", "256MiB")
     run_instance(e2e["tmp"], "a-tp2", e2e["model"], e2e["a"], daemon.socket,
                  multiprocessing=True, tensor_parallel_size=2)
-    assert daemon_stats(daemon)["stores"] == 2 * NUM_PROMPTS * 2  # each rank its own chunks
+    assert daemon.info()["stores"] == 2 * NUM_PROMPTS * 2  # each rank its own chunks
     second = run_instance(e2e["tmp"], "b-tp2", e2e["model"], e2e["b"], daemon.socket,
                           multiprocessing=True, tensor_parallel_size=2)
     assert second["num_cached_tokens"] == [512] * NUM_PROMPTS
     assert second["outputs"] == e2e["reference"]
-    assert daemon_stats(daemon)["hits"] == 2 * NUM_PROMPTS * 2
+    assert daemon.info()["hits"] == 2 * NUM_PROMPTS * 2
     assert "ended holding" not in daemon.log()  # pins released once both ranks loaded

@@ -1,14 +1,20 @@
-"""PagedBlocks (the vLLM connector's worker side) without vLLM: paged KV caches in the
-layouts vLLM's backends register, copied block by block into arena records and back.
+"""The vLLM connector's worker side without vLLM: paged KV caches in the layouts vLLM's
+backends register, copied block by block into arena records and back (PagedBlocks), and
+LMCachedConnectorWorker's save -> load round trip through a real daemon.
 
 Runs everywhere on CPU; the CUDA cases run where a device is present (`pytest -m cuda`).
 """
 
+import numpy as np
 import pytest
 import torch
 
+from lmcached.client.daemon_link import DaemonLink
+from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm_worker import PagedBlocks
+from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm_worker import LMCachedConnectorWorker, PagedBlocks
+from lmcached.protocol import Acquire, Release
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 16, 2, 32
 LAYERS = ["layer.0", "layer.1", "layer.2"]
@@ -111,3 +117,72 @@ def test_the_physical_format_is_part_of_the_description():
     c = PagedBlocks({"l": cpu_layout_cache("cpu")}, ["l"], {"l": "FLASH_ATTN"})
     assert a.page_bytes == b.page_bytes == c.page_bytes
     assert len({a.description, b.description, c.description}) == 3
+
+
+# ------------------------------------------------------------ LMCachedConnectorWorker
+CHUNK = 2 * BLOCK_SIZE  # 2 vLLM blocks per chunk
+
+
+def worker_settings(socket: str, page_bytes: int) -> ConnectorSettings:
+    layout = KVLayout("worker-test", num_layers=len(LAYERS), num_kv_heads=1,
+                      head_size=page_bytes // (2 * BLOCK_SIZE), dtype="uint8",
+                      chunk_size=CHUNK, fmt="vllm")
+    return ConnectorSettings(layouts=[layout], chunk_size=CHUNK, block_size=BLOCK_SIZE,
+                             world_size=1, socket=socket, daemon_name="unused", timeout_s=5.0)
+
+
+def registered_worker(settings: ConnectorSettings, caches: dict) -> LMCachedConnectorWorker:
+    worker = LMCachedConnectorWorker(settings, rank=0)
+    worker.register(caches, LAYERS, {}, page_bytes_of(caches[LAYERS[0]]))
+    return worker
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_saved_prompt_loads_into_another_workers_blocks(daemon, device):
+    caches_a = {name: cpu_layout_cache(device) for name in LAYERS}
+    caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
+    settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
+    tokens = np.arange(100, 100 + 2 * CHUNK, dtype=np.int64)
+    hashes = hash_request_tokens(CHUNK, tokens)
+    first, second = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
+    pins = DaemonLink(daemon.socket, layout=settings.layouts[0].to_wire())
+    try:
+        first.save([SaveSpec("a", 0, tokens, hashes, block_ids=[3, 5, 7, 9])])
+        assert first.num_saved_chunks == 2 and daemon.info()["stores"] == 2
+        # the scheduler's part: pin both chunks, plan a load into blocks 1, 2 and 4, 6
+        acquired = pins.request(Acquire(pins.ensure_connected().ns, b"".join(hashes)))
+        spans = [acquired.block_ids[:acquired.num_blocks[0]],
+                 acquired.block_ids[acquired.num_blocks[0]:]]
+        generation = pins.hello_reply.generation
+
+        def plan(req_tokens):
+            return LoadSpec("b", 0, 0, req_tokens, hashes, [spans], [generation],
+                            [[0, 1], [0, 1]], [[1, 2], [4, 6]])
+
+        second.load([plan(tokens)])
+        assert second.take_load_errors() == set() and second.num_loaded_tokens == 2 * CHUNK
+        for name in LAYERS:
+            for dst, src in ((1, 3), (2, 5), (4, 7), (6, 9)):
+                assert raw_block(caches_b[name], dst) == raw_block(caches_a[name], src)
+        # a record whose token ids differ from the request's is never loaded
+        second.load([plan(tokens + 1)])
+        assert second.take_load_errors() == {1, 2, 4, 6} and second.num_load_errors == 2
+        assert second.take_failed_chunks() == {"b": 0}
+        pins.request(Release(list(acquired.block_ids)))
+    finally:
+        pins.close()
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_worker_without_a_daemon_saves_nothing_and_fails_its_loads(short_tmp):
+    caches = {name: cpu_layout_cache("cpu") for name in LAYERS}
+    settings = worker_settings(f"{short_tmp}/nobody.sock", page_bytes_of(caches[LAYERS[0]]))
+    worker = registered_worker(settings, caches)
+    tokens = np.arange(CHUNK, dtype=np.int64)
+    hashes = hash_request_tokens(CHUNK, tokens)
+    worker.save([SaveSpec("a", 0, tokens, hashes, block_ids=[0, 1])])
+    worker.load([LoadSpec("a", 0, 0, tokens, hashes, [[[0]]], [1], [[0, 1]], [[2, 3]])])
+    assert worker.num_saved_chunks == 0
+    assert worker.take_load_errors() == {2, 3}  # vLLM recomputes them
+    worker.shutdown()
