@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import tempfile
 import time
 
 import psutil
+
+from lmcached.launcher import stop_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_VENV = os.environ.get("LMCACHE_VENV", "/tmp/lmcache-venv")
@@ -160,12 +161,7 @@ def _stop_tree(proc: subprocess.Popen) -> None:
         children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         children = []
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_daemon(proc, timeout_s=30)  # SIGTERM, then SIGKILL by pid
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()

@@ -30,6 +30,7 @@ import torch
 
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.layout import KVLayout
+from lmcached.launcher import stop_daemon
 
 BATCH_BYTES = 512 << 20
 START_TIMEOUT_S = 20.0
@@ -79,13 +80,7 @@ def _stop(proc: subprocess.Popen, pidfile: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         with open(pidfile) as f:
             pids.add(int(f.read().strip()))
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_daemon(proc, timeout_s=15)  # SIGTERM, then SIGKILL by pid
     for pid in pids - {proc.pid}:  # only if redis forked itself (it should not: no daemonize)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
