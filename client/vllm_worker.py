@@ -76,7 +76,9 @@ class PagedBlocks:
         self.description = ";".join(parts)
 
     def gather(self, block_ids: list[int], dst: torch.Tensor) -> None:
-        """Copy blocks into a record's KV bytes `dst` (cpu, any dtype, contiguous)."""
+        """Copy blocks into a record's KV bytes `dst` (cpu, any dtype, contiguous).
+
+        On a GPU the copies are only queued: call wait() before the bytes are used."""
         record = dst.view(torch.uint8).view(len(self.layers), len(block_ids), self.page_bytes)
         if self._numpy is not None:
             out = record.numpy()  # [num_layers, blocks_per_chunk, page_bytes] uint8 (arena)
@@ -84,13 +86,19 @@ class PagedBlocks:
                 for j, block_id in enumerate(block_ids):
                     np.copyto(layer[j], blocks[block_id])
             return
-        for layer, blocks in zip(record, self.layers):
-            for j, block_id in enumerate(block_ids):
-                layer[j].copy_(blocks[block_id], non_blocking=True)
-        synchronize_if_cuda(self.layers[0])
+        # GPU: one index_select per layer into a device staging buffer, then one copy of
+        # the whole record (DMA when the arena is page-locked), instead of one small
+        # copy per (layer, block). Queued only: wait() before the record is committed.
+        staging = torch.empty(record.shape, dtype=torch.uint8, device=self.device)
+        index = self._device_index(block_ids)
+        for layer, blocks in zip(staging, self.layers):
+            torch.index_select(blocks, 0, index, out=layer)
+        record.copy_(staging, non_blocking=True)
 
     def scatter(self, src: torch.Tensor, offsets: list[int], block_ids: list[int]) -> None:
-        """Copy a record's blocks at `offsets` into vLLM blocks `block_ids`."""
+        """Copy a record's blocks at `offsets` into vLLM blocks `block_ids`.
+
+        On a GPU the copies are only queued: call wait() before `src` may change."""
         record = src.view(torch.uint8).view(len(self.layers), -1, self.page_bytes)
         if self._numpy is not None:
             rec = record.numpy()  # [num_layers, blocks_per_chunk, page_bytes] uint8 (arena)
@@ -98,10 +106,23 @@ class PagedBlocks:
                 for offset, block_id in zip(offsets, block_ids):
                     np.copyto(blocks[block_id], layer[offset])
             return
-        for layer, blocks in zip(record, self.layers):
-            for offset, block_id in zip(offsets, block_ids):
-                blocks[block_id].copy_(layer[offset], non_blocking=True)
-        synchronize_if_cuda(self.layers[0])  # done before the pins are released
+        # GPU: the record to the device in one copy, then one index_copy_ per layer.
+        # Queued only: wait() before the record's pins are released.
+        staging = record.to(self.device, non_blocking=True)
+        if list(offsets) != list(range(staging.shape[1])):
+            staging = staging[:, self._device_index(offsets)]
+        index = self._device_index(block_ids)
+        for layer, blocks in zip(staging, self.layers):
+            blocks.index_copy_(0, index, layer)
+
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        """int64 `[len(ids)]` on the cache's device, copied without a stream sync (a copy
+        from pageable memory would wait for every queued copy first)."""
+        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+
+    def wait(self) -> None:
+        """Wait for the queued GPU copies of gather/scatter (no-op on CPU: they are done)."""
+        synchronize_if_cuda(self.layers[0])
 
 
 def _dense_slab_elems(tensor: torch.Tensor) -> int | None:
@@ -195,6 +216,8 @@ class LMCachedConnectorWorker:
                 failed on any rank (a TP collective); None with a single rank.
         """
         failed = [self._load(load) for load in loads]
+        if self._paged is not None:
+            self._paged.wait()  # every scatter done before the scheduler releases the pins
         if agree is not None:
             failed = agree(failed)
         for load, first_failed in zip(loads, failed):
@@ -287,10 +310,16 @@ class LMCachedConnectorWorker:
                            block_ids))
             cursor += span_len
 
+        def gather_into(dst: torch.Tensor, ids: list[int], span: list[int]) -> None:
+            self._paged.gather(ids, dst)
+            if len(span) > 1:  # dst is a temporary buffer, copied into the blocks next
+                self._paged.wait()
+
         def fill() -> None:
             for span, chunk_hash, tokens, block_ids in writes:
                 records.write_with(span, chunk_hash, tokens,
-                                   lambda dst, ids=block_ids: self._paged.gather(ids, dst))
+                                   lambda dst, ids=block_ids, sp=span: gather_into(dst, ids, sp))
+            self._paged.wait()  # every record's bytes are in the arena before COMMIT
 
         if link.fill_and_commit(reply.block_ids, generation, fill):
             self.num_saved_chunks += len(writes)

@@ -138,7 +138,10 @@ def registered_worker(settings: ConnectorSettings, caches: dict) -> LMCachedConn
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_saved_prompt_loads_into_another_workers_blocks(daemon, device):
+@pytest.mark.parametrize("arena_block", ["1MiB", "8KiB"], ids=["record-in-one-block",
+                                                               "record-over-blocks"])
+def test_a_saved_prompt_loads_into_another_workers_blocks(daemon_factory, device, arena_block):
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", arena_block)
     caches_a = {name: cpu_layout_cache(device) for name in LAYERS}
     caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
     settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
