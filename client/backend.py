@@ -124,9 +124,11 @@ class DaemonBackend(StorageBackend):
         self._pending.append(self._executor.submit(self._store.put, key.to_string(), kv_chunk))
 
     def contains(self, key: CacheEngineKey) -> bool:
+        """True when the daemon holds a value under `key`."""
         return self._store.contains(key.to_string())
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
+        """The KV chunk under `key` on `dst_device` (a copy), or None on a miss."""
         value = self._store.get(key.to_string())
         return None if value is None else value.to(self.dst_device)
 
@@ -137,6 +139,7 @@ class DaemonBackend(StorageBackend):
             future.result()
 
     def close(self) -> None:
+        """Wait for background puts, then stop the put thread."""
         self.flush()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -42,6 +42,7 @@ class KVStoreBuffer:
         return self._store.get(key)
 
     def close(self) -> None:
+        """End the daemon session (stored values stay in the daemon)."""
         self._store.close()
 
 
@@ -105,4 +106,5 @@ class KVLookupBuffer:
             self._store.delete(f"p:{entry}/{part}")
 
     def close(self) -> None:
+        """End the daemon session (stored values stay in the daemon)."""
         self._store.close()

@@ -109,6 +109,7 @@ class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
     failed_chunks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "LMCachedWorkerMetadata":
+        """Sum the ranks' loaded steps; keep the earliest failed chunk per request."""
         loaded = dict(self.loaded_steps)
         for step, count in other.loaded_steps.items():
             loaded[step] = loaded.get(step, 0) + count
@@ -284,18 +285,22 @@ class LMCachedConnector(KVConnectorBase_V1):
 
     @property
     def num_matched_tokens(self) -> int:
+        """Tokens vLLM accepted from lmcached (scheduler)."""
         return self.scheduler_side.num_matched_tokens if self.scheduler_side else 0
 
     @property
     def num_loaded_tokens(self) -> int:
+        """Tokens copied from the arena into vLLM blocks (worker)."""
         return self.worker_side.num_loaded_tokens if self.worker_side else 0
 
     @property
     def num_saved_chunks(self) -> int:
+        """Chunks stored and committed (worker)."""
         return self.worker_side.num_saved_chunks if self.worker_side else 0
 
     @property
     def num_load_errors(self) -> int:
+        """Chunks whose load failed and were recomputed (worker)."""
         return self.worker_side.num_load_errors if self.worker_side else 0
 
     # ---------------------------------------------------------------- scheduler

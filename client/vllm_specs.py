@@ -44,6 +44,7 @@ class ConnectorSettings:
 
     @property
     def blocks_per_chunk(self) -> int:
+        """vLLM blocks in one chunk."""
         return self.chunk_size // self.block_size
 
     def open_link(self, rank: int, client_name: str,

@@ -203,6 +203,8 @@ class Error(msgspec.Struct, tag="error", array_like=True):
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply", array_like=True):
+    """How many leading chunks of a LOOKUP are READY (no pins taken)."""
+
     num_chunks: int
 
 
@@ -226,10 +228,14 @@ class AllocReply(msgspec.Struct, tag="alloc_reply", array_like=True):
 
 
 class CountReply(msgspec.Struct, tag="count_reply", array_like=True):
+    """How many values a DELETE, EVICT or CLEAR removed."""
+
     count: int
 
 
 class KeysReply(msgspec.Struct, tag="keys_reply", array_like=True):
+    """String keys (of the key-value adapters) a SCAN found."""
+
     keys: list[str]
 
 
@@ -240,6 +246,8 @@ class InfoReply(msgspec.Struct, tag="info_reply", array_like=True):
 
 
 class ClientsReply(msgspec.Struct, tag="clients_reply", array_like=True):
+    """One `field -> value` dict per connected session (CLIENTS)."""
+
     clients: list[dict[str, int | float | str]]
 
 
