@@ -15,19 +15,12 @@ import argparse
 
 import torch
 
-from common import GB, median, running_daemon, time_it
+from common import GB, median, running_daemon, synced, time_it
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.protocol import Clear, Connection, hello
 
 LAYOUT = KVLayout("llama-3-8b", num_layers=32, num_kv_heads=8, head_size=128,
                   dtype="bfloat16", chunk_size=256)
-
-
-def synced(fn):
-    def run():
-        fn()
-        torch.cuda.synchronize()
-    return run
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from common import daemon_info
 from lmcached.launcher import temporary_daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,14 +44,6 @@ def instance(out_dir: str, name: str, model: str, prompts, socket=None, **opts) 
                        timeout=600)
     with open(out_path) as f:
         return json.load(f)
-
-
-def daemon_info(socket: str) -> dict:
-    from lmcached.protocol import Connection, Info
-
-    with Connection(socket) as conn:
-        sections = conn.request(Info()).sections
-    return {k: v for fields in sections.values() for k, v in fields.items()}
 
 
 def per_step_ms(run: dict) -> float:
@@ -84,9 +77,9 @@ def measure(out: str, model: str, socket: str, rounds: int) -> dict:
     prompts_a = [p + new(64) for p in prefixes]
     prompts_b = [p + new(64) for p in prefixes]
     instance(out, "a", model, prompts_a, socket, max_tokens=8)
-    stored = daemon_info(socket)["stores"]
+    stored = daemon_info(socket, "stats")["stats"]["stores"]
     with_cache = instance(out, "b", model, prompts_b, socket, mode="ttft")
-    hits = daemon_info(socket)["hits"]
+    hits = daemon_info(socket, "stats")["stats"]["hits"]
     without = instance(out, "b-nocache", model, prompts_b, mode="ttft")
     num_prompt_tokens = sum(len(p) for p in prompts_b)
     served = sum(with_cache["num_cached_tokens"])

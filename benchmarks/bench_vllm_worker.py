@@ -24,7 +24,7 @@ import argparse
 import numpy as np
 import torch
 
-from common import GB, median, running_daemon, time_it
+from common import GB, median, running_daemon, synced, time_it
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
@@ -41,14 +41,6 @@ def paged_cache(device: str, num_blocks: int, block_size: int) -> torch.Tensor:
         return torch.randn(num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE).to(torch.bfloat16)
     base = torch.randn(num_blocks, block_size, NUM_KV_HEADS, 2 * HEAD_SIZE, device=device)
     return base.to(torch.bfloat16).permute(0, 2, 1, 3)
-
-
-def synced(device: str, fn):
-    def run():
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return run
 
 
 def main() -> None:
@@ -98,15 +90,15 @@ def main() -> None:
                      for lyr in layers]
             if device == "cuda":
                 contiguous = torch.empty_like(host, device=device)
-                res["one copy"] = time_it(synced(device, lambda: host.copy_(
-                    contiguous, non_blocking=True)), args.repeat)
+                res["one copy"] = time_it(synced(lambda: host.copy_(
+                    contiguous, non_blocking=True), device), args.repeat)
 
                 def per_block():
                     for layer, page in zip(host, pages):
                         for j, block_id in enumerate(src_blocks):
                             layer[j].copy_(page[block_id], non_blocking=True)
 
-                res["per-block"] = time_it(synced(device, per_block), args.repeat)
+                res["per-block"] = time_it(synced(per_block, device), args.repeat)
             else:
                 other = torch.empty_like(host)
                 other.zero_()
@@ -127,7 +119,7 @@ def main() -> None:
             load = LoadSpec("bench", 0, 0, tokens, hashes, [spans], [pins.hello_reply.generation],
                             [list(range(bpc))] * len(hashes),
                             [dst_blocks[i * bpc : (i + 1) * bpc] for i in range(len(hashes))])
-            res["load"] = time_it(synced(device, lambda: worker.load([load])), args.repeat)
+            res["load"] = time_it(synced(lambda: worker.load([load]), device), args.repeat)
             assert not worker.take_load_errors(), "a load failed"
             for page in pages:  # the loaded blocks hold the saved ones, bit for bit
                 assert torch.equal(page[dst_blocks], page[src_blocks]), "loaded bytes differ"

@@ -12,6 +12,8 @@ import subprocess
 import time
 from typing import Callable, Iterator
 
+import torch
+
 from lmcached.client.layout import KVLayout
 from lmcached.launcher import temporary_daemon
 from lmcached.protocol import Connection, Info, hello
@@ -108,6 +110,16 @@ def machine_info() -> dict:
         "numpy": numpy.__version__,
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+def synced(fn: Callable[[], object], device: str = "cuda") -> Callable[[], None]:
+    """`fn` followed by a wait for the GPU's queued work (for timing CUDA copies); on
+    "cpu" just `fn`."""
+    def run() -> None:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return run
 
 
 def time_it(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None,
