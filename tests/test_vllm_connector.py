@@ -259,6 +259,14 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 900, n)]
 
 
+def store_from_another_instance(engine_factory, tokens: list[int]) -> None:
+    """A first instance (its own scheduler, worker, paged cache and sessions) computes
+    `tokens` to the end, saving their full chunks in the daemon."""
+    first = engine_factory()
+    first.add(tokens)
+    first.run()
+
+
 # --------------------------------------------------------------- scheduler side
 def test_first_instance_saves_full_prompt_chunks(engine_factory, daemon):
     engine = engine_factory()
@@ -273,9 +281,7 @@ def test_first_instance_saves_full_prompt_chunks(engine_factory, daemon):
 
 def test_second_instance_loads_the_shared_prefix(engine_factory, daemon):
     prefix = prompt_of(64, seed=2)
-    first = engine_factory()
-    first.add(prefix + prompt_of(40, seed=3))
-    first.run()
+    store_from_another_instance(engine_factory, prefix + prompt_of(40, seed=3))
     second = engine_factory()  # its own scheduler, worker, paged cache and sessions
     request = second.add(prefix + prompt_of(50, seed=4))
     loaded = {}
@@ -301,9 +307,7 @@ def test_second_instance_loads_the_shared_prefix(engine_factory, daemon):
 def test_match_is_chunk_aligned_and_leaves_a_token_to_compute(engine_factory, num_tokens,
                                                               expected):
     tokens = prompt_of(128, seed=5)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     request = create_request(tokens[:num_tokens])
     assert second.connector.get_num_new_matched_tokens(request, 0) == (expected, False)
@@ -311,9 +315,7 @@ def test_match_is_chunk_aligned_and_leaves_a_token_to_compute(engine_factory, nu
 
 def test_match_counts_only_tokens_beyond_the_local_hit(engine_factory):
     tokens = prompt_of(128, seed=6)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     request = create_request(tokens[:100])
     assert second.connector.get_num_new_matched_tokens(request, 16) == (80, False)
@@ -322,9 +324,7 @@ def test_match_counts_only_tokens_beyond_the_local_hit(engine_factory):
 
 def test_a_load_after_a_local_hit_fills_only_the_missing_blocks(engine_factory):
     tokens = prompt_of(100, seed=15)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     second.add(tokens[:20])  # vLLM's own prefix cache now holds block 0 (16 tokens)
     second.run()
@@ -342,9 +342,7 @@ def test_a_load_after_a_local_hit_fills_only_the_missing_blocks(engine_factory):
 
 def test_lookup_has_no_side_effects(engine_factory, daemon):
     tokens = prompt_of(100, seed=7)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     before = daemon.info()
     second = engine_factory()
     for _ in range(3):
@@ -356,9 +354,7 @@ def test_lookup_has_no_side_effects(engine_factory, daemon):
 
 def test_pins_are_held_until_the_worker_reports_the_load(engine_factory, daemon):
     tokens = prompt_of(100, seed=8)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     second.add(tokens)
     seen = {}
@@ -371,9 +367,7 @@ def test_pins_are_held_until_the_worker_reports_the_load(engine_factory, daemon)
 
 def test_request_finished_releases_pins_of_a_load_never_sent(engine_factory, daemon):
     tokens = prompt_of(100, seed=9)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     request = create_request(tokens)
     connector = second.connector
@@ -406,9 +400,7 @@ def test_chunked_prefill_saves_each_chunk_once(engine_factory):
 
 def test_daemon_down_means_misses_and_skipped_saves(engine_factory, daemon):
     tokens = prompt_of(100, seed=12)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     daemon.stop()
     request = second.add(tokens)
@@ -422,9 +414,7 @@ def test_daemon_down_means_misses_and_skipped_saves(engine_factory, daemon):
 def test_a_worker_without_its_session_reports_load_errors_and_vllm_recomputes(
         engine_factory):
     tokens = prompt_of(100, seed=13)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     request = second.add(tokens)
     planned = {}
@@ -447,9 +437,7 @@ def test_a_worker_without_its_session_reports_load_errors_and_vllm_recomputes(
 
 def test_a_record_that_does_not_match_is_a_load_error(engine_factory):
     tokens = prompt_of(100, seed=14)
-    first = engine_factory()
-    first.add(tokens)
-    first.run()
+    store_from_another_instance(engine_factory, tokens)
     second = engine_factory()
     request = second.add(tokens)
     planned = {}
