@@ -132,6 +132,9 @@ class ServerConfig:
     allow_group: str | None = None
     config_file: str | None = None
     prefault: bool = True
+    max_clients: int = 1024
+    idle_timeout_s: float = 0.0
+    buffer_budget_bytes: int = 128 << 20
     cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict[str, int | str]:

@@ -20,7 +20,8 @@ from lmcached.shm.arena import sweep_orphans
 
 
 def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None = None,
-                 env: dict | None = None, timeout_s: float = 120.0) -> subprocess.Popen:
+                 env: dict | None = None, timeout_s: float = 120.0,
+                 preexec_fn=None) -> subprocess.Popen:
     """Start a daemon and wait (deadline) until it answers PING.
 
     Args:
@@ -30,6 +31,7 @@ def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None 
         log_path: file for its stdout and stderr (inherited when None).
         env: its environment (this process's when None).
         timeout_s: how long to wait for the first PING answer.
+        preexec_fn: run in the child before exec (e.g. to set resource limits).
 
     Raises:
         RuntimeError: it exited, or did not answer in time (it is stopped then).
@@ -38,7 +40,8 @@ def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None 
            *serve_args]
     log = open(log_path, "w") if log_path else None
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
+                                preexec_fn=preexec_fn)
     finally:
         if log:
             log.close()

@@ -12,6 +12,7 @@ Life cycle::
     SHUTDOWN -> STOPPING=1 -> close clients, unlink socket and arena -> exit 0
 """
 
+import errno
 import grp
 import os
 import pwd
@@ -22,12 +23,10 @@ import struct
 import sys
 import time
 
-import msgspec
-
 from lmcached.config import ServerConfig, format_bytes, load_config
 from lmcached.logger import configure_logging, init_logger
 from lmcached.notify import SystemdNotifier
-from lmcached.protocol import MAX_FRAME_BYTES, encode_frame, request_decoder
+from lmcached.protocol import MAX_FRAME_BYTES, Clients, Info, encode_frame, request_decoder
 from lmcached.service import CacheService
 from lmcached.session import Session
 from lmcached.shm.arena import Arena, sweep_orphans
@@ -35,22 +34,115 @@ from lmcached.shm.arena import Arena, sweep_orphans
 logger = init_logger(__name__)
 
 RECV_BYTES = 256 * 1024
-MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _MAX_SUN_PATH = 107
 
+# Limits of one connection, after Redis (`client-query-buffer-limit`,
+# `client-output-buffer-limit`). The total over every connection is the configured
+# `buffer_budget_bytes`.
+READ_AHEAD_BYTES = 64 * 1024  # stop reading while this much of complete frames waits
+OUTBUF_PAUSE_BYTES = 1 << 20  # stop serving a client while this much of replies is unsent
+MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
+# Bounded work per client per loop pass (round robin): a request costs 1, except those
+# cheap to send and costly to serve.
+PASS_BUDGET = 32
+REQUEST_COST = {Info: 8, Clients: 16}
+PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
+HOUSEKEEPING_INTERVAL_S = 1.0
+ACCEPT_BATCH = 64  # connections accepted per loop pass at most
+ACCEPT_BACKOFF_S = 0.1  # no accept() for this long after EMFILE / ENFILE
+LOG_INTERVAL_S = 10.0  # a repeated warning is logged at most once per interval
+
 
 class ClientConnection:
-    """A connected client: its socket, session and buffered bytes."""
+    """A connected client: its socket, session, buffers and loop bookkeeping.
 
-    __slots__ = ("sock", "session", "inbuf", "outbuf", "closed")
+    `inbuf[inpos:]` holds received bytes not yet served; frames are decoded in place
+    from a memoryview and the served prefix is dropped once per loop pass.
+    """
+
+    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "events",
+                 "connected_at", "partial_since", "served_frames")
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock = sock
         self.session = session
         self.inbuf = bytearray()
+        self.inpos = 0
         self.outbuf = bytearray()
         self.closed = False
+        self.events = selectors.EVENT_READ  # what the selector watches for it now
+        self.connected_at = time.monotonic()
+        self.partial_since: float | None = None  # when an unfinished frame began to wait
+        self.served_frames = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds in the daemon's memory (input and output)."""
+        return len(self.inbuf) + len(self.outbuf)
+
+    def next_frame_end(self) -> int:
+        """End offset of the next complete frame in `inbuf`, 0 if none is complete,
+        or -1 if its declared length exceeds MAX_FRAME_BYTES."""
+        start = self.inpos
+        if len(self.inbuf) - start < 4:
+            return 0
+        length = int.from_bytes(self.inbuf[start : start + 4], "little")
+        if length > MAX_FRAME_BYTES:
+            return -1
+        end = start + 4 + length
+        return end if end <= len(self.inbuf) else 0
+
+
+def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes, int]:
+    """Decode one request, answer it, and encode the reply frame. Never raises.
+
+    Args:
+        service: the daemon's request semantics.
+        session: the session the frame arrived on.
+        payload: the frame's msgpack bytes (any buffer; not kept).
+
+    Returns:
+        (reply frame, cost of the request in PASS_BUDGET units). The reply is the
+        handler's, or `bad_request` for a payload that does not decode to a valid request
+        (any exception of the decoder: msgspec's errors, but also e.g. UnicodeDecodeError
+        for a str of invalid UTF-8), `internal` when a handler or the encoder fails
+        (logged with its traceback), or `too_large` for a reply above the frame limit.
+    """
+    try:
+        request = request_decoder.decode(payload)
+    except Exception as exc:  # noqa: BLE001 - no frame may reach the loop as an exception
+        reply, cost = service.error("bad_request", f"undecodable request: {exc!r}"), 1
+    else:
+        reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
+    try:
+        return encode_frame(reply), cost
+    except ValueError as exc:
+        return encode_frame(service.error("too_large", str(exc))), cost
+    except Exception:  # noqa: BLE001 - a reply the encoder rejects is a daemon bug
+        logger.exception("cannot encode the reply %r", reply)
+        return encode_frame(service.error("internal", "internal error in the daemon (see its log)")), cost
+
+
+class _RateLimitedLog:
+    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count."""
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += " (%d more since the last report)"
+            args = (*args, self.suppressed)
+        logger.warning(message, *args)
+        self.suppressed = 0
+        self.next_at = now + LOG_INTERVAL_S
 
 
 class Server:
@@ -82,6 +174,12 @@ class Server:
         # (mmap, mremap, munmap: 3 syscalls) a fresh 256 KiB bytes object per request.
         self._recv_buf = bytearray(RECV_BYTES)
         self._recv_view = memoryview(self._recv_buf)
+        self._ready: dict[ClientConnection, None] = {}  # complete frames waiting, in order
+        self._silent: dict[ClientConnection, None] = {}  # no request yet, oldest first
+        self._buffered_bytes = 0  # input + output buffers of every connection
+        self._accept_paused_until = 0.0
+        self._accept_log = _RateLimitedLog()
+        self._drop_log = _RateLimitedLog()
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -179,19 +277,37 @@ class Server:
 
     # --------------------------------------------------------------------- loop
     def serve_forever(self) -> None:
-        """Serve until SIGTERM/SIGINT or SHUTDOWN, then stop gracefully."""
+        """Serve until SIGTERM/SIGINT or SHUTDOWN, then stop gracefully.
+
+        One loop pass: wait for sockets (not at all while some client has complete
+        frames waiting), accept, read what arrived, then serve every client with waiting
+        frames up to PASS_BUDGET (round robin), and once a second drop connections that
+        overstayed a timeout.
+        """
         watchdog_s = self.notifier.watchdog_interval_s
         next_watchdog = time.monotonic()
+        next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
         service = self.service
         try:
             while self._stop_signal is None and not service.stop_requested:
-                timeout = None
-                if watchdog_s is not None:
-                    now = time.monotonic()
-                    if now >= next_watchdog:
-                        self.notifier.notify("WATCHDOG=1")
-                        next_watchdog = now + watchdog_s
-                    timeout = max(0.0, next_watchdog - now)
+                now = time.monotonic()
+                if watchdog_s is not None and now >= next_watchdog:
+                    self.notifier.notify("WATCHDOG=1")
+                    next_watchdog = now + watchdog_s
+                if now >= next_housekeeping:
+                    self._housekeeping(now)
+                    next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+                if self._accept_paused_until and now >= self._accept_paused_until:
+                    self._resume_accept()
+                if self._ready:
+                    timeout = 0.0
+                else:
+                    wake_at = [next_housekeeping] if self._connections else []
+                    if watchdog_s is not None:
+                        wake_at.append(next_watchdog)
+                    if self._accept_paused_until:
+                        wake_at.append(self._accept_paused_until)
+                    timeout = max(0.0, min(wake_at) - now) if wake_at else None
                 for key, mask in self._selector.select(timeout):
                     data = key.data
                     if data == "listener":
@@ -203,6 +319,8 @@ class Server:
                             self._flush(data)
                         if mask & selectors.EVENT_READ and not data.closed:
                             self._on_readable(data)
+                for conn in list(self._ready):
+                    self._serve(conn)
             if self._stop_signal is not None:
                 logger.info("received %s: stopping", signal.Signals(self._stop_signal).name)
         finally:
@@ -234,26 +352,74 @@ class Server:
         logger.info("SIGHUP: log level is %s", fresh.log_level)
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPT_BATCH):  # bounded work per pass; the listener stays readable
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:
-                logger.warning("accept failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if exc.errno == errno.EMFILE and self._shed_silent():
+                        continue  # one descriptor is free again
+                    self._pause_accept(exc)
+                else:
+                    self._accept_log.warning("accept failed: %s", exc)
                 return
-            pid, uid, gid = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
+            try:
+                pid, uid, gid = _UCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                )
+            except OSError:  # the peer is already gone
+                sock.close()
+                continue
             if not self._authorized(uid, gid):
                 logger.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
                 self.service.error("unauthorized", f"uid {uid}")
                 sock.close()
                 continue
+            if len(self._connections) >= self.config.max_clients and not self._shed_silent():
+                self._refuse(sock, "max_clients", f"max number of clients reached "
+                             f"({self.config.max_clients}; see --max-clients)")
+                continue
             sock.setblocking(False)
             conn = ClientConnection(sock, self.service.open_session(pid, uid, gid))
             self._connections[sock.fileno()] = conn
+            self._silent[conn] = None
             self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _pause_accept(self, exc: OSError) -> None:
+        """Out of file descriptors: stop accepting for ACCEPT_BACKOFF_S (never spin)."""
+        self._accept_log.warning(
+            "accept failed: %s: not accepting for %.0f ms (%d clients; raise LimitNOFILE or "
+            "lower --max-clients)", exc, ACCEPT_BACKOFF_S * 1000, len(self._connections),
+        )
+        self.service.error("accept_" + (errno.errorcode.get(exc.errno) or "error").lower(), str(exc))
+        self._selector.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
+
+    def _resume_accept(self) -> None:
+        self._accept_paused_until = 0.0
+        self._selector.register(self._listener, selectors.EVENT_READ, "listener")
+
+    def _shed_silent(self) -> bool:
+        """At max_clients: close the oldest connection that never sent a complete frame,
+        so that idle connections cannot lock real clients out. False if there is none."""
+        oldest = next(iter(self._silent), None)
+        if oldest is None:
+            return False
+        self._drop(oldest, "max_clients_silent_dropped",
+                   "at max_clients: dropped the oldest connection that never sent a request")
+        return True
+
+    def _refuse(self, sock: socket.socket, code: str, message: str) -> None:
+        """Answer a connection we do not take with one Error frame (best effort), close it."""
+        self._accept_log.warning("refused a connection: %s", message)
+        try:
+            sock.setblocking(False)
+            sock.send(encode_frame(self.service.error(code, message)))
+        except OSError:
+            pass
+        sock.close()
 
     def _authorized(self, uid: int, gid: int) -> bool:
         if uid in (0, os.getuid()):
@@ -279,55 +445,96 @@ class Server:
         if not num_bytes:  # EOF: the client closed or died
             self._close(conn)
             return
-        inbuf = conn.inbuf
-        inbuf += self._recv_view[:num_bytes]
-        service = self.service
-        while len(inbuf) >= 4:
-            length = int.from_bytes(inbuf[:4], "little")
-            if length > MAX_FRAME_BYTES:
-                logger.error(
-                    "session %d (pid %d) sent a %d-byte frame (limit %d): closing it",
-                    conn.session.session_id, conn.session.pid, length, MAX_FRAME_BYTES,
-                )
-                service.error("frame_too_large", str(length))
-                self._close(conn)
-                return
-            end = 4 + length
-            if len(inbuf) < end:
-                return
-            payload = bytes(inbuf[4:end])
-            del inbuf[:end]
-            try:
-                request = request_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                reply = service.error("bad_request", f"undecodable request: {exc}")
-            else:
-                reply = service.handle(conn.session, request)
-            try:
-                frame = encode_frame(reply)
-            except ValueError as exc:
-                frame = encode_frame(service.error("too_large", str(exc)))
-            self._send(conn, frame)
+        conn.inbuf += self._recv_view[:num_bytes]
+        self._buffered_bytes += num_bytes
+        if self._buffered_bytes > self.config.buffer_budget_bytes:
+            self._enforce_buffer_budget()
             if conn.closed:
                 return
+        self._ready[conn] = None
 
-    def _send(self, conn: ClientConnection, frame: bytes) -> None:
+    def _serve(self, conn: ClientConnection) -> None:
+        """Answer up to PASS_BUDGET of `conn`'s waiting frames, in order, then update
+        what the selector watches for it."""
+        if conn.closed:  # dropped earlier in this pass (e.g. over the buffer budget)
+            return
+        service, session = self.service, conn.session
+        replies = []
+        budget = PASS_BUDGET
+        with memoryview(conn.inbuf) as view:
+            while budget > 0 and len(conn.outbuf) < OUTBUF_PAUSE_BYTES:
+                end = conn.next_frame_end()
+                if end == 0:
+                    break
+                if end < 0:
+                    length = int.from_bytes(view[conn.inpos : conn.inpos + 4], "little")
+                    view.release()
+                    self._drop(conn, "frame_too_large",
+                               f"sent a {length}-byte frame (limit {MAX_FRAME_BYTES})")
+                    return
+                with view[conn.inpos + 4 : end] as payload:
+                    frame, cost = answer_frame(service, session, payload)
+                replies.append(frame)
+                conn.inpos = end
+                conn.served_frames += 1
+                budget -= cost
+        if conn.served_frames:
+            self._silent.pop(conn, None)
+        if conn.inpos:
+            del conn.inbuf[: conn.inpos]
+            self._buffered_bytes -= conn.inpos
+            conn.inpos = 0
+        if replies:
+            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+            if conn.closed:
+                return
+        has_frame = conn.next_frame_end() != 0
+        conn.partial_since = (
+            None if has_frame or not conn.inbuf else (conn.partial_since or time.monotonic())
+        )
+        if not has_frame or len(conn.outbuf) >= OUTBUF_PAUSE_BYTES:
+            self._ready.pop(conn, None)
+        self._update_events(conn)
+
+    def _update_events(self, conn: ClientConnection) -> None:
+        """Watch for input only while the client has room (few frames waiting, replies
+        flowing): a client that pipelines without reading is throttled by its own socket,
+        not by the daemon's memory. Watch for output while replies are unsent."""
+        unread = len(conn.inbuf) - conn.inpos
+        want_read = len(conn.outbuf) < OUTBUF_PAUSE_BYTES and (
+            unread < READ_AHEAD_BYTES or conn.next_frame_end() == 0
+        )
+        events = (selectors.EVENT_READ if want_read else 0) | (
+            selectors.EVENT_WRITE if conn.outbuf else 0
+        )
+        if events == conn.events:
+            return
+        if not events:
+            self._selector.unregister(conn.sock)
+        elif not conn.events:
+            self._selector.register(conn.sock, events, conn)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _send(self, conn: ClientConnection, data: bytes) -> None:
         if not conn.outbuf:
             try:
-                sent = conn.sock.send(frame)
+                sent = conn.sock.send(data)
             except BlockingIOError:
                 sent = 0
             except OSError:
                 self._close(conn)
                 return
-            if sent == len(frame):
+            if sent == len(data):
                 return
-            frame = frame[sent:]
-            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-        conn.outbuf += frame
+            data = memoryview(data)[sent:]
+        conn.outbuf += data
+        self._buffered_bytes += len(data)
         if len(conn.outbuf) > MAX_OUTBUF_BYTES:
-            logger.error("session %d does not read its replies: closing it", conn.session.session_id)
-            self._close(conn)
+            self._drop(conn, "output_buffer", "does not read its replies")
+        elif self._buffered_bytes > self.config.buffer_budget_bytes:
+            self._enforce_buffer_budget()
 
     def _flush(self, conn: ClientConnection) -> None:
         try:
@@ -338,18 +545,54 @@ class Server:
             self._close(conn)
             return
         del conn.outbuf[:sent]
-        if not conn.outbuf:
-            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._buffered_bytes -= sent
+        if len(conn.outbuf) < OUTBUF_PAUSE_BYTES and conn.next_frame_end() != 0:
+            self._ready[conn] = None
+        self._update_events(conn)
+
+    def _enforce_buffer_budget(self) -> None:
+        """Over the total buffer budget: drop the clients holding the most bytes."""
+        budget = self.config.buffer_budget_bytes
+        while self._buffered_bytes > budget and self._connections:
+            victim = max(self._connections.values(), key=lambda c: c.buffered_bytes)
+            self._drop(victim, "buffer_budget", f"holds {format_bytes(victim.buffered_bytes)} of "
+                       f"buffers; all clients together exceed --buffer-budget "
+                       f"{format_bytes(budget)}")
+
+    def _housekeeping(self, now: float) -> None:
+        """Drop connections with an unfinished frame, no first request, or no request for
+        longer than their timeout (Redis: `timeout`)."""
+        idle_timeout_s = self.config.idle_timeout_s
+        for conn in list(self._connections.values()):
+            if conn.partial_since is not None and now - conn.partial_since > PARTIAL_FRAME_TIMEOUT_S:
+                self._drop(conn, "partial_frame_timeout",
+                           f"left a frame unfinished for more than {PARTIAL_FRAME_TIMEOUT_S:.0f} s")
+            elif not conn.served_frames and now - conn.connected_at > HANDSHAKE_TIMEOUT_S:
+                self._drop(conn, "handshake_timeout",
+                           f"sent no request within {HANDSHAKE_TIMEOUT_S:.0f} s")
+            elif idle_timeout_s and now - conn.session.last_request_at > idle_timeout_s:
+                self._drop(conn, "idle_timeout", f"idle for more than {idle_timeout_s:g} s "
+                           "(--idle-timeout)")
+
+    def _drop(self, conn: ClientConnection, code: str, why: str) -> None:
+        """Close a connection the daemon refuses to keep; counted as errors_<code>."""
+        self.service.error(code, why)
+        self._drop_log.warning("closing session %d (pid %d): %s",
+                               conn.session.session_id, conn.session.pid, why)
+        self._close(conn)
 
     def _close(self, conn: ClientConnection) -> None:
         if conn.closed:
             return
         conn.closed = True
         self._connections.pop(conn.sock.fileno(), None)
-        try:
+        self._ready.pop(conn, None)
+        self._silent.pop(conn, None)
+        self._buffered_bytes -= conn.buffered_bytes
+        conn.inbuf = conn.outbuf = bytearray()
+        if conn.events:
             self._selector.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+            conn.events = 0
         conn.sock.close()
         self.service.close_session(conn.session)
 
@@ -360,7 +603,8 @@ class Server:
         for conn in list(self._connections.values()):
             self._close(conn)
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if not self._accept_paused_until:
+                self._selector.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:

@@ -59,13 +59,14 @@ from lmcached.protocol import (
     Shutdown,
 )
 from lmcached.session import PendingValue, Session
-from lmcached.shm.arena import Arena
+from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.block_pool import BlockPool
 from lmcached.shm.free_queue import KVCacheBlock
 
 logger = init_logger(__name__)
 
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
+MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
 _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
 INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
@@ -290,9 +291,7 @@ class CacheService:
         if not 0 <= layout.worker_id < layout.world_size:
             raise RequestError("bad_request", "layout.worker_id must be in [0, world_size)")
         if self.pool is None:
-            block_bytes = self.config.block_bytes or (
-                -(-layout.chunk_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
-            )
+            block_bytes = self.config.block_bytes or self._block_bytes_for(layout)
             try:
                 self.arena.set_block_bytes(block_bytes)
             except ValueError as exc:
@@ -313,6 +312,16 @@ class CacheService:
             self.namespaces[layout] = ns
             self._ns_prefix[ns] = b"c" + ns.to_bytes(4, "little")
         return ns
+
+    def _block_bytes_for(self, layout: Layout) -> int:
+        """Block size derived from the first layout when `--block-size` is unset: its
+        record size rounded up to BLOCK_ALIGN_BYTES, but never so large that the arena
+        has fewer than MIN_DERIVED_BLOCKS blocks (a larger record then spans several
+        blocks), so that no client can shrink the usable arena for the others."""
+        wanted = -(-layout.chunk_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+        usable = self.arena.capacity_bytes - HEADER_BYTES
+        ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
+        return max(BLOCK_ALIGN_BYTES, min(wanted, ceiling))
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply:
         keys = self._chunk_keys(session, req.ns, req.hashes)

@@ -84,11 +84,12 @@ class DaemonProcess:
         return {k: v for fields in sections.values() for k, v in fields.items()}
 
 
-def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None) -> DaemonProcess:
+def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None,
+                 preexec_fn=None) -> DaemonProcess:
     """Start `lmcached serve` and wait (deadline) until it answers PING."""
     try:
         proc = launcher.start_daemon(name, socket_path, *args, log_path=log_path, env=env,
-                                     timeout_s=DAEMON_START_DEADLINE_S)
+                                     timeout_s=DAEMON_START_DEADLINE_S, preexec_fn=preexec_fn)
     except RuntimeError as exc:
         with open(log_path, errors="replace") as f:
             raise RuntimeError(f"{exc}:\n{f.read()}") from None
@@ -105,13 +106,15 @@ def short_tmp():
 
 @pytest.fixture
 def daemon_factory(unique_name, short_tmp):
-    """Start daemons with `factory(*serve_args, env=None)`; all are stopped by pid after."""
+    """Start daemons with `factory(*serve_args, env=None, preexec_fn=None)`; all are
+    stopped by pid after."""
     started: list[DaemonProcess] = []
 
-    def factory(*args: str, env=None, name: str | None = None) -> DaemonProcess:
+    def factory(*args: str, env=None, name: str | None = None, preexec_fn=None) -> DaemonProcess:
         n = name or f"{unique_name}-{len(started)}"
         daemon = start_daemon(n, os.path.join(short_tmp, f"{len(started)}.sock"),
-                              os.path.join(short_tmp, f"{len(started)}.log"), *args, env=env)
+                              os.path.join(short_tmp, f"{len(started)}.log"), *args, env=env,
+                              preexec_fn=preexec_fn)
         started.append(daemon)
         return daemon
 
