@@ -62,7 +62,7 @@ class ClientConnection:
     from a memoryview and the served prefix is dropped once per loop pass.
     """
 
-    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "events",
+    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "eof", "events",
                  "connected_at", "partial_since", "served_frames")
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
@@ -72,6 +72,7 @@ class ClientConnection:
         self.inpos = 0
         self.outbuf = bytearray()
         self.closed = False
+        self.eof = False  # the client shut down its side: serve what it sent, then close
         self.events = selectors.EVENT_READ  # what the selector watches for it now
         self.connected_at = time.monotonic()
         self.partial_since: float | None = None  # when an unfinished frame began to wait
@@ -442,8 +443,12 @@ class Server:
         except OSError:
             self._close(conn)
             return
-        if not num_bytes:  # EOF: the client closed or died
-            self._close(conn)
+        if not num_bytes:  # EOF: the client closed or died; answer what it sent first
+            if conn.next_frame_end() == 0:
+                self._close(conn)
+            else:
+                conn.eof = True
+                self._update_events(conn)
             return
         conn.inbuf += self._recv_view[:num_bytes]
         self._buffered_bytes += num_bytes
@@ -494,6 +499,9 @@ class Server:
         )
         if not has_frame or len(conn.outbuf) >= OUTBUF_PAUSE_BYTES:
             self._ready.pop(conn, None)
+        if conn.eof and not has_frame and not conn.outbuf:
+            self._close(conn)
+            return
         self._update_events(conn)
 
     def _update_events(self, conn: ClientConnection) -> None:
@@ -501,7 +509,7 @@ class Server:
         flowing): a client that pipelines without reading is throttled by its own socket,
         not by the daemon's memory. Watch for output while replies are unsent."""
         unread = len(conn.inbuf) - conn.inpos
-        want_read = len(conn.outbuf) < OUTBUF_PAUSE_BYTES and (
+        want_read = not conn.eof and len(conn.outbuf) < OUTBUF_PAUSE_BYTES and (
             unread < READ_AHEAD_BYTES or conn.next_frame_end() == 0
         )
         events = (selectors.EVENT_READ if want_read else 0) | (
@@ -546,8 +554,12 @@ class Server:
             return
         del conn.outbuf[:sent]
         self._buffered_bytes -= sent
-        if len(conn.outbuf) < OUTBUF_PAUSE_BYTES and conn.next_frame_end() != 0:
+        has_frame = conn.next_frame_end() != 0
+        if len(conn.outbuf) < OUTBUF_PAUSE_BYTES and has_frame:
             self._ready[conn] = None
+        if conn.eof and not has_frame and not conn.outbuf:
+            self._close(conn)
+            return
         self._update_events(conn)
 
     def _enforce_buffer_budget(self) -> None:

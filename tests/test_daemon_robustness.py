@@ -102,3 +102,55 @@ def test_oversized_frame_closes_only_that_connection(daemon):
     assert other.request(Info("stats")).sections["stats"]["errors_frame_too_large"] == 1
     assert "1048577-byte frame" in daemon.log() and "closing session" in daemon.log()
     other.close()
+
+
+@pytest.mark.slow
+def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
+    """The in-process fuzzer's frames (tests/test_frame_fuzz.py), pipelined through a
+    real daemon on several connections that then close: it answers each, keeps serving,
+    and ends with nothing pinned or being written."""
+    import random
+
+    from test_frame_fuzz import chunk_hashes, mutate, seed_requests
+
+    from lmcached.protocol import Alloc, Commit
+
+    writer = Connection(daemon.socket)
+    ns = hello(writer, "writer", LAYOUT).ns
+    stored = writer.request(Alloc(ns, chunk_hashes(range(8)), [1000] * 8))
+    writer.request(Commit(stored.block_ids))
+    rng = random.Random(1234)
+    num_frames = 0
+    for _ in range(10):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        sock.connect(daemon.socket)
+        stream = [encode_frame(msgspec.structs.replace(
+            __import__("lmcached.protocol", fromlist=["Hello"]).Hello(1, 1, "fuzz", LAYOUT)))]
+        for _ in range(500):
+            payload = mutate(rng.choice(seed_requests(ns, rng)), rng)
+            stream.append(struct.pack("<I", len(payload)) + payload)
+        sock.sendall(b"".join(stream))
+        sock.shutdown(socket.SHUT_WR)
+        replies = 0
+        buf = b""
+        while chunk := sock.recv(1 << 20):
+            buf += chunk
+        while len(buf) >= 4:
+            buf = buf[4 + int.from_bytes(buf[:4], "little"):]
+            replies += 1
+        assert replies == len(stream), daemon.log()[-1500:]  # one reply per frame, none lost
+        num_frames += len(stream)
+        sock.close()
+    writer.close()
+    admin = Connection(daemon.socket)
+    deadline = time.monotonic() + 10
+    while admin.request(Info("clients")).sections["clients"]["connected_clients"] > 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    blocks = admin.request(Info("blocks")).sections["blocks"]
+    assert blocks["pinned_blocks"] == 0 and blocks["writing_blocks"] == 0
+    assert blocks["free_blocks"] + blocks["cached_blocks"] == blocks["num_blocks"]
+    assert daemon.proc.poll() is None
+    assert num_frames >= 5000
+    admin.close()
