@@ -14,7 +14,14 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_BLOCK_SIZE": "block size in bytes (default: the first layout's chunk size)",
     "LMCACHED_SHM_MODE": "octal permission bits of the arena segment (default 0600)",
     "LMCACHED_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
-    "LMCACHED_ALLOW_GROUP": "also accept clients of this group (socket 0660)",
+    "LMCACHED_ALLOW_GROUP": "also accept clients of this group (socket and arena 0660)",
+    "LMCACHED_MAX_CLIENTS": "most clients connected at once (default 1024)",
+    "LMCACHED_IDLE_TIMEOUT": "seconds without a request before a client is disconnected "
+    "(default 0 = never)",
+    "LMCACHED_BUFFER_BUDGET": "input and output buffers of all clients together (default 128MiB)",
+    "LMCACHED_DATA_TIMEOUT_MS": "clients: timeout of a serving-path request (LOOKUP, ACQUIRE, "
+    "ALLOC, COMMIT, ...) and of a reconnect, in milliseconds (default 200); a daemon that "
+    "does not answer in time is skipped for a back-off window (misses, skipped stores)",
 }
 
 # Set by systemd, read here so that no other module touches os.environ.

@@ -16,6 +16,7 @@ import errno
 import grp
 import os
 import pwd
+import resource
 import selectors
 import signal
 import socket
@@ -26,125 +27,30 @@ import time
 from lmcached.config import ServerConfig, format_bytes, load_config
 from lmcached.logger import configure_logging, init_logger
 from lmcached.notify import SystemdNotifier
-from lmcached.protocol import MAX_FRAME_BYTES, Clients, Info, encode_frame, request_decoder
+from lmcached.connection import (
+    ACCEPT_BACKOFF_S,
+    ACCEPT_BATCH,
+    HANDSHAKE_TIMEOUT_S,
+    HOUSEKEEPING_INTERVAL_S,
+    MAX_OUTBUF_BYTES,
+    OUTBUF_PAUSE_BYTES,
+    PARTIAL_FRAME_TIMEOUT_S,
+    PASS_BUDGET,
+    READ_AHEAD_BYTES,
+    ClientConnection,
+    RateLimitedLog,
+    answer_frame,
+)
+from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService
-from lmcached.session import Session
 from lmcached.shm.arena import Arena, sweep_orphans
+from lmcached.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
 
 logger = init_logger(__name__)
 
 RECV_BYTES = 256 * 1024
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-_MAX_SUN_PATH = 107
-
-# Limits of one connection, after Redis (`client-query-buffer-limit`,
-# `client-output-buffer-limit`). The total over every connection is the configured
-# `buffer_budget_bytes`.
-READ_AHEAD_BYTES = 64 * 1024  # stop reading while this much of complete frames waits
-OUTBUF_PAUSE_BYTES = 1 << 20  # stop serving a client while this much of replies is unsent
-MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
-# Bounded work per client per loop pass (round robin): a request costs 1, except those
-# cheap to send and costly to serve.
-PASS_BUDGET = 32
-REQUEST_COST = {Info: 8, Clients: 16}
-PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
-HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
-HOUSEKEEPING_INTERVAL_S = 1.0
-ACCEPT_BATCH = 64  # connections accepted per loop pass at most
-ACCEPT_BACKOFF_S = 0.1  # no accept() for this long after EMFILE / ENFILE
-LOG_INTERVAL_S = 10.0  # a repeated warning is logged at most once per interval
-
-
-class ClientConnection:
-    """A connected client: its socket, session, buffers and loop bookkeeping.
-
-    `inbuf[inpos:]` holds received bytes not yet served; frames are decoded in place
-    from a memoryview and the served prefix is dropped once per loop pass.
-    """
-
-    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "eof", "events",
-                 "connected_at", "partial_since", "served_frames")
-
-    def __init__(self, sock: socket.socket, session: Session) -> None:
-        self.sock = sock
-        self.session = session
-        self.inbuf = bytearray()
-        self.inpos = 0
-        self.outbuf = bytearray()
-        self.closed = False
-        self.eof = False  # the client shut down its side: serve what it sent, then close
-        self.events = selectors.EVENT_READ  # what the selector watches for it now
-        self.connected_at = time.monotonic()
-        self.partial_since: float | None = None  # when an unfinished frame began to wait
-        self.served_frames = 0
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes this connection holds in the daemon's memory (input and output)."""
-        return len(self.inbuf) + len(self.outbuf)
-
-    def next_frame_end(self) -> int:
-        """End offset of the next complete frame in `inbuf`, 0 if none is complete,
-        or -1 if its declared length exceeds MAX_FRAME_BYTES."""
-        start = self.inpos
-        if len(self.inbuf) - start < 4:
-            return 0
-        length = int.from_bytes(self.inbuf[start : start + 4], "little")
-        if length > MAX_FRAME_BYTES:
-            return -1
-        end = start + 4 + length
-        return end if end <= len(self.inbuf) else 0
-
-
-def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes, int]:
-    """Decode one request, answer it, and encode the reply frame. Never raises.
-
-    Args:
-        service: the daemon's request semantics.
-        session: the session the frame arrived on.
-        payload: the frame's msgpack bytes (any buffer; not kept).
-
-    Returns:
-        (reply frame, cost of the request in PASS_BUDGET units). The reply is the
-        handler's, or `bad_request` for a payload that does not decode to a valid request
-        (any exception of the decoder: msgspec's errors, but also e.g. UnicodeDecodeError
-        for a str of invalid UTF-8), `internal` when a handler or the encoder fails
-        (logged with its traceback), or `too_large` for a reply above the frame limit.
-    """
-    try:
-        request = request_decoder.decode(payload)
-    except Exception as exc:  # noqa: BLE001 - no frame may reach the loop as an exception
-        reply, cost = service.error("bad_request", f"undecodable request: {exc!r}"), 1
-    else:
-        reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
-    try:
-        return encode_frame(reply), cost
-    except ValueError as exc:
-        return encode_frame(service.error("too_large", str(exc))), cost
-    except Exception:  # noqa: BLE001 - a reply the encoder rejects is a daemon bug
-        logger.exception("cannot encode the reply %r", reply)
-        return encode_frame(service.error("internal", "internal error in the daemon (see its log)")), cost
-
-
-class _RateLimitedLog:
-    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count."""
-
-    def __init__(self) -> None:
-        self.next_at = 0.0
-        self.suppressed = 0
-
-    def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.suppressed += 1
-            return
-        if self.suppressed:
-            message += " (%d more since the last report)"
-            args = (*args, self.suppressed)
-        logger.warning(message, *args)
-        self.suppressed = 0
-        self.next_at = now + LOG_INTERVAL_S
-
+FD_RESERVE = 32  # descriptors besides clients: listener, wakeup pair, selector, log, ...
 
 class Server:
     """One lmcached daemon.
@@ -179,8 +85,8 @@ class Server:
         self._silent: dict[ClientConnection, None] = {}  # no request yet, oldest first
         self._buffered_bytes = 0  # input + output buffers of every connection
         self._accept_paused_until = 0.0
-        self._accept_log = _RateLimitedLog()
-        self._drop_log = _RateLimitedLog()
+        self._accept_log = RateLimitedLog()
+        self._drop_log = RateLimitedLog()
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -191,7 +97,23 @@ class Server:
                 self._allowed_gid = grp.getgrnam(cfg.allow_group).gr_gid
             except KeyError:
                 raise RuntimeError(f"--allow-group: no group named {cfg.allow_group!r}") from None
-        self._check_socket_free(cfg.socket)
+            if os.geteuid() != 0 and self._allowed_gid not in (os.getegid(), *os.getgroups()):
+                raise RuntimeError(
+                    f"--allow-group {cfg.allow_group}: the daemon's user is not a member of that "
+                    f"group, so it cannot give it the socket and the arena; add it (usermod "
+                    f"-aG {cfg.allow_group} USER) or pick one of its groups"
+                )
+        self._raise_fd_limit()
+        prepare_socket_directory(cfg.socket, self._allowed_gid)
+        if self._allowed_gid is not None and not group_can_enter(cfg.socket, self._allowed_gid):
+            directory = os.path.dirname(cfg.socket)
+            logger.warning("members of group %s cannot enter %s, so they cannot connect: "
+                           "chgrp %s %s && chmod 0750 %s", cfg.allow_group, directory,
+                           cfg.allow_group, directory, directory)
+        if self._allowed_gid is not None and cfg.shm_mode & 0o060 != 0o060:
+            logger.warning("--shm-mode 0%o: members of group %s cannot map the arena "
+                           "read-write (use 0660)", cfg.shm_mode, cfg.allow_group)
+        claim_socket_path(cfg.socket)
         removed = sweep_orphans(cfg.name)
         if removed:
             logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
@@ -204,6 +126,7 @@ class Server:
             mode=cfg.shm_mode,
             prefault=cfg.prefault,
             progress=_PrefaultProgress(cfg.capacity_bytes),
+            gid=self._allowed_gid,
         )
         try:
             elapsed = time.monotonic() - started
@@ -221,29 +144,38 @@ class Server:
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
 
-    @staticmethod
-    def _check_socket_free(path: str) -> None:
-        if len(path.encode()) > _MAX_SUN_PATH:
-            raise RuntimeError(f"socket path is longer than {_MAX_SUN_PATH} bytes: {path}")
-        if not os.path.exists(path):
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: its daemon is gone
-            logger.info("removed stale socket %s", path)
-        else:
-            raise RuntimeError(f"another lmcached daemon is listening on {path}")
-        finally:
-            probe.close()
+    def _raise_fd_limit(self) -> None:
+        """Raise the soft RLIMIT_NOFILE to max_clients + FD_RESERVE (as Redis does for
+        `maxclients`), up to the hard limit; if even that is too low, lower max_clients
+        to fit (stored back in the config) and warn."""
+        cfg = self.config
+        want = cfg.max_clients + FD_RESERVE
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        infinity = resource.RLIM_INFINITY
+        if soft != infinity and soft < want:
+            new_soft = want if hard == infinity else min(want, hard)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+                soft = new_soft
+            except (ValueError, OSError) as exc:
+                logger.warning("cannot raise the file descriptor limit from %d to %d: %s",
+                               soft, new_soft, exc)
+        if soft != infinity and soft < want:
+            fitting = max(1, soft - FD_RESERVE)
+            logger.warning(
+                "the file descriptor limit (soft %d, hard %s) holds only %d clients: "
+                "max_clients lowered from %d to %d; raise the hard limit (LimitNOFILE= in "
+                "the unit, ulimit -Hn) or lower --max-clients", soft,
+                "unlimited" if hard == infinity else hard, fitting, cfg.max_clients, fitting,
+            )
+            cfg.max_clients = fitting
+        logger.info("file descriptor limit %s (hard %s): room for max_clients %d",
+                    "unlimited" if soft == infinity else soft,
+                    "unlimited" if hard == infinity else hard, cfg.max_clients)
 
     def _listen(self, path: str) -> None:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            os.makedirs(directory, mode=0o750 if self._allowed_gid is not None else 0o700)
-            if self._allowed_gid is not None:
-                os.chown(directory, -1, self._allowed_gid)
+        """Bind the socket (0600; 0660 and the allowed group with --allow-group) in the
+        directory `prepare_socket_directory` checked, and register it."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177 if self._allowed_gid is None else 0o117)
         try:
@@ -423,7 +355,9 @@ class Server:
         sock.close()
 
     def _authorized(self, uid: int, gid: int) -> bool:
-        if uid in (0, os.getuid()):
+        """May a peer (SO_PEERCRED) connect: root, the daemon's uid, and with
+        --allow-group a member of that group (its primary gid or the group database)."""
+        if uid in (0, os.geteuid()):
             return True
         if self._allowed_gid is None:
             return False

@@ -68,6 +68,8 @@ logger = init_logger(__name__)
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
 MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
 _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
+# Requests that change or stop the cache for everyone: the daemon's uid and root only.
+PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
 INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
 
@@ -174,6 +176,9 @@ class CacheService:
     def handle(self, session: Session, request) -> object:
         """Answer one decoded request. Never raises for a client's mistake.
 
+        PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
+        root are refused with `forbidden`.
+
         Returns:
             The reply Struct (an `Error` for a refused request).
         """
@@ -181,6 +186,11 @@ class CacheService:
         session.num_requests += 1
         session.last_request_at = time.monotonic()
         try:
+            if type(request) in PRIVILEGED_REQUESTS and session.uid not in (0, os.geteuid()):
+                raise RequestError(
+                    "forbidden", f"{type(request).__name__.upper()} is allowed to the daemon's "
+                    f"user (uid {os.geteuid()}) and root only, not to uid {session.uid}"
+                )
             if not session.greeted and not isinstance(request, (Hello, *_ADMIN_REQUESTS)):
                 raise RequestError("no_session", "send HELLO before any other request")
             return self._handlers[type(request)](session, request)

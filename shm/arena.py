@@ -123,6 +123,7 @@ class Arena:
         mode: int = 0o600,
         prefault: bool = True,
         progress: ProgressCallback | None = None,
+        gid: int | None = None,
     ) -> "Arena":
         """Create, map and prefault a new arena segment (daemon only).
 
@@ -135,6 +136,8 @@ class Arena:
             prefault: populate every page now (MADV_POPULATE_WRITE, else touch a byte per
                 page), so that no store pays first-touch page faults later.
             progress: called as progress(done_bytes, capacity_bytes) while prefaulting.
+            gid: group owning the segment (the daemon's `--allow-group`, whose members
+                then map it with mode 0660), or None for the creator's group.
 
         Returns:
             The owning arena; `close()` unmaps and unlinks it.
@@ -142,7 +145,8 @@ class Arena:
         Raises:
             ValueError: bad name, capacity or block size.
             posix_ipc.ExistentialError: a segment of that name exists (O_EXCL).
-            OSError: the segment cannot be sized or mapped (e.g. /dev/shm is full).
+            OSError: the segment cannot be sized or mapped (e.g. /dev/shm is full), or
+                given to group `gid` (PermissionError: the creator is not a member).
         """
         if capacity_bytes <= HEADER_BYTES:
             raise ValueError(
@@ -155,6 +159,8 @@ class Arena:
             shm_name, posix_ipc.O_CREAT | posix_ipc.O_EXCL, mode=mode, size=capacity_bytes
         )
         try:
+            if gid is not None:
+                os.fchown(shm.fd, -1, gid)
             os.fchmod(shm.fd, mode)  # shm_open applied the umask (0022 under systemd)
             mapping = mmap.mmap(shm.fd, capacity_bytes)
         except BaseException:
@@ -404,10 +410,22 @@ def read_segment_owner(path: str) -> tuple[int, int, float] | None:
 
 
 def _owner_alive(pid: int, create_time: float) -> bool:
+    """Whether the daemon that wrote a segment's header still runs.
+
+    Dead: no process `pid`, a process `pid` started at another time (the pid was
+    reused), or a zombie (killed, e.g. by SIGKILL, and not yet reaped by its parent: it
+    holds no mapping and will never unlink its segment). A process this one may not
+    inspect counts as alive: never unlink a live daemon's arena.
+    """
     try:
-        return abs(psutil.Process(pid).create_time() - create_time) < 0.01
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) >= 0.01:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ValueError):  # ZombieProcess is a NoSuchProcess
         return False
+    except psutil.AccessDenied:
+        return True
 
 
 def list_segments(name: str | None = None) -> list[str]:
@@ -424,8 +442,10 @@ def sweep_orphans(name: str | None = None, min_age_s: float = 10.0) -> list[str]
     """Unlink arena segments whose owning daemon is dead (start-up janitor).
 
     A segment is an orphan when the process recorded in its header (pid and create time,
-    so a reused pid does not count) no longer exists. A segment without a valid header is
-    removed only when older than `min_age_s` (it may be one being created right now).
+    so a reused pid does not count) no longer exists or is a zombie (`_owner_alive`). A
+    segment without a valid header is removed only when older than `min_age_s` (it may
+    be one being created right now). Another user's segment that this process may not
+    read or unlink is left alone.
 
     Args:
         name: only segments of this daemon name; None for every lmcached segment.
@@ -449,6 +469,9 @@ def sweep_orphans(name: str | None = None, min_age_s: float = 10.0) -> list[str]
         try:
             posix_ipc.unlink_shared_memory("/" + entry)
         except posix_ipc.ExistentialError:
+            continue
+        except posix_ipc.PermissionsError:  # another user's segment: not ours to judge
+            logger.debug("cannot remove segment %s of another user", entry)
             continue
         logger.warning("removed orphaned arena segment %s (its daemon is gone)", entry)
         removed.append(entry)

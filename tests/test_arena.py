@@ -5,7 +5,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -153,3 +155,35 @@ def test_sweep_removes_segments_of_dead_daemons_only(unique_name):
             child.kill()
             child.wait()
         live.close()
+
+
+def test_owner_is_dead_when_its_pid_was_reused_or_is_a_zombie():
+    from lmcached.shm.arena import _owner_alive
+
+    me = psutil.Process()
+    assert _owner_alive(me.pid, me.create_time())
+    assert not _owner_alive(me.pid, me.create_time() - 5.0)  # same pid, another process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(child.pid).create_time()
+    deadline = time.monotonic() + 10
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert not _owner_alive(child.pid, created)
+    finally:
+        child.wait()
+    assert not _owner_alive(child.pid, created)  # reaped: gone
+
+
+def test_create_gives_the_segment_to_a_group(unique_name):
+    other_groups = [g for g in os.getgroups() if g != os.getegid()]
+    if os.geteuid() == 0:
+        gid = 54321  # root may give it to any gid
+    elif other_groups:
+        gid = other_groups[0]
+    else:
+        pytest.skip("needs root or a supplementary group")
+    with Arena.create(unique_name, 4 * MiB, MiB, mode=0o660, gid=gid) as arena:
+        st = os.stat(f"/dev/shm/{arena.segment_name.lstrip('/')}")
+        assert (st.st_mode & 0o777, st.st_gid) == (0o660, gid)

@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from lmcached import envs
+from lmcached import config, envs
 from lmcached.cli import main
 from lmcached.protocol import Alloc, Commit, Connection, Layout, hello
 
@@ -268,7 +268,11 @@ def test_serve_help_names_every_option_and_environment_variable():
                           timeout=60, env={**os.environ, "COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
     for option in ("--config", "--name", "--socket", "--capacity", "--block-size",
-                   "--shm-mode", "--log-level", "--allow-group"):
+                   "--shm-mode", "--log-level", "--allow-group", "--max-clients",
+                   "--idle-timeout", "--buffer-budget"):
         assert option in proc.stdout, option
-    for name in envs.ENV_VARS:
+    daemon_vars = ["LMCACHED_CONFIG", *(f"LMCACHED_{key.upper()}"
+                                        for key in config.Settings.__struct_fields__)]
+    for name in daemon_vars:
+        assert name in envs.ENV_VARS, name
         assert name in proc.stdout, name

@@ -274,3 +274,114 @@ def test_as_dict_survives_the_config_get_reply(clean_env):
     fields = load_config({"capacity": "1MiB"}).as_dict()
     frame = encode_frame(InfoReply({"config": fields}))
     assert reply_decoder.decode(frame[4:]).sections == {"config": fields}
+
+
+# ------------------------------------------------- one typed schema for every source
+@pytest.mark.parametrize(
+    ("file_text", "message"),
+    [
+        ("shm_mode = 1.0\n", r"^shm_mode in .*t.toml: invalid value 1.0: Expected `int \| str`, "
+         r"got `float`; expected octal permission bits"),
+        ("socket = 7\n", r"^socket in .*t.toml: invalid value 7: Expected `str`, got `int`"),
+        ('max_clients = "many"\n', r"^max_clients in .*t.toml: .*Expected `int`, got `str`"),
+        ('max_clients = "10"\n', r"^max_clients in .*t.toml: .*Expected `int`, got `str`"),
+        ("max_clients = 0\n", r"^max_clients in .*t.toml: invalid value 0: Expected `int` >= 1"),
+        ("max_clients = true\n", r"^max_clients in .*t.toml: .*got `bool`"),
+        ("idle_timeout = -1\n", r"^idle_timeout in .*t.toml: .*Expected `float` >= 0"),
+        ('idle_timeout = "5"\n', r"^idle_timeout in .*t.toml: .*Expected `float`, got `str`"),
+        ("buffer_budget = 1.5\n", r"^buffer_budget in .*t.toml: .*got `float`"),
+        ('buffer_budget = "512KiB"\n', r"^buffer_budget in .*t.toml: buffer budget 512.00K is "
+         r"less than one largest frame"),
+        ("capacity = 8.0\n", r"^capacity in .*t.toml: .*got `float`"),
+        ("log_level = 10\n", r"^log_level in .*t.toml: .*Expected `str`, got `int`"),
+        ('allow_group = ["a"]\n', r"^allow_group in .*t.toml: .*got `array`"),
+        ("shm_mode = 660\n", r"^shm_mode in .*t.toml: shm mode 660 is out of range \(a TOML "
+         r"integer is decimal"),
+        ('name = "a/b"\n', r"^name in .*t.toml: arena name 'a/b' must be"),
+        ("capacity = \n", r"t.toml is not valid TOML"),
+    ],
+)
+def test_file_values_of_the_wrong_type_are_refused_naming_the_key(clean_env, tmp_path,
+                                                                   file_text, message):
+    path = write_toml(tmp_path / "t.toml", 'capacity = "1MiB"\n' * ("capacity" not in file_text)
+                      + file_text)
+    with pytest.raises(ValueError, match=message):
+        load_config({}, path)
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "message"),
+    [
+        ({}, {"LMCACHED_MAX_CLIENTS": "lots"}, r"^LMCACHED_MAX_CLIENTS: invalid value 'lots': "
+         r"Expected `int`, got `str`; expected a whole number"),
+        ({}, {"LMCACHED_MAX_CLIENTS": "0"}, r"^LMCACHED_MAX_CLIENTS: .*>= 1"),
+        ({}, {"LMCACHED_IDLE_TIMEOUT": "soon"}, r"^LMCACHED_IDLE_TIMEOUT: invalid value 'soon'"),
+        ({}, {"LMCACHED_BUFFER_BUDGET": "huge"}, r"^LMCACHED_BUFFER_BUDGET: cannot parse size"),
+        ({"max_clients": "-3"}, {}, r"^--max-clients: invalid value '-3': Expected `int` >= 1"),
+        ({"idle_timeout": "1m"}, {}, r"^--idle-timeout: invalid value '1m'"),
+        ({"buffer_budget": "0"}, {}, r"^--buffer-budget: size must be positive"),
+        ({"socket": 7}, {}, r"^--socket: invalid value 7: Expected `str`, got `int`"),
+    ],
+)
+def test_env_and_option_values_of_the_wrong_type_are_refused_naming_the_source(
+    clean_env, options, env, message
+):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        load_config({"capacity": "1MiB", **options})
+
+
+def test_limits_come_from_file_env_and_options_with_their_defaults(clean_env, tmp_path):
+    cfg = load_config({"capacity": "1MiB"})
+    assert (cfg.max_clients, cfg.idle_timeout_s, cfg.buffer_budget_bytes) == (1024, 0.0, 128 * MiB)
+    path = write_toml(tmp_path / "l.toml",
+                      'max_clients = 7\nidle_timeout = 2\nbuffer_budget = "64MiB"\n')
+    cfg = load_config({"capacity": "1MiB"}, path)
+    assert (cfg.max_clients, cfg.idle_timeout_s, cfg.buffer_budget_bytes) == (7, 2.0, 64 * MiB)
+    assert type(cfg.idle_timeout_s) is float
+    clean_env.setenv("LMCACHED_MAX_CLIENTS", "9")
+    clean_env.setenv("LMCACHED_IDLE_TIMEOUT", "0.5")
+    clean_env.setenv("LMCACHED_BUFFER_BUDGET", "2MiB")
+    cfg = load_config({"capacity": "1MiB"}, path)
+    assert (cfg.max_clients, cfg.idle_timeout_s, cfg.buffer_budget_bytes) == (9, 0.5, 2 * MiB)
+    cfg = load_config({"capacity": "1MiB", "max_clients": "11", "idle_timeout": "30",
+                       "buffer_budget": "1GiB"}, path)
+    assert (cfg.max_clients, cfg.idle_timeout_s, cfg.buffer_budget_bytes) == (11, 30.0, GiB)
+    fields = cfg.as_dict()
+    assert (fields["max_clients"], fields["idle_timeout_s"], fields["buffer_budget_bytes"]) == (
+        11, 30.0, GiB)
+
+
+def test_every_setting_has_an_env_variable_and_a_serve_option():
+    from lmcached.cli import serve
+
+    options = {opt for param in serve.params for opt in param.opts}
+    for key in config.Settings.__struct_fields__:
+        assert f"LMCACHED_{key.upper()}" in envs.ENV_VARS, key
+        assert f"--{key.replace('_', '-')}" in options, key
+
+
+def test_allow_group_makes_the_arena_0660_unless_shm_mode_is_given(clean_env):
+    cfg = load_config({"capacity": "1MiB", "allow_group": "staff"})
+    assert cfg.shm_mode == 0o660
+    cfg = load_config({"capacity": "1MiB", "allow_group": "staff", "shm_mode": "0600"})
+    assert cfg.shm_mode == 0o600
+
+
+def test_relative_socket_is_made_absolute(clean_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config({"capacity": "1MiB", "socket": "d.sock"}).socket == str(tmp_path / "d.sock")
+
+
+def test_serve_reports_a_toml_type_error_and_starts_nothing(clean_env, tmp_path, unique_name):
+    from click.testing import CliRunner
+
+    from lmcached.cli import main
+
+    path = write_toml(tmp_path / "bad.toml", "socket = 7\n")
+    result = CliRunner().invoke(main, ["serve", "--config", path, "--name", unique_name,
+                                       "--capacity", "1MiB"])
+    assert result.exit_code == 1
+    assert "socket in " in result.output and "Expected `str`, got `int`" in result.output
+    assert not os.path.exists("7")

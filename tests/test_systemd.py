@@ -112,6 +112,7 @@ def test_unit_has_the_required_service_settings(filename):
         "User": "lmcached",
         "Group": "lmcached",
         "LimitMEMLOCK": "infinity",
+        "LimitNOFILE": "65536",  # room for --max-clients (default 1024) plus the daemon's own
         "NoNewPrivileges": "yes",
         "ProtectSystem": "strict",
         "ProtectHome": "yes",

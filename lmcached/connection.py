@@ -1,0 +1,128 @@
+"""One client connection of the daemon: its buffers, frame parsing and limits.
+
+Why this file exists: it is the part of the event loop (`server.py`) that every byte a
+client sends goes through, so that its rules can be read and tested in one place:
+frames are parsed in place from the connection's buffer, any payload becomes exactly one
+reply (`answer_frame` never raises), and the limits after Redis
+(`client-query-buffer-limit`, `client-output-buffer-limit`, `timeout`, `maxclients`)
+are constants here.
+"""
+
+import selectors
+import socket
+import time
+
+from lmcached.logger import init_logger
+from lmcached.protocol import MAX_FRAME_BYTES, Clients, Info, encode_frame, request_decoder
+from lmcached.service import CacheService
+from lmcached.session import Session
+
+logger = init_logger(__name__)
+
+# Limits of one connection, after Redis (`client-query-buffer-limit`,
+# `client-output-buffer-limit`). The total over every connection is the configured
+# `buffer_budget_bytes`.
+READ_AHEAD_BYTES = 64 * 1024  # stop reading while this much of complete frames waits
+OUTBUF_PAUSE_BYTES = 1 << 20  # stop serving a client while this much of replies is unsent
+MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
+# Bounded work per client per loop pass (round robin): a request costs 1, except those
+# cheap to send and costly to serve.
+PASS_BUDGET = 32
+REQUEST_COST = {Info: 8, Clients: 16}
+PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
+HOUSEKEEPING_INTERVAL_S = 1.0
+ACCEPT_BATCH = 64  # connections accepted per loop pass at most
+ACCEPT_BACKOFF_S = 0.1  # no accept() for this long after EMFILE / ENFILE
+LOG_INTERVAL_S = 10.0  # a repeated warning is logged at most once per interval
+
+
+class ClientConnection:
+    """A connected client: its socket, session, buffers and loop bookkeeping.
+
+    `inbuf[inpos:]` holds received bytes not yet served; frames are decoded in place
+    from a memoryview and the served prefix is dropped once per loop pass.
+    """
+
+    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "eof", "events",
+                 "connected_at", "partial_since", "served_frames")
+
+    def __init__(self, sock: socket.socket, session: Session) -> None:
+        self.sock = sock
+        self.session = session
+        self.inbuf = bytearray()
+        self.inpos = 0
+        self.outbuf = bytearray()
+        self.closed = False
+        self.eof = False  # the client shut down its side: serve what it sent, then close
+        self.events = selectors.EVENT_READ  # what the selector watches for it now
+        self.connected_at = time.monotonic()
+        self.partial_since: float | None = None  # when an unfinished frame began to wait
+        self.served_frames = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds in the daemon's memory (input and output)."""
+        return len(self.inbuf) + len(self.outbuf)
+
+    def next_frame_end(self) -> int:
+        """End offset of the next complete frame in `inbuf`, 0 if none is complete,
+        or -1 if its declared length exceeds MAX_FRAME_BYTES."""
+        start = self.inpos
+        if len(self.inbuf) - start < 4:
+            return 0
+        length = int.from_bytes(self.inbuf[start : start + 4], "little")
+        if length > MAX_FRAME_BYTES:
+            return -1
+        end = start + 4 + length
+        return end if end <= len(self.inbuf) else 0
+
+
+def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes, int]:
+    """Decode one request, answer it, and encode the reply frame. Never raises.
+
+    Args:
+        service: the daemon's request semantics.
+        session: the session the frame arrived on.
+        payload: the frame's msgpack bytes (any buffer; not kept).
+
+    Returns:
+        (reply frame, cost of the request in PASS_BUDGET units). The reply is the
+        handler's, or `bad_request` for a payload that does not decode to a valid request
+        (any exception of the decoder: msgspec's errors, but also e.g. UnicodeDecodeError
+        for a str of invalid UTF-8), `internal` when a handler or the encoder fails
+        (logged with its traceback), or `too_large` for a reply above the frame limit.
+    """
+    try:
+        request = request_decoder.decode(payload)
+    except Exception as exc:  # noqa: BLE001 - no frame may reach the loop as an exception
+        reply, cost = service.error("bad_request", f"undecodable request: {exc!r}"), 1
+    else:
+        reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
+    try:
+        return encode_frame(reply), cost
+    except ValueError as exc:
+        return encode_frame(service.error("too_large", str(exc))), cost
+    except Exception:  # noqa: BLE001 - a reply the encoder rejects is a daemon bug
+        logger.exception("cannot encode the reply %r", reply)
+        return encode_frame(service.error("internal", "internal error in the daemon (see its log)")), cost
+
+
+class RateLimitedLog:
+    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count."""
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            message += " (%d more since the last report)"
+            args = (*args, self.suppressed)
+        logger.warning(message, *args)
+        self.suppressed = 0
+        self.next_at = now + LOG_INTERVAL_S
