@@ -1,25 +1,84 @@
 """A client's session with the daemon and its mapping of the arena, kept alive.
 
-Why this file exists: a serving process must never fail because its cache did. Every
-request goes through `DaemonLink.request`, which turns a lost daemon into
-`CacheUnavailable` (callers treat it as a miss or a skipped store), warns once per
-outage, and reconnects with exponential backoff on later calls, re-attaching to the
-new arena generation of a restarted daemon (never reading an old generation's bytes).
+Why this file exists: a serving process must never fail because its cache did. This is
+the ONE place that maps client-side failures to "no cache now": every request goes
+through `DaemonLink.request` and every (re)connect through `DaemonLink.try_connect` or
+`ensure_connected`, which turn any failure -- no socket (ENOENT), a refused or
+forbidden socket (ECONNREFUSED, EACCES), an arena segment the process may not map
+(posix_ipc.PermissionsError, which is not an OSError), a protocol version the daemon
+does not speak, a reply that does not decode, a timeout -- into `CacheUnavailable`
+(callers treat it as a miss or a skipped store). The link then warns once per outage,
+skips the daemon for an exponentially growing back-off window, and reconnects on a later
+call, re-attaching to the new arena generation of a restarted daemon (never reading an
+old generation's bytes). Only `DaemonError` (the daemon refused one request; the session
+stays open) reaches callers as itself.
+
+Timeouts: requests on the serving path (DATA_PATH_REQUESTS) and the reconnects that
+`ensure_connected` makes on that path wait at most `data_timeout_s` (default 200 ms,
+$LMCACHED_DATA_TIMEOUT_MS), so a stopped daemon costs a serving step one short timeout,
+not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 """
 
+import math
 import threading
 import time
 from typing import Callable
 
-from lmcached.config import default_socket_path
+from lmcached import envs
 from lmcached.logger import init_logger
-from lmcached.protocol import Abort, Commit, Connection, DaemonError, HelloReply, Layout, hello
+from lmcached.protocol import (
+    Abort,
+    Acquire,
+    Alloc,
+    Commit,
+    Connection,
+    DaemonError,
+    Delete,
+    Get,
+    HelloReply,
+    Layout,
+    Lookup,
+    Put,
+    Release,
+    Scan,
+    hello,
+)
 from lmcached.shm.arena import Arena
+from lmcached.socket_path import check_client_socket_directory, default_socket_path
 
 logger = init_logger(__name__)
 
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 5.0
+ADMIN_TIMEOUT_S = 10.0  # first connect, HELLO and admin requests
+DATA_TIMEOUT_S = 0.2  # serving-path requests and their reconnects ($LMCACHED_DATA_TIMEOUT_MS)
+
+# Requests a serving step waits for: a stalled daemon must cost them milliseconds.
+DATA_PATH_REQUESTS = frozenset({Lookup, Acquire, Alloc, Commit, Abort, Release, Put, Get,
+                                Delete, Scan})
+
+
+def default_data_timeout_s() -> float:
+    """The serving-path timeout in seconds: $LMCACHED_DATA_TIMEOUT_MS, else DATA_TIMEOUT_S.
+
+    Raises:
+        ValueError: the variable is not a positive number of milliseconds.
+    """
+    value = envs.get("LMCACHED_DATA_TIMEOUT_MS")
+    if value is None:
+        return DATA_TIMEOUT_S
+    try:
+        timeout_ms = float(value)
+    except ValueError:
+        timeout_ms = math.nan
+    if not 0 < timeout_ms < math.inf:
+        raise ValueError(f"LMCACHED_DATA_TIMEOUT_MS={value!r}: give a positive number of "
+                         "milliseconds, e.g. 200")
+    return timeout_ms / 1000
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class CacheUnavailable(Exception):
@@ -36,13 +95,20 @@ class DaemonLink:
         socket_path: the daemon's socket, or None for the default of daemon `name`.
         name: daemon name used to find the default socket, and the client's name.
         layout: the namespace to register in HELLO (None for admin-like clients).
-        timeout_s: connect and per-request timeout in seconds.
+        timeout_s: timeout of `connect` / `try_connect` and of admin requests, seconds.
+        client_name: the name the daemon lists in CLIENTS.
+        data_timeout_s: timeout of DATA_PATH_REQUESTS and of the reconnects
+            `ensure_connected` makes, seconds (None: $LMCACHED_DATA_TIMEOUT_MS, else
+            DATA_TIMEOUT_S).
+
+    Raises:
+        ValueError: a timeout that is not positive.
 
     Attributes:
         hello_reply: the last HELLO reply (arena, generation, namespace id), or None
             while disconnected.
         arena: the mapped arena of the current generation, or None.
-        num_reconnects: successful reconnections after a loss.
+        num_reconnects: outages ended by an answered request after a reconnect.
     """
 
     def __init__(
@@ -50,12 +116,19 @@ class DaemonLink:
         socket_path: str | None,
         name: str = "default",
         layout: Layout | None = None,
-        timeout_s: float = 10.0,
+        timeout_s: float = ADMIN_TIMEOUT_S,
         client_name: str = "lmcached-client",
+        data_timeout_s: float | None = None,
     ) -> None:
+        if data_timeout_s is None:
+            data_timeout_s = default_data_timeout_s()
+        if not (timeout_s > 0 and data_timeout_s > 0):
+            raise ValueError(f"timeouts must be positive seconds, got timeout_s={timeout_s}, "
+                             f"data_timeout_s={data_timeout_s}")
         self.socket_path = socket_path or default_socket_path(name)
         self.layout = layout
         self.timeout_s = timeout_s
+        self.data_timeout_s = data_timeout_s
         self.client_name = client_name
         self.hello_reply: HelloReply | None = None
         self.arena: Arena | None = None
@@ -72,37 +145,68 @@ class DaemonLink:
         self.on_detach: Callable[[Arena], object] | None = None
 
     # ------------------------------------------------------------- connection
-    def connect(self) -> None:
+    def connect(self, timeout_s: float | None = None) -> None:
         """Open the session and map the arena now.
 
+        Args:
+            timeout_s: how long the socket connect and the HELLO may wait, seconds
+                (None: `self.timeout_s`).
+
         Raises:
-            OSError (e.g. FileNotFoundError, ConnectionRefusedError): no daemon.
-            DaemonError: the daemon refused the HELLO (e.g. a layout that does not fit).
+            OSError (e.g. FileNotFoundError, ConnectionRefusedError, PermissionError,
+                TimeoutError): no daemon answers; ConnectionError also for a reply out
+                of protocol.
+            DaemonError: the daemon refused the HELLO (code "version": another protocol
+                version; or a layout that does not fit).
+            posix_ipc.Error (e.g. PermissionsError): the arena segment cannot be opened.
+            ValueError: the segment is not the announced arena generation, or
+                (UnsafeSocketPathError) the socket's directory could have been placed
+                by another user (see lmcached.socket_path).
+            Whatever `on_attach` raises.
         """
         with self.lock:
-            conn = Connection(self.socket_path, self.timeout_s)
+            check_client_socket_directory(self.socket_path)
+            conn = Connection(self.socket_path, self.timeout_s if timeout_s is None else timeout_s)
             try:
                 reply = hello(conn, self.client_name, self.layout)
                 arena = self.arena
                 if arena is None or arena.generation != reply.generation:
                     new_arena = Arena.attach(reply.arena_name, reply.generation, reply.block_bytes)
+                    try:
+                        if self.on_attach is not None:
+                            self.on_attach(new_arena)
+                    except BaseException:
+                        new_arena.close()
+                        raise
                     if arena is not None:
                         self._unmap(arena)
-                    if self.on_attach is not None:
-                        self.on_attach(new_arena)
                     arena = new_arena
             except BaseException:
                 conn.close()
                 raise
             self._conn, self.hello_reply, self.arena = conn, reply, arena
-            self._backoff_s = BACKOFF_INITIAL_S
-            if self._down_reason is not None:
-                self.num_reconnects += 1
-                logger.warning(
-                    "lmcached daemon at %s is back (generation %d): caching again",
-                    self.socket_path, reply.generation,
-                )
-                self._down_reason = None
+
+    def try_connect(self, strict: bool = False) -> bool:
+        """`connect()` now (timeout `timeout_s`); on any failure start disconnected.
+
+        Args:
+            strict: re-raise the failure instead (tests, tools that need the daemon).
+
+        Returns:
+            True when connected; False when the link was marked down (one warning; the
+            next calls are misses and retry after the back-off).
+
+        Raises:
+            With strict=True only: whatever `connect` raises.
+        """
+        try:
+            self.connect()
+        except Exception as exc:
+            if strict:
+                raise
+            self.mark_down(_describe(exc))
+            return False
+        return True
 
     @property
     def connected(self) -> bool:
@@ -115,12 +219,14 @@ class DaemonLink:
         return self.hello_reply.generation if self.hello_reply else None
 
     def mark_down(self, reason: str) -> None:
-        """Drop the session after a failure; warn once per outage; schedule a retry."""
+        """Drop the session after a failure; warn once per outage; schedule a retry.
+
+        Until the retry (an exponentially growing back-off, BACKOFF_INITIAL_S up to
+        BACKOFF_MAX_S, reset by a successful connect) every request fails at once with
+        `CacheUnavailable` instead of paying a timeout again.
+        """
         with self.lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self.hello_reply = None
+            self._drop_session()
             if self._down_reason is None:
                 logger.warning(
                     "lmcached daemon at %s is unavailable (%s): serving without the cache "
@@ -132,10 +238,11 @@ class DaemonLink:
             self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
 
     def ensure_connected(self) -> HelloReply:
-        """The current session, reconnecting if the backoff allows.
+        """The current session, reconnecting (timeout `data_timeout_s`) if the backoff allows.
 
         Raises:
-            CacheUnavailable: disconnected and not (yet) reconnectable.
+            CacheUnavailable: disconnected and not (yet) reconnectable; a failed
+                reconnect of any kind marks the link down again.
         """
         reply = self.hello_reply
         if reply is not None:
@@ -148,14 +255,18 @@ class DaemonLink:
             if time.monotonic() < self._next_attempt:
                 raise CacheUnavailable(self._down_reason or "disconnected")
             try:
-                self.connect()
-            except (OSError, DaemonError, ValueError) as exc:
-                self.mark_down(f"{type(exc).__name__}: {exc}")
-                raise CacheUnavailable(str(exc)) from None
+                self.connect(self.data_timeout_s)
+            except Exception as exc:  # any failure to open a session means "no cache now"
+                self.mark_down(_describe(exc))
+                raise CacheUnavailable(_describe(exc)) from None
             return self.hello_reply
 
     def request(self, message, generation: int | None = None):
         """Send one request on the current session.
+
+        DATA_PATH_REQUESTS wait at most `data_timeout_s`, others `timeout_s`. Any
+        failure other than a refusal drops the session (a late reply would answer the
+        next request) and starts the back-off (`mark_down`).
 
         Args:
             message: a protocol request.
@@ -163,19 +274,29 @@ class DaemonLink:
                 this arena generation (block ids of an old generation mean nothing now).
 
         Raises:
-            CacheUnavailable: the daemon is gone (or was replaced) and the request was
-                not answered.
-            DaemonError: the daemon refused the request.
+            CacheUnavailable: the daemon is gone, stalled past the timeout, replaced,
+                or answered out of protocol, and the request was not answered.
+            DaemonError: the daemon refused the request (the session stays open).
         """
         with self.lock:
             reply = self.ensure_connected()
             if generation is not None and reply.generation != generation:
                 raise CacheUnavailable("the daemon restarted: old block ids are void")
+            data_path = type(message) in DATA_PATH_REQUESTS
+            timeout_s = self.data_timeout_s if data_path else self.timeout_s
             try:
-                return self._conn.request(message)
-            except (OSError, ConnectionError, TimeoutError) as exc:
-                self.mark_down(f"{type(exc).__name__}: {exc}")
-                raise CacheUnavailable(str(exc)) from None
+                answer = self._conn.request(message, timeout_s)
+            except DaemonError:
+                raise
+            except Exception as exc:  # timeout, loss, a reply out of protocol, too large
+                self.mark_down(_describe(exc))
+                raise CacheUnavailable(_describe(exc)) from None
+            except BaseException:  # interrupted half-way: the stream is out of step
+                self._drop_session()
+                raise
+            if self._down_reason is not None:
+                self._recovered()
+            return answer
 
     def fill_and_commit(self, block_ids: list[int], generation: int,
                         fill: Callable[[], None]) -> bool:
@@ -219,15 +340,40 @@ class DaemonLink:
         """End the session (the daemon releases its pins) and unmap the arena."""
         with self.lock:
             self._closed = True
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self.hello_reply = None
+            self._drop_session()
             if self.arena is not None:
                 self._unmap(self.arena)
                 self.arena = None
 
+    def _recovered(self) -> None:
+        """The first answer after an outage: end it, reset the back-off.
+
+        Only an answered request ends an outage, not a successful HELLO: a daemon that
+        greets but then stalls or answers out of protocol keeps its growing back-off
+        and its single warning.
+        """
+        self._backoff_s = BACKOFF_INITIAL_S
+        self.num_reconnects += 1
+        logger.info("lmcached daemon at %s is back (generation %d): caching again",
+                    self.socket_path, self.hello_reply.generation)
+        self._down_reason = None
+
+    def _drop_session(self) -> None:
+        """Close the connection (the daemon releases its pins); keep the arena mapped."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.hello_reply = None
+
     def _unmap(self, arena: Arena) -> None:
-        if self.on_detach is not None:
-            self.on_detach(arena)
-        arena.close()
+        """Run `on_detach`, then unmap. A failing hook is logged, never raised: it must
+        not keep a reconnect from mapping a restarted daemon's arena, nor `close` from
+        unmapping."""
+        try:
+            if self.on_detach is not None:
+                self.on_detach(arena)
+        except Exception as exc:
+            logger.warning("detach hook failed for arena generation %d (%s); unmapping it",
+                           arena.generation, _describe(exc))
+        finally:
+            arena.close()

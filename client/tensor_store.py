@@ -70,10 +70,7 @@ class TensorStore:
     def __init__(self, namespace: Layout, socket: str | None = None, name: str = "default",
                  timeout_s: float = 10.0) -> None:
         self.link = DaemonLink(socket, name, namespace, timeout_s, f"TensorStore({namespace.model_name})")
-        try:
-            self.link.connect()
-        except OSError as exc:
-            self.link.mark_down(f"{type(exc).__name__}: {exc}")
+        self.link.try_connect()
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store `tensor` under `key`, replacing any value (readers keep the old one).

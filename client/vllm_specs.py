@@ -15,7 +15,6 @@ from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
 from lmcached.logger import init_logger
 from lmcached.shm.arena import Arena
-from lmcached.protocol import DaemonError
 
 logger = init_logger(__name__)
 
@@ -58,10 +57,7 @@ class ConnectorSettings:
         link = DaemonLink(self.socket, self.daemon_name, self.layouts[rank].to_wire(),
                           self.timeout_s, client_name)
         link.on_attach, link.on_detach = on_attach, on_detach
-        try:
-            link.connect()
-        except (OSError, DaemonError) as exc:
-            link.mark_down(f"{type(exc).__name__}: {exc}")
+        link.try_connect()
         return link
 
 

@@ -294,43 +294,97 @@ class Connection:
     selectors loop and 56-160 us for asyncio). Not thread-safe: callers that share one
     connection between threads hold their own lock.
 
+    A request that fails half-way (timeout, closed socket, undecodable reply) leaves the
+    byte stream out of step: a late reply would be read as the answer to the next
+    request. The connection then refuses every later request; open a new one.
+
     Args:
         socket_path: path of the daemon's Unix socket.
-        timeout_s: connect and per-request timeout in seconds.
+        timeout_s: connect timeout, and the default timeout of each request, in seconds.
 
     Raises:
-        ConnectionError (FileNotFoundError, ConnectionRefusedError, ...): no daemon.
+        OSError (FileNotFoundError, ConnectionRefusedError, PermissionError,
+            TimeoutError, ...): no daemon answers at `socket_path`.
     """
+
+    # The reply type of each request (see lmcached/service.py); any other reply, other
+    # than an Error, means the peer does not speak this protocol.
+    REPLY_TYPES: dict[type, type] = {
+        Hello: HelloReply, Lookup: LookupReply, Acquire: BlocksReply, Release: Ok,
+        Alloc: AllocReply, Commit: Ok, Abort: Ok, Put: AllocReply, Get: BlocksReply,
+        Delete: CountReply, Scan: KeysReply, Info: InfoReply, Clients: ClientsReply,
+        Evict: CountReply, Clear: CountReply, Ping: Ok, Shutdown: Ok, ConfigGet: InfoReply,
+    }
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
         self.socket_path = socket_path
+        self.timeout_s = timeout_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
+        self._sock_timeout_s = timeout_s
         try:
             self._sock.connect(socket_path)
         except BaseException:
             self._sock.close()
             raise
         self._header = bytearray(_LENGTH.size)
+        self._broken: str | None = None
 
-    def request(self, message: msgspec.Struct) -> msgspec.Struct:
+    def request(self, message: msgspec.Struct, timeout_s: float | None = None) -> msgspec.Struct:
         """Send one request and return its reply.
 
+        Args:
+            message: a request Struct.
+            timeout_s: how long the send, and each receive of the reply, may wait, in
+                seconds (None: the connection's `timeout_s`). A stopped daemon costs
+                one timeout.
+
         Raises:
-            DaemonError: the daemon answered with an Error.
-            ConnectionError: the daemon closed the connection (it stopped or crashed).
-            TimeoutError: no reply within the timeout.
+            DaemonError: the daemon answered with an Error (the connection stays usable).
+            ValueError: the message exceeds MAX_FRAME_BYTES; nothing was sent (the
+                connection stays usable).
+            TimeoutError: no reply within the timeout; the connection is then unusable.
+            ConnectionError: the daemon closed the connection (it stopped or crashed),
+                answered with a frame that does not decode or is not this request's
+                reply type, or an earlier request on this connection failed half-way.
         """
-        self._sock.sendall(encode_frame(message))
-        self._recv_exactly(self._header)
-        (length,) = _LENGTH.unpack(self._header)
-        if length > MAX_FRAME_BYTES:
-            raise ConnectionError(f"reply frame of {length} bytes exceeds the limit")
-        payload = bytearray(length)
-        self._recv_exactly(payload)
-        reply = reply_decoder.decode(payload)
-        if isinstance(reply, Error):
-            raise DaemonError(reply.code, reply.message)
+        if self._broken is not None:
+            raise ConnectionError(
+                f"connection to {self.socket_path} is out of step after an earlier failure "
+                f"({self._broken}): open a new Connection"
+            )
+        frame = encode_frame(message)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if timeout_s != self._sock_timeout_s:  # settimeout costs a syscall: only on change
+            self._sock.settimeout(timeout_s)
+            self._sock_timeout_s = timeout_s
+        try:
+            self._sock.sendall(frame)
+            self._recv_exactly(self._header)
+            (length,) = _LENGTH.unpack(self._header)
+            if length > MAX_FRAME_BYTES:
+                raise ConnectionError(f"reply frame of {length} bytes exceeds the limit")
+            payload = bytearray(length)
+            self._recv_exactly(payload)
+            try:
+                reply = reply_decoder.decode(payload)
+            except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: bad UTF-8
+                raise ConnectionError(
+                    f"undecodable reply from the daemon ({type(exc).__name__}: {exc})"
+                ) from None
+            if isinstance(reply, Error):
+                raise DaemonError(reply.code, reply.message)
+            expected = self.REPLY_TYPES.get(type(message))
+            if expected is not None and not isinstance(reply, expected):
+                raise ConnectionError(
+                    f"the daemon answered {type(message).__name__} with "
+                    f"{type(reply).__name__}, expected {expected.__name__}"
+                )
+        except DaemonError:
+            raise
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
         return reply
 
     def _recv_exactly(self, buf: bytearray) -> None:
