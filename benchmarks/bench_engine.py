@@ -19,6 +19,10 @@ KV: 32 layers, 8 KV heads, head_size 128, bfloat16 = 128 KiB per token, chunk 25
     views+copy      views copied into a touched destination (RetrievedViews.copy_to)
     verify          the header and token-id checks alone (part of every retrieve)
     cross-process   a separate process stored the prompt; this one retrieves (out=)
+    ... +ck         store cold, retrieve out= and views by a second engine with
+                    verify="checksum" (writes an xxh3-64 payload checksum into every
+                    record before COMMIT, recomputes it before serving), printed as
+                    ratios to the same op without checksums in this run
 
     python benchmarks/bench_engine.py [--tokens 4096 16384] [--repeat 5] [--quick]
 """
@@ -30,11 +34,13 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
+from typing import Callable
 
 import numpy as np
 import torch
 
-from common import GB, LLAMA_8B, median, p90, running_daemon, time_it
+from common import GB, LLAMA_8B, median, p90, record_block_size, running_daemon, time_it
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
@@ -69,9 +75,33 @@ def chunked_copy(copier: ChunkCopier, dst: torch.Tensor, src: torch.Tensor, layo
     ])
 
 
+def time_in_turn(fns: dict[str, Callable[[], object]], repeat: int,
+                 setup: Callable[[], object] | None = None, warmup: int = 1) -> dict:
+    """Seconds per call of each of `fns`, all called in turn in each of `repeat` rounds.
+
+    Returns:
+        {name: [seconds per run]}, `setup` (before every call) untimed.
+    """
+    samples = {name: [] for name in fns}
+    for i in range(warmup + repeat):
+        for name, fn in fns.items():
+            if setup is not None:
+                setup()
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def with_checked(fns: dict[str, Callable[[], object]], checked: CacheEngine | None) -> dict:
+    """`fns` without the "+ck" ops when there is no checksum engine."""
+    return fns if checked is not None else {k: f for k, f in fns.items() if not k.endswith("+ck")}
+
+
 def bench_length(engine: CacheEngine, admin: Connection, socket: str, num_tokens: int,
                  repeat: int, src: torch.Tensor | None = None,
-                 dst: torch.Tensor | None = None) -> dict:
+                 dst: torch.Tensor | None = None, checked: CacheEngine | None = None) -> dict:
     """Time every op of the module docstring for one prompt length.
 
     Args:
@@ -81,6 +111,8 @@ def bench_length(engine: CacheEngine, admin: Connection, socket: str, num_tokens
         repeat: timed runs per op (after one warm-up run).
         src / dst: touched blobs `layout.chunk_shape(num_tokens)` to reuse (allocated if
             None): src is the KV stored, dst is overwritten.
+        checked: optional engine of the same layout with verify="checksum": adds the
+            "+ck" ops.
 
     Returns:
         {"nbytes": KV bytes of the prompt, "samples": {op: [seconds per run]}}
@@ -98,22 +130,35 @@ def bench_length(engine: CacheEngine, admin: Connection, socket: str, num_tokens
     results["memcpy chunked"] = time_it(
         lambda: chunked_copy(engine.copier, dst, src, layout), repeat)
     results["alloc+fill"] = time_it(lambda: np.copyto(np.empty_like(src_np), src_np), repeat)
-    results["store cold"] = time_it(lambda: engine.store(tokens, src), repeat,
-                                    setup=lambda: admin.request(Clear()))
+    # An op and its "+ck" twin run in turn in each round, so that the load of this shared
+    # machine changes both alike; the +ck store runs last: the records carry checksums.
+    results.update(time_in_turn(with_checked({
+        "store cold": lambda: engine.store(tokens, src),
+        "store cold +ck": lambda: checked.store(tokens, src),
+    }, checked), repeat, setup=lambda: admin.request(Clear())))
     results["store existing"] = time_it(lambda: engine.store(tokens, src), repeat)
     results["lookup"] = time_it(lambda: engine.lookup(tokens), repeat)
-    results["retrieve out="] = time_it(
-        lambda: engine.retrieve(tokens, return_tuple=False, out=dst), repeat)
+    results.update(time_in_turn(with_checked({
+        "retrieve out=": lambda: engine.retrieve(tokens, return_tuple=False, out=dst),
+        "retrieve out= +ck": lambda: checked.retrieve(tokens, return_tuple=False, out=dst),
+    }, checked), repeat))
+    if checked is not None:
+        got, ret_mask = checked.retrieve(tokens, return_tuple=False, out=dst)
+        assert bool(ret_mask.all()) and torch.equal(got, src), "checksummed retrieve differs"
     got, ret_mask = engine.retrieve(tokens, return_tuple=False)
     assert bool(ret_mask.all()) and torch.equal(got, src), "retrieved bytes differ"
     del got
     results["retrieve alloc"] = time_it(lambda: engine.retrieve(tokens, return_tuple=False), repeat)
 
-    def open_close_views():
-        with engine.retrieve_views(tokens) as views:
+    def open_close_views(eng: CacheEngine) -> None:
+        with eng.retrieve_views(tokens) as views:
             assert views.num_tokens == num_tokens
 
-    results["views"] = time_it(open_close_views, repeat)
+    results.update(time_in_turn(with_checked({
+        "views": lambda: open_close_views(engine),
+        "views +ck": lambda: open_close_views(checked),
+    }, checked), repeat))
+    assert checked is None or checked.num_checksum_failures == 0, "a record failed its checksum"
 
     def views_and_copy():
         with engine.retrieve_views(tokens) as views:
@@ -156,12 +201,27 @@ def report(num_tokens: int, data: dict) -> list[tuple[str, bool, str]]:
     print(f"\n{num_tokens} tokens ({nbytes / 2**30:.2f} GiB of KV)")
     print(f"{'op':>16} {'median ms':>10} {'p90 ms':>9} {'GB/s':>7} {'vs memcpy':>10}")
     moves_bytes = {"memcpy", "memcpy chunked", "alloc+fill", "store cold", "retrieve out=",
-                   "retrieve alloc", "views+copy", "cross-process"}
+                   "retrieve alloc", "views+copy", "cross-process", "store cold +ck",
+                   "retrieve out= +ck"}
     for op, samples in res.items():
         med = median(samples)
         gbps = f"{nbytes / med / GB:7.2f}" if op in moves_bytes else f"{'-':>7}"
         print(f"{op:>16} {med * 1e3:10.3f} {p90(samples) * 1e3:9.3f} {gbps} {copy_s / med:9.2f}x")
     ratio = lambda op, base: base / median(res[op])  # noqa: E731
+    checksum_rows = []
+    if "store cold +ck" in res:
+        print("payload checksum (verify='checksum'), throughput with / without:")
+        for op in ("store cold", "retrieve out="):
+            with_ck = ratio(f"{op} +ck", median(res[op]))
+            print(f"{op:>16} {with_ck:9.2f}x  ({nbytes / median(res[op + ' +ck']) / GB:.2f} "
+                  f"against {nbytes / median(res[op]) / GB:.2f} GB/s)")
+            checksum_rows.append((f"{op} with checksum / without @{num_tokens}", True,
+                                  f"{with_ck:.2f}x"))
+        views_ms = median(res["views +ck"]) * 1e3
+        print(f"{'views':>16} {views_ms:9.3f} ms with, {median(res['views']) * 1e3:.3f} ms without"
+              f" ({nbytes / median(res['views +ck']) / GB:.2f} GB/s checked)")
+        checksum_rows.append((f"views open+close with checksum @{num_tokens}", True,
+                              f"{views_ms:.3f} ms"))
     return [
         (f"store cold >= 0.7x memcpy @{num_tokens}", ratio("store cold", copy_s) >= 0.7,
          f"{ratio('store cold', copy_s):.2f}x"),
@@ -176,7 +236,7 @@ def report(num_tokens: int, data: dict) -> list[tuple[str, bool, str]]:
          f"{median(res['store existing']) / median(res['store cold']) * 100:.2f}%"),
         (f"verify share of retrieve out= @{num_tokens}", True,
          f"{median(res['verify']) / median(res['retrieve out=']) * 100:.2f}%"),
-    ]
+    ] + checksum_rows
 
 
 def main() -> None:
@@ -194,13 +254,15 @@ def main() -> None:
           f"{LAYOUT.head_size} x bf16 = {LAYOUT.token_bytes // 1024} KiB/token, "
           f"chunk {LAYOUT.chunk_size}; arena {capacity_mib} MiB; median of {args.repeat}")
     verdicts = []
-    with running_daemon(f"{capacity_mib}MiB") as socket:
+    with running_daemon(f"{capacity_mib}MiB", record_block_size(LAYOUT)) as socket:
         with CacheEngine.connect(LAYOUT, socket=socket, strict=True) as engine, \
+                CacheEngine.connect(LAYOUT, socket=socket, strict=True,
+                                    verify="checksum") as checked, \
                 Connection(socket) as admin:
             hello(admin, "bench-admin")
             for num_tokens in args.tokens:
                 verdicts += report(num_tokens, bench_length(engine, admin, socket, num_tokens,
-                                                            args.repeat))
+                                                            args.repeat, checked=checked))
                 admin.request(Clear())
             half = torch.arange(longest) + 123_456_789
             engine.store(half, filled_blob(longest, 2.0))

@@ -12,7 +12,8 @@ tensors and the arena blocks; KV bytes never cross the socket.
     store:    hash chunks -> ALLOC (daemon: EXISTS / block / NOSPACE per chunk)
               -> write header + token ids + KV into each new block -> COMMIT
     retrieve: hash chunks -> ACQUIRE (pins the cached prefix) -> check each record's
-              header and token ids -> copy KV out -> RELEASE
+              header and token ids (and, with verify="checksum", its payload
+              checksum) -> copy KV out -> RELEASE
 """
 
 import concurrent.futures
@@ -62,9 +63,15 @@ class CacheEngine:
         num_nospace_chunks: chunks not stored because nothing was evictable.
         num_verify_failures: chunks whose record did not hold the requested tokens
             (treated as misses).
+        num_checksum_failures: chunks whose record held the requested tokens but no
+            payload checksum, or a wrong one (verify="checksum" only; treated as misses).
+        verify: "tokens" or "checksum" (see `connect`).
     """
 
-    def __init__(self, layout: KVLayout, link: DaemonLink, copy_threads: int | None = None) -> None:
+    def __init__(self, layout: KVLayout, link: DaemonLink, copy_threads: int | None = None,
+                 verify: str = "tokens") -> None:
+        _check_verify(verify)
+        self.verify = verify
         self.layout = layout
         self.link = link
         self.copier = ChunkCopier(copy_threads or min(2, os.cpu_count() or 1))
@@ -73,12 +80,14 @@ class CacheEngine:
         self.num_stored_chunks = 0
         self.num_nospace_chunks = 0
         self.num_verify_failures = 0
+        self.num_checksum_failures = 0
         self._fingerprint = layout.fingerprint
         self._records: RecordIO | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         self._pending_lock = threading.Lock()
         self._warned_mismatch = False
+        self._warned_checksum = False
 
     @classmethod
     def connect(
@@ -90,40 +99,54 @@ class CacheEngine:
         strict: bool = False,
         copy_threads: int | None = None,
         cuda_register: bool = False,
+        data_timeout_s: float | None = None,
+        verify: str = "tokens",
     ) -> "CacheEngine":
         """Open a session with the daemon and map its arena once.
+
+        Without strict, any failure (no daemon, a socket or segment this process may
+        not open, another protocol version, a layout the daemon refuses, ...) gives an
+        engine that starts disconnected: one warning, then misses and skipped stores
+        while it retries with backoff (see client/daemon_link.py).
 
         Args:
             layout: this worker's KV layout (the namespace of its chunks).
             socket: the daemon's socket path; default: that of daemon `name`
                 ($LMCACHED_SOCKET, $XDG_RUNTIME_DIR/lmcached/<name>.sock, ...).
             name: daemon name (default "default").
-            timeout_s: connect and per-request timeout in seconds.
-            strict: raise when the daemon cannot be reached now, instead of starting
+            timeout_s: timeout of this first connect and HELLO, seconds.
+            strict: raise when the session cannot be opened now, instead of starting
                 disconnected (misses) and reconnecting later.
             copy_threads: threads that copy a request's chunks (default: 2, or 1 on a
                 one-core machine).
             cuda_register: page-lock the arena for CUDA (cudaHostRegister) so that
                 copies between GPU tensors and the arena run by DMA (see client/cuda.py).
+            data_timeout_s: timeout of each serving-path request (LOOKUP, ACQUIRE,
+                ALLOC, COMMIT, RELEASE) and of reconnects, seconds (None:
+                $LMCACHED_DATA_TIMEOUT_MS, else 0.2).
+            verify: what a reader checks before it serves a record. "tokens" (default):
+                layout, chunk hash and token ids. "checksum": also the record's payload
+                checksum (xxh3-64 of token ids and KV), and this engine writes one into
+                every record it stores; a record without one, or with a wrong one, is a
+                miss counted in `num_checksum_failures` (README, "Trust model"; the
+                cost is measured by benchmarks/bench_engine.py).
 
         Raises:
-            OSError: only with strict=True, when no daemon answers.
-            lmcached.protocol.DaemonError: the daemon refused the layout (e.g. a chunk
-                larger than the arena).
+            ValueError: verify is not "tokens" or "checksum"; a timeout that is not
+                positive (or a bad $LMCACHED_DATA_TIMEOUT_MS).
+            With strict=True only: whatever `DaemonLink.connect` raises (OSError,
+                lmcached.protocol.DaemonError, posix_ipc.Error, ...).
         """
+        _check_verify(verify)
         link = DaemonLink(socket, name or "default", layout.to_wire(), timeout_s,
-                          f"CacheEngine({layout.model_name}, rank {layout.worker_id})")
+                          f"CacheEngine({layout.model_name}, rank {layout.worker_id})",
+                          data_timeout_s)
         if cuda_register:
             from lmcached.client.cuda import register_arena, unregister_arena
 
             link.on_attach, link.on_detach = register_arena, unregister_arena
-        try:
-            link.connect()
-        except OSError as exc:
-            if strict:
-                raise
-            link.mark_down(f"{type(exc).__name__}: {exc}")
-        return cls(layout, link, copy_threads)
+        link.try_connect(strict)
+        return cls(layout, link, copy_threads, verify)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -258,7 +281,7 @@ class CacheEngine:
         except DaemonError as exc:
             logger.warning("ALLOC refused, chunks not stored: %s", exc)
             return 0
-        writes = []
+        writes, seals = [], []
         cursor = 0
         for status, chunk_hash, (start, end), span_len in zip(
             reply.status, hashes, chunks, _spans_for(reply)
@@ -269,11 +292,14 @@ class CacheEngine:
             cursor += span_len
             writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:end],
                                             source, start - kv_start, end - kv_start))
+            if self.verify == "checksum":
+                seals.append(functools.partial(records.seal, span, end - start))
         written = len(writes)
 
         def fill() -> None:
             self.copier.run(writes)
             synchronize_if_cuda(source.any_tensor)  # device-to-host copies done before COMMIT
+            self.copier.run(seals)  # checksums of the final bytes, before COMMIT
 
         if not link.fill_and_commit(reply.block_ids, generation, fill):
             return 0
@@ -319,6 +345,8 @@ class CacheEngine:
         num_ok = records.verify_prefix(spans, hashes, token_array, chunks, self._fingerprint)
         if num_ok < len(spans):
             self._count_mismatch(spans[num_ok])
+        if self.verify == "checksum" and num_ok:
+            num_ok = self._verify_checksums(records, spans[:num_ok], chunks[:num_ok])
         return reply.block_ids, spans[:num_ok], chunks[:num_ok], generation, records
 
     def _count_mismatch(self, span: list[int]) -> None:
@@ -329,6 +357,34 @@ class CacheEngine:
                 "block %s does not hold the requested tokens (hash collision or corrupted "
                 "index): treated as a miss; further mismatches are only counted", span,
             )
+
+    def _verify_checksums(self, records: RecordIO, spans: list[list[int]],
+                          chunks: list[tuple[int, int]]) -> int:
+        """How many leading records carry a matching payload checksum (copy threads).
+
+        A failure is counted and warned about once; the records after it are not
+        served (a retrieve returns a prefix).
+        """
+        ok = [False] * len(spans)
+
+        def check(i: int, span: list[int], num_tokens: int) -> None:
+            ok[i] = records.checksum_ok(span, num_tokens)
+
+        self.copier.run([functools.partial(check, i, span, end - start)
+                         for i, (span, (start, end)) in enumerate(zip(spans, chunks))])
+        if all(ok):
+            return len(spans)
+        num_ok = ok.index(False)
+        self.num_checksum_failures += 1
+        if not self._warned_checksum:
+            self._warned_checksum = True
+            logger.warning(
+                "block %s holds the requested tokens but no payload checksum or a wrong one "
+                "(written by an engine without verify='checksum', or its KV bytes changed "
+                "after COMMIT): treated as a miss; further failures are only counted",
+                spans[num_ok],
+            )
+        return num_ok
 
     def _release(self, block_ids: list[int], generation: int) -> None:
         if not block_ids:
@@ -424,7 +480,9 @@ class CacheEngine:
 
         Use as a context manager; the blocks stay pinned (never evicted or reused)
         until exit. `.chunks` raises after exit; tensors taken from it before then
-        must not be used afterwards (their bytes may be reused).
+        must not be used afterwards (their bytes may be reused). With
+        verify="checksum" the payloads are checked once, here; the views then read the
+        arena in place.
 
         Returns:
             RetrievedViews with `.chunks` (one view per chunk,
@@ -477,6 +535,11 @@ class CacheEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_verify(verify: str) -> None:
+    if verify not in ("tokens", "checksum"):
+        raise ValueError(f'verify must be "tokens" or "checksum", got {verify!r}')
 
 
 def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int]) -> None:

@@ -10,12 +10,25 @@ a chunk is a zero-copy slice (layer-wise loading, CacheBlend)::
 
     offset 0                64                    kv_offset
     | header (64 bytes)    | token ids           | KV: [num_layers, 2, t, num_kv_heads, head_size]  (vllm)
-    | magic, t, layout fp, | int64[chunk_size]   |  or [num_layers, 2, num_kv_heads, t, head_size]  (huggingface)
-    | chunk hash           | (first t used)      |  dtype = layout.dtype
+    | identity (32):       | int64[chunk_size]   |  or [num_layers, 2, num_kv_heads, t, head_size]  (huggingface)
+    |  magic, t, layout fp,| (first t used)      |  dtype = layout.dtype
+    |  chunk hash          |                     |
+    | integrity (16):      |                     |
+    |  checksum kind,      |                     |
+    |  reserved, checksum  |                     |
+    | zero (16)            |                     |
 
 The header and token ids let a reader check that a block really holds the chunk it asked
 for (a hash collision or a corrupted index becomes a counted miss, never another
-prompt's KV): no peer cache does this.
+prompt's KV): no peer cache does this. The optional payload checksum (kind
+CHECKSUM_XXH3_64) is xxh3-64 of identity || token ids || KV, written by a writer that has
+checksums on before COMMIT; a reader with `verify="checksum"` recomputes it, so a record
+whose KV bytes were changed after COMMIT (memory corruption, a stray or hostile write that
+does not recompute it) becomes a counted miss too. Kind CHECKSUM_NONE means "not written".
+
+The magic is the record format's version: a record of another format (e.g. "LMKV",
+before the integrity fields existed, whose bytes 32-64 were left over from the block's
+previous record) fails the identity check and is a miss, never misread.
 """
 
 import dataclasses
@@ -28,10 +41,15 @@ import xxhash
 from lmcached.protocol import Layout
 
 FORMATS = ("vllm", "huggingface")
-RECORD_MAGIC = 0x564B4D4C  # "LMKV"
+RECORD_MAGIC = 0x324B4D4C  # "LMK2" (format 2: integrity fields; format 1 was "LMKV")
 RECORD_HEADER_BYTES = 64
-# magic u32, num_tokens u32, layout fingerprint u64, chunk hash 16 bytes
+# Identity, compared whole by readers: magic u32, num_tokens u32, layout fingerprint u64,
+# chunk hash 16 bytes.
 RECORD_HEADER = struct.Struct("<IIQ16s")
+# Integrity, at offset RECORD_HEADER.size: checksum kind u32, reserved u32, checksum u64.
+RECORD_CHECKSUM = struct.Struct("<IIQ")
+CHECKSUM_NONE = 0
+CHECKSUM_XXH3_64 = 1
 _ALIGN = 64
 
 _DTYPES = {

@@ -5,6 +5,8 @@ three things from a block id: write a chunk's record, check that a record holds 
 tokens a reader asked for, and view or copy its KV. A record that fits in one block
 (the normal case: the daemon sizes blocks from the first layout) is written and read in
 place; a record spanning several blocks goes through a contiguous temporary buffer.
+It also seals a record with its payload checksum and checks one (`seal`,
+`checksum_ok`): the opt-in integrity check of the trust model (README, "Trust model").
 """
 
 import functools
@@ -12,9 +14,17 @@ from typing import Callable
 
 import numpy as np
 import torch
+import xxhash
 
 from lmcached.client.kv_io import KVSource
-from lmcached.client.layout import RECORD_HEADER, RECORD_MAGIC, KVLayout
+from lmcached.client.layout import (
+    CHECKSUM_XXH3_64,
+    RECORD_CHECKSUM,
+    RECORD_HEADER,
+    RECORD_HEADER_BYTES,
+    RECORD_MAGIC,
+    KVLayout,
+)
 from lmcached.shm.arena import Arena
 
 
@@ -92,8 +102,64 @@ class RecordIO:
 
     def _write_header(self, header: np.ndarray, chunk_hash: bytes, chunk_tokens: np.ndarray) -> None:
         t = len(chunk_tokens)
+        # Every header byte is written (checksum kind CHECKSUM_NONE until `seal`): nothing
+        # of the block's previous record survives into this one.
+        header[:RECORD_HEADER_BYTES] = 0
         RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, self.fingerprint, chunk_hash)
         header[64 : 64 + 8 * t].view(np.int64)[:] = chunk_tokens
+
+    # -------------------------------------------------------------- integrity
+    def seal(self, span: list[int], num_tokens: int) -> None:
+        """Write the payload checksum of the record in `span` into its header.
+
+        Call after the record's bytes are final (after `write`/`write_with`, and after
+        any device-to-host copy into them completed) and before COMMIT.
+
+        Args:
+            span: block ids of the record (WRITING blocks of this session).
+            num_tokens: tokens of the record's chunk.
+        """
+        checksum = self.checksum(span, num_tokens)
+        base = self.arena.block_offset(span[0])
+        RECORD_CHECKSUM.pack_into(self._u8, base + RECORD_HEADER.size,
+                                  CHECKSUM_XXH3_64, 0, checksum)
+
+    def checksum_ok(self, span: list[int], num_tokens: int) -> bool:
+        """True when the record in `span` carries a payload checksum and it matches.
+
+        Checks the bytes as they are now (the caller holds the blocks pinned, so no
+        writer is handed them). A record written without a checksum is False.
+        """
+        base = self.arena.block_offset(span[0])
+        kind, _, stored = RECORD_CHECKSUM.unpack_from(self._u8, base + RECORD_HEADER.size)
+        return kind == CHECKSUM_XXH3_64 and stored == self.checksum(span, num_tokens)
+
+    def checksum(self, span: list[int], num_tokens: int) -> int:
+        """xxh3-64 of the record's identity || token ids || KV bytes, read in place.
+
+        The identity and token ids are covered so that a checksum vouches for this
+        chunk's KV only: a valid record copied under another chunk's header fails.
+        xxhash releases the GIL, so records are checked in parallel on copy threads.
+        """
+        digest = xxhash.xxh3_64()
+        for start, end in ((0, RECORD_HEADER.size),
+                           (RECORD_HEADER_BYTES, RECORD_HEADER_BYTES + 8 * num_tokens),
+                           (self._kv_offset, self.layout.record_bytes(num_tokens))):
+            for piece in self._pieces(span, start, end):
+                digest.update(piece)
+        return digest.intdigest()
+
+    def _pieces(self, span: list[int], start: int, end: int) -> list[np.ndarray]:
+        """Bytes [start, end) of the record in `span`, as uint8 views of the arena."""
+        block_bytes = self.arena.block_bytes
+        pieces = []
+        while start < end:
+            index, offset = divmod(start, block_bytes)
+            n = min(end - start, block_bytes - offset)
+            base = self.arena.block_offset(span[index]) + offset
+            pieces.append(self._u8[base : base + n])
+            start += n
+        return pieces
 
     # ------------------------------------------------------------------- read
     def verify(

@@ -2,9 +2,15 @@
 
 Every chunk's KV is a deterministic function of its prefix hash (`chunk_kv`), so any
 process can check every byte it retrieves without talking to the writer.
+
+The chaos modes (tests/test_chaos.py): `step` stops a client at one protocol step and
+prints `{"stopped": step}` before it waits to be SIGKILLed there; `torn_writer` /
+`torn_reader` store and check prompts of a pool against a small arena; `restart_client`
+keeps storing and checking through a daemon restart until a stop file appears.
 """
 
 import json
+import os
 import random
 import sys
 import time
@@ -73,6 +79,144 @@ def stress(socket: str, seed: int, duration_s: float) -> dict:
     return stats
 
 
+# --------------------------------------------------------------------------- chaos
+STEP_TOKENS = list(range(5000, 5056))  # 3 full chunks and a partial one of 8 tokens
+STEPS = ("alloc", "copy", "commit", "views", "lease")
+
+
+def stop_at(step: str) -> None:
+    """Tell the test we reached `step`, then wait to be killed (never returns)."""
+    print(json.dumps({"stopped": step}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def run_to_step(socket: str, step: str) -> None:
+    """Store/retrieve STEP_TOKENS and stop at `step` of the protocol:
+
+    alloc: ALLOC answered, nothing written (blocks WRITING);
+    copy: the first chunk written, the second one half written (layer 0 of 2), no COMMIT;
+    commit: the store committed, nothing held;
+    views: the prompt pinned by an open retrieve_views;
+    lease: retrieve's ACQUIRE pinned and copied it, RELEASE not sent.
+    """
+    layout = small_layout()
+    kv = prompt_kv(layout, STEP_TOKENS)
+    engine = CacheEngine.connect(layout, socket=socket, strict=True, copy_threads=1,
+                                 data_timeout_s=10.0)
+    if step == "alloc":
+        engine.link.fill_and_commit = lambda *args: stop_at(step)
+    elif step == "copy":
+        records = engine._record_io()
+        write = records.write
+
+        def half_write(span, chunk_hash, chunk_tokens, source, start, end):
+            if start == 0:
+                return write(span, chunk_hash, chunk_tokens, source, start, end)
+
+            def fill_layer_0(dst: torch.Tensor) -> None:
+                full = torch.empty_like(dst)
+                source.copy_chunk(start, end, full)
+                dst[0].copy_(full[0])
+                stop_at(step)
+
+            records.write_with(span, chunk_hash, chunk_tokens, fill_layer_0)
+
+        records.write = half_write
+    assert engine.store(STEP_TOKENS, kv) == 4
+    if step == "commit":
+        stop_at(step)
+    if step == "views":
+        views = engine.retrieve_views(STEP_TOKENS).__enter__()
+        assert views.num_tokens == len(STEP_TOKENS)
+        stop_at(step)
+    assert step == "lease", step
+    engine._release = lambda *args: stop_at(step)
+    engine.retrieve(STEP_TOKENS)
+
+
+def pool_prompt(index: int) -> list[int]:
+    """Prompt `index` of the stress pool: 2-6 full chunks and 0, 5 or 10 more tokens."""
+    return [index * 1000 + j for j in range(16 * (2 + index % 5) + 5 * (index % 3))]
+
+
+def check_retrieve(engine: CacheEngine, rng: random.Random, tokens: list[int],
+                   stats: dict) -> None:
+    """Retrieve `tokens` (a copy or views, at random) and count hits and mismatches."""
+    layout = engine.layout
+    stats["retrieves"] += 1
+    if rng.random() < 0.7:
+        kv, ret_mask = engine.retrieve(tokens, return_tuple=False)
+        n = int(ret_mask.sum())
+    else:
+        with engine.retrieve_views(tokens) as views:
+            n = views.num_tokens
+            kv = torch.cat(views.chunks, dim=layout.token_dim) if n else None
+            # Compare while the views are still pinned (a torn read would show here).
+            stats["mismatches"] += count_mismatches(layout, tokens, kv, n)
+            kv = None
+    if kv is not None:
+        stats["mismatches"] += count_mismatches(layout, tokens, kv, n)
+    stats["hits"] += bool(n)
+    stats["hit_tokens"] += n
+
+
+def torn_writer(socket: str, seed: int, duration_s: float, pool_size: int) -> dict:
+    """Store prompts of the pool in random order until the deadline (checksums on)."""
+    rng = random.Random(seed)
+    layout = small_layout()
+    stats = {"stores": 0, "chunks": 0}
+    with CacheEngine.connect(layout, socket=socket, strict=True, verify="checksum",
+                             data_timeout_s=2.0) as engine:
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            tokens = pool_prompt(rng.randrange(pool_size))
+            stats["chunks"] += engine.store(tokens, prompt_kv(layout, tokens))
+            stats["stores"] += 1
+    return stats
+
+
+def torn_reader(socket: str, seed: int, duration_s: float, pool_size: int) -> dict:
+    """Retrieve prompts of the pool until the deadline; compare every byte served."""
+    rng = random.Random(seed)
+    stats = {"retrieves": 0, "hits": 0, "hit_tokens": 0, "mismatches": 0}
+    with CacheEngine.connect(small_layout(), socket=socket, strict=True, verify="checksum",
+                             data_timeout_s=2.0) as engine:
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            check_retrieve(engine, rng, pool_prompt(rng.randrange(pool_size)), stats)
+        stats["verify_failures"] = engine.num_verify_failures
+        stats["checksum_failures"] = engine.num_checksum_failures
+    return stats
+
+
+def restart_client(socket: str, seed: int, stop_file: str) -> dict:
+    """Store and retrieve prompts of a small pool until `stop_file` exists.
+
+    Uses the engine's default (serving) timeouts and degrade-on-failure behaviour: the
+    daemon may be killed and restarted meanwhile; any exception fails the process.
+    """
+    rng = random.Random(seed)
+    layout = small_layout()
+    stats = {"ops": 0, "retrieves": 0, "hits": 0, "hit_tokens": 0, "mismatches": 0,
+             "generations": []}
+    with CacheEngine.connect(layout, socket=socket, strict=True) as engine:
+        print(json.dumps({"connected": engine.link.generation}), flush=True)
+        while not os.path.exists(stop_file):
+            tokens = pool_prompt(rng.randrange(12))
+            if rng.random() < 0.4:
+                engine.store(tokens, prompt_kv(layout, tokens))
+            else:
+                check_retrieve(engine, rng, tokens, stats)
+            stats["ops"] += 1
+            generation = engine.link.generation
+            if generation is not None and generation not in stats["generations"]:
+                stats["generations"].append(generation)
+        stats["arena_generation"] = engine.link.arena.generation if engine.link.arena else None
+        stats["reconnects"] = engine.link.num_reconnects
+    return stats
+
+
 def main() -> None:
     mode, socket = sys.argv[1], sys.argv[2]
     if mode == "store":
@@ -91,6 +235,13 @@ def main() -> None:
             print(json.dumps({"hit": n, "mismatches": count_mismatches(layout, tokens, kv, n)}))
     elif mode == "stress":
         print(json.dumps(stress(socket, int(sys.argv[3]), float(sys.argv[4]))))
+    elif mode == "step":
+        run_to_step(socket, sys.argv[3])
+    elif mode in ("torn_writer", "torn_reader"):
+        run = torn_writer if mode == "torn_writer" else torn_reader
+        print(json.dumps(run(socket, int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))))
+    elif mode == "restart_client":
+        print(json.dumps(restart_client(socket, int(sys.argv[3]), sys.argv[4])))
     elif mode == "hash":
         print(" ".join(h.hex() for h in hash_request_tokens(256, list(range(1000)))))
     else:
