@@ -1,6 +1,6 @@
 """Fuzzing the daemon's frame handling in process: no frame crashes it or breaks the pool.
 
-Every frame goes through `lmcached.server.answer_frame`, the daemon's one entry point
+Every frame goes through `lmcached.connection.answer_frame`, the daemon's one entry point
 from bytes to reply, over a real `CacheService` and arena. The frames are well-formed
 requests of every type (seeded with chunks that are really stored, pinned and being
 written), then mutated: wrong types, huge integers, nested containers, unknown tags,
@@ -31,7 +31,7 @@ from lmcached.protocol import (
     encode_frame,
     reply_decoder,
 )
-from lmcached.server import answer_frame
+from lmcached.connection import answer_frame
 from lmcached.service import CacheService
 from lmcached.shm.arena import Arena
 
