@@ -31,6 +31,7 @@ PASS_BUDGET = 32
 REQUEST_COST = {Info: 8, Clients: 16}
 PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
+SILENT_GRACE_S = 1.0  # at max_clients, a connection silent this long may make room
 HOUSEKEEPING_INTERVAL_S = 1.0
 ACCEPT_BATCH = 64  # connections accepted per loop pass at most
 ACCEPT_BACKOFF_S = 0.1  # no accept() for this long after EMFILE / ENFILE

@@ -37,6 +37,7 @@ from lmcached.connection import (
     PARTIAL_FRAME_TIMEOUT_S,
     PASS_BUDGET,
     READ_AHEAD_BYTES,
+    SILENT_GRACE_S,
     ClientConnection,
     RateLimitedLog,
     answer_frame,
@@ -335,10 +336,12 @@ class Server:
         self._selector.register(self._listener, selectors.EVENT_READ, "listener")
 
     def _shed_silent(self) -> bool:
-        """At max_clients: close the oldest connection that never sent a complete frame,
-        so that idle connections cannot lock real clients out. False if there is none."""
+        """At max_clients or out of descriptors: close the oldest connection that never
+        sent a complete frame and is older than SILENT_GRACE_S (a real client sends HELLO
+        at once), so that idle connections cannot lock real clients out. False if there
+        is none."""
         oldest = next(iter(self._silent), None)
-        if oldest is None:
+        if oldest is None or time.monotonic() - oldest.connected_at < SILENT_GRACE_S:
             return False
         self._drop(oldest, "max_clients_silent_dropped",
                    "at max_clients: dropped the oldest connection that never sent a request")

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from lmcached.connection import SILENT_GRACE_S
 from lmcached.protocol import (
     MAX_FRAME_BYTES,
     Connection,
@@ -217,7 +218,9 @@ def test_max_clients_refuses_with_an_error_but_sheds_silent_connections(daemon_f
     for conn in talking:
         hello(conn, "talking")
     silent = raw_socket(daemon.socket)  # never sends a byte
-    wait_for(lambda: daemon.info()["connected_clients"] == 3, what="3 clients")
+    wait_for(lambda: talking[0].request(Info("clients")).sections["clients"]
+             ["connected_clients"] == 3, what="3 clients")
+    time.sleep(SILENT_GRACE_S + 0.1)
     # A fourth client gets in: the silent connection makes room.
     assert ping_latency_s(daemon.socket) < 2.0
     assert silent.recv(16) == b""
@@ -298,3 +301,40 @@ def test_idle_flood_under_a_1024_fd_limit_neither_spins_nor_locks_out_a_ping(dae
     for sock in flood:
         sock.close()
     assert daemon.proc.poll() is None
+
+
+def test_out_of_descriptors_the_daemon_backs_off_instead_of_spinning(daemon):
+    """Every descriptor used by clients that talk (none to shed): accept() fails with
+    EMFILE; the daemon pauses accepting and logs once, and takes the waiting clients as
+    soon as descriptors are free again."""
+    proc = psutil.Process(daemon.proc.pid)
+    proc.rlimit(psutil.RLIMIT_NOFILE, (48, 48))
+    talking = []
+    while True:  # fill every descriptor with a client that said HELLO
+        conn = Connection(daemon.socket, timeout_s=0.5)
+        try:
+            hello(conn, "talking")
+        except OSError:  # TimeoutError: it waits in the listen backlog
+            waiting = conn
+            break
+        talking.append(conn)
+    assert 20 < len(talking) < 48
+    cpu_before = sum(proc.cpu_times()[:2])
+    time.sleep(2.0)
+    cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
+    log_lines = [line for line in daemon.log().splitlines() if "accept failed" in line]
+    print(f"out of descriptors with {len(talking)} clients: daemon CPU {cpu_s:.2f} s in 2 s, "
+          f"{len(log_lines)} 'accept failed' log line(s)")
+    assert cpu_s < 0.3, "the daemon spins on accept"
+    assert 1 <= len(log_lines) <= 2, daemon.log()[-3000:]
+    assert "Too many open files" in log_lines[0]
+    waiting.close()
+    for conn in talking[:5]:
+        conn.close()
+    late = Connection(daemon.socket)  # taken within the back-off once descriptors are free
+    hello(late, "late")
+    late.request(Ping())
+    assert late.request(Info("stats")).sections["stats"]["errors_accept_emfile"] >= 1
+    late.close()
+    for conn in talking[5:]:
+        conn.close()
