@@ -65,6 +65,16 @@ def assert_misses_only(engine: CacheEngine) -> None:
         assert views.num_tokens == 0
 
 
+def assert_misses_with_one_warning(engine: CacheEngine, caplog) -> None:
+    """Three rounds of calls (later ones retry the connect after the back-off) are all
+    misses, and the outage gave exactly one warning."""
+    for _ in range(3):
+        assert_misses_only(engine)
+        time.sleep(0.06)
+    warnings = lmcached_warnings(caplog)
+    assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+
+
 def views_missed(engine: CacheEngine) -> bool:
     with engine.retrieve_views(TOKENS) as views:
         return views.num_tokens == 0
@@ -235,11 +245,7 @@ def test_a_failed_connect_degrades_to_misses_with_one_warning(failure, daemon, s
     engine = CacheEngine.connect(layout, socket=path, data_timeout_s=DATA_TIMEOUT_S)
     try:
         assert not engine.link.connected
-        for _ in range(3):  # later calls retry the connect after the backoff
-            assert_misses_only(engine)
-            time.sleep(0.06)
-        warnings = lmcached_warnings(caplog)
-        assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+        assert_misses_with_one_warning(engine, caplog)
     finally:
         engine.close()
     monkeypatch.undo()
@@ -329,11 +335,7 @@ def test_a_reply_out_of_protocol_degrades_to_a_miss(garbage, greet, short_tmp, m
                 CacheEngine.connect(layout, socket=path, strict=True)
         engine = CacheEngine.connect(layout, socket=path, data_timeout_s=DATA_TIMEOUT_S)
         try:
-            for _ in range(3):
-                assert_misses_only(engine)
-                time.sleep(0.06)
-            warnings = lmcached_warnings(caplog)
-            assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+            assert_misses_with_one_warning(engine, caplog)
         finally:
             engine.close()
     finally:
