@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from common import GB, median, running_daemon, synced, time_it
+from common import GB, median, record_block_size, running_daemon, synced, time_it
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.protocol import Clear, Connection, hello
 
@@ -33,7 +33,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     longest = max(args.tokens)
     capacity_mib = longest * LAYOUT.token_bytes * 5 // 4 // 2**20 + 256
-    with running_daemon(f"{capacity_mib}MiB") as socket, Connection(socket) as admin:
+    with running_daemon(f"{capacity_mib}MiB", record_block_size(LAYOUT)) as socket, \
+            Connection(socket) as admin:
         hello(admin, "bench-cuda")
         engines = {
             registered: CacheEngine.connect(LAYOUT, socket=socket, strict=True,

@@ -24,7 +24,7 @@ import argparse
 import numpy as np
 import torch
 
-from common import GB, median, running_daemon, synced, time_it
+from common import GB, median, record_block_size, running_daemon, synced, time_it
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
@@ -67,7 +67,8 @@ def main() -> None:
     print(f"device: {name}, torch {torch.__version__}; {NUM_LAYERS} layers, {page_bytes // 1024} "
           f"KiB pages of {block_size} tokens, chunks of {CHUNK} tokens")
     rng = np.random.default_rng(0)
-    with running_daemon(f"{capacity_mib}MiB") as socket, Connection(socket) as admin:
+    with running_daemon(f"{capacity_mib}MiB", record_block_size(layout)) as socket, \
+            Connection(socket) as admin:
         hello(admin, "bench-vllm-worker")
         settings = ConnectorSettings([layout], CHUNK, block_size, 1, socket, "unused", 30.0)
         worker = LMCachedConnectorWorker(settings, rank=0)

@@ -49,6 +49,13 @@ def running_daemon(capacity: str, block_size: str | None = None,
         yield socket
 
 
+def record_block_size(layout) -> str:
+    """`--block-size` for one chunk record of `layout` per block, rounded up to 4 KiB, as
+    production sets it (a daemon that derives it from a record larger than 1/64 of the
+    arena would split records over several blocks, and zero-copy views need one)."""
+    return str(-(-layout.record_bytes(layout.chunk_size) // 4096) * 4096)
+
+
 def daemon_info(socket: str, section: str | None = None) -> dict:
     """INFO of the daemon on `socket`: {section: {field: value}} (one admin round trip)."""
     with Connection(socket, timeout_s=30) as conn:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import daemon_info, running_daemon
+from common import daemon_info, record_block_size, running_daemon
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.kv_io import new_kv_buffer
 
@@ -59,7 +59,8 @@ def run_memory(num_cycles: int = 10_000, capacity: str = "32MiB", layout: KVLayo
     chunk = layout.chunk_size
     kv = new_kv_buffer(layout.chunk_shape(chunk), layout.torch_dtype)
     kv.fill_(0.5)
-    with running_daemon(capacity, name=f"bench-memory-{int(time.time())}") as socket:
+    with running_daemon(capacity, record_block_size(layout),
+                        name=f"bench-memory-{int(time.time())}") as socket:
         empty = _snapshot(socket)
         engine = CacheEngine.connect(layout, socket=socket, strict=True)
         try:

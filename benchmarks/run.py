@@ -42,7 +42,15 @@ import torch
 
 import report
 from bench_engine import bench_length, filled_blob
-from common import LLAMA_1B, LLAMA_8B, machine_info, running_daemon, summary, time_it
+from common import (
+    LLAMA_1B,
+    LLAMA_8B,
+    machine_info,
+    record_block_size,
+    running_daemon,
+    summary,
+    time_it,
+)
 from lmcached.client import CacheEngine
 from lmcached.protocol import Clear, Connection, hello
 
@@ -124,7 +132,7 @@ def _run_lmcached(results: dict, plan: list, repeat: int) -> None:
         capacity_mib = max(lengths) * layout.token_bytes * 5 // 4 // 2**20 + 256
         log(f"{shape}: {layout.token_bytes // 1024} KiB/token, arena {capacity_mib} MiB, "
             f"lengths {lengths}")
-        with running_daemon(f"{capacity_mib}MiB") as socket, \
+        with running_daemon(f"{capacity_mib}MiB", record_block_size(layout)) as socket, \
                 CacheEngine.connect(layout, socket=socket, strict=True) as engine, \
                 Connection(socket) as admin:
             hello(admin, "bench-admin")

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import psutil
 
-from common import GB, daemon_info, percentile, running_daemon
+from common import GB, daemon_info, percentile, record_block_size, running_daemon
 
 SHARED_PREFIX_OFFSET = 50_000_000
 NEW_PROMPT_OFFSET = 1_000_000_000
@@ -157,7 +157,8 @@ def run_scaling(layout, num_tokens: int = 4096, client_counts=(1, 2, 4, 8),
     prompt_bytes = num_tokens * layout.token_bytes
     rounds, paced = [], []
     ctx = multiprocessing.get_context("spawn")
-    with running_daemon(f"{capacity}", name=f"bench-scaling-{psutil.Process().pid}") as socket:
+    with running_daemon(f"{capacity}", record_block_size(layout),
+                        name=f"bench-scaling-{psutil.Process().pid}") as socket:
         info = daemon_info(socket)
         daemon = psutil.Process(int(info["server"]["pid"]))
         with CacheEngine.connect(layout, socket=socket, strict=True) as engine:
