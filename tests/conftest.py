@@ -8,7 +8,6 @@ import tempfile
 import time
 import uuid
 
-import posix_ipc
 import pytest
 
 from lmcached import launcher
@@ -24,9 +23,13 @@ SEGMENT_LEAK_DEADLINE_S = 10.0
 TEST_NAME_PREFIX = f"t{os.getpid()}-"
 
 
+VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/test_vllm_connector.py)
+
+
 def our_segments() -> set[str]:
-    """Segments in /dev/shm created by this test run."""
-    return {s for s in list_segments() if s.startswith(f"lmcached.{TEST_NAME_PREFIX}")}
+    """Segments in /dev/shm created by this test run, and any of vLLM's."""
+    ours = {s for s in list_segments() if s.startswith(f"lmcached.{TEST_NAME_PREFIX}")}
+    return ours | {s for s in os.listdir("/dev/shm") if s.startswith(VLLM_SEGMENT_PREFIX)}
 
 
 @pytest.fixture
@@ -50,8 +53,8 @@ def no_leaked_segments():
         leaked = our_segments() - before
     for entry in leaked:
         try:
-            posix_ipc.unlink_shared_memory("/" + entry)
-        except posix_ipc.ExistentialError:
+            os.unlink(os.path.join("/dev/shm", entry))
+        except FileNotFoundError:
             pass
     assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
 

@@ -495,7 +495,13 @@ def test_failed_loads_are_recomputed_by_policy(model_dir):
 # ------------------------------------------------------------------ end to end
 E2E_SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_e2e.py")
 E2E_TIMEOUT_S = 300
+VLLM_SEGMENT_PREFIX = "vllm_dist_"
 PREFIX_TOKENS, SUFFIX_TOKENS, NUM_PROMPTS = 520, 40, 3  # 2 full 256-token chunks shared
+
+
+def vllm_segments() -> set[str]:
+    """vLLM's shared-memory segments in /dev/shm (its TP message queues)."""
+    return {e for e in os.listdir("/dev/shm") if e.startswith(VLLM_SEGMENT_PREFIX)}
 
 
 def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | None = None,
@@ -516,6 +522,7 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
     if socket:
         cmd += ["--socket", socket]
     log_path = os.path.join(tmp, f"{name}.log")
+    before = vllm_segments()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -524,6 +531,13 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.wait()
+    # vLLM's TP workers leave their shared-memory broadcast segments behind when the
+    # instance exits; they are vLLM's, made by this instance: remove them.
+    for entry in vllm_segments() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", entry))
+        except FileNotFoundError:
+            pass
     with open(log_path, errors="replace") as log:
         tail = log.read()[-4000:]
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{tail}"
