@@ -492,7 +492,7 @@ def main() -> int:
             stop_daemon(echo, STOP_TIMEOUT_S)
         if daemon is not None:
             stop_daemon(daemon, STOP_TIMEOUT_S)
-        from lmcached.shm.arena import list_segments
+        from lmcached.shm.janitor import list_segments
 
         for path in (daemon_sock, echo_sock):
             if os.path.exists(path):

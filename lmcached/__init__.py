@@ -1,7 +1,24 @@
-"""lmcached: a local KV-cache daemon that keeps LLM KV cache in shared memory.
+"""`lmcached`: the daemon that keeps LLM KV cache in shared memory, its protocol and CLI.
 
-Packages: `lmcached` (daemon, protocol, CLI), `lmcached.shm` (arena and block pool),
-`lmcached.client` (the engine used inside worker processes). See DESIGN.md.
+The distribution has three import packages, whose names differ from their folders:
+`lmcached` (this folder), `lmcached.shm` (folder `shm/`: the arena and the block pool)
+and `lmcached.client` (folder `client/`: the engine used inside worker processes).
+See DESIGN.md.
+
+What lives here:
+    server.py, connection.py   the event loop and one client connection's buffers
+    service.py, session.py     request semantics and what each session holds
+    keys.py                    the block pool's keys for chunks and string keys
+    info.py, stats.py          INFO / CLIENTS fields (daemon) and their text (CLI)
+    protocol.py                the wire protocol shared with the clients
+    config.py, envs.py         configuration and every LMCACHED_* variable
+    socket_path.py             where the socket lives and whether it can be trusted
+    cli.py, launcher.py        the `lmcached` command and daemon subprocesses
+    logger.py, notify.py       logging and systemd's notify protocol
+
+What it may import: `lmcached.shm`, never `lmcached.client` (the daemon runs without
+torch and the client engine). Clients import `protocol`, `socket_path`, `envs` and
+`logger` from here, so those four import nothing else of the daemon.
 """
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ import time
 from typing import Iterator
 
 from lmcached.protocol import Connection, Ping
-from lmcached.shm.arena import sweep_orphans
+from lmcached.shm.janitor import sweep_orphans
 
 
 def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None = None,

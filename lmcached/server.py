@@ -2,8 +2,8 @@
 
 Why this file exists: it moves frames between sockets and `CacheService` and owns the
 process life cycle (start-up sweep, arena prefault, READY, signals, graceful stop).
-No asyncio: measured here, a selectors loop answers in ~33 us where asyncio takes
-56-160 us (../shared/limits/RESULTS.md).
+No asyncio: a selectors loop answers a round trip several times faster than asyncio
+(DESIGN.md, "Performance rules").
 
 Life cycle::
 
@@ -44,7 +44,8 @@ from lmcached.connection import (
 )
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService
-from lmcached.shm.arena import Arena, sweep_orphans
+from lmcached.shm.arena import Arena
+from lmcached.shm.janitor import sweep_orphans
 from lmcached.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
 
 logger = init_logger(__name__)

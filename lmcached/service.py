@@ -4,22 +4,16 @@ Why this file exists: it is everything the daemon decides, separated from how by
 arrive (`server.py`), so that the semantics of DESIGN.md's protocol table can be read
 and tested in one place. Each handler validates its request completely before it
 changes anything; a bad request gets an `Error` reply and is counted, and the daemon
-goes on serving.
-
-Keys in the block pool (opaque bytes, hashed once by Python and cached):
-    KV chunk:       b"c" + namespace id (u32 le) + 16-byte chunk hash
-    string key:     b"s" + namespace id (u32 le) + utf-8 key
+goes on serving. What the keys of the block pool are is `keys.py`; the fields of INFO
+and CLIENTS are built in `info.py`.
 """
 
-import functools
 import os
-import struct
 import time
 
-import psutil
-
-from lmcached import __version__
-from lmcached.config import ServerConfig, format_bytes
+from lmcached import keys
+from lmcached.config import ServerConfig
+from lmcached.info import INFO_SECTIONS, client_rows, info_sections
 from lmcached.logger import init_logger
 from lmcached.protocol import (
     ALLOCATED,
@@ -71,13 +65,6 @@ _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
-
-
-@functools.lru_cache(maxsize=512)
-def _hash_splitter(num_hashes: int) -> struct.Struct:
-    """A Struct that splits `num_hashes` concatenated digests in C (4x a Python loop)."""
-    return struct.Struct(f"{HASH_BYTES}s" * num_hashes)
 
 
 class RequestError(Exception):
@@ -207,12 +194,16 @@ class CacheService:
         return Error(code, message)
 
     # -------------------------------------------------------------- validation
-    def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
-        prefix = self._ns_prefix.get(ns)
-        if prefix is None or ns != session.ns:
+    def _check_namespace(self, session: Session, ns: int) -> None:
+        """Refuse a namespace other than the one this session's HELLO registered."""
+        if ns not in self._ns_prefix or ns != session.ns:
             raise RequestError(
                 "bad_namespace", f"namespace {ns} is not this session's (HELLO gave {session.ns})"
             )
+
+    def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
+        """The block-pool keys of a request's chunk hashes, after validating them."""
+        self._check_namespace(session, ns)
         if len(hashes) % HASH_BYTES:
             raise RequestError(
                 "bad_request", f"hashes are {len(hashes)} bytes, not a multiple of {HASH_BYTES}"
@@ -221,17 +212,14 @@ class CacheService:
             raise RequestError(
                 "bad_request", f"more than {MAX_CHUNKS_PER_REQUEST} chunks in one request"
             )
-        return list(map(prefix.__add__, _hash_splitter(len(hashes) // HASH_BYTES).unpack(hashes)))
-
-    def _string_prefix(self, session: Session, ns: int) -> bytes:
-        if ns not in self._ns_prefix or ns != session.ns:
-            raise RequestError("bad_namespace", f"namespace {ns} is not this session's")
-        return b"s" + self._ns_prefix[ns][1:]
+        return keys.chunk_keys(self._ns_prefix[ns], hashes)
 
     def _string_key(self, session: Session, ns: int, key: str) -> bytes:
+        """The block-pool key of a request's string key, after validating it."""
+        self._check_namespace(session, ns)
         if not key:
             raise RequestError("bad_request", "empty key")
-        return self._string_prefix(session, ns) + key.encode()
+        return keys.string_key(ns, key)
 
     def _require_pool(self) -> BlockPool:
         if self.pool is None:
@@ -320,7 +308,7 @@ class CacheService:
         if ns is None:
             ns = len(self.namespaces) + 1
             self.namespaces[layout] = ns
-            self._ns_prefix[ns] = b"c" + ns.to_bytes(4, "little")
+            self._ns_prefix[ns] = keys.chunk_prefix(ns)
         return ns
 
     def _block_bytes_for(self, layout: Layout) -> int:
@@ -431,17 +419,18 @@ class CacheService:
         return CountReply(int(self._require_pool().evict(key)))
 
     def _scan(self, session: Session, req: Scan) -> KeysReply:
-        ns_prefix = self._string_prefix(session, req.ns)
+        self._check_namespace(session, req.ns)
+        ns_prefix = keys.string_prefix(req.ns)
         prefix = ns_prefix + req.prefix.encode()
         limit = min(req.limit, MAX_SCAN_KEYS)
-        keys = []
+        names = []
         if self.pool is not None and limit > 0:
             for key in self.pool.cached:
                 if key.startswith(prefix):
-                    keys.append(key[len(ns_prefix) :].decode())
-                    if len(keys) >= limit:
+                    names.append(key[len(ns_prefix) :].decode())
+                    if len(names) >= limit:
                         break
-        return KeysReply(keys)
+        return KeysReply(names)
 
     # ------------------------------------------------------------------- admin
     def _ping(self, session: Session, req: Ping) -> Ok:
@@ -459,18 +448,8 @@ class CacheService:
         if self.pool is None:
             return CountReply(0)
         if req.key is not None:
-            count = 0
-            chunk_hash = None
-            if len(req.key) == 2 * HASH_BYTES:
-                try:
-                    chunk_hash = bytes.fromhex(req.key)
-                except ValueError:
-                    pass
-            for prefix in self._ns_prefix.values():
-                count += self.pool.evict(b"s" + prefix[1:] + req.key.encode())
-                if chunk_hash is not None:
-                    count += self.pool.evict(prefix + chunk_hash)
-            return CountReply(count)
+            named = keys.keys_named(self._ns_prefix, req.key)
+            return CountReply(sum(self.pool.evict(key) for key in named))
         if req.lru < 0:
             raise RequestError("bad_request", "EVICT needs lru >= 0")
         return CountReply(self.pool.evict_lru(req.lru))
@@ -479,32 +458,10 @@ class CacheService:
         return CountReply(self.pool.clear() if self.pool is not None else 0)
 
     def _clients(self, session: Session, req: Clients) -> ClientsReply:
-        now = time.monotonic()
-        out = []
-        for s in self.sessions.values():
-            try:
-                proc = psutil.Process(s.pid)
-                proc_name, rss = proc.name(), proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-                proc_name, rss = "?", 0
-            out.append({
-                "id": s.session_id,
-                "pid": s.pid,
-                "name": s.name,
-                "proc": proc_name,
-                "rss_bytes": rss,
-                "uid": s.uid,
-                "ns": s.ns if s.ns is not None else 0,
-                "age_s": round(now - s.created_at, 1),
-                "idle_s": round(now - s.last_request_at, 1),
-                "pinned_blocks": s.num_pinned_blocks,
-                "writing_blocks": s.num_writing_blocks,
-                "requests": s.num_requests,
-            })
-        return ClientsReply(out)
+        return ClientsReply(client_rows(self.sessions.values()))
 
     def _info(self, session: Session, req: Info) -> InfoReply:
-        sections = self.info_sections()
+        sections = info_sections(self)
         if req.section is not None:
             name = req.section.lower()
             if name not in sections:
@@ -513,74 +470,3 @@ class CacheService:
                 )
             sections = {name: sections[name]}
         return InfoReply(sections)
-
-    def info_sections(self) -> dict[str, dict[str, int | float | str]]:
-        """INFO fields by section; names never change once shipped (redis-style)."""
-        pool, arena = self.pool, self.arena
-        num_blocks = arena.num_blocks
-        block_bytes = arena.block_bytes
-        cached = pool.num_cached_blocks if pool else 0
-        writing = pool.num_writing_blocks if pool else 0
-        detached = pool.num_detached_blocks if pool else 0
-        used_bytes = (cached + writing + detached) * block_bytes
-        stored_bytes = pool.num_cached_bytes if pool else 0
-        hits = pool.stat_hits if pool else 0
-        misses = pool.stat_misses if pool else 0
-        memory = psutil.Process().memory_info()
-        rss = memory.rss
-        rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
-        stats = {
-            "requests": self.stat_requests,
-            "connections_received": self.stat_connections,
-            "lookups": self.stat_lookups,
-            "stores": self.stat_stores,
-            "hits": hits,
-            "misses": misses,
-            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-            "evictions": pool.stat_evictions if pool else 0,
-            "errors": sum(self.stat_errors.values()),
-        }
-        for code in sorted(self.stat_errors):
-            stats[f"errors_{code}"] = self.stat_errors[code]
-        return {
-            "server": {
-                "version": __version__,
-                "protocol_version": PROTOCOL_VERSION,
-                "name": self.config.name,
-                "pid": os.getpid(),
-                "socket": self.config.socket,
-                "uptime_s": int(time.time() - self.started_at),
-                "generation": arena.generation,
-                "shm_segment": arena.segment_name,
-                "rss_bytes": rss,
-                "rss_human": format_bytes(rss),
-                "rss_private_bytes": rss_private,
-                "rss_private_human": format_bytes(rss_private),
-            },
-            "memory": {
-                "capacity_bytes": arena.capacity_bytes,
-                "capacity_human": format_bytes(arena.capacity_bytes),
-                "block_bytes": block_bytes,
-                "block_human": format_bytes(block_bytes),
-                "used_bytes": used_bytes,
-                "used_human": format_bytes(used_bytes),
-                "stored_bytes": stored_bytes,
-                "stored_human": format_bytes(stored_bytes),
-                "fill_ratio": round(stored_bytes / (cached * block_bytes), 4) if cached else 0.0,
-            },
-            "blocks": {
-                "num_blocks": num_blocks,
-                "free_blocks": pool.num_empty_blocks if pool else num_blocks,
-                "cached_blocks": cached,
-                "pinned_blocks": pool.num_pinned_blocks if pool else 0,
-                "writing_blocks": writing,
-                "detached_blocks": detached,
-                "evictable_blocks": pool.num_free_blocks - pool.num_empty_blocks if pool else 0,
-                "cached_values": len(pool.cached) if pool else 0,
-            },
-            "clients": {
-                "connected_clients": len(self.sessions),
-                "namespaces": len(self.namespaces),
-            },
-            "stats": stats,
-        }

@@ -1,7 +1,8 @@
-"""Text rendering of INFO and CLIENTS replies, after redis-cli.
+"""Text rendering of INFO and CLIENTS replies for the CLI, after redis-cli.
 
 `# Section` headers and `snake_case:value` lines for INFO; one `key=value` line per
-client for CLIENTS. Field names never change once shipped; scripts use `--json`.
+client for CLIENTS. The daemon builds the fields (`info.py`); their names never change
+once shipped; scripts use `--json`.
 """
 
 

@@ -16,10 +16,11 @@ Segment layout::
 
 Segment names are `/lmcached.<name>.<generation>`: the generation (nanoseconds since the
 epoch at creation) changes on every daemon start, so a client of a restarted daemon can
-never map a stale segment, and `sweep_orphans` finds segments whose daemon died.
+never map a stale segment. The header records the owner (pid, create time), so that the
+janitor (`janitor.py`) can find and unlink the segments of a daemon that died.
 
-Measured on the 2-core machines here (../shared/limits/RESULTS.md): writes into untouched
-shared memory run at 0.4-1.3 GB/s, into touched memory at ~10 GB/s, so `create`
+Writes into untouched shared memory pay a page fault per page and run several times
+slower than writes into touched memory (DESIGN.md, "Performance rules"), so `create`
 prefaults every page.
 """
 
@@ -28,9 +29,7 @@ import os
 import re
 import struct
 import time
-from typing import Callable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import posix_ipc
@@ -44,11 +43,10 @@ if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
 logger = init_logger(__name__)
 
 SEGMENT_PREFIX = "lmcached."
-SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 ARENA_MAGIC = b"LMCACHD1"
 # magic, generation, owner pid, owner create time (s), capacity_bytes, block_bytes
-_HEADER = struct.Struct("<8sQQdQQ")
+SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PREFAULT_STEP_BYTES = 64 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -170,7 +168,7 @@ class Arena:
         shm.close_fd()
         try:
             pid = os.getpid()
-            _HEADER.pack_into(
+            SEGMENT_HEADER.pack_into(
                 mapping,
                 0,
                 ARENA_MAGIC,
@@ -222,7 +220,7 @@ class Arena:
             mapping = mmap.mmap(shm.fd, shm.size)
         finally:
             shm.close_fd()
-        magic, header_generation, _, _, capacity_bytes, _ = _HEADER.unpack_from(mapping, 0)
+        magic, header_generation, _, _, capacity_bytes, _ = SEGMENT_HEADER.unpack_from(mapping, 0)
         if magic != ARENA_MAGIC or header_generation != generation:
             mapping.close()
             raise ValueError(
@@ -255,7 +253,7 @@ class Arena:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         if self.is_owner:
-            struct.pack_into("<Q", self._mmap, _HEADER.size - 8, block_bytes)
+            struct.pack_into("<Q", self._mmap, SEGMENT_HEADER.size - 8, block_bytes)
 
     def prefault(self, progress: ProgressCallback | None = None) -> None:
         """Populate every page of the segment for writing, reporting progress."""
@@ -388,91 +386,3 @@ def _populate(mapping: mmap.mmap, start: int, length: int) -> None:
         pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
         pages[::_PAGE_BYTES] = pages[::_PAGE_BYTES]
         del pages
-
-
-def read_segment_owner(path: str) -> tuple[int, int, float] | None:
-    """Read (generation, owner pid, owner create time) from a segment file's header.
-
-    Returns:
-        None when the file is too small or has no lmcached header.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
-    except OSError:
-        return None
-    if len(raw) < _HEADER.size:
-        return None
-    magic, generation, pid, create_time, _, _ = _HEADER.unpack(raw)
-    if magic != ARENA_MAGIC:
-        return None
-    return generation, pid, create_time
-
-
-def _owner_alive(pid: int, create_time: float) -> bool:
-    """Whether the daemon that wrote a segment's header still runs.
-
-    Dead: no process `pid`, a process `pid` started at another time (the pid was
-    reused), or a zombie (killed, e.g. by SIGKILL, and not yet reaped by its parent: it
-    holds no mapping and will never unlink its segment). A process this one may not
-    inspect counts as alive: never unlink a live daemon's arena.
-    """
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) >= 0.01:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, ValueError):  # ZombieProcess is a NoSuchProcess
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
-def list_segments(name: str | None = None) -> list[str]:
-    """File names in /dev/shm of arena segments (of daemon `name`, or of any daemon)."""
-    prefix = SEGMENT_PREFIX + (f"{name}." if name else "")
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(e for e in entries if e.startswith(prefix))
-
-
-def sweep_orphans(name: str | None = None, min_age_s: float = 10.0) -> list[str]:
-    """Unlink arena segments whose owning daemon is dead (start-up janitor).
-
-    A segment is an orphan when the process recorded in its header (pid and create time,
-    so a reused pid does not count) no longer exists or is a zombie (`_owner_alive`). A
-    segment without a valid header is removed only when older than `min_age_s` (it may
-    be one being created right now). Another user's segment that this process may not
-    read or unlink is left alone.
-
-    Args:
-        name: only segments of this daemon name; None for every lmcached segment.
-        min_age_s: age below which a headerless segment is left alone.
-
-    Returns:
-        The names (in /dev/shm) of the segments unlinked.
-    """
-    removed = []
-    for entry in list_segments(name):
-        path = os.path.join(SHM_DIR, entry)
-        owner = read_segment_owner(path)
-        if owner is None:
-            try:
-                if time.time() - os.stat(path).st_mtime < min_age_s:
-                    continue
-            except FileNotFoundError:
-                continue
-        elif _owner_alive(owner[1], owner[2]):
-            continue
-        try:
-            posix_ipc.unlink_shared_memory("/" + entry)
-        except posix_ipc.ExistentialError:
-            continue
-        except posix_ipc.PermissionsError:  # another user's segment: not ours to judge
-            logger.debug("cannot remove segment %s of another user", entry)
-            continue
-        logger.warning("removed orphaned arena segment %s (its daemon is gone)", entry)
-        removed.append(entry)
-    return removed

@@ -62,7 +62,6 @@ class BlockPool:
         self.stat_hits = 0
         self.stat_misses = 0
         self.stat_evictions = 0
-        self.stat_allocated = 0  # blocks handed out by allocate(), ever
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -102,24 +101,25 @@ class BlockPool:
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             return None
-        head = queue.fake_head
         out = []
-        for _ in range(num_blocks):
-            # Inlined queue.popleft(): this loop is the hot path of every store.
-            block = head.next_free_block
-            following = block.next_free_block
-            head.next_free_block = following
-            following.prev_free_block = head
-            block.prev_free_block = block.next_free_block = None
-            queue.num_free_blocks -= 1
-            if block.block_hash is not None:
+        while len(out) < num_blocks:
+            taken = queue.popleft_n(num_blocks - len(out))
+            for i, block in enumerate(taken):
+                assert block.ref_cnt == 0, f"free queue handed out {block!r}; this indicates a bug"
+                block.ref_cnt = 1
+                block.state = _WRITING
+                out.append(block)
+                if block.block_hash is None:
+                    continue
+                if len(block.span) > 1:
+                    # Evicting a value of several blocks empties the rest of them, which
+                    # are handed out next (as popping one block at a time would): put
+                    # back the blocks taken after this one before they move to the front.
+                    queue.prepend_n(taken[i + 1 :])
+                    self._evict_popped(block)
+                    break
                 self._evict_popped(block)
-            assert block.ref_cnt == 0, f"free queue handed out {block!r}; this indicates a bug"
-            block.ref_cnt = 1
-            block.state = _WRITING
-            out.append(block)
         self.num_writing_blocks += num_blocks
-        self.stat_allocated += num_blocks
         return out
 
     def _evict_popped(self, block: KVCacheBlock) -> None:
@@ -231,10 +231,10 @@ class BlockPool:
                     f"abort of {block!r}: only WRITING blocks held by their writer alone "
                     "can be aborted"
                 )
-        for block in reversed(blocks):
+        for block in blocks:
             block.ref_cnt = 0
             self._reset(block)
-            self.free_block_queue.appendleft(block)
+        self.free_block_queue.prepend_n(blocks)
         self.num_writing_blocks -= len(blocks)
 
     # ----------------------------------------------------------------- readers
@@ -283,18 +283,13 @@ class BlockPool:
         for block in blocks:
             if block.state != _READY:
                 raise ValueError(f"touch of {block!r}: only READY blocks can be pinned")
-        queue = self.free_block_queue
+        remove = self.free_block_queue.remove
         num_pinned = 0
         for block in blocks:
             if block.ref_cnt == 0:
-                # Inlined queue.remove(block): the hot path of every cache hit.
-                prev_block, next_block = block.prev_free_block, block.next_free_block
-                prev_block.next_free_block = next_block
-                next_block.prev_free_block = prev_block
-                block.prev_free_block = block.next_free_block = None
+                remove(block)  # a cache hit: O(1) from the middle of the queue
                 num_pinned += 1
             block.ref_cnt += 1
-        queue.num_free_blocks -= num_pinned
         self.num_pinned_blocks += num_pinned
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
@@ -314,7 +309,7 @@ class BlockPool:
                     "(commit or abort WRITING blocks)"
                 )
         queue = self.free_block_queue
-        tail = queue.fake_tail
+        released = []  # cached blocks reaching ref_cnt 0, tail first
         num_unpinned = 0
         for block in reversed(blocks):
             block.ref_cnt -= 1
@@ -326,13 +321,8 @@ class BlockPool:
                 self.num_detached_blocks -= 1
                 queue.appendleft(block)
             else:
-                # Inlined queue.append(block): the hot path of every request.
-                last = tail.prev_free_block
-                last.next_free_block = block
-                block.prev_free_block = last
-                block.next_free_block = tail
-                tail.prev_free_block = block
-                queue.num_free_blocks += 1
+                released.append(block)
+        queue.append_n(released)
         self.num_pinned_blocks -= num_unpinned
 
     # ---------------------------------------------------------------- eviction
@@ -374,12 +364,11 @@ class BlockPool:
             The number of values evicted.
         """
         victims: dict[BlockHash, None] = {}  # ordered set
-        block = self.free_block_queue.fake_head.next_free_block
-        tail = self.free_block_queue.fake_tail
-        while block is not tail and len(victims) < num_values:
+        for block in self.free_block_queue:
+            if len(victims) >= num_values:
+                break
             if block.block_hash is not None:
                 victims[block.block_hash] = None
-            block = block.next_free_block
         for block_hash in victims:
             self.evict(block_hash)
         return len(victims)

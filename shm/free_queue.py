@@ -13,10 +13,14 @@ Queue order is eviction order::
 
 `popleft()` therefore hands out an empty block while there is one, then the least
 recently used cached block (whose hash the block pool evicts).
+
+This class owns every link and the count: the block pool moves blocks only through its
+methods, one block at a time (`popleft`, `remove`, `append`, `appendleft`) or a run of
+blocks in one call (`popleft_n`, `append_n`, `prepend_n`, as vLLM's queue has them).
 """
 
 import enum
-from typing import Hashable, NewType
+from typing import Hashable, Iterator, NewType
 
 # Key of one cached value in the block pool: (namespace id, 16-byte chunk hash) for KV
 # chunks, (namespace id, str) for the generic key-value adapter. Opaque to this package.
@@ -113,6 +117,35 @@ class FreeKVCacheBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the `n` front blocks in one pass (vLLM's `popleft_n`).
+
+        Args:
+            n: how many blocks, 0 <= n <= num_free_blocks.
+
+        Returns:
+            The blocks in queue order (front first), unlinked.
+
+        Raises:
+            ValueError: n is negative or more than the queue holds (nothing changes).
+        """
+        if not 0 <= n <= self.num_free_blocks:
+            raise ValueError(
+                f"cannot pop {n} blocks: the free-block queue holds {self.num_free_blocks}"
+            )
+        head = self.fake_head
+        block = head.next_free_block
+        out = []
+        for _ in range(n):
+            out.append(block)
+            following = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = following
+        head.next_free_block = block
+        block.prev_free_block = head
+        self.num_free_blocks -= n
+        return out
+
     def remove(self, block: KVCacheBlock) -> None:
         """Remove `block` from anywhere in the queue in O(1).
 
@@ -148,11 +181,44 @@ class FreeKVCacheBlockQueue:
         self.fake_head.next_free_block = block
         self.num_free_blocks += 1
 
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the back in their order, so blocks[-1] is evicted last
+        (vLLM's `append_n`). The blocks must not be in the queue."""
+        if not blocks:
+            return
+        last = self.fake_tail.prev_free_block
+        for block in blocks:
+            last.next_free_block = block
+            block.prev_free_block = last
+            last = block
+        last.next_free_block = self.fake_tail
+        self.fake_tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the front in their order, so blocks[0] is handed out first
+        (vLLM's `prepend_n`; `prepend_n(popleft_n(k))` leaves the queue as it was).
+        The blocks must not be in the queue."""
+        if not blocks:
+            return
+        first = self.fake_head.next_free_block
+        prev = self.fake_head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """The queued blocks front to back; do not change the queue while iterating."""
+        block = self.fake_head.next_free_block
+        tail = self.fake_tail
+        while block is not tail:
+            yield block
+            block = block.next_free_block
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Return the queued blocks front to back (for tests and debugging; O(n))."""
-        blocks = []
-        block = self.fake_head.next_free_block
-        while block is not self.fake_tail:
-            blocks.append(block)
-            block = block.next_free_block
-        return blocks
+        return list(self)

@@ -13,7 +13,7 @@ import pytest
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
 from lmcached.protocol import Connection, Info
-from lmcached.shm.arena import list_segments
+from lmcached.shm.janitor import list_segments
 
 SEGMENT_LEAK_DEADLINE_S = 10.0
 

@@ -1,17 +1,16 @@
-"""Arena: create/attach/prefault/unlink, zero-copy views, cross-process, orphan sweep."""
+"""Arena: create/attach/prefault/unlink, zero-copy views, cross-process (the orphan
+sweep is tested in test_janitor.py)."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
-import psutil
 import pytest
 import torch
 
-from lmcached.shm.arena import HEADER_BYTES, Arena, list_segments, sweep_orphans
+from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.shm.janitor import list_segments
 
 MiB = 1 << 20
 
@@ -120,60 +119,6 @@ def test_child_writes_block_parent_reads_and_segment_outlives_child(unique_name)
     finally:
         arena.close()
     assert list_segments(unique_name) == []
-
-
-def test_sweep_removes_segments_of_dead_daemons_only(unique_name):
-    live = Arena.create(unique_name, 4 * MiB, MiB)
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                from lmcached.shm.arena import Arena
-                arena = Arena.create({unique_name!r}, {4 * MiB}, {MiB})
-                print(arena.segment_name, flush=True)
-                time.sleep(60)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        dead_name = child.stdout.readline().strip().lstrip("/")
-        assert dead_name in list_segments(unique_name)
-        assert sweep_orphans(unique_name) == []  # its owner is alive
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
-        assert dead_name in list_segments(unique_name)  # SIGKILL cannot unlink
-        assert sweep_orphans(unique_name) == [dead_name]
-        assert list_segments(unique_name) == [live.segment_name.lstrip("/")]
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        live.close()
-
-
-def test_owner_is_dead_when_its_pid_was_reused_or_is_a_zombie():
-    from lmcached.shm.arena import _owner_alive
-
-    me = psutil.Process()
-    assert _owner_alive(me.pid, me.create_time())
-    assert not _owner_alive(me.pid, me.create_time() - 5.0)  # same pid, another process
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    created = psutil.Process(child.pid).create_time()
-    deadline = time.monotonic() + 10
-    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    try:
-        assert not _owner_alive(child.pid, created)
-    finally:
-        child.wait()
-    assert not _owner_alive(child.pid, created)  # reaped: gone
 
 
 def test_create_gives_the_segment_to_a_group(unique_name):

@@ -116,6 +116,23 @@ def test_a_multi_block_value_is_evicted_together():
     pool.check_invariants()
 
 
+def test_evicting_a_multi_block_value_hands_out_its_other_blocks_next():
+    pool = BlockPool(4)
+    big, small = pool.allocate(2), pool.allocate(2)
+    assert pool.commit(big, "big")
+    assert pool.commit(small[:1], "x") and pool.commit(small[1:], "y")
+    for block_id in (1, 2, 0, 3):  # interleave "big" with "x" in the queue
+        pool.free([pool.blocks[block_id]])
+    assert queue_ids(pool) == [1, 2, 0, 3]
+    blocks = pool.allocate(2)
+    # Popping block 1 evicts "big"; its block 0 comes next, so "x" survives.
+    assert block_ids(blocks) == [1, 0]
+    assert queue_ids(pool) == [2, 3]
+    assert pool.get_cached("x") is not None and pool.get_cached("big") is None
+    assert pool.stat_evictions == 1
+    pool.check_invariants()
+
+
 def test_acquire_prefix_pins_the_cached_prefix_and_counts():
     pool = BlockPool(4)
     for key in ("h0", "h1", "h3"):

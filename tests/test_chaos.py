@@ -25,7 +25,7 @@ import torch
 from conftest import start_daemon
 from engine_worker import STEP_TOKENS, STEPS, prompt_kv, small_layout
 from lmcached.client import CacheEngine
-from lmcached.shm.arena import list_segments
+from lmcached.shm.janitor import list_segments
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
 CLEAN_DEADLINE_S = 10.0

@@ -34,7 +34,7 @@ from lmcached.protocol import (
     Shutdown,
     hello,
 )
-from lmcached.shm.arena import list_segments
+from lmcached.shm.janitor import list_segments
 
 MiB = 1 << 20
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)

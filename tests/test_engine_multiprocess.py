@@ -13,7 +13,7 @@ import torch
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
-from lmcached.shm.arena import list_segments
+from lmcached.shm.janitor import list_segments
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
 

@@ -26,7 +26,8 @@ import pytest
 from conftest import start_daemon
 from lmcached import socket_path
 from lmcached.protocol import Clear, ConfigGet, Connection, Ping, hello
-from lmcached.shm.arena import Arena, list_segments
+from lmcached.shm.arena import Arena
+from lmcached.shm.janitor import list_segments
 from lmcached.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,
@@ -396,7 +397,7 @@ def test_without_allow_group_another_user_cannot_connect(
 # ------------------------------------------------------------------------ orphans
 SWEEP_AS_OTHER_USER = textwrap.dedent("""
     import json, os, sys
-    from lmcached.shm.arena import list_segments, sweep_orphans
+    from lmcached.shm.janitor import list_segments, sweep_orphans
 
     name, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     os.setgroups([])

@@ -21,7 +21,7 @@ from lmcached import config, envs
 from lmcached.config import ServerConfig, load_config
 from lmcached.protocol import Connection, Ping
 from lmcached.server import Server
-from lmcached.shm.arena import list_segments
+from lmcached.shm.janitor import list_segments
 
 SYSTEMD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd")
 UNITS = {"lmcached.service": "lmcached.service", "lmcached@.service": "lmcached@llama.service"}

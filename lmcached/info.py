@@ -1,0 +1,136 @@
+"""What the daemon answers to INFO and CLIENTS: the fields, after Redis's INFO.
+
+Why this file exists: INFO and CLIENTS are the daemon's observable state, read by
+operators, scripts and tests, so their field names never change once shipped
+(snake_case, `*_bytes` with a `*_human` twin, one `errors_<code>` per error code).
+Building them from the daemon's state lives here, apart from the request semantics
+(`service.py`); the CLI's text rendering of the same fields is `stats.py`.
+"""
+
+import os
+import time
+from typing import TYPE_CHECKING, Iterable
+
+import psutil
+
+from lmcached import __version__
+from lmcached.config import format_bytes
+from lmcached.protocol import PROTOCOL_VERSION
+from lmcached.session import Session
+
+if TYPE_CHECKING:  # service.py imports this module
+    from lmcached.service import CacheService
+
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
+
+InfoFields = dict[str, int | float | str]
+
+
+def info_sections(service: "CacheService") -> dict[str, InfoFields]:
+    """INFO fields by section (INFO_SECTIONS, in that order) of a running daemon.
+
+    Args:
+        service: the daemon's state; its block pool may not exist yet (no layout).
+
+    Returns:
+        section name -> {field name: value}; names never change once shipped.
+    """
+    pool, arena = service.pool, service.arena
+    num_blocks = arena.num_blocks
+    block_bytes = arena.block_bytes
+    cached = pool.num_cached_blocks if pool else 0
+    writing = pool.num_writing_blocks if pool else 0
+    detached = pool.num_detached_blocks if pool else 0
+    used_bytes = (cached + writing + detached) * block_bytes
+    stored_bytes = pool.num_cached_bytes if pool else 0
+    hits = pool.stat_hits if pool else 0
+    misses = pool.stat_misses if pool else 0
+    memory = psutil.Process().memory_info()
+    rss = memory.rss
+    rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
+    stats = {
+        "requests": service.stat_requests,
+        "connections_received": service.stat_connections,
+        "lookups": service.stat_lookups,
+        "stores": service.stat_stores,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "evictions": pool.stat_evictions if pool else 0,
+        "errors": sum(service.stat_errors.values()),
+    }
+    for code in sorted(service.stat_errors):
+        stats[f"errors_{code}"] = service.stat_errors[code]
+    return {
+        "server": {
+            "version": __version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "name": service.config.name,
+            "pid": os.getpid(),
+            "socket": service.config.socket,
+            "uptime_s": int(time.time() - service.started_at),
+            "generation": arena.generation,
+            "shm_segment": arena.segment_name,
+            "rss_bytes": rss,
+            "rss_human": format_bytes(rss),
+            "rss_private_bytes": rss_private,
+            "rss_private_human": format_bytes(rss_private),
+        },
+        "memory": {
+            "capacity_bytes": arena.capacity_bytes,
+            "capacity_human": format_bytes(arena.capacity_bytes),
+            "block_bytes": block_bytes,
+            "block_human": format_bytes(block_bytes),
+            "used_bytes": used_bytes,
+            "used_human": format_bytes(used_bytes),
+            "stored_bytes": stored_bytes,
+            "stored_human": format_bytes(stored_bytes),
+            "fill_ratio": round(stored_bytes / (cached * block_bytes), 4) if cached else 0.0,
+        },
+        "blocks": {
+            "num_blocks": num_blocks,
+            "free_blocks": pool.num_empty_blocks if pool else num_blocks,
+            "cached_blocks": cached,
+            "pinned_blocks": pool.num_pinned_blocks if pool else 0,
+            "writing_blocks": writing,
+            "detached_blocks": detached,
+            "evictable_blocks": pool.num_free_blocks - pool.num_empty_blocks if pool else 0,
+            "cached_values": len(pool.cached) if pool else 0,
+        },
+        "clients": {
+            "connected_clients": len(service.sessions),
+            "namespaces": len(service.namespaces),
+        },
+        "stats": stats,
+    }
+
+
+def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
+    """CLIENTS fields: one row per session (`id= pid= name= age_s= pinned_blocks= ...`).
+
+    The process name and RSS come from psutil; a process that is gone or may not be
+    inspected shows as `proc` "?" and `rss_bytes` 0.
+    """
+    now = time.monotonic()
+    out = []
+    for s in sessions:
+        try:
+            proc = psutil.Process(s.pid)
+            proc_name, rss = proc.name(), proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            proc_name, rss = "?", 0
+        out.append({
+            "id": s.session_id,
+            "pid": s.pid,
+            "name": s.name,
+            "proc": proc_name,
+            "rss_bytes": rss,
+            "uid": s.uid,
+            "ns": s.ns if s.ns is not None else 0,
+            "age_s": round(now - s.created_at, 1),
+            "idle_s": round(now - s.last_request_at, 1),
+            "pinned_blocks": s.num_pinned_blocks,
+            "writing_blocks": s.num_writing_blocks,
+            "requests": s.num_requests,
+        })
+    return out
