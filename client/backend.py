@@ -9,11 +9,15 @@ process-local dict or a remote server.
 import abc
 import concurrent.futures
 import dataclasses
-from typing import Iterable
+import threading
+from typing import Iterable, Iterator
 
 import torch
 
 from lmcached.client.tensor_store import TensorStore, kv_namespace
+from lmcached.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,9 @@ class CacheEngineKey:
 class StorageBackend(abc.ABC):
     """Where KV chunks are kept (seed: LMCache's LMCBackendInterface).
 
+    As in the seed, a chunk that does not fit is dropped, never an error; here `put`
+    also says so (the seed's `put` returns None, which `batched_put` counts as stored).
+
     Attributes:
         dst_device: device that `get` returns tensors on.
     """
@@ -61,8 +68,13 @@ class StorageBackend(abc.ABC):
     dst_device: str = "cpu"
 
     @abc.abstractmethod
-    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
-        """Store one chunk (any shape and dtype)."""
+    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> bool:
+        """Store one chunk (any shape and dtype).
+
+        Returns:
+            False when the chunk was dropped (no space, or no storage now); True when
+            stored, or queued with blocking=False.
+        """
 
     @abc.abstractmethod
     def contains(self, key: CacheEngineKey) -> bool:
@@ -75,16 +87,27 @@ class StorageBackend(abc.ABC):
     def batched_put(
         self, keys_and_chunks: Iterable[tuple[CacheEngineKey, torch.Tensor]], blocking: bool = True
     ) -> int:
-        """Store several chunks. Returns how many were submitted."""
+        """Store several chunks, in order.
+
+        Returns:
+            The number of chunks stored (the seed's contract): those `put` dropped are
+            not counted. With blocking=False, the number queued.
+        """
         count = 0
         for key, chunk in keys_and_chunks:
-            self.put(key, chunk, blocking=blocking)
-            count += 1
+            count += self.put(key, chunk, blocking=blocking) is not False
         return count
 
-    def batched_get(self, keys: Iterable[CacheEngineKey]) -> list[torch.Tensor | None]:
-        """`get` of each key, in order."""
-        return [self.get(key) for key in keys]
+    def batched_get(self, keys: Iterable[CacheEngineKey]) -> Iterator[torch.Tensor | None]:
+        """`get` of each key, in order, lazily (as the seed's generator): a key is read
+        only when the caller asks for its chunk, so a caller that stops at the first
+        None (a prefix lookup) reads nothing after it.
+
+        Returns:
+            An iterator of chunks (None for a missing key).
+        """
+        for key in keys:
+            yield self.get(key)
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -97,6 +120,11 @@ class DaemonBackend(StorageBackend):
     Every process on the node that opens a DaemonBackend with the same daemon and
     namespace sees the same chunks. Values may span several arena blocks.
 
+    Never fails for lack of space or of a daemon, as the seed's backends: the
+    constructor starts disconnected without a daemon (misses, reconnects with back-off),
+    drops a size hint larger than the arena (one warning, see `TensorStore`), and a
+    chunk that does not fit is dropped (`put` returns False; `num_dropped` counts).
+
     Args:
         socket: daemon socket path (default: that of daemon `name`).
         name: daemon name.
@@ -104,24 +132,44 @@ class DaemonBackend(StorageBackend):
         value_bytes_hint: typical chunk size in bytes (sizes the daemon's blocks if this
             is the first client).
         dst_device: device for tensors returned by `get`.
+
+    Attributes:
+        num_dropped: chunks not stored (no space, or no daemon), background puts included.
     """
 
     def __init__(self, socket: str | None = None, name: str = "default",
                  namespace: str = "lmcached-backend", value_bytes_hint: int = 1 << 20,
                  dst_device: str = "cpu") -> None:
         self.dst_device = dst_device
+        self.num_dropped = 0
+        self._dropped_lock = threading.Lock()  # the put thread counts too
         self._store = TensorStore(kv_namespace(namespace, value_bytes_hint), socket, name)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
 
-    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> None:
-        """Store one chunk; blocking=False copies on a background thread (`close` waits)."""
+    def put(self, key: CacheEngineKey, kv_chunk: torch.Tensor, blocking: bool = True) -> bool:
+        """Store one chunk; blocking=False copies on a background thread (`flush` waits).
+
+        Returns:
+            False when the chunk was dropped (the arena is full of pinned data, or no
+            daemon); True when stored, or queued with blocking=False.
+
+        Raises:
+            ValueError: a dtype or rank the value record cannot hold (see TensorStore.put).
+        """
         if blocking:
-            self._store.put(key.to_string(), kv_chunk)
-            return
+            return self._put_now(key.to_string(), kv_chunk)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcached-put")
-        self._pending.append(self._executor.submit(self._store.put, key.to_string(), kv_chunk))
+        self._pending.append(self._executor.submit(self._put_now, key.to_string(), kv_chunk))
+        return True
+
+    def _put_now(self, key: str, kv_chunk: torch.Tensor) -> bool:
+        stored = self._store.put(key, kv_chunk)
+        if not stored:
+            with self._dropped_lock:
+                self.num_dropped += 1
+        return stored
 
     def contains(self, key: CacheEngineKey) -> bool:
         """True when the daemon holds a value under `key`."""
@@ -132,11 +180,10 @@ class DaemonBackend(StorageBackend):
         value = self._store.get(key.to_string())
         return None if value is None else value.to(self.dst_device)
 
-    def flush(self) -> None:
-        """Wait for background puts."""
+    def flush(self) -> int:
+        """Wait for background puts. Returns how many of them stored their chunk."""
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        return sum(future.result() for future in pending)
 
     def close(self) -> None:
         """Wait for background puts, then stop the put thread."""

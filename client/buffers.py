@@ -1,11 +1,20 @@
 """KV exchange buffers between a producer and a consumer process (seed adapters).
 
 Why this file exists: vLLM's disaggregated-prefill buffers (`KVLookupBufferBase`,
-`KVStoreBufferBase`) move KV from a prefill process to a decode process. Here both sides
-open the same daemon namespace and exchange tensors through shared memory: the producer
-writes each tensor once into arena blocks, the consumer copies it out once.
+`KVStoreBufferBase`, both under `KVCacheBufferBase`) move KV from a prefill process to a
+decode process. Here both sides open the same daemon namespace and exchange tensors
+through shared memory: the producer writes each tensor once into arena blocks, the
+consumer copies it out once.
+
+The three abstract bases are defined here, with vLLM's names, methods and contracts, so
+that code typed against them accepts our buffers without importing vLLM:
+
+    KVCacheBufferBase           close()
+      +- KVLookupBufferBase     insert(), drop_select()   <- KVLookupBuffer
+      +- KVStoreBufferBase      put(), get()              <- KVStoreBuffer
 """
 
+import abc
 import uuid
 
 import numpy as np
@@ -18,7 +27,89 @@ from lmcached.client.tensor_store import TensorStore, kv_namespace
 _PARTS = ("input_tokens", "roi", "key", "value", "hidden")
 
 
-class KVStoreBuffer:
+class KVCacheBufferBase(abc.ABC):
+    """A buffer that moves KV cache between processes (seed: vLLM's KVCacheBufferBase)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the buffer and release its resources once it is no longer needed.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+
+class KVLookupBufferBase(KVCacheBufferBase):
+    """A lookup buffer of KV entries (seed: vLLM's KVLookupBufferBase).
+
+    An entry's key is `input_tokens` (token ids `[num_tokens]`) and `roi`, a bool mask
+    `[num_tokens]` on top of them: the tokens the KV belongs to. Its value is `key` and
+    `value` (the KV tensors) and `hidden` (the final hidden state, which lets the
+    consumer skip the forward pass).
+    """
+
+    @abc.abstractmethod
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Insert an entry: `buffer[input_tokens, roi] = [key, value, hidden]`.
+
+        Args:
+            input_tokens: token ids `[num_tokens]`.
+            roi: bool mask `[num_tokens]` on top of the input tokens.
+            key / value: the KV cache tensors.
+            hidden: the final hidden state of the forward pass.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def drop_select(self, input_tokens: torch.Tensor | None,
+                    roi: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Select an entry, remove it from the buffer and return it:
+        `buffer.pop(input_tokens, roi)`. With `input_tokens` and `roi` None, any entry.
+
+        Args:
+            input_tokens: token ids `[num_tokens]`, or None.
+            roi: bool mask `[num_tokens]`, or None.
+
+        Returns:
+            The entry's tensors; any of them may be None.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+
+class KVStoreBufferBase(KVCacheBufferBase):
+    """A key-value buffer of tensors (seed: vLLM's KVStoreBufferBase).
+
+    Keys are unique strings; a value is a tensor, or None for deletion / no value.
+    """
+
+    @abc.abstractmethod
+    def put(self, key: str, value: torch.Tensor | None) -> None:
+        """Store `value` under `key` (a key, value or hidden-state tensor).
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def get(self, key: str) -> torch.Tensor | None:
+        """The tensor stored under `key`, or None.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
+        raise NotImplementedError
+
+
+class KVStoreBuffer(KVStoreBufferBase):
     """Tensors by string key shared by every process of a namespace.
 
     Args:
@@ -46,10 +137,10 @@ class KVStoreBuffer:
         self._store.close()
 
 
-class KVLookupBuffer:
+class KVLookupBuffer(KVLookupBufferBase):
     """Entries of (input_tokens, roi, key, value, hidden), matched by their tokens.
 
-    After vLLM's KVLookupBufferBase: `insert` on the producer, `drop_select` on the
+    A vLLM KVLookupBufferBase: `insert` on the producer, `drop_select` on the
     consumer, which removes the entry it returns. An entry matches a request when the
     tokens selected by the roi mask are equal. Inserting the same tokens twice queues two
     entries; two consumers never receive the same entry (the daemon's DELETE decides).

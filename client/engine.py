@@ -7,7 +7,9 @@ prefix stored by any process on the node is read in place by every other one.
 
 One request = one round trip for its metadata (ALLOC + COMMIT for a store, ACQUIRE +
 RELEASE for a retrieve) and one memory copy per chunk straight between the caller's
-tensors and the arena blocks; KV bytes never cross the socket.
+tensors and the arena blocks; KV bytes never cross the socket. A request of more chunks
+than one frame can carry is split into several protocol requests
+(`chunks_per_request`), so no legal request meets the frame limit.
 
     store:    hash chunks -> ALLOC (daemon: EXISTS / block / NOSPACE per chunk)
               -> write header + token ids + KV into each new block -> COMMIT
@@ -35,6 +37,9 @@ from lmcached.client.views import RetrievedViews
 from lmcached.logger import init_logger
 from lmcached.protocol import (
     ALLOCATED,
+    HASH_BYTES,
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_FRAME_BYTES,
     NOSPACE,
     Acquire,
     Alloc,
@@ -46,6 +51,35 @@ from lmcached.protocol import (
 logger = init_logger(__name__)
 
 Tokens = torch.Tensor | np.ndarray | Sequence[int]
+
+# What a frame spends outside its per-chunk fields (tag, namespace id, list headers).
+_FRAME_OVERHEAD_BYTES = 256
+# Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
+# or a span length).
+_INT_BYTES = 9
+_BLOCK_ID_BYTES = 5
+
+
+def chunks_per_request(layout: KVLayout, block_bytes: int) -> int:
+    """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
+
+    Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
+    its reply (ACQUIRE: the block ids, span length and record size of each chunk), nor the
+    COMMIT / RELEASE of the blocks it returns, exceeds MAX_FRAME_BYTES, and so that the
+    daemon's MAX_CHUNKS_PER_REQUEST holds. The engine splits longer requests.
+
+    Args:
+        layout: the chunks' layout (their record size).
+        block_bytes: the daemon's block size (HELLO), bytes.
+
+    Returns:
+        A chunk count >= 1.
+    """
+    blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
+    request_bytes = HASH_BYTES + _INT_BYTES
+    reply_bytes = _INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1)
+    fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
+    return max(1, min(MAX_CHUNKS_PER_REQUEST, fit))
 
 
 class CacheEngine:
@@ -162,8 +196,9 @@ class CacheEngine:
             self._records = RecordIO(arena, self.layout)
         return self._records
 
-    def _skip_tokens(self, num_tokens: int, mask) -> int:
-        """Leading tokens a suffix mask leaves out (a multiple of chunk_size)."""
+    def _skip_tokens(self, num_tokens: int, mask, chunk_aligned: bool) -> int:
+        """Leading tokens a suffix mask leaves out (a multiple of chunk_size if
+        `chunk_aligned`, as the seed's store asserts; any count for a retrieve)."""
         if mask is None:
             return 0
         mask = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
@@ -172,9 +207,10 @@ class CacheEngine:
         skip = num_tokens - int(mask.sum())
         if mask[:skip].any() or not mask[skip:].all():
             raise ValueError("mask must be a suffix mask: False for skipped tokens, then True")
-        if skip % self.layout.chunk_size:
+        if chunk_aligned and skip % self.layout.chunk_size:
             raise ValueError(
                 f"mask skips {skip} tokens, not a multiple of chunk_size {self.layout.chunk_size}"
+                " (a store mask must skip whole chunks)"
             )
         return skip
 
@@ -193,9 +229,18 @@ class CacheEngine:
         hashes = hash_request_tokens(self.layout.chunk_size, token_array)
         if not hashes:
             return 0
+        link = self.link
+        num_chunks = 0
         try:
-            ns = self.link.ensure_connected().ns
-            num_chunks = self.link.request(Lookup(ns, b"".join(hashes))).num_chunks
+            with link.lock:
+                hello = link.ensure_connected()
+                per_request = chunks_per_request(self.layout, hello.block_bytes)
+                for pos in range(0, len(hashes), per_request):
+                    batch = hashes[pos : pos + per_request]
+                    found = link.request(Lookup(hello.ns, b"".join(batch)), hello.generation)
+                    num_chunks += found.num_chunks
+                    if found.num_chunks < len(batch):
+                        break
         except CacheUnavailable:
             return 0
         except DaemonError as exc:
@@ -215,10 +260,14 @@ class CacheEngine:
                 `[num_layers, 2, num_kv_heads, T, head_size]` (huggingface), a tuple of
                 per-layer (K, V), or a DynamicCache; dtype = layout.dtype; T is
                 num_tokens, or the number of tokens the mask keeps.
-            mask: optional bool suffix mask `[num_tokens]`; the False prefix (a multiple
-                of chunk_size) is not stored (its KV need not be passed).
-            skip_existing: kept for the seed's signature; a cached chunk is never
-                rewritten (its bytes are equal by construction of the prefix hash).
+            mask: optional bool suffix mask `[num_tokens]`; the False prefix is not
+                stored (its KV need not be passed). As in the seed's store, it must
+                skip whole chunks (a multiple of chunk_size).
+            skip_existing: kept for the seed's signature, and ignored (a deliberate
+                deviation): chunks are content-addressed by their prefix hash and
+                never overwritten, so a cached chunk is always skipped and
+                skip_existing=False changes nothing (the seed would rewrite it with
+                equal bytes).
             blocking: False copies and commits on a background thread and returns 0 at
                 once; `flush()` waits and returns the chunks written. The caller must
                 not modify `kv` until then.
@@ -226,15 +275,16 @@ class CacheEngine:
         Returns:
             Chunks written now (0 when all were cached, the daemon is down, or
             blocking=False). Fewer than requested when the arena is full of pinned data.
+            A request of more than `chunks_per_request` chunks is stored in several
+            protocol requests, each a prefix of the rest.
 
         Raises:
             ValueError / TypeError: tokens, kv or mask do not match each other or the
-                layout (nothing is stored).
+                layout, or the mask does not skip whole chunks (nothing is stored).
         """
-        del skip_existing  # every existing chunk is skipped; see the docstring
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
-        skip = self._skip_tokens(num_tokens, mask)
+        skip = self._skip_tokens(num_tokens, mask, chunk_aligned=True)
         source = KVSource(kv, self.layout)
         if source.num_tokens == num_tokens:
             kv_start = 0
@@ -267,14 +317,33 @@ class CacheEngine:
 
     def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int) -> int:
         layout = self.layout
-        chunks = self._chunks(len(tokens), skip // layout.chunk_size)
-        hashes = hash_request_tokens(layout.chunk_size, tokens)[skip // layout.chunk_size :]
-        nbytes = [layout.record_bytes(end - start) for start, end in chunks]
-        link = self.link
+        first_chunk = skip // layout.chunk_size
+        chunks = self._chunks(len(tokens), first_chunk)
+        hashes = hash_request_tokens(layout.chunk_size, tokens)[first_chunk:]
+        return self._store_from(tokens, source, kv_start, hashes, chunks, 0)
+
+    def _store_from(self, tokens: np.ndarray, source: KVSource, kv_start: int,
+                    hashes: list[bytes], chunks: list[tuple[int, int]], pos: int) -> int:
+        """ALLOC and fill the chunks from `pos` that one request may carry, store the
+        chunks after them, then COMMIT.
+
+        The chunks after this request's are stored (recursively) while its blocks are
+        still WRITING, which nothing evicts: a store split into several requests never
+        evicts its own beginning to make room for its end, and gets NOSPACE where one
+        request would. The end of the chain is committed first, so it is evicted first.
+
+        Returns:
+            Chunks written and committed from `pos` on (0 when the daemon is unavailable
+            or refused).
+        """
+        layout, link = self.layout, self.link
         try:
             with link.lock:
                 hello = link.ensure_connected()
-                reply = link.request(Alloc(hello.ns, b"".join(hashes), nbytes))
+                end = min(len(hashes), pos + chunks_per_request(layout, hello.block_bytes))
+                nbytes = [layout.record_bytes(e - s) for s, e in chunks[pos:end]]
+                reply = link.request(Alloc(hello.ns, b"".join(hashes[pos:end]), nbytes),
+                                     hello.generation)
                 generation, records = hello.generation, self._record_io()
         except CacheUnavailable:
             return 0
@@ -283,71 +352,86 @@ class CacheEngine:
             return 0
         writes, seals = [], []
         cursor = 0
-        for status, chunk_hash, (start, end), span_len in zip(
-            reply.status, hashes, chunks, _spans_for(reply)
+        for status, chunk_hash, (start, stop), span_len in zip(
+            reply.status, hashes[pos:end], chunks[pos:end], _spans_for(reply)
         ):
             if status != ALLOCATED:
                 continue
             span = reply.block_ids[cursor : cursor + span_len]
             cursor += span_len
-            writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:end],
-                                            source, start - kv_start, end - kv_start))
+            writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:stop],
+                                            source, start - kv_start, stop - kv_start))
             if self.verify == "checksum":
-                seals.append(functools.partial(records.seal, span, end - start))
-        written = len(writes)
+                seals.append(functools.partial(records.seal, span, stop - start))
+        written, num_nospace, num_later = len(writes), reply.status.count(NOSPACE), 0
 
         def fill() -> None:
+            nonlocal num_later
             self.copier.run(writes)
             synchronize_if_cuda(source.any_tensor)  # device-to-host copies done before COMMIT
             self.copier.run(seals)  # checksums of the final bytes, before COMMIT
+            if end < len(hashes) and not num_nospace:
+                num_later = self._store_from(tokens, source, kv_start, hashes, chunks, end)
 
         if not link.fill_and_commit(reply.block_ids, generation, fill):
-            return 0
-        num_nospace = reply.status.count(NOSPACE)
+            return num_later
         if num_nospace:
+            num_nospace += len(hashes) - end  # never asked for: they would not fit either
             logger.debug(
                 "stored %d of %d new chunks: the arena is full of pinned data",
                 written, written + num_nospace,
             )
         self.num_stored_chunks += written
         self.num_nospace_chunks += num_nospace
-        return written
+        return written + num_later
 
     # ----------------------------------------------------------------- retrieve
-    def _acquire(self, token_array: np.ndarray, skip: int):
-        """ACQUIRE the cached run of chunks from `skip`, and verify their records.
+    def _acquire(self, token_array: np.ndarray, first_chunk: int):
+        """ACQUIRE the cached run of chunks from chunk `first_chunk`, and verify their records.
+
+        A run longer than `chunks_per_request` is acquired by several requests, until
+        one finds less than it asked for.
 
         Returns:
-            (block ids of every pinned value, spans of the verified chunks, chunk ranges,
-            generation, RecordIO), or None when the daemon is unavailable.
+            (block ids pinned by each ACQUIRE, spans of the verified chunks, their chunk
+            ranges, generation, RecordIO), or None when the daemon is unavailable or
+            refused (nothing stays pinned).
         """
         layout = self.layout
-        first_chunk = skip // layout.chunk_size
         hashes = hash_request_tokens(layout.chunk_size, token_array)[first_chunk:]
         if not hashes:
             return None
         link = self.link
+        pinned: list[list[int]] = []
+        spans: list[list[int]] = []
         try:
             with link.lock:
                 hello = link.ensure_connected()
-                reply = link.request(Acquire(hello.ns, b"".join(hashes)))
                 generation, records = hello.generation, self._record_io()
+                per_request = chunks_per_request(layout, hello.block_bytes)
+                for pos in range(0, len(hashes), per_request):
+                    batch = hashes[pos : pos + per_request]
+                    reply = link.request(Acquire(hello.ns, b"".join(batch)), generation)
+                    pinned.append(reply.block_ids)
+                    cursor = 0
+                    for span_len in reply.num_blocks:
+                        spans.append(reply.block_ids[cursor : cursor + span_len])
+                        cursor += span_len
+                    if len(reply.num_blocks) < len(batch):
+                        break
         except CacheUnavailable:
-            return None
+            return None  # the session ended: its pins went with it
         except DaemonError as exc:
             logger.warning("ACQUIRE refused: %s", exc)
+            self._release(pinned, generation)
             return None
         chunks = self._chunks(len(token_array), first_chunk)
-        spans, cursor = [], 0
-        for span_len in reply.num_blocks:
-            spans.append(reply.block_ids[cursor : cursor + span_len])
-            cursor += span_len
         num_ok = records.verify_prefix(spans, hashes, token_array, chunks, self._fingerprint)
         if num_ok < len(spans):
             self._count_mismatch(spans[num_ok])
         if self.verify == "checksum" and num_ok:
             num_ok = self._verify_checksums(records, spans[:num_ok], chunks[:num_ok])
-        return reply.block_ids, spans[:num_ok], chunks[:num_ok], generation, records
+        return pinned, spans[:num_ok], chunks[:num_ok], generation, records
 
     def _count_mismatch(self, span: list[int]) -> None:
         self.num_verify_failures += 1
@@ -386,23 +470,30 @@ class CacheEngine:
             )
         return num_ok
 
-    def _release(self, block_ids: list[int], generation: int) -> None:
-        if not block_ids:
-            return
-        try:
-            self.link.request(Release(block_ids), generation)
-        except CacheUnavailable:
-            pass  # the daemon is gone or restarted: its pins went with it
-        except DaemonError as exc:
-            logger.warning("RELEASE refused: %s", exc)
+    def _release(self, pinned: list[list[int]], generation: int) -> None:
+        """RELEASE the blocks of each ACQUIRE (one RELEASE each: each fits in a frame)."""
+        for block_ids in pinned:
+            if not block_ids:
+                continue
+            try:
+                self.link.request(Release(block_ids), generation)
+            except CacheUnavailable:
+                return  # the daemon is gone or restarted: its pins went with it
+            except DaemonError as exc:
+                logger.warning("RELEASE refused: %s", exc)
 
     def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None):
         """Copy out the KV of the longest cached prefix of `tokens` (after the mask).
 
+        Seed semantics (LMCache's `LMCacheEngine.retrieve`): the mask is a suffix mask
+        of any length; the chunks from the one holding the first masked-in token are
+        looked up, and the masked tokens of that first chunk are dropped from the result.
+
         Args:
             tokens: `[num_tokens]` token ids.
-            mask: optional bool suffix mask; the skipped prefix (a multiple of
-                chunk_size) is not retrieved and the cached run starts after it.
+            mask: optional bool suffix mask `[num_tokens]`: False for the leading
+                `skip` tokens not to retrieve, then True. `skip` need not be a
+                multiple of chunk_size.
             return_tuple: True: a tuple of per-layer (K, V), each `[n, num_kv_heads,
                 head_size]` (vllm) or `[num_kv_heads, n, head_size]` (huggingface);
                 False: one blob `layout.chunk_shape(n)`.
@@ -411,35 +502,40 @@ class CacheEngine:
                 views of it (no allocation).
 
         Returns:
-            (kv, ret_mask): kv is `()` (tuple) or None (blob) when nothing was found;
-            ret_mask is a bool tensor `[num_tokens]`, True for the n retrieved tokens.
+            (kv, ret_mask): kv holds the n tokens `tokens[skip : skip + n]`, or is the
+            empty tuple `()` when nothing was found (whatever return_tuple is, as in the
+            seed); ret_mask is a bool tensor `[num_tokens]`, True for those n tokens.
 
         Raises:
-            ValueError: bad mask, or `out` too small / of the wrong shape or dtype.
+            ValueError: a mask that is not a suffix mask of `[num_tokens]`, or `out` too
+                small / of the wrong shape or dtype.
         """
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
-        skip = self._skip_tokens(num_tokens, mask)
+        skip = self._skip_tokens(num_tokens, mask, chunk_aligned=False)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        acquired = self._acquire(token_array, skip) if num_tokens > skip else None
+        acquired = (self._acquire(token_array, skip // self.layout.chunk_size)
+                    if num_tokens > skip else None)
         if acquired is None:
             self.miss_tokens += num_tokens - skip
-            return (() if return_tuple else None), ret_mask
-        block_ids, spans, chunks, generation, records = acquired
+            return (), ret_mask
+        pinned, spans, chunks, generation, records = acquired
+        num_hit = chunks[-1][1] - skip if chunks else 0
         try:
-            num_hit = sum(end - start for start, end in chunks)
             kv = self._copy_out(records, spans, chunks, skip, num_hit, return_tuple, out)
         finally:
-            self._release(block_ids, generation)
+            self._release(pinned, generation)
         self.hit_tokens += num_hit
         self.miss_tokens += num_tokens - skip - num_hit
         ret_mask[skip : skip + num_hit] = True
         if num_hit == 0:
-            return (() if return_tuple else None), ret_mask
+            return (), ret_mask
         return kv, ret_mask
 
     def _copy_out(self, records: RecordIO, spans, chunks, skip: int, num_hit: int,
                   return_tuple: bool, out):
+        """Copy tokens [skip, skip + num_hit) out of the records of `chunks` (the first
+        chunk may start before `skip`: its leading tokens are dropped)."""
         layout = self.layout
         token_dim = layout.token_dim
         if isinstance(out, (tuple, list)):
@@ -447,11 +543,13 @@ class CacheEngine:
             _check_out_layers(out, layout, num_hit)
 
             def copy_to_layers(span, start, end):
-                record = records.read_kv(span, end - start)  # chunk_shape(end - start)
+                first = max(start, skip)
+                # chunk_shape(end - first): the record without the tokens before `skip`
+                record = records.read_kv(span, end - start).narrow(token_dim, first - start,
+                                                                   end - first)
                 for layer, (k_out, v_out) in enumerate(out):
-                    offset = start - skip
-                    copy_tensor(k_out.narrow(layer_token_dim, offset, end - start), record[layer, 0])
-                    copy_tensor(v_out.narrow(layer_token_dim, offset, end - start), record[layer, 1])
+                    for dst, src in ((k_out, record[layer, 0]), (v_out, record[layer, 1])):
+                        copy_tensor(dst.narrow(layer_token_dim, first - skip, end - first), src)
 
             self.copier.run([functools.partial(copy_to_layers, span, start, end)
                              for span, (start, end) in zip(spans, chunks)])
@@ -465,11 +563,13 @@ class CacheEngine:
         else:
             _check_out_blob(out, layout, num_hit)
             blob = out.narrow(token_dim, 0, num_hit)
-        self.copier.run([
-            functools.partial(_copy_record, blob.narrow(token_dim, start - skip, end - start),
-                              records, span)
-            for span, (start, end) in zip(spans, chunks)
-        ])
+        tasks = []
+        for span, (start, end) in zip(spans, chunks):
+            first = max(start, skip)
+            dst = blob.narrow(token_dim, first - skip, end - first)
+            tasks.append(functools.partial(_copy_record, dst, records, span, end - start,
+                                           first - start))
+        self.copier.run(tasks)
         synchronize_if_cuda(blob)  # host-to-device copies done before RELEASE
         if return_tuple:
             return tuple((blob[layer, 0], blob[layer, 1]) for layer in range(layout.num_layers))
@@ -484,10 +584,14 @@ class CacheEngine:
         verify="checksum" the payloads are checked once, here; the views then read the
         arena in place.
 
+        The mask has `retrieve`'s semantics: a suffix mask of any length; the first
+        view starts at the first masked-in token (a narrowed view of its chunk).
+
         Returns:
             RetrievedViews with `.chunks` (one view per chunk,
-            `layout.chunk_shape(chunk_tokens)`, layout.dtype, cpu (arena)), `.num_tokens`,
-            `.start_token`, `.block_ids`.
+            `layout.chunk_shape(chunk_tokens)`, layout.dtype, cpu (arena); the first
+            one without the masked tokens of its chunk), `.num_tokens`, `.start_token`
+            (the mask's skip), `.block_ids`.
 
         Raises:
             ValueError: bad mask, or chunks of this layout span several blocks (the
@@ -495,7 +599,7 @@ class CacheEngine:
         """
         layout = self.layout
         token_array = as_token_array(tokens)
-        skip = self._skip_tokens(len(token_array), mask)
+        skip = self._skip_tokens(len(token_array), mask, chunk_aligned=False)
         hello = self.link.hello_reply
         if hello is not None and self.layout.record_bytes(self.layout.chunk_size) > hello.block_bytes:
             raise ValueError(
@@ -503,18 +607,23 @@ class CacheEngine:
                 f"several {hello.block_bytes}-byte blocks: zero-copy views need one block per "
                 "chunk (start the daemon without --block-size, or use retrieve())"
             )
-        acquired = self._acquire(token_array, skip) if len(token_array) > skip else None
+        acquired = (self._acquire(token_array, skip // layout.chunk_size)
+                    if len(token_array) > skip else None)
         if acquired is None:
             self.miss_tokens += len(token_array) - skip
             return RetrievedViews([], [], skip, 0, None)
-        block_ids, spans, chunks, generation, records = acquired
+        pinned, spans, chunks, generation, records = acquired
         views = [records.kv_view(span[0], end - start) for span, (start, end) in zip(spans, chunks)]
-        num_hit = sum(end - start for start, end in chunks)
+        if views and chunks[0][0] < skip:
+            dropped = skip - chunks[0][0]  # masked tokens of the first chunk
+            views[0] = views[0].narrow(layout.token_dim, dropped,
+                                       views[0].shape[layout.token_dim] - dropped)
+        num_hit = chunks[-1][1] - skip if chunks else 0
         self.hit_tokens += num_hit
         self.miss_tokens += len(token_array) - skip - num_hit
         return RetrievedViews(
-            views, block_ids, skip, num_hit, lambda: self._release(block_ids, generation),
-            layout.token_dim, self.copier,
+            views, [block_id for block_ids in pinned for block_id in block_ids], skip, num_hit,
+            lambda: self._release(pinned, generation), layout.token_dim, self.copier,
         )
 
     # -------------------------------------------------------------------- close
@@ -542,8 +651,11 @@ def _check_verify(verify: str) -> None:
         raise ValueError(f'verify must be "tokens" or "checksum", got {verify!r}')
 
 
-def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int]) -> None:
-    copy_tensor(dst, records.read_kv(span, dst.shape[records.layout.token_dim]))
+def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int], num_tokens: int,
+                 first: int) -> None:
+    """dst = tokens [first, first + dst's token count) of the record of a `num_tokens` chunk."""
+    token_dim = records.layout.token_dim
+    copy_tensor(dst, records.read_kv(span, num_tokens).narrow(token_dim, first, dst.shape[token_dim]))
 
 
 def _spans_for(reply) -> list[int]:

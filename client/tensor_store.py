@@ -12,11 +12,13 @@ Value record::
 
 import struct
 
+import msgspec
 import numpy as np
 import torch
 
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.records import gather, scatter
+from lmcached.logger import init_logger
 from lmcached.protocol import (
     NOSPACE,
     Commit,
@@ -39,6 +41,8 @@ _DTYPES = [
     torch.float8_e5m2,
 ]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+logger = init_logger(__name__)
 
 
 def kv_namespace(name: str, value_bytes_hint: int = 1 << 20) -> Layout:
@@ -65,12 +69,32 @@ class TensorStore:
 
     Every method degrades when the daemon is unavailable: `put` returns False, `get`
     None, `delete` False, `scan` [].
+
+    The namespace's value size hint (`chunk_bytes`) only sizes blocks; values of any
+    size span blocks. A hint larger than the daemon's arena, which the daemon refuses
+    ("too_large"), is dropped with a warning: the store opens the namespace of the same
+    name without a hint (`kv_namespace(name, 0)`), and values that fit are stored.
     """
 
     def __init__(self, namespace: Layout, socket: str | None = None, name: str = "default",
                  timeout_s: float = 10.0) -> None:
         self.link = DaemonLink(socket, name, namespace, timeout_s, f"TensorStore({namespace.model_name})")
-        self.link.try_connect()
+        try:
+            self.link.try_connect(strict=True)
+        except DaemonError as exc:
+            no_hint = msgspec.structs.replace(namespace, chunk_bytes=VALUE_HEADER_BYTES)
+            if exc.code != "too_large" or namespace == no_hint:
+                self.link.mark_down(str(exc))
+                return
+            logger.warning(
+                "the daemon's arena cannot hold a %d-byte value (the size hint of namespace "
+                "%r): using the namespace without a hint", namespace.chunk_bytes,
+                namespace.model_name,
+            )
+            self.link.layout = no_hint
+            self.link.try_connect()
+        except Exception as exc:  # no daemon now: misses, and reconnects with back-off
+            self.link.mark_down(f"{type(exc).__name__}: {exc}")
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store `tensor` under `key`, replacing any value (readers keep the old one).

@@ -1,6 +1,7 @@
 """Seed adapters over the daemon: StorageBackend, KVStoreBuffer, KVLookupBuffer."""
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from lmcached.client.backend import CacheEngineKey, DaemonBackend, StorageBackend
-from lmcached.client.buffers import KVLookupBuffer, KVStoreBuffer
+from lmcached.client.buffers import (
+    KVCacheBufferBase,
+    KVLookupBuffer,
+    KVLookupBufferBase,
+    KVStoreBuffer,
+    KVStoreBufferBase,
+)
 
 
 def key(i: int) -> CacheEngineKey:
@@ -51,11 +58,80 @@ def test_daemon_backend_batched_and_background_puts_across_blocks(daemon_factory
     backend = DaemonBackend(socket=daemon.socket, value_bytes_hint=4096)
     chunks = [torch.full((3000,), i, dtype=torch.int32) for i in range(5)]  # 12 KB: 4 blocks
     assert backend.batched_put([(key(i), c) for i, c in enumerate(chunks)], blocking=False) == 5
-    backend.flush()
-    got = backend.batched_get([key(i) for i in range(6)])
+    assert backend.flush() == 5
+    got = list(backend.batched_get([key(i) for i in range(6)]))
     assert [torch.equal(g, c) for g, c in zip(got[:5], chunks)] == [True] * 5
     assert got[5] is None
     backend.close()
+
+
+def test_batched_get_is_lazy_as_the_seeds_generator(daemon):
+    """Seed (LMCBackendInterface.batched_get): a generator, so the engine's prefix
+    retrieve, which stops at the first None, reads no key after it."""
+    backend = DaemonBackend(socket=daemon.socket)
+    backend.put(key(0), torch.ones(4))
+    asked = []
+
+    def keys():
+        for i in range(3):
+            asked.append(i)
+            yield key(i)
+
+    chunks = backend.batched_get(keys())
+    assert asked == []
+    assert torch.equal(next(chunks), torch.ones(4)) and asked == [0]
+    assert next(chunks) is None and asked == [0, 1]
+    backend.close()
+
+
+def test_puts_report_chunks_dropped_for_lack_of_space(daemon_factory):
+    """Seed: a chunk that does not fit is dropped, not an error; batched_put returns
+    "the number of chunks stored"."""
+    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
+    backend = DaemonBackend(socket=daemon.socket, value_bytes_hint=4096)
+    small, huge = torch.zeros(1000, dtype=torch.int32), torch.zeros(1 << 16, dtype=torch.int32)
+    assert backend.put(key(0), small) is True
+    assert backend.put(key(1), huge) is False  # 256 KiB > the arena
+    assert backend.batched_put([(key(2), small), (key(3), huge), (key(4), small)]) == 2
+    assert backend.put(key(5), huge, blocking=False) is True  # queued
+    assert backend.flush() == 0
+    assert backend.num_dropped == 3
+    assert [backend.contains(key(i)) for i in range(6)] == [True, False, True, False, True, False]
+    backend.close()
+
+
+def test_a_size_hint_larger_than_the_arena_degrades_to_no_hint(daemon_factory, caplog):
+    daemon = daemon_factory("--capacity", "4MiB")
+    with caplog.at_level(logging.WARNING):
+        backend = DaemonBackend(socket=daemon.socket, value_bytes_hint=64 << 20)
+    assert "cannot hold" in caplog.text
+    assert backend.put(key(1), torch.arange(10))
+    assert torch.equal(backend.get(key(1)), torch.arange(10))
+    other = DaemonBackend(socket=daemon.socket, value_bytes_hint=0)  # the same namespace
+    assert torch.equal(other.get(key(1)), torch.arange(10))
+    other.close()
+    backend.close()
+
+
+def test_buffers_derive_from_the_seeds_abstract_bases():
+    """Seed: vLLM's kv_lookup_buffer/base.py (KVCacheBufferBase and its two children)."""
+    assert issubclass(KVLookupBuffer, KVLookupBufferBase)
+    assert issubclass(KVStoreBuffer, KVStoreBufferBase)
+    assert issubclass(KVLookupBufferBase, KVCacheBufferBase)
+    assert issubclass(KVStoreBufferBase, KVCacheBufferBase)
+    assert KVCacheBufferBase.__abstractmethods__ == {"close"}
+    assert KVLookupBufferBase.__abstractmethods__ == {"insert", "drop_select", "close"}
+    assert KVStoreBufferBase.__abstractmethods__ == {"put", "get", "close"}
+
+    class NoGet(KVStoreBufferBase):
+        def put(self, key, value):
+            pass
+
+        def close(self):
+            pass
+
+    with pytest.raises(TypeError, match="get"):
+        NoGet()
 
 
 def test_kv_store_buffer_shared_between_processes(daemon):

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lmcached.client import CacheEngine, CacheEngineBuilder, KVLayout, hash_request_tokens
+from lmcached.client.engine import chunks_per_request
 from lmcached.client.layout import RECORD_HEADER_BYTES
+from lmcached.protocol import MAX_CHUNKS_PER_REQUEST
 
 CHUNK = 16
 
@@ -136,7 +138,6 @@ def test_suffix_mask_store_and_retrieve(engine):
 @pytest.mark.parametrize(
     "mask, message",
     [
-        ([False] * 8 + [True] * 24, "not a multiple of chunk_size"),
         ([True] * 16 + [False] * 16, "suffix mask"),
         ([True] * 31, "shape"),
     ],
@@ -146,6 +147,143 @@ def test_bad_masks_raise(engine, mask, message):
         engine.store(torch.arange(32), make_kv(engine.layout, 32), mask=torch.tensor(mask))
     with pytest.raises(ValueError, match=message):
         engine.retrieve(torch.arange(32), mask=torch.tensor(mask))
+    with pytest.raises(ValueError, match=message):
+        engine.retrieve_views(torch.arange(32), mask=torch.tensor(mask))
+
+
+def test_store_mask_must_skip_whole_chunks_as_the_seed_asserts(engine, daemon):
+    mask = torch.tensor([False] * 8 + [True] * 24)
+    with pytest.raises(ValueError, match="not a multiple of chunk_size"):
+        engine.store(torch.arange(32), make_kv(engine.layout, 32), mask=mask)
+    assert daemon.info()["cached_blocks"] == 0
+
+
+def suffix_mask(num_tokens: int, skip: int) -> torch.Tensor:
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[:skip] = False
+    return mask
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "huggingface"])
+@pytest.mark.parametrize("skip", [1, 20, 31, 47])
+def test_retrieve_mask_drops_the_masked_tokens_of_the_first_chunk(daemon, fmt, skip):
+    """Seed (LMCacheEngine.retrieve): any suffix mask; the chunks from the one holding
+    the first masked-in token are fetched and its masked tokens are dropped."""
+    layout = make_layout(fmt=fmt)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        tokens, kv = torch.arange(48), make_kv(layout, 48)
+        eng.store(tokens, kv)
+        expected = kv.narrow(layout.token_dim, skip, 48 - skip)
+        mask = suffix_mask(48, skip)
+        got, ret_mask = eng.retrieve(tokens, mask=mask, return_tuple=False)
+        assert torch.equal(got, expected)
+        assert ret_mask.tolist() == [False] * skip + [True] * (48 - skip)
+        got, _ = eng.retrieve(tokens, mask=mask)
+        assert all(torch.equal(k, expected[i, 0]) and torch.equal(v, expected[i, 1])
+                   for i, (k, v) in enumerate(got))
+        out_layers = tuple((torch.empty(expected[0, 0].shape, dtype=layout.torch_dtype),
+                            torch.empty(expected[0, 1].shape, dtype=layout.torch_dtype))
+                           for _ in range(layout.num_layers))
+        got, _ = eng.retrieve(tokens, mask=mask, out=out_layers)
+        assert all(torch.equal(k, expected[i, 0]) for i, (k, _) in enumerate(got))
+        with eng.retrieve_views(tokens, mask=mask) as views:
+            assert (views.start_token, views.num_tokens) == (skip, 48 - skip)
+            assert sum(c.shape[layout.token_dim] for c in views.chunks) == 48 - skip
+            out = torch.empty(layout.chunk_shape(48), dtype=layout.torch_dtype)
+            assert torch.equal(views.copy_to(out), expected)
+        assert (eng.hit_tokens, eng.miss_tokens) == (4 * (48 - skip), 0)
+
+
+def test_retrieve_with_a_mask_reads_from_the_chunk_of_the_first_kept_token(engine):
+    tokens, kv = torch.arange(48), make_kv(engine.layout, 48)
+    engine.store(tokens, kv[:, :, 16:], mask=suffix_mask(48, 16))  # chunk 0 not stored
+    assert engine.retrieve(tokens)[0] == ()
+    got, ret_mask = engine.retrieve(tokens, mask=suffix_mask(48, 21), return_tuple=False)
+    assert torch.equal(got, kv[:, :, 21:]) and int(ret_mask.sum()) == 27
+    got, ret_mask = engine.retrieve(tokens, mask=suffix_mask(48, 48), return_tuple=False)
+    assert got == () and not ret_mask.any()
+
+
+@pytest.mark.parametrize("return_tuple", [True, False])
+def test_a_miss_returns_an_empty_tuple_whatever_return_tuple_is(engine, return_tuple):
+    """Seed (LMCacheEngine.retrieve): "an empty tuple if no kv cache is retrieved (no
+    matter return_tuple is True or not)"."""
+    kv, ret_mask = engine.retrieve(torch.arange(40), return_tuple=return_tuple)
+    assert kv == () and isinstance(kv, tuple) and ret_mask.tolist() == [False] * 40
+
+
+def test_skip_existing_false_never_rewrites_a_cached_chunk(engine):
+    tokens = torch.arange(32)
+    kv = make_kv(engine.layout, 32)
+    assert engine.store(tokens, kv) == 2
+    assert engine.store(tokens, make_kv(engine.layout, 32, seed=9), skip_existing=False) == 0
+    got, _ = engine.retrieve(tokens, return_tuple=False)
+    assert torch.equal(got, kv)  # content-addressed: the first bytes stay
+
+
+def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, monkeypatch):
+    monkeypatch.setattr("lmcached.client.engine.MAX_CHUNKS_PER_REQUEST", 2)
+    sent = []
+    request = engine.link.request
+    monkeypatch.setattr(engine.link, "request",
+                        lambda msg, *a: sent.append(type(msg).__name__) or request(msg, *a))
+    tokens, kv = torch.arange(100), make_kv(engine.layout, 100)  # 7 chunks, the last partial
+    assert engine.store(tokens[:48], kv[:, :, :48]) == 3
+    assert sent == ["Alloc", "Alloc", "Commit", "Commit"]  # no COMMIT before the last ALLOC
+    sent.clear()
+    assert engine.lookup(tokens) == 48
+    assert sent == ["Lookup", "Lookup"]  # the second finds 1 of 2: no third
+    sent.clear()
+    got, ret_mask = engine.retrieve(tokens, mask=suffix_mask(100, 20), return_tuple=False)
+    assert torch.equal(got, kv[:, :, 20:48]) and int(ret_mask.sum()) == 28
+    assert sent == ["Acquire", "Acquire", "Release"]  # from chunk 1: [1, 2], then [3, 4] none
+    assert engine.store(tokens, kv) == 4
+    sent.clear()
+    got, _ = engine.retrieve(tokens, return_tuple=False)
+    assert torch.equal(got, kv)
+    assert sent == ["Acquire"] * 4 + ["Release"] * 4
+    with engine.retrieve_views(tokens) as views:
+        assert views.num_tokens == 100 and len(views.block_ids) == 7
+        assert daemon.info()["pinned_blocks"] == 7
+    assert daemon.info()["pinned_blocks"] == 0
+
+
+def test_store_stops_at_the_first_request_without_space(daemon_factory, monkeypatch):
+    monkeypatch.setattr("lmcached.client.engine.MAX_CHUNKS_PER_REQUEST", 4)
+    layout = make_layout()
+    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
+        assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10  # in 3 requests
+        with eng.retrieve_views(torch.arange(160)) as pinned:
+            assert pinned.num_tokens == 160
+            assert eng.store(torch.arange(500, 660), make_kv(layout, 160, seed=1)) == 5
+        assert eng.num_nospace_chunks == 5  # 3 refused in the second request, 2 never asked
+        assert eng.lookup(torch.arange(500, 660)) == 80
+
+
+@pytest.mark.slow
+def test_requests_beyond_one_frame_are_split(daemon_factory):
+    """More chunks than MAX_CHUNKS_PER_REQUEST (and than one frame carries) still work."""
+    layout = KVLayout("one-token-chunks", num_layers=1, num_kv_heads=1, head_size=8,
+                      dtype="float16", chunk_size=1)
+    num_tokens = MAX_CHUNKS_PER_REQUEST + 4000
+    block_bytes = -(-layout.record_bytes(1) // 64) * 64
+    assert chunks_per_request(layout, block_bytes) < num_tokens  # split in two
+    daemon = daemon_factory("--capacity", str((num_tokens + 64) * block_bytes + (1 << 20)),
+                            "--block-size", str(block_bytes))
+    # A request of ~40k chunks can take the daemon longer than the default data timeout.
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True, data_timeout_s=60) as eng:
+        tokens = torch.arange(num_tokens)
+        kv = make_kv(layout, num_tokens)
+        assert eng.store(tokens, kv) == num_tokens
+        assert eng.lookup(tokens) == num_tokens
+        got, ret_mask = eng.retrieve(tokens, mask=suffix_mask(num_tokens, 3), return_tuple=False)
+        assert torch.equal(got, kv[:, :, 3:]) and int(ret_mask.sum()) == num_tokens - 3
+        with eng.retrieve_views(tokens) as views:
+            assert views.num_tokens == num_tokens
+            assert daemon.info()["pinned_blocks"] == num_tokens
+        assert daemon.info()["pinned_blocks"] == 0
+        assert eng.num_nospace_chunks == 0 and eng.link.num_reconnects == 0
 
 
 def test_bad_kv_inputs_raise_and_store_nothing(engine, daemon):
@@ -263,8 +401,9 @@ def test_no_daemon_means_misses_not_exceptions(short_tmp):
     eng = CacheEngine.connect(layout, socket=path)
     assert eng.store(torch.arange(32), make_kv(layout, 32)) == 0
     assert eng.lookup(torch.arange(32)) == 0
-    kv, ret_mask = eng.retrieve(torch.arange(32))
-    assert kv == () and not ret_mask.any()
+    for return_tuple in (True, False):
+        kv, ret_mask = eng.retrieve(torch.arange(32), return_tuple=return_tuple)
+        assert kv == () and not ret_mask.any()
     with eng.retrieve_views(torch.arange(32)) as views:
         assert views.num_tokens == 0
     eng.close()
