@@ -22,11 +22,14 @@ not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 import math
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from lmcached import envs
 from lmcached.logger import init_logger
 from lmcached.protocol import (
+    HASH_BYTES,
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_FRAME_BYTES,
     Abort,
     Acquire,
     Alloc,
@@ -45,6 +48,9 @@ from lmcached.protocol import (
 )
 from lmcached.shm.arena import Arena
 from lmcached.socket_path import check_client_socket_directory, default_socket_path
+
+if TYPE_CHECKING:
+    from lmcached.client.layout import KVLayout
 
 logger = init_logger(__name__)
 
@@ -79,6 +85,36 @@ def default_data_timeout_s() -> float:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+# What a frame spends outside its per-chunk fields (tag, namespace id, list headers).
+_FRAME_OVERHEAD_BYTES = 256
+# Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
+# or a span length).
+_INT_BYTES = 9
+_BLOCK_ID_BYTES = 5
+
+
+def chunks_per_request(layout: "KVLayout", block_bytes: int) -> int:
+    """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
+
+    Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
+    its reply (ACQUIRE: the block ids, span length and record size of each chunk), nor the
+    COMMIT / RELEASE of the blocks it returns, exceeds MAX_FRAME_BYTES, and so that the
+    daemon's MAX_CHUNKS_PER_REQUEST holds. The engine splits longer requests.
+
+    Args:
+        layout: the chunks' layout (their record size).
+        block_bytes: the daemon's block size (HELLO), bytes.
+
+    Returns:
+        A chunk count >= 1.
+    """
+    blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
+    request_bytes = HASH_BYTES + _INT_BYTES
+    reply_bytes = _INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1)
+    fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
+    return max(1, min(MAX_CHUNKS_PER_REQUEST, fit))
 
 
 class CacheUnavailable(Exception):

@@ -28,18 +28,22 @@ import numpy as np
 import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, chunks_per_request
 from lmcached.client.hashing import as_token_array, hash_request_tokens
-from lmcached.client.kv_io import ChunkCopier, KVSource, copy_tensor, new_kv_buffer
+from lmcached.client.kv_io import (
+    ChunkCopier,
+    KVSource,
+    check_out_blob,
+    check_out_layers,
+    copy_tensor,
+    new_kv_buffer,
+)
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import RecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.logger import init_logger
 from lmcached.protocol import (
     ALLOCATED,
-    HASH_BYTES,
-    MAX_CHUNKS_PER_REQUEST,
-    MAX_FRAME_BYTES,
     NOSPACE,
     Acquire,
     Alloc,
@@ -51,36 +55,6 @@ from lmcached.protocol import (
 logger = init_logger(__name__)
 
 Tokens = torch.Tensor | np.ndarray | Sequence[int]
-
-# What a frame spends outside its per-chunk fields (tag, namespace id, list headers).
-_FRAME_OVERHEAD_BYTES = 256
-# Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
-# or a span length).
-_INT_BYTES = 9
-_BLOCK_ID_BYTES = 5
-
-
-def chunks_per_request(layout: KVLayout, block_bytes: int) -> int:
-    """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
-
-    Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
-    its reply (ACQUIRE: the block ids, span length and record size of each chunk), nor the
-    COMMIT / RELEASE of the blocks it returns, exceeds MAX_FRAME_BYTES, and so that the
-    daemon's MAX_CHUNKS_PER_REQUEST holds. The engine splits longer requests.
-
-    Args:
-        layout: the chunks' layout (their record size).
-        block_bytes: the daemon's block size (HELLO), bytes.
-
-    Returns:
-        A chunk count >= 1.
-    """
-    blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
-    request_bytes = HASH_BYTES + _INT_BYTES
-    reply_bytes = _INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1)
-    fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
-    return max(1, min(MAX_CHUNKS_PER_REQUEST, fit))
-
 
 class CacheEngine:
     """A worker's handle on the node's shared KV cache (after LMCache's LMCacheEngine).
@@ -540,7 +514,7 @@ class CacheEngine:
         token_dim = layout.token_dim
         if isinstance(out, (tuple, list)):
             layer_token_dim = token_dim - 2
-            _check_out_layers(out, layout, num_hit)
+            check_out_layers(out, layout, num_hit)
 
             def copy_to_layers(span, start, end):
                 first = max(start, skip)
@@ -561,7 +535,7 @@ class CacheEngine:
         if out is None:
             blob = new_kv_buffer(layout.chunk_shape(num_hit), layout.torch_dtype)
         else:
-            _check_out_blob(out, layout, num_hit)
+            check_out_blob(out, layout, num_hit)
             blob = out.narrow(token_dim, 0, num_hit)
         tasks = []
         for span, (start, end) in zip(spans, chunks):
@@ -662,29 +636,3 @@ def _spans_for(reply) -> list[int]:
     """Blocks per chunk of an AllocReply, aligned with its status list (0 if not ALLOCATED)."""
     num_blocks = iter(reply.num_blocks)
     return [next(num_blocks) if status == ALLOCATED else 0 for status in reply.status]
-
-
-def _check_out_blob(out: torch.Tensor, layout: KVLayout, num_tokens: int) -> None:
-    expected = layout.chunk_shape(out.shape[layout.token_dim] if out.dim() == 5 else -1)
-    if out.dim() != 5 or tuple(out.shape) != expected or out.dtype != layout.torch_dtype:
-        raise ValueError(
-            f"out has shape {tuple(out.shape)} {out.dtype}; expected {layout.chunk_shape('T')} "
-            f"{layout.torch_dtype}"
-        )
-    if out.shape[layout.token_dim] < num_tokens:
-        raise ValueError(f"out holds {out.shape[layout.token_dim]} tokens, {num_tokens} were found")
-
-
-def _check_out_layers(out, layout: KVLayout, num_tokens: int) -> None:
-    if len(out) != layout.num_layers:
-        raise ValueError(f"out has {len(out)} layers, the layout has {layout.num_layers}")
-    token_dim = layout.token_dim - 2
-    for layer, pair in enumerate(out):
-        for tensor in pair:
-            if tensor.dtype != layout.torch_dtype or tensor.dim() != 3:
-                raise ValueError(f"out layer {layer}: expected 3-d {layout.torch_dtype} tensors")
-            if tensor.shape[token_dim] < num_tokens:
-                raise ValueError(
-                    f"out layer {layer} holds {tensor.shape[token_dim]} tokens, {num_tokens} were found"
-                )
-

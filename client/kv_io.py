@@ -211,3 +211,40 @@ class ChunkCopier:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def check_out_blob(out: torch.Tensor, layout: KVLayout, num_tokens: int) -> None:
+    """Check a caller's `out=` blob for a retrieve of `num_tokens` tokens.
+
+    Raises:
+        ValueError: not a 5-d tensor of the layout's chunk shape and dtype, or fewer than
+            `num_tokens` tokens long.
+    """
+    expected = layout.chunk_shape(out.shape[layout.token_dim] if out.dim() == 5 else -1)
+    if out.dim() != 5 or tuple(out.shape) != expected or out.dtype != layout.torch_dtype:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} {out.dtype}; expected {layout.chunk_shape('T')} "
+            f"{layout.torch_dtype}"
+        )
+    if out.shape[layout.token_dim] < num_tokens:
+        raise ValueError(f"out holds {out.shape[layout.token_dim]} tokens, {num_tokens} were found")
+
+
+def check_out_layers(out, layout: KVLayout, num_tokens: int) -> None:
+    """Check a caller's `out=` tuple of per-layer (K, V) for a retrieve of `num_tokens`.
+
+    Raises:
+        ValueError: not one pair of 3-d tensors of the layout's dtype per layer, or fewer
+            than `num_tokens` tokens long.
+    """
+    if len(out) != layout.num_layers:
+        raise ValueError(f"out has {len(out)} layers, the layout has {layout.num_layers}")
+    token_dim = layout.token_dim - 2
+    for layer, pair in enumerate(out):
+        for tensor in pair:
+            if tensor.dtype != layout.torch_dtype or tensor.dim() != 3:
+                raise ValueError(f"out layer {layer}: expected 3-d {layout.torch_dtype} tensors")
+            if tensor.shape[token_dim] < num_tokens:
+                raise ValueError(
+                    f"out layer {layer} holds {tensor.shape[token_dim]} tokens, {num_tokens} were found"
+                )

@@ -21,7 +21,6 @@ import selectors
 import signal
 import socket
 import struct
-import sys
 import time
 
 from lmcached.config import ServerConfig, format_bytes, load_config
@@ -42,6 +41,7 @@ from lmcached.connection import (
     RateLimitedLog,
     answer_frame,
 )
+from lmcached.progress import PrefaultProgress
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService
 from lmcached.shm.arena import Arena
@@ -127,7 +127,7 @@ class Server:
             cfg.block_bytes,
             mode=cfg.shm_mode,
             prefault=cfg.prefault,
-            progress=_PrefaultProgress(cfg.capacity_bytes),
+            progress=PrefaultProgress(cfg.capacity_bytes),
             gid=self._allowed_gid,
         )
         try:
@@ -574,34 +574,6 @@ class Server:
             self.arena.close()
             self.arena = None
         self.notifier.close()
-
-
-class _PrefaultProgress:
-    """Prefault progress: a bar on a terminal, else a log line every ~10%."""
-
-    def __init__(self, total_bytes: int) -> None:
-        self.total_bytes = total_bytes
-        self.tty = sys.stderr.isatty()
-        self.next_pct = 10
-        self.started = time.monotonic()
-
-    def __call__(self, done_bytes: int, total_bytes: int) -> None:
-        pct = 100 * done_bytes // total_bytes
-        if self.tty:
-            filled = pct * 30 // 100
-            sys.stderr.write(
-                f"\rprefaulting arena [{'#' * filled}{' ' * (30 - filled)}] {pct:3d}% "
-                f"{format_bytes(done_bytes)}/{format_bytes(total_bytes)}"
-            )
-            if done_bytes >= total_bytes:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif pct >= self.next_pct:
-            logger.info(
-                "prefaulting arena: %d%% (%s of %s, %.1f s)", pct, format_bytes(done_bytes),
-                format_bytes(total_bytes), time.monotonic() - self.started,
-            )
-            self.next_pct = (pct // 10 + 1) * 10
 
 
 def run_server(config: ServerConfig) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmcached.client import CacheEngine, CacheEngineBuilder, KVLayout, hash_request_tokens
-from lmcached.client.engine import chunks_per_request
+from lmcached.client.daemon_link import chunks_per_request
 from lmcached.client.layout import RECORD_HEADER_BYTES
 from lmcached.protocol import MAX_CHUNKS_PER_REQUEST
 
@@ -222,7 +222,7 @@ def test_skip_existing_false_never_rewrites_a_cached_chunk(engine):
 
 
 def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, monkeypatch):
-    monkeypatch.setattr("lmcached.client.engine.MAX_CHUNKS_PER_REQUEST", 2)
+    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 2)
     sent = []
     request = engine.link.request
     monkeypatch.setattr(engine.link, "request",
@@ -249,7 +249,7 @@ def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, 
 
 
 def test_store_stops_at_the_first_request_without_space(daemon_factory, monkeypatch):
-    monkeypatch.setattr("lmcached.client.engine.MAX_CHUNKS_PER_REQUEST", 4)
+    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 4)
     layout = make_layout()
     daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
     with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
