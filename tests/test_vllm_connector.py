@@ -46,7 +46,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from lmcached.client.vllm_connector import (  # noqa: E402
+from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnector,
     LMCachedConnectorMetadata,
     namespace_layouts,

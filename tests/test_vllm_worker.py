@@ -12,8 +12,8 @@ import torch
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.client.vllm_worker import LMCachedConnectorWorker, PagedBlocks
+from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
 from lmcached.protocol import Acquire, Release
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 16, 2, 32

@@ -46,7 +46,7 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 def time_connector_hooks() -> dict:
     """Wrap the connector's hooks with timers (in-process mode: both roles live here)."""
-    from lmcached.client import vllm_connector
+    from lmcached.client.vllm import connector as vllm_connector
 
     spent = {"s": 0.0}
     for name in HOOKS:

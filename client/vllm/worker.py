@@ -18,7 +18,7 @@ import xxhash
 from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister_arena
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.records import RecordIO
-from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
 from lmcached.protocol import ALLOCATED, Alloc, DaemonError
 

@@ -2,7 +2,8 @@
 
 Why this file exists: it plugs lmcached into vLLM 0.32.0's KV connector V1 API (the only
 vLLM release this file is written and tested against; `pip install lmcached[vllm]`), and
-it is the only lmcached module that imports vllm. Enable it with::
+it is the only lmcached module that imports vllm. Enable it with (the module path
+`lmcached.client.vllm_connector` is the stable name that re-exports this module's classes)::
 
     --kv-transfer-config '{"kv_connector": "LMCachedConnector",
         "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
@@ -71,9 +72,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm_scheduler import LMCachedConnectorScheduler
-from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.client.vllm_worker import LMCachedConnectorWorker
+from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.logger import init_logger
 
 logger = init_logger(__name__)
@@ -223,8 +224,8 @@ def _cpu_attention_isa(spec, cache_dtype: str) -> str:
 class LMCachedConnector(KVConnectorBase_V1):
     """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
 
-    The hooks delegate to LMCachedConnectorScheduler (client/vllm_scheduler.py) or
-    LMCachedConnectorWorker (client/vllm_worker.py), after vLLM's NixlConnector split.
+    The hooks delegate to LMCachedConnectorScheduler (client/vllm/scheduler.py) or
+    LMCachedConnectorWorker (client/vllm/worker.py), after vLLM's NixlConnector split.
 
     Args:
         vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).

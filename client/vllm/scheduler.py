@@ -15,7 +15,7 @@ import numpy as np
 
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
-from lmcached.client.vllm_specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
 from lmcached.protocol import Acquire, DaemonError, Lookup, Release
 

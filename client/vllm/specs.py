@@ -1,9 +1,9 @@
 """What the vLLM connector's scheduler side sends its workers, and their shared settings.
 
-Why this file exists: the scheduler side (client/vllm_scheduler.py) and the worker side
-(client/vllm_worker.py) of the connector run in different processes and share only the
+Why this file exists: the scheduler side (client/vllm/scheduler.py) and the worker side
+(client/vllm/worker.py) of the connector run in different processes and share only the
 pickled step metadata, the daemon and its arena. Both are vllm-free (only
-client/vllm_connector.py imports vllm); what they exchange is defined here.
+client/vllm/connector.py imports vllm); what they exchange is defined here.
 """
 
 import dataclasses

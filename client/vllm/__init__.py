@@ -1,0 +1,16 @@
+"""The vLLM KV connector (import name `lmcached.client.vllm`, folder `client/vllm/`).
+
+What lives here, after vLLM's NixlConnector split into roles:
+
+- `connector.py`: `LMCachedConnector`, the KV connector V1 class vLLM instantiates
+  (users name it by the stable path `lmcached.client.vllm_connector`).
+- `scheduler.py`: the scheduler role (LOOKUP / ACQUIRE / RELEASE per request).
+- `worker.py`: the worker role (copies vLLM's paged blocks to and from arena records).
+- `specs.py`: what the scheduler sends its workers, and their shared settings.
+
+What it may import: the engine core of `lmcached.client` (daemon_link, records, layout,
+hashing, cuda), `lmcached.protocol`, `lmcached.shm`, and vllm. Only `connector.py` imports
+vllm (absolute imports: `import vllm` here is the real vLLM, never this package), so the
+scheduler and worker roles import and test without vllm installed. This `__init__`
+imports nothing, for the same reason.
+"""
