@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from lmcached.client.backend import CacheEngineKey, DaemonBackend, StorageBackend
-from lmcached.client.buffers import (
+from lmcached.client.adapters.backend import CacheEngineKey, DaemonBackend, StorageBackend
+from lmcached.client.adapters.buffers import (
     KVCacheBufferBase,
     KVLookupBuffer,
     KVLookupBufferBase,
@@ -138,7 +138,7 @@ def test_kv_store_buffer_shared_between_processes(daemon):
     producer = textwrap.dedent(
         f"""
         import torch
-        from lmcached.client.buffers import KVStoreBuffer
+        from lmcached.client.adapters.buffers import KVStoreBuffer
         buf = KVStoreBuffer(socket={daemon.socket!r})
         buf.put("layer0", torch.arange(12, dtype=torch.float16).reshape(3, 4))
         buf.put("gone", torch.ones(2))
@@ -179,7 +179,7 @@ def test_lookup_buffer_drop_select_none_pops_any_entry(daemon):
 CONSUMER = """
 import json, sys, time
 import torch
-from lmcached.client.buffers import KVLookupBuffer
+from lmcached.client.adapters.buffers import KVLookupBuffer
 buf = KVLookupBuffer(socket=sys.argv[1])
 got, deadline = [], time.monotonic() + 30
 while time.monotonic() < deadline:

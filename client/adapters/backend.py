@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from lmcached.client.tensor_store import TensorStore, kv_namespace
+from lmcached.client.adapters.tensor_store import TensorStore, kv_namespace
 from lmcached.logger import init_logger
 
 logger = init_logger(__name__)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
+from lmcached.client.adapters.tensor_store import TensorStore, kv_namespace
 from lmcached.client.hashing import FIXED_SEED, as_token_array
-from lmcached.client.tensor_store import TensorStore, kv_namespace
 
 _PARTS = ("input_tokens", "roi", "key", "value", "hidden")
 
