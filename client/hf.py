@@ -10,7 +10,7 @@ a run without the cache.
     result = generate_with_cache(model, engine, input_ids, max_new_tokens=32)
     result.output_ids, result.num_cached_tokens, result.ttft_s
 
-The only module of lmcached (with the demo) that imports transformers.
+The only module of lmcached.client that imports transformers (examples/demo.py does too).
 """
 
 import dataclasses

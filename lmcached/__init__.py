@@ -1,9 +1,9 @@
 """`lmcached`: the daemon that keeps LLM KV cache in shared memory, its protocol and CLI.
 
-The distribution has three import packages, whose names differ from their folders:
-`lmcached` (this folder), `lmcached.shm` (folder `shm/`: the arena and the block pool)
-and `lmcached.client` (folder `client/`: the engine used inside worker processes).
-See DESIGN.md.
+The distribution has four import packages, whose names differ from their folders:
+`lmcached` (this folder), `lmcached.shm` (folder `shm/`: the arena and the block pool),
+`lmcached.client` (folder `client/`: the engine used inside worker processes) and
+`lmcached.examples` (folder `examples/`: what `lmcached demo` runs). See DESIGN.md.
 
 What lives here:
     server.py, connection.py   the event loop and one client connection's buffers
@@ -17,7 +17,8 @@ What lives here:
     logger.py, notify.py       logging and systemd's notify protocol
 
 What it may import: `lmcached.shm`, never `lmcached.client` (the daemon runs without
-torch and the client engine). Clients import `protocol`, `socket_path`, `envs` and
+torch and the client engine); the one exception is the CLI's `demo` command, which
+imports `lmcached.examples.demo` inside the command. Clients import `protocol`, `socket_path`, `envs` and
 `logger` from here, so those four import nothing else of the daemon.
 """
 

@@ -224,7 +224,7 @@ def demo(workers, size, socket_path, capacity, as_json) -> None:
     extra (transformers). Exits with status 1 if an output differs from a no-cache run.
     """
     try:
-        from lmcached.client.demo import run_demo
+        from lmcached.examples.demo import run_demo
     except ImportError as exc:
         raise click.ClickException(f"the demo needs the hf extra (pip install 'lmcached[hf]'): {exc}")
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo

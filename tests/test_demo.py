@@ -36,7 +36,7 @@ def test_tiny_demo_shares_prefixes_across_processes_with_identical_outputs():
 
 
 def test_demo_refuses_a_single_worker():
-    from lmcached.client.demo import run_demo
+    from lmcached.examples.demo import run_demo
 
     with pytest.raises(ValueError, match="at least 2 workers"):
         run_demo(num_workers=1)
