@@ -1,6 +1,6 @@
 """Prefix-chain hashes of token chunks (after vLLM's `hash_block_tokens`).
 
-    h_i = xxh3_128(h_{i-1} || int64 token bytes of chunk i), seed FIXED_SEED, h_{-1} = ROOT
+    h_i = xxh3_128(h_{i-1} || little-endian int64 token bytes of chunk i), seed FIXED_SEED, h_{-1} = ROOT
 
 The chain makes a chunk's hash depend on every token before it, so equal hashes mean
 equal prefixes (up to a 2^-128 collision, which readers still catch by comparing token
@@ -22,7 +22,8 @@ ROOT_HASH = ChunkHash(b"\0" * 16)
 
 
 def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.ndarray:
-    """Token ids as a contiguous int64 numpy array `[num_tokens]` (no copy when possible).
+    """Token ids as a contiguous little-endian int64 numpy array `[num_tokens]` (no copy
+    when possible), so that every node hashes the same bytes whatever its byte order.
 
     Raises:
         TypeError: not an integer tensor, array or sequence.
@@ -40,7 +41,7 @@ def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.nd
         raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
     if array.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional [num_tokens], got shape {array.shape}")
-    return np.ascontiguousarray(array, dtype=np.int64)
+    return np.ascontiguousarray(array, dtype="<i8")
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: np.ndarray) -> ChunkHash:
