@@ -3,6 +3,7 @@ the daemon behaves as the units expect (socket in $RUNTIME_DIRECTORY, exact shm 
 the service umask, SIGHUP reload)."""
 
 import grp
+import json
 import logging
 import os
 import re
@@ -138,24 +139,47 @@ def test_unit_keeps_dev_shm_and_the_users_ipc(filename):
         assert not any("/dev" in v for v in service.get(key, [])), key
 
 
-def test_units_explain_logind_remove_ipc_and_the_system_user():
+def readme_command(prefix: str) -> str:
+    """The command of systemd/README.md that starts with `prefix`: continuation lines
+    joined, the trailing `# comment` cut."""
+    text = unit_text("README.md").replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if line.strip().startswith(prefix)]
+    return " ".join(line.split(" #")[0].split())
+
+
+def test_readme_installs_the_units_that_exist_with_their_system_user():
+    install = readme_command("sudo install -m 0644 systemd/").split()
+    assert install[-1] == "/etc/systemd/system/"
+    assert sorted(os.path.basename(p) for p in install[4:-1]) == sorted(UNITS)
+    # The user the units run as must be a system user: logind's RemoveIPC=yes deletes
+    # the shared memory (the arena) of a non-system user when its last session ends.
+    useradd = readme_command("sudo useradd").split()
+    assert "--system" in useradd
+    user = useradd[-1]
+    assert "--user-group" in useradd  # its own group, named like it
     for filename in UNITS:
-        text = unit_text(filename)
-        assert "RemoveIPC=yes" in text and "useradd --system" in text, filename
+        service = read_unit(filename)["Service"]
+        assert (service["User"], service["Group"]) == ([user], [user]), filename
+    link = readme_command("sudo ln -s").split()
+    assert link[-1] == EXEC_PATH  # the units' ExecStart
+
+
+def test_readme_names_the_paths_the_units_use():
     readme = unit_text("README.md")
-    for needle in ("RemoveIPC", "useradd --system", "/run/lmcached/", "allow_group",
-                   "lmcached@llama", "shm_mode"):
-        assert needle in readme, needle
-
-
-def test_exec_start_lines():
-    plain = read_unit("lmcached.service")["Service"]
-    template = read_unit("lmcached@.service")["Service"]
-    assert plain["ExecStart"] == [f"{EXEC_PATH} serve"]
-    assert plain["EnvironmentFile"] == ["-/etc/lmcached/lmcached.env"]  # optional
-    assert template["ExecStart"] == [
-        f"{EXEC_PATH} serve --config /etc/lmcached/%i.toml --name %i"
-    ]
+    plain, template = read_unit("lmcached.service")["Service"], read_unit("lmcached@.service")[
+        "Service"]
+    runtime_dir = "/run/" + plain["RuntimeDirectory"][0]
+    assert template["RuntimeDirectory"] == plain["RuntimeDirectory"]  # shared by all
+    assert f"{runtime_dir}/lmcached.sock" in readme and f"{runtime_dir}/NAME.sock" in readme
+    assert {p.rsplit("/", 1)[0] for p in re.findall(r"/run/[\w./]+\.sock", readme)} == {
+        runtime_dir}
+    (env_file,) = plain["EnvironmentFile"]
+    assert env_file.startswith("-")  # optional: the unit starts without it
+    assert f"`{env_file[1:]}` is optional" in readme
+    (template_env,) = template["EnvironmentFile"]
+    assert template_env.startswith("-") and template_env[1:].replace("%i", "NAME") in readme
+    started_as = template["ExecStart"][0].replace(EXEC_PATH, "lmcached").replace("%i", "NAME")
+    assert f"`{started_as}`" in " ".join(readme.split())
 
 
 # ---------------------------------------------------------------- the sample config
@@ -196,6 +220,23 @@ def wait_until_serving(proc: subprocess.Popen, socket_path: str, log_path: str) 
         except OSError:
             time.sleep(0.05)
     raise AssertionError(f"daemon did not serve on {socket_path}:\n{Path(log_path).read_text()}")
+
+
+def stop_if_running(proc: subprocess.Popen) -> None:
+    """After a failed check: SIGTERM by pid, then SIGKILL if it does not stop."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def read_environment_file(path: str) -> dict[str, str]:
+    """KEY=VALUE lines, as systemd's EnvironmentFile= reads them (no quoting used here)."""
+    lines = Path(path).read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 
 def wait_for_log(log_path: str, needle: str, timeout_s: float = 10.0) -> None:
@@ -257,13 +298,55 @@ def test_template_exec_start_serves_in_the_runtime_directory(unique_name, short_
             pass
         assert not os.path.exists(socket_path) and list_segments(unique_name) == []
     finally:
-        if proc.poll() is None:  # a failed check: stop it cleanly, by pid
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_if_running(proc)
+        notify.close()
+
+
+@pytest.mark.slow
+def test_plain_unit_exec_start_serves_where_the_readme_says(short_tmp):
+    """ExecStart of lmcached.service, with the optional EnvironmentFile the README shows
+    (`LMCACHED_CAPACITY=...`), under systemd's environment: it serves on
+    $RUNTIME_DIRECTORY/lmcached.sock, tells systemd so in STATUS=, and the admin CLI
+    finds it with no option. The daemon is the default instance, so its arena is
+    /dev/shm/lmcached.default.<gen>: checked by hand, the leak fixture only sees test names."""
+    service = read_unit("lmcached.service")["Service"]
+    (env_file,) = service["EnvironmentFile"]
+    assert env_file.startswith("-")  # optional: the unit must also start without it
+    env_path = os.path.join(short_tmp, "lmcached.env")
+    Path(env_path).write_text("LMCACHED_CAPACITY=16MiB\n")
+    runtime_dir = os.path.join(short_tmp, "run")
+    os.mkdir(runtime_dir, 0o750)
+    notify_path = os.path.join(short_tmp, "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(10)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*envs.ENV_VARS, *envs.SYSTEMD_VARS, "XDG_RUNTIME_DIR")}
+    env.update(read_environment_file(env_path), RUNTIME_DIRECTORY=runtime_dir,
+               NOTIFY_SOCKET=notify_path)
+    argv = service["ExecStart"][0].replace(EXEC_PATH, LMCACHED).split()
+    socket_path = os.path.join(runtime_dir, "lmcached.sock")
+    log_path = os.path.join(short_tmp, "daemon.log")
+    before = set(list_segments("default"))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                umask=0o022)
+    try:
+        wait_until_serving(proc, socket_path, log_path)
+        while b"READY=1" not in (ready := notify.recv(4096)):
+            pass
+        assert f"STATUS=serving on {socket_path}" in ready.decode().split("\n")
+        (segment,) = set(list_segments("default")) - before
+        client_env = {k: v for k, v in env.items() if k not in envs.ENV_VARS}
+        cli = subprocess.run([LMCACHED, "info", "memory", "--json"], capture_output=True,
+                             text=True, timeout=60, env=client_env)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["memory"]["capacity_bytes"] == 16 * MiB  # env file
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert not os.path.exists(socket_path) and segment not in list_segments("default")
+    finally:
+        stop_if_running(proc)
         notify.close()
 
 
