@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from lmcached.config import load_config
+from lmcached.config import config_from_context, serve_params
 from lmcached.logger import configure_logging
 from lmcached.protocol import (
     Clear,
@@ -46,59 +46,24 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="TOML file with any of the options below (env: LMCACHED_CONFIG).")
-@click.option("--name", metavar="NAME", help="Daemon name: arena /lmcached.<name>.<gen> "
-              "[default: default] (env: LMCACHED_NAME).")
-@click.option("--socket", "socket_path", metavar="PATH", help="Unix socket path "
-              "(env: LMCACHED_SOCKET) [default: $RUNTIME_DIRECTORY/lmcached.sock, "
-              "$XDG_RUNTIME_DIR/lmcached/<name>.sock or /tmp/lmcached-<uid>/<name>.sock]. Its "
-              "directory must be the daemon user's alone (not a symlink, not writable by "
-              "others); a missing one is created 0700.")
-@click.option("--capacity", metavar="SIZE", help="Arena size: 512MiB, 8GiB, 25% of RAM "
-              "[default: the smaller of 4GiB and 25% of RAM; never more than /dev/shm has "
-              "free] (env: LMCACHED_CAPACITY).")
-@click.option("--block-size", metavar="SIZE", help="Block size in bytes or units "
-              "[default: the chunk size of the first layout that attaches] "
-              "(env: LMCACHED_BLOCK_SIZE).")
-@click.option("--shm-mode", metavar="MODE", help="Octal permissions of the arena segment "
-              "[default: 0600; 0660 with --allow-group] (env: LMCACHED_SHM_MODE).")
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-              case_sensitive=False), help="[default: INFO] (env: LMCACHED_LOG_LEVEL).")
-@click.option("--allow-group", metavar="GROUP", help="Also accept clients of this group: "
-              "socket and arena 0660, group GROUP; only the daemon's user and root may "
-              "stop, clear or evict (env: LMCACHED_ALLOW_GROUP).")
-@click.option("--max-clients", metavar="N", help="Most clients connected at once; more get "
-              "a max_clients error. The daemon raises its fd limit to fit, or lowers N to "
-              "what the hard limit allows (LimitNOFILE) [default: 1024] "
-              "(env: LMCACHED_MAX_CLIENTS).")
-@click.option("--idle-timeout", metavar="SECONDS", help="Disconnect a client that sent no "
-              "request for this long, like Redis `timeout` [default: 0 = never] "
-              "(env: LMCACHED_IDLE_TIMEOUT).")
-@click.option("--buffer-budget", metavar="SIZE", help="Input and output buffers of all "
-              "clients together; beyond it the clients holding the most are dropped "
-              "[default: 128MiB] (env: LMCACHED_BUFFER_BUDGET).")
-def serve(config_file, name, socket_path, capacity, block_size, shm_mode, log_level,
-          allow_group, max_clients, idle_timeout, buffer_budget) -> None:
+@main.command(params=serve_params())
+@click.pass_context
+def serve(ctx: click.Context, **_settings) -> None:
     """Run the daemon in the foreground until SIGTERM, SIGINT or `lmcached stop`.
 
     Creates and prefaults the shared-memory arena (progress on stderr), listens on the
-    Unix socket, and notifies systemd (READY=1) when it serves. Every option is also an
-    LMCACHED_* variable and a key of the TOML file (`max_clients = 512`), with the same
-    type in each.
+    Unix socket, and notifies systemd (READY=1) when it serves.
+
+    Each setting comes from, first to last: its option, its LMCACHED_* variable (shown
+    with each option), its key in the TOML file read from --config or $LMCACHED_CONFIG
+    (`max_clients = 512`; no file is read when neither is given), its default. It has
+    the same type in each.
     """
     from lmcached.server import run_server
 
-    options = {
-        "name": name, "socket": socket_path, "capacity": capacity, "block_size": block_size,
-        "shm_mode": shm_mode, "log_level": log_level, "allow_group": allow_group,
-        "max_clients": max_clients, "idle_timeout": idle_timeout,
-        "buffer_budget": buffer_budget,
-    }
     try:
-        config = load_config(options, config_file)
-    except (ValueError, OSError) as exc:
+        config = config_from_context(ctx)
+    except OSError as exc:  # /dev/shm cannot be inspected
         raise click.ClickException(str(exc)) from None
     configure_logging(config.log_level)
     sys.exit(run_server(config))

@@ -1,12 +1,19 @@
 """Daemon configuration: one typed schema for flags, LMCACHED_* variables and the TOML file.
 
-Precedence: command-line option > LMCACHED_* environment variable > config file >
-default. Every setting has the same name and type in each source (`Settings`): the TOML
-key `max_clients`, the option `--max-clients`, the variable `LMCACHED_MAX_CLIENTS`. A
-value of the wrong type is an error naming the key and its source (`socket = 7` in the
-file is refused, not turned into a socket named "7"). Sizes accept bytes (`1048576`),
-binary units (`512MiB`, `8GiB`), decimal units (`4GB`) and a percentage of physical RAM
-(`25%`).
+click resolves where each setting comes from: every option of `lmcached serve` declares
+its `LMCACHED_*` variable (`envvar=`), and the TOML file (`--config`, else
+`$LMCACHED_CONFIG`) becomes the context's `default_map`, so the precedence is click's own:
+command-line option > LMCACHED_* environment variable > config file > default. Every
+setting has the same name and type in each source (`Settings`): the TOML key
+`max_clients`, the option `--max-clients`, the variable `LMCACHED_MAX_CLIENTS`. Whatever
+its source, a value goes through `Settings` (msgspec) and then its parser; a value of the
+wrong type is an error naming the key and its source (`socket = 7` in the file is
+refused, not turned into a socket named "7"). Sizes accept bytes (`1048576`), binary
+units (`512MiB`, `8GiB`), decimal units (`4GB`) and a percentage of physical RAM (`25%`).
+
+This module declares the options (`serve_params`, used by `lmcached.cli`) and turns a
+parsed click context into a `ServerConfig` (`config_from_context`); `load_config` runs
+the same options on a dict, for the daemon's SIGHUP re-read and for tests.
 """
 
 import dataclasses
@@ -14,12 +21,14 @@ import os
 import re
 import shutil
 import tomllib
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
+import click
 import msgspec
 import psutil
+from click.core import ParameterSource
 
-from lmcached import envs
 from lmcached.protocol import MAX_FRAME_BYTES
 from lmcached.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
 
@@ -105,7 +114,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     `lmcached serve` (`--max-clients` for `max_clients`) and the LMCACHED_* variables
     (`LMCACHED_MAX_CLIENTS`). Types and bounds are declared here once; the file's values
     must have exactly these types, while option and environment strings are converted
-    (`"1024"` -> 1024). `load_config` then parses units and resolves defaults.
+    (`"1024"` -> 1024). Each option's parser then reads units (`SETTINGS`), and
+    `config_from_context` fills in the defaults that depend on other settings.
     """
 
     name: Annotated[str, msgspec.Meta(min_length=1)] | None = None
@@ -120,173 +130,27 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     buffer_budget: Size | None = None
 
 
-# What each setting expects, for error messages.
-_EXPECTED = {
-    "name": 'a daemon name, e.g. "llama"',
-    "socket": 'a socket path, e.g. "/run/lmcached/lmcached.sock"',
-    "capacity": 'a size such as "8GiB", "4GB", "25%" or whole bytes',
-    "block_size": 'a size such as "2MiB" or whole bytes',
-    "shm_mode": 'octal permission bits as a string, e.g. "0660" (0o660 in TOML)',
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "allow_group": 'a group name, e.g. "lmcached"',
-    "max_clients": "a whole number of clients, at least 1",
-    "idle_timeout": "seconds, e.g. 300 or 0.5; 0 = off",
-    "buffer_budget": 'a size such as "128MiB" or whole bytes',
-}
-_FILE_KEYS = frozenset(Settings.__struct_fields__)
-
-
-def _typed(key: str, value, source: str, strict: bool):
-    """`value` of setting `key` checked against `Settings` (strict: no str -> number).
-
-    Raises:
-        ValueError: wrong type or out of bounds; the message names the source.
-    """
-    try:
-        return getattr(msgspec.convert({key: value}, Settings, strict=strict), key)
-    except msgspec.ValidationError as exc:
-        detail = str(exc).split(" - at `", 1)[0].replace(" | null", "")
-        raise ValueError(
-            f"{source}: invalid value {value!r}: {detail}; expected {_EXPECTED[key]}"
-        ) from None
-
-
-def _read_file(config_file: str) -> dict:
-    """The TOML file's table, its keys checked against `Settings`."""
-    with open(config_file, "rb") as f:
-        try:
-            from_file = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{config_file} is not valid TOML: {exc}") from None
-    unknown = set(from_file) - _FILE_KEYS
-    if unknown:
-        raise ValueError(
-            f"unknown keys in {config_file}: {sorted(unknown)}; known: {sorted(_FILE_KEYS)}"
-        )
-    return from_file
-
-
-@dataclasses.dataclass
-class ServerConfig:
-    """Effective configuration of one daemon (what `lmcached config` prints).
+@dataclasses.dataclass(frozen=True)
+class SettingSpec:
+    """How one field of `Settings` is offered as an option of `lmcached serve`.
 
     Attributes:
-        name: daemon name (arena segment and default socket name).
-        socket: path of the Unix socket.
-        capacity_bytes: arena size in bytes.
-        block_bytes: block size in bytes; 0 = set by the first layout that attaches.
-        shm_mode: permission bits of the arena segment (0660 with allow_group, unless
-            given).
-        log_level: logging level name.
-        allow_group: group name whose members may connect and map the arena, or None.
-        config_file: the TOML file read, or None.
-        prefault: populate the arena at start (always on outside tests).
-        max_clients: most connections at once (Redis `maxclients`); the daemon lowers it
-            at start when its file descriptor limit cannot hold that many.
-        idle_timeout_s: a client without a request for this long is disconnected, in
-            seconds; 0 = never (Redis `timeout`).
-        buffer_budget_bytes: input and output buffers of all clients together, in bytes.
-        cli_options: the command-line options it was resolved from (SIGHUP re-resolves
-            with them, so a command-line --log-level keeps precedence).
+        parse: turns the value typed by `Settings` into the effective one (units,
+            octal, upper case); raises ValueError with the accepted forms.
+        expected: what a value must look like, for type errors.
+        metavar: the option's placeholder in --help.
+        help: the option's help text.
+        default: click's default, given as a source would give it (`"128MiB"`); None =
+            none, or one that depends on another setting (`config_from_context`).
+        default_text: what --help says of a default that `default` does not show.
     """
 
-    name: str = DEFAULT_NAME
-    socket: str = ""
-    capacity_bytes: int = 0
-    block_bytes: int = 0
-    shm_mode: int = DEFAULT_SHM_MODE
-    log_level: str = "INFO"
-    allow_group: str | None = None
-    config_file: str | None = None
-    prefault: bool = True
-    max_clients: int = DEFAULT_MAX_CLIENTS
-    idle_timeout_s: float = 0.0
-    buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES
-    cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    def as_dict(self) -> dict[str, int | str]:
-        """Flat view for `CONFIG GET`; absent values as '', booleans as 0/1."""
-        out = {}
-        for field in dataclasses.fields(self):
-            if field.name == "cli_options":
-                continue
-            value = getattr(self, field.name)
-            if field.name == "shm_mode":
-                value = f"0{value:o}"
-            elif isinstance(value, bool):
-                value = int(value)  # the wire's INFO values are int | float | str
-            out[field.name] = "" if value is None else value
-        return out
-
-
-def load_config(
-    options: dict[str, str | int | None],
-    config_file: str | None = None,
-    check_shm_free: bool = True,
-) -> ServerConfig:
-    """Resolve the daemon's configuration (see module docstring for precedence).
-
-    Args:
-        options: values given on the command line, keyed like the TOML file (the fields
-            of `Settings`: `name`, `socket`, `capacity`, `max_clients`, ...); None = not
-            given.
-        config_file: TOML file, or None to use $LMCACHED_CONFIG if set.
-        check_shm_free: refuse a capacity larger than /dev/shm's free space. False when
-            a running daemon re-reads its file (its own arena already uses that space).
-
-    Raises:
-        ValueError: a value of the wrong type or a bad value (the message names the key
-            or option and its source), a capacity larger than /dev/shm's free space, an
-            unknown key in the file, or a file that is not TOML.
-        FileNotFoundError: the config file does not exist.
-    """
-    config_file = config_file or envs.get("LMCACHED_CONFIG")
-    from_file = _read_file(config_file) if config_file else {}
-
-    sources: dict[str, str] = {}
-
-    def parsed(key: str, parse, default):
-        """Setting `key` from the first source that gives it (option, LMCACHED_*, file),
-        checked against `Settings`, then `parse`d; `default` when no source gives it."""
-        env_name = "LMCACHED_" + key.upper()
-        if options.get(key) is not None:
-            source, value, strict = f"--{key.replace('_', '-')}", options[key], False
-        elif envs.get(env_name) is not None:
-            source, value, strict = env_name, envs.get(env_name), False
-        elif key in from_file:
-            source, value, strict = f"{key} in {config_file}", from_file[key], True
-        else:
-            sources[key] = "default"
-            return default
-        sources[key] = source
-        value = _typed(key, value, source, strict)
-        try:
-            return parse(value)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
-
-    cfg = ServerConfig(config_file=config_file, cli_options=dict(options))
-    cfg.name = parsed("name", _parse_name, DEFAULT_NAME)
-    cfg.socket = os.path.abspath(parsed("socket", str, None) or default_socket_path(cfg.name))
-    cfg.capacity_bytes = parsed("capacity", parse_size, None) or default_capacity_bytes()
-    if check_shm_free:
-        free = shm_free_bytes()
-        if cfg.capacity_bytes > free:
-            raise ValueError(
-                f"capacity {format_bytes(cfg.capacity_bytes)} ({sources['capacity']}) is more "
-                f"than /dev/shm has free ({format_bytes(free)}); ask for less, or enlarge /dev/shm"
-            )
-    cfg.block_bytes = parsed("block_size", _parse_block_size, 0)
-    cfg.allow_group = parsed("allow_group", str, None)
-    cfg.shm_mode = parsed(
-        "shm_mode", _parse_mode, DEFAULT_GROUP_SHM_MODE if cfg.allow_group else DEFAULT_SHM_MODE
-    )
-    cfg.log_level = parsed("log_level", _parse_log_level, "INFO")
-    cfg.max_clients = parsed("max_clients", int, DEFAULT_MAX_CLIENTS)
-    cfg.idle_timeout_s = parsed("idle_timeout", float, 0.0)
-    cfg.buffer_budget_bytes = parsed("buffer_budget", _parse_buffer_budget,
-                                     DEFAULT_BUFFER_BUDGET_BYTES)
-    return cfg
+    parse: Callable[[Any], Any]
+    expected: str
+    metavar: str
+    help: str
+    default: Any = None
+    default_text: str | None = None
 
 
 def _parse_name(value: str) -> str:
@@ -329,3 +193,315 @@ def _parse_buffer_budget(value: Size) -> int:
             f"({format_bytes(MAX_FRAME_BYTES)})"
         )
     return budget_bytes
+
+
+# One entry per field of `Settings`, in the order --help lists them.
+SETTINGS: dict[str, SettingSpec] = {
+    "name": SettingSpec(
+        _parse_name, 'a daemon name, e.g. "llama"', "NAME",
+        "Daemon name: arena /lmcached.<name>.<gen> and the default socket's name.",
+        DEFAULT_NAME),
+    "socket": SettingSpec(
+        str, 'a socket path, e.g. "/run/lmcached/lmcached.sock"', "PATH",
+        "Unix socket path. Its directory must be the daemon user's alone (not a symlink, "
+        "not writable by others); a missing one is created 0700.",
+        None, "$RUNTIME_DIRECTORY/lmcached.sock, $XDG_RUNTIME_DIR/lmcached/<name>.sock or "
+        "/tmp/lmcached-<uid>/<name>.sock"),
+    "capacity": SettingSpec(
+        parse_size, 'a size such as "8GiB", "4GB", "25%" or whole bytes', "SIZE",
+        "Arena size: 512MiB, 8GiB, 4GB, 25% (of RAM) or bytes; never more than /dev/shm "
+        "has free.",
+        None, "the smaller of 4GiB and 25% of RAM"),
+    "block_size": SettingSpec(
+        _parse_block_size, 'a size such as "2MiB" or whole bytes', "SIZE",
+        "Block size in bytes or units, a multiple of 64.",
+        None, "the chunk size of the first layout that attaches"),
+    "shm_mode": SettingSpec(
+        _parse_mode, 'octal permission bits as a string, e.g. "0660" (0o660 in TOML)', "MODE",
+        "Octal permissions of the arena segment.",
+        None, "0600; 0660 with --allow-group"),
+    "log_level": SettingSpec(
+        _parse_log_level, "DEBUG, INFO, WARNING or ERROR", "LEVEL",
+        "DEBUG, INFO, WARNING or ERROR; SIGHUP re-reads it.",
+        "INFO"),
+    "allow_group": SettingSpec(
+        str, 'a group name, e.g. "lmcached"', "GROUP",
+        "Also accept clients of this group: socket and arena 0660, group GROUP; only the "
+        "daemon's user and root may stop, clear or evict."),
+    "max_clients": SettingSpec(
+        int, "a whole number of clients, at least 1", "N",
+        "Most clients connected at once; more get a max_clients error. The daemon raises "
+        "its fd limit to fit, or lowers N to what the hard limit allows (LimitNOFILE).",
+        DEFAULT_MAX_CLIENTS),
+    "idle_timeout": SettingSpec(
+        float, "seconds, e.g. 300 or 0.5; 0 = off", "SECONDS",
+        "Disconnect a client that sent no request for this long, like Redis `timeout`.",
+        0.0, "0 = never"),
+    "buffer_budget": SettingSpec(
+        _parse_buffer_budget, 'a size such as "128MiB" or whole bytes', "SIZE",
+        "Input and output buffers of all clients together; beyond it the clients holding "
+        "the most are dropped.",
+        "128MiB"),
+}
+assert list(SETTINGS) == list(Settings.__struct_fields__), "SETTINGS must mirror Settings"
+_FILE_KEYS = frozenset(SETTINGS)
+CONFIG_ENVVAR = "LMCACHED_CONFIG"
+_CLI_OPTIONS_META = "lmcached.config.cli_options"  # ctx.meta key: raw command-line values
+
+
+def option_name(key: str) -> str:
+    """The option of setting `key`: `max_clients` -> `--max-clients`."""
+    return "--" + key.replace("_", "-")
+
+
+def envvar_name(key: str) -> str:
+    """The environment variable of setting `key`: `max_clients` -> `LMCACHED_MAX_CLIENTS`."""
+    return "LMCACHED_" + key.upper()
+
+
+class ConfigError(click.ClickException, ValueError):
+    """A setting's value is refused; the message starts with its source.
+
+    A `click.ClickException` (the CLI prints `Error: <message>` and exits with status 1)
+    and a `ValueError` (what `load_config`'s callers catch).
+    """
+
+
+def _source_label(ctx: click.Context, key: str) -> str:
+    """Where setting `key`'s value came from: `--max-clients`, `LMCACHED_MAX_CLIENTS`,
+    `max_clients in /etc/lmcached/x.toml` or `default`."""
+    source = ctx.get_parameter_source(key)
+    if source is ParameterSource.COMMANDLINE:
+        return option_name(key)
+    if source is ParameterSource.ENVIRONMENT:
+        return envvar_name(key)
+    if source is ParameterSource.DEFAULT_MAP:
+        return f"{key} in {ctx.params.get('config_file')}"
+    return "default"
+
+
+class SettingType(click.ParamType):
+    """click type of one setting: typed by `Settings`, then parsed (`SettingSpec.parse`).
+
+    Strings from the command line and the environment are converted (`"1024"` -> 1024);
+    values from the TOML file must already have the schema's type (strict), so
+    `socket = 7` is refused. Raw command-line values are kept in `ctx.meta` for
+    `ServerConfig.cli_options`.
+    """
+
+    name = "setting"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        """The effective value of setting `self.key`.
+
+        Raises:
+            ConfigError: wrong type, out of bounds or unparseable; the message names the
+                source.
+        """
+        assert ctx is not None, "a setting is converted while click parses a command"
+        source = ctx.get_parameter_source(self.key)
+        label = _source_label(ctx, self.key)
+        if source is ParameterSource.COMMANDLINE:
+            ctx.meta.setdefault(_CLI_OPTIONS_META, {})[self.key] = value
+        strict = source not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+        spec = SETTINGS[self.key]
+        try:
+            typed = getattr(msgspec.convert({self.key: value}, Settings, strict=strict),
+                            self.key)
+        except msgspec.ValidationError as exc:
+            detail = str(exc).split(" - at `", 1)[0].replace(" | null", "")
+            raise ConfigError(
+                f"{label}: invalid value {value!r}: {detail}; expected {spec.expected}"
+            ) from None
+        try:
+            return spec.parse(typed)
+        except ValueError as exc:
+            raise ConfigError(f"{label}: {exc}") from None
+
+
+def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None):
+    """Eager callback of --config: the TOML file's table becomes `ctx.default_map`.
+
+    Returns:
+        `path` (None: no file).
+
+    Raises:
+        ConfigError: the file cannot be read, is not TOML, or has a key that is not a
+            setting.
+    """
+    if path is None:
+        return None
+    source = "--config" if ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE \
+        else CONFIG_ENVVAR
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    unknown = set(table) - _FILE_KEYS
+    if unknown:
+        raise ConfigError(
+            f"unknown keys in {path}: {sorted(unknown)}; known: {sorted(_FILE_KEYS)}"
+        )
+    ctx.default_map = {**(ctx.default_map or {}), **table}
+    return path
+
+
+def serve_params() -> list[click.Parameter]:
+    """The options of `lmcached serve`: --config, then one per setting.
+
+    Each setting option reads its `LMCACHED_*` variable (shown in --help) and, through
+    `ctx.default_map`, its key of the TOML file; click applies the precedence.
+    """
+    params: list[click.Parameter] = [click.Option(
+        ["--config", "config_file"], type=click.Path(dir_okay=False), metavar="FILE",
+        envvar=CONFIG_ENVVAR, show_envvar=True, is_eager=True, callback=_read_config_file,
+        help="TOML file whose keys are the settings below (max_clients = 512), read from "
+        "--config, else from $LMCACHED_CONFIG; no file when neither is given. Options "
+        "and LMCACHED_* variables override its values.",
+    )]
+    for key, spec in SETTINGS.items():
+        params.append(click.Option(
+            [option_name(key), key], type=SettingType(key), metavar=spec.metavar,
+            default=spec.default, show_default=spec.default_text or spec.default is not None,
+            envvar=envvar_name(key), show_envvar=True, help=spec.help,
+        ))
+    return params
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Effective configuration of one daemon (what `lmcached config` prints).
+
+    Attributes:
+        name: daemon name (arena segment and default socket name).
+        socket: path of the Unix socket.
+        capacity_bytes: arena size in bytes.
+        block_bytes: block size in bytes; 0 = set by the first layout that attaches.
+        shm_mode: permission bits of the arena segment (0660 with allow_group, unless
+            given).
+        log_level: logging level name.
+        allow_group: group name whose members may connect and map the arena, or None.
+        config_file: the TOML file read, or None.
+        prefault: populate the arena at start (always on outside tests).
+        max_clients: most connections at once (Redis `maxclients`); the daemon lowers it
+            at start when its file descriptor limit cannot hold that many.
+        idle_timeout_s: a client without a request for this long is disconnected, in
+            seconds; 0 = never (Redis `timeout`).
+        buffer_budget_bytes: input and output buffers of all clients together, in bytes.
+        cli_options: the command-line options it was resolved from, as given (SIGHUP
+            re-resolves with them, so a command-line --log-level keeps precedence).
+    """
+
+    name: str = DEFAULT_NAME
+    socket: str = ""
+    capacity_bytes: int = 0
+    block_bytes: int = 0
+    shm_mode: int = DEFAULT_SHM_MODE
+    log_level: str = "INFO"
+    allow_group: str | None = None
+    config_file: str | None = None
+    prefault: bool = True
+    max_clients: int = DEFAULT_MAX_CLIENTS
+    idle_timeout_s: float = 0.0
+    buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES
+    cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def as_dict(self) -> dict[str, int | str]:
+        """Flat view for `CONFIG GET`; absent values as '', booleans as 0/1."""
+        out = {}
+        for field in dataclasses.fields(self):
+            if field.name == "cli_options":
+                continue
+            value = getattr(self, field.name)
+            if field.name == "shm_mode":
+                value = f"0{value:o}"
+            elif isinstance(value, bool):
+                value = int(value)  # the wire's INFO values are int | float | str
+            out[field.name] = "" if value is None else value
+        return out
+
+
+def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> ServerConfig:
+    """The `ServerConfig` of a parsed `lmcached serve` context (options of `serve_params`).
+
+    Fills in the defaults that depend on other settings: the socket (from the name),
+    the capacity (from RAM), the arena's mode (0660 with allow_group).
+
+    Args:
+        ctx: the context click parsed the options into.
+        check_shm_free: refuse a capacity larger than /dev/shm's free space. False when
+            a running daemon re-reads its file (its own arena already uses that space).
+
+    Raises:
+        ConfigError: a capacity larger than /dev/shm's free space.
+    """
+    params = ctx.params
+    shm_mode = params["shm_mode"]
+    if shm_mode is None:
+        shm_mode = DEFAULT_GROUP_SHM_MODE if params["allow_group"] else DEFAULT_SHM_MODE
+    cfg = ServerConfig(
+        name=params["name"],
+        socket=os.path.abspath(params["socket"] or default_socket_path(params["name"])),
+        capacity_bytes=params["capacity"] or default_capacity_bytes(),
+        block_bytes=params["block_size"] or 0,
+        shm_mode=shm_mode,
+        log_level=params["log_level"],
+        allow_group=params["allow_group"],
+        config_file=params["config_file"],
+        max_clients=params["max_clients"],
+        idle_timeout_s=params["idle_timeout"],
+        buffer_budget_bytes=params["buffer_budget"],
+        cli_options=dict(ctx.meta.get(_CLI_OPTIONS_META, {})),
+    )
+    if check_shm_free:
+        free = shm_free_bytes()
+        if cfg.capacity_bytes > free:
+            raise ConfigError(
+                f"capacity {format_bytes(cfg.capacity_bytes)} ({_source_label(ctx, 'capacity')}) "
+                f"is more than /dev/shm has free ({format_bytes(free)}); ask for less, or "
+                "enlarge /dev/shm"
+            )
+    return cfg
+
+
+def load_config(
+    options: dict[str, str | int | None],
+    config_file: str | None = None,
+    check_shm_free: bool = True,
+) -> ServerConfig:
+    """Resolve the daemon's configuration as `lmcached serve OPTIONS` would.
+
+    Runs the options of `serve_params` through click on the command line that `options`
+    stand for, so the precedence, the LMCACHED_* variables and the file are click's.
+
+    Args:
+        options: values given on the command line, keyed like the TOML file (the fields
+            of `Settings`: `name`, `socket`, `capacity`, `max_clients`, ...); None = not
+            given. Each value is passed as its text (`--capacity=67108864`).
+        config_file: TOML file, or None to use $LMCACHED_CONFIG if set.
+        check_shm_free: see `config_from_context`.
+
+    Raises:
+        ValueError: a key of `options` that is not a setting; a `ConfigError` (also a
+            ValueError) for a value of the wrong type or a bad value (the message names
+            the key or option and its source), a capacity larger than /dev/shm's free
+            space, a config file that cannot be read, is not TOML or has unknown keys.
+    """
+    unknown = set(options) - _FILE_KEYS
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; use {sorted(_FILE_KEYS)}")
+    argv = []
+    for key, value in options.items():
+        if value is not None:
+            argv.append(f"{option_name(key)}={value}")
+    if config_file:
+        argv += ["--config", config_file]
+    command = click.Command("serve", params=serve_params())
+    with command.make_context("lmcached serve", argv) as ctx:
+        return config_from_context(ctx, check_shm_free)

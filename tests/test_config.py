@@ -185,9 +185,18 @@ def test_unknown_key_in_file_is_refused_with_the_known_keys(clean_env, tmp_path)
         load_config({}, path)
 
 
-def test_missing_config_file_raises_file_not_found(clean_env, tmp_path):
-    with pytest.raises(FileNotFoundError):
-        load_config({}, str(tmp_path / "absent.toml"))
+def test_missing_config_file_is_refused_naming_its_source(clean_env, tmp_path):
+    path = str(tmp_path / "absent.toml")
+    with pytest.raises(ValueError, match=r"^--config: cannot read .*absent.toml: No such file"):
+        load_config({}, path)
+    clean_env.setenv("LMCACHED_CONFIG", path)
+    with pytest.raises(ValueError, match=r"^LMCACHED_CONFIG: cannot read .*absent.toml"):
+        load_config({})
+
+
+def test_options_that_are_not_settings_are_refused(clean_env):
+    with pytest.raises(ValueError, match=r"unknown settings \['capcity'\]; use \["):
+        load_config({"capcity": "1MiB"})
 
 
 def test_capacity_beyond_dev_shm_free_is_refused(clean_env):
@@ -320,7 +329,7 @@ def test_file_values_of_the_wrong_type_are_refused_naming_the_key(clean_env, tmp
         ({"max_clients": "-3"}, {}, r"^--max-clients: invalid value '-3': Expected `int` >= 1"),
         ({"idle_timeout": "1m"}, {}, r"^--idle-timeout: invalid value '1m'"),
         ({"buffer_budget": "0"}, {}, r"^--buffer-budget: size must be positive"),
-        ({"socket": 7}, {}, r"^--socket: invalid value 7: Expected `str`, got `int`"),
+        ({"socket": ""}, {}, r"^--socket: invalid value '': Expected `str` of length >= 1"),
     ],
 )
 def test_env_and_option_values_of_the_wrong_type_are_refused_naming_the_source(
