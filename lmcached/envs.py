@@ -1,7 +1,10 @@
 """Every LMCACHED_* environment variable, with its default and meaning (one place).
 
 The daemon's options resolve as: command-line option, else environment variable, else
-the TOML config file, else the default in `lmcached.config`.
+the TOML config file, else the default in `lmcached.config`. Click applies that
+precedence: each `serve` option declared in `lmcached.config` names its variable
+(`envvar=`), and the file becomes click's `default_map`. `ENV_VARS` documents them all
+(and the clients' variables, read through `get`).
 """
 
 import os
