@@ -44,6 +44,7 @@ from common import GB, LLAMA_8B, median, p90, record_block_size, running_daemon,
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
+from lmcached.client.records import RecordIO
 from lmcached.protocol import Clear, Connection, hello
 
 LAYOUT = LLAMA_8B
@@ -170,7 +171,7 @@ def bench_length(engine: CacheEngine, admin: Connection, socket: str, num_tokens
     chunk = layout.chunk_size
     hashes = hash_request_tokens(chunk, token_array)
     with engine.retrieve_views(tokens) as views:
-        records = engine._record_io()
+        records = RecordIO(engine.link.arena, layout)  # the arena the views pin
         fingerprint = layout.fingerprint
 
         def verify_all():

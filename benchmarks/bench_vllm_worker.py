@@ -30,7 +30,7 @@ from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
-from lmcached.protocol import Acquire, Clear, Connection, Release, hello
+from lmcached.protocol import Clear, Connection, Ping, hello
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 
@@ -73,7 +73,7 @@ def main() -> None:
         settings = ConnectorSettings([layout], CHUNK, block_size, 1, socket, "unused", 30.0)
         worker = LMCachedConnectorWorker(settings, rank=0)
         worker.register(caches, layers, {}, page_bytes)
-        pins = DaemonLink(socket, layout=layout.to_wire())
+        reader = DaemonLink(socket, layouts=[layout.to_wire()], client_name="bench-reader")
         print(f"{'tokens':>7} {'op':>10} {'median ms':>10} {'GB/s':>7} {'x one copy':>11}")
         for num_tokens in args.tokens:
             nbytes = num_tokens * token_bytes
@@ -111,27 +111,27 @@ def main() -> None:
             res["save"] = time_it(lambda: worker.save([save]), args.repeat,
                                   setup=lambda: admin.request(Clear()))
             worker.save([save])
-            acquired = pins.request(Acquire(pins.ensure_connected().ns, b"".join(hashes)))
-            assert len(acquired.num_blocks) == len(hashes), "not every chunk was stored"
-            spans, cursor = [], 0
-            for count in acquired.num_blocks:
-                spans.append(list(acquired.block_ids[cursor : cursor + count]))
-                cursor += count
-            load = LoadSpec("bench", 0, 0, tokens, hashes, [spans], [pins.hello_reply.generation],
+            snapshot = reader.snapshot()
+            assert snapshot is not None, "no session with the daemon"
+            acquired = snapshot.acquire(b"".join(hashes))  # pins them, as the scheduler does
+            assert len(acquired.span_lengths) == len(hashes), "not every chunk was stored"
+            load = LoadSpec("bench", 0, 0, tokens, hashes, [acquired.spans()],
+                            [snapshot.generation],
                             [list(range(bpc))] * len(hashes),
                             [dst_blocks[i * bpc : (i + 1) * bpc] for i in range(len(hashes))])
             res["load"] = time_it(synced(lambda: worker.load([load]), device), args.repeat)
             assert not worker.take_load_errors(), "a load failed"
             for page in pages:  # the loaded blocks hold the saved ones, bit for bit
                 assert torch.equal(page[dst_blocks], page[src_blocks]), "loaded bytes differ"
-            pins.request(Release(list(acquired.block_ids)))
+            snapshot.release()  # RELEASE of the lease: no reply
+            reader.request(Ping())  # same connection: the RELEASE is done before the CLEAR
             admin.request(Clear())
             base = median(res["one copy"])
             for op, samples in res.items():
                 med = median(samples)
                 print(f"{num_tokens:>7} {op:>10} {med * 1e3:10.2f} {nbytes / med / GB:7.2f} "
                       f"{base / med:10.2f}x")
-        pins.close()
+        reader.close()
         worker.shutdown()
 
 

@@ -127,7 +127,7 @@ def _run_lmcached(results: dict, plan: list, repeat: int) -> None:
     for layout, lengths in plan:
         shape = layout.model_name
         results["shapes"][shape] = {**dataclasses.asdict(layout), "token_bytes": layout.token_bytes,
-                                    "chunk_bytes": layout.chunk_size * layout.token_bytes}
+                                    "kv_bytes_per_chunk": layout.chunk_size * layout.token_bytes}
         results["lmcached"][shape] = {}
         capacity_mib = max(lengths) * layout.token_bytes * 5 // 4 // 2**20 + 256
         log(f"{shape}: {layout.token_bytes // 1024} KiB/token, arena {capacity_mib} MiB, "

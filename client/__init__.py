@@ -8,7 +8,9 @@
 
 What lives here:
     engine.py, builder.py      CacheEngine (store / retrieve / lookup) and one engine per id
-    daemon_link.py             the session with the daemon: connect, reconnect, requests
+    retrieve.py                the read side: pinned chunk runs, pinned lookups, copies out
+    daemon_link.py             the one call path to the daemon: sessions, snapshots,
+                               reconnects, leases, fill-then-COMMIT
     layout.py, records.py      the key namespace and the chunk records in arena blocks
     hashing.py                 the xxh3_128 prefix chain of chunk hashes
     kv_io.py, views.py         KV formats in and out, zero-copy views of arena blocks

@@ -1,9 +1,12 @@
 """A client's session with the daemon and its mapping of the arena, kept alive.
 
 Why this file exists: a serving process must never fail because its cache did. This is
-the ONE place that maps client-side failures to "no cache now": every request goes
-through `DaemonLink.request` and every (re)connect through `DaemonLink.try_connect` or
-`ensure_connected`, which turn any failure -- no socket (ENOENT), a refused or
+the ONE client call path, used by the engine, the adapters and the vLLM scheduler and
+worker: `DaemonLink.call` holds the lock, takes one snapshot of the session (namespaces,
+arena generation, arena), runs the caller's requests on it, releases the leases they
+took if anything fails, and maps every failure in one place; `fill_and_commit` fills
+allocated blocks then COMMITs, or ABORTs. Every (re)connect goes through
+`DaemonLink.try_connect` or `ensure_connected`, which turn any failure -- no socket (ENOENT), a refused or
 forbidden socket (ECONNREFUSED, EACCES), an arena segment the process may not map
 (posix_ipc.PermissionsError, which is not an OSError), a protocol version the daemon
 does not speak, a reply that does not decode, a timeout -- into `CacheUnavailable`
@@ -19,10 +22,11 @@ $LMCACHED_DATA_TIMEOUT_MS), so a stopped daemon costs a serving step one short t
 not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 """
 
+import dataclasses
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from lmcached import envs
 from lmcached.logger import init_logger
@@ -30,9 +34,11 @@ from lmcached.protocol import (
     HASH_BYTES,
     MAX_CHUNKS_PER_REQUEST,
     MAX_FRAME_BYTES,
+    NO_REPLY_REQUESTS,
     Abort,
     Acquire,
     Alloc,
+    BlocksReply,
     Commit,
     Connection,
     DaemonError,
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
     from lmcached.client.layout import KVLayout
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 5.0
@@ -95,30 +103,114 @@ _INT_BYTES = 9
 _BLOCK_ID_BYTES = 5
 
 
-def chunks_per_request(layout: "KVLayout", block_bytes: int) -> int:
+def chunks_per_request(layout: "KVLayout", block_bytes: int, num_namespaces: int = 1) -> int:
     """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
 
     Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
-    its reply (ACQUIRE: the block ids, span length and record size of each chunk), nor the
-    COMMIT / RELEASE of the blocks it returns, exceeds MAX_FRAME_BYTES, and so that the
-    daemon's MAX_CHUNKS_PER_REQUEST holds. The engine splits longer requests.
+    its reply (ACQUIRE: the block ids, span length and record size of each chunk in each
+    namespace), nor the COMMIT of the blocks an ALLOC returns, exceeds MAX_FRAME_BYTES,
+    and so that the daemon's MAX_CHUNKS_PER_REQUEST (over all namespaces) holds. Callers
+    split longer requests.
 
     Args:
         layout: the chunks' layout (their record size).
         block_bytes: the daemon's block size (HELLO), bytes.
+        num_namespaces: namespaces one ACQUIRE / LOOKUP lists (tensor parallel ranks).
 
     Returns:
         A chunk count >= 1.
     """
     blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
     request_bytes = HASH_BYTES + _INT_BYTES
-    reply_bytes = _INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1)
+    reply_bytes = num_namespaces * (_INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1))
     fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
-    return max(1, min(MAX_CHUNKS_PER_REQUEST, fit))
+    return max(1, min(MAX_CHUNKS_PER_REQUEST // num_namespaces, fit))
 
 
 class CacheUnavailable(Exception):
     """The daemon cannot be reached now; the caller degrades to a miss."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One session's state, fixed for the duration of one `DaemonLink.call`.
+
+    Namespace ids and block ids mean something only in the session and arena
+    generation they came from; a snapshot keeps them together, so that nothing read from
+    it goes stale after a reconnect. Its requests are refused (CacheUnavailable) once
+    the link is on another generation.
+
+    Attributes:
+        hello: the session's HELLO reply (namespace ids, block size, generation).
+        arena: the arena of that generation, mapped.
+        leases: leases taken through `acquire` in this snapshot (released by
+            `DaemonLink.call` if the call fails).
+    """
+
+    link: "DaemonLink"
+    hello: HelloReply
+    arena: Arena
+    leases: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def generation(self) -> int:
+        """The arena generation of this session."""
+        return self.hello.generation
+
+    @property
+    def session_id(self) -> int:
+        """The daemon's id of this session (leases belong to it)."""
+        return self.hello.session_id
+
+    @property
+    def namespaces(self) -> list[int]:
+        """Namespace id of each layout of the link, in order."""
+        return self.hello.namespaces
+
+    @property
+    def ns(self) -> int:
+        """The namespace of the link's first (usually only) layout."""
+        return self.hello.namespaces[0]
+
+    @property
+    def block_bytes(self) -> int:
+        """The daemon's block size, bytes."""
+        return self.hello.block_bytes
+
+    def request(self, message):
+        """Send one request in this snapshot's generation (see `DaemonLink.request`)."""
+        return self.link.request(message, self.generation)
+
+    def acquire(self, hashes: bytes, namespaces: list[int] | None = None) -> BlocksReply:
+        """ACQUIRE the READY prefix of `hashes` in `namespaces` (default: all of the link's),
+        recording its lease in `leases`.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        reply = self.request(Acquire(self.namespaces if namespaces is None else namespaces,
+                                     hashes))
+        if reply.lease:
+            self.leases.append(reply.lease)
+        return reply
+
+    def release(self) -> None:
+        """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget
+        them."""
+        leases = list(self.leases)
+        self.leases.clear()
+        self.link.release(leases, self.session_id)
+
+    def acquire_value(self, key: str) -> BlocksReply:
+        """GET the value under string `key` in the first namespace, recording its lease.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        reply = self.request(Get(self.ns, key))
+        if reply.lease:
+            self.leases.append(reply.lease)
+        return reply
 
 
 class DaemonLink:
@@ -130,7 +222,8 @@ class DaemonLink:
     Args:
         socket_path: the daemon's socket, or None for the default of daemon `name`.
         name: daemon name used to find the default socket, and the client's name.
-        layout: the namespace to register in HELLO (None for admin-like clients).
+        layouts: the namespaces to register in HELLO, one per layout (e.g. one per
+            tensor parallel rank); empty for admin-like clients.
         timeout_s: timeout of `connect` / `try_connect` and of admin requests, seconds.
         client_name: the name the daemon lists in CLIENTS.
         data_timeout_s: timeout of DATA_PATH_REQUESTS and of the reconnects
@@ -141,7 +234,7 @@ class DaemonLink:
         ValueError: a timeout that is not positive.
 
     Attributes:
-        hello_reply: the last HELLO reply (arena, generation, namespace id), or None
+        hello_reply: the last HELLO reply (arena, generation, namespace ids), or None
             while disconnected.
         arena: the mapped arena of the current generation, or None.
         num_reconnects: outages ended by an answered request after a reconnect.
@@ -151,7 +244,7 @@ class DaemonLink:
         self,
         socket_path: str | None,
         name: str = "default",
-        layout: Layout | None = None,
+        layouts: Sequence[Layout] = (),
         timeout_s: float = ADMIN_TIMEOUT_S,
         client_name: str = "lmcached-client",
         data_timeout_s: float | None = None,
@@ -162,7 +255,7 @@ class DaemonLink:
             raise ValueError(f"timeouts must be positive seconds, got timeout_s={timeout_s}, "
                              f"data_timeout_s={data_timeout_s}")
         self.socket_path = socket_path or default_socket_path(name)
-        self.layout = layout
+        self.layouts = tuple(layouts)
         self.timeout_s = timeout_s
         self.data_timeout_s = data_timeout_s
         self.client_name = client_name
@@ -204,7 +297,7 @@ class DaemonLink:
             check_client_socket_directory(self.socket_path)
             conn = Connection(self.socket_path, self.timeout_s if timeout_s is None else timeout_s)
             try:
-                reply = hello(conn, self.client_name, self.layout)
+                reply = hello(conn, self.client_name, self.layouts)
                 arena = self.arena
                 if arena is None or arena.generation != reply.generation:
                     new_arena = Arena.attach(reply.arena_name, reply.generation, reply.block_bytes)
@@ -243,11 +336,6 @@ class DaemonLink:
             self.mark_down(_describe(exc))
             return False
         return True
-
-    @property
-    def connected(self) -> bool:
-        """True while a session is open."""
-        return self._conn is not None
 
     @property
     def generation(self) -> int | None:
@@ -298,7 +386,9 @@ class DaemonLink:
             return self.hello_reply
 
     def request(self, message, generation: int | None = None):
-        """Send one request on the current session.
+        """Send one request on the current session (the primitive under `call`).
+
+        A request of NO_REPLY_REQUESTS (RELEASE) is only sent: it returns None at once.
 
         DATA_PATH_REQUESTS wait at most `data_timeout_s`, others `timeout_s`. Any
         failure other than a refusal drops the session (a late reply would answer the
@@ -321,6 +411,9 @@ class DaemonLink:
             data_path = type(message) in DATA_PATH_REQUESTS
             timeout_s = self.data_timeout_s if data_path else self.timeout_s
             try:
+                if type(message) in NO_REPLY_REQUESTS:
+                    self._conn.send(message, timeout_s)
+                    return None
                 answer = self._conn.request(message, timeout_s)
             except DaemonError:
                 raise
@@ -334,11 +427,78 @@ class DaemonLink:
                 self._recovered()
             return answer
 
+    def snapshot(self) -> Snapshot | None:
+        """The current session (reconnecting if the back-off allows), or None if there
+        is none now. For readers that need the arena but send nothing."""
+        with self.lock:
+            try:
+                return Snapshot(self, self.ensure_connected(), self.arena)
+            except CacheUnavailable:
+                return None
+
+    def call(self, what: str, body: Callable[[Snapshot], T], default: T) -> T:
+        """Run `body(snapshot)` on one snapshot of the session, under the lock.
+
+        The one place where the client side maps failures: an unavailable daemon
+        (CacheUnavailable: no session, timeout, restart, reply out of protocol) gives
+        `default` silently (the link warns once per outage); a refusal (DaemonError)
+        gives `default` and a warning naming `what`. In both cases the leases `body`
+        took through `Snapshot.acquire` are released first, so a failed call leaves no
+        pin behind.
+
+        Args:
+            what: the operation, for the warning (e.g. "ACQUIRE").
+            body: sends its requests through the snapshot and returns a result.
+            default: the result when the daemon is unavailable or refused.
+
+        Returns:
+            What `body` returned, or `default`.
+
+        Raises:
+            Whatever `body` raises other than CacheUnavailable and DaemonError (its
+            leases are released first).
+        """
+        with self.lock:
+            try:
+                snapshot = Snapshot(self, self.ensure_connected(), self.arena)
+            except CacheUnavailable:
+                return default
+            try:
+                return body(snapshot)
+            except CacheUnavailable:
+                return default  # the session ended: its pins went with it
+            except DaemonError as exc:
+                logger.warning("%s refused: %s", what, exc)
+                snapshot.release()
+                return default
+            except BaseException:
+                snapshot.release()
+                raise
+
+    def release(self, leases: list[int], session_id: int) -> None:
+        """RELEASE `leases` taken in session `session_id` (fire-and-forget: no reply is
+        awaited). Never raises.
+
+        Leases of a session that ended (a reconnect, a restarted daemon) are not sent:
+        the daemon released their pins when that session ended.
+        """
+        leases = [lease for lease in leases if lease]
+        if not leases:
+            return
+        with self.lock:
+            reply = self.hello_reply
+            if reply is None or reply.session_id != session_id:
+                return
+            try:
+                self.request(Release(leases), reply.generation)
+            except CacheUnavailable:
+                pass
+
     def fill_and_commit(self, block_ids: list[int], generation: int,
                         fill: Callable[[], None]) -> bool:
-        """Fill blocks this session ALLOCated with `fill()`, then COMMIT them (DESIGN.md:
-        WRITING -> READY); ABORT them if `fill` raises, so no half-written record is ever
-        readable.
+        """Fill blocks this session ALLOCated with `fill()`, then COMMIT them (WRITING ->
+        READY, docs/architecture.md, "Block states"); ABORT them if `fill` raises, so no
+        half-written record is ever readable.
 
         Args:
             block_ids: the ALLOC reply's block ids (may be empty: nothing to commit).

@@ -5,17 +5,21 @@ Why this file exists: it is what every worker process uses. It keeps the seed's 
 counters, an instance builder) but the cache lives in the daemon's shared memory, so a
 prefix stored by any process on the node is read in place by every other one.
 
-One request = one round trip for its metadata (ALLOC + COMMIT for a store, ACQUIRE +
-RELEASE for a retrieve) and one memory copy per chunk straight between the caller's
-tensors and the arena blocks; KV bytes never cross the socket. A request of more chunks
-than one frame can carry is split into several protocol requests
-(`chunks_per_request`), so no legal request meets the frame limit.
+Daemon round trips: a store is two (ALLOC, then COMMIT once the bytes are written); a
+retrieve is one (ACQUIRE; its RELEASE is sent without waiting for a reply), and a
+`lookup(tokens, pin=True)` followed by the retrieve of the same tokens is one in all
+(the retrieve reuses the lookup's hashes and pins). Each chunk is one memory copy
+straight between the caller's tensors and the arena blocks; KV bytes never cross the
+socket. A request of more chunks than one frame can carry is split into several
+protocol requests (`chunks_per_request`), so no legal request meets the frame limit.
 
     store:    hash chunks -> ALLOC (daemon: EXISTS / block / NOSPACE per chunk)
               -> write header + token ids + KV into each new block -> COMMIT
-    retrieve: hash chunks -> ACQUIRE (pins the cached prefix) -> check each record's
-              header and token ids (and, with verify="checksum", its payload
-              checksum) -> copy KV out -> RELEASE
+    retrieve: hash chunks -> ACQUIRE (pins the cached prefix under a lease) -> check
+              each record's header and token ids (and, with verify="checksum", its
+              payload checksum) -> copy KV out -> RELEASE the lease (no reply)
+
+The read side's pinned runs and copies are in client/retrieve.py.
 """
 
 import concurrent.futures
@@ -28,29 +32,16 @@ import numpy as np
 import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, chunks_per_request
+from lmcached.client.daemon_link import DaemonLink, chunks_per_request
 from lmcached.client.hashing import as_token_array, hash_request_tokens
-from lmcached.client.kv_io import (
-    ChunkCopier,
-    KVSource,
-    check_out_blob,
-    check_out_layers,
-    copy_tensor,
-    new_kv_buffer,
-)
+from lmcached.client.kv_io import ChunkCopier, KVSource
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import RecordIO
+from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_out
 from lmcached.client.views import RetrievedViews
+from lmcached.shm.arena import Arena
 from lmcached.logger import init_logger
-from lmcached.protocol import (
-    ALLOCATED,
-    NOSPACE,
-    Acquire,
-    Alloc,
-    DaemonError,
-    Lookup,
-    Release,
-)
+from lmcached.protocol import NOSPACE, Alloc, Lookup
 
 logger = init_logger(__name__)
 
@@ -66,7 +57,7 @@ class CacheEngine:
     Attributes:
         layout: the KVLayout (namespace) of this engine.
         hit_tokens / miss_tokens: tokens found / not found by `retrieve` and
-            `retrieve_views` (after masks).
+            `retrieve_views`; tokens a mask leaves out count as neither.
         num_stored_chunks: chunks this engine wrote.
         num_nospace_chunks: chunks not stored because nothing was evictable.
         num_verify_failures: chunks whose record did not hold the requested tokens
@@ -96,6 +87,7 @@ class CacheEngine:
         self._pending_lock = threading.Lock()
         self._warned_mismatch = False
         self._warned_checksum = False
+        self._pinned_lookups = PinnedLookups()
 
     @classmethod
     def connect(
@@ -146,7 +138,7 @@ class CacheEngine:
                 lmcached.protocol.DaemonError, posix_ipc.Error, ...).
         """
         _check_verify(verify)
-        link = DaemonLink(socket, name or "default", layout.to_wire(), timeout_s,
+        link = DaemonLink(socket, name or "default", [layout.to_wire()], timeout_s,
                           f"CacheEngine({layout.model_name}, rank {layout.worker_id})",
                           data_timeout_s)
         if cuda_register:
@@ -163,9 +155,8 @@ class CacheEngine:
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
-    def _record_io(self) -> RecordIO:
-        """Record reader/writer for the current arena (re-made after a restart)."""
-        arena = self.link.arena
+    def _record_io(self, arena: Arena) -> RecordIO:
+        """Record reader/writer for `arena` (re-made after a restart)."""
         if self._records is None or self._records.arena is not arena:
             self._records = RecordIO(arena, self.layout)
         return self._records
@@ -193,34 +184,57 @@ class CacheEngine:
         return [(s, min(s + size, num_tokens)) for s in range(first_chunk * size, num_tokens, size)]
 
     # ------------------------------------------------------------------- lookup
-    def lookup(self, tokens: Tokens) -> int:
-        """Number of leading tokens of `tokens` whose chunks are cached (no side effects).
+    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
+        """Number of leading tokens of `tokens` whose chunks are cached.
+
+        Args:
+            tokens: `[num_tokens]` token ids.
+            pin: False: a LOOKUP (no pins, no LRU change). True (after LMCache's
+                `lookup(..., pin=True)`): ACQUIRE and verify the cached prefix and keep
+                it pinned for the next `retrieve` / `retrieve_views` of the same tokens,
+                which then reuses its hashes and pins (no further wait on the daemon);
+                `lookup_unpin` gives up pins that will not be retrieved (the oldest are
+                unpinned beyond MAX_PINNED_LOOKUPS). With pin=True the count covers only
+                records that passed verification.
 
         Returns:
             0 when the daemon is unavailable.
         """
         token_array = as_token_array(tokens)
+        if pin:
+            run = self._acquire(token_array, 0)
+            if run is None:
+                return 0
+            self._pinned_lookups.add(run)
+            return run.chunks[-1][1] if run.chunks else 0
         hashes = hash_request_tokens(self.layout.chunk_size, token_array)
         if not hashes:
             return 0
-        link = self.link
-        num_chunks = 0
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                per_request = chunks_per_request(self.layout, hello.block_bytes)
-                for pos in range(0, len(hashes), per_request):
-                    batch = hashes[pos : pos + per_request]
-                    found = link.request(Lookup(hello.ns, b"".join(batch)), hello.generation)
-                    num_chunks += found.num_chunks
-                    if found.num_chunks < len(batch):
-                        break
-        except CacheUnavailable:
-            return 0
-        except DaemonError as exc:
-            logger.warning("LOOKUP refused: %s", exc)
-            return 0
+
+        def count(snapshot) -> int:
+            per_request = chunks_per_request(self.layout, snapshot.block_bytes)
+            num_chunks = 0
+            for pos in range(0, len(hashes), per_request):
+                batch = hashes[pos : pos + per_request]
+                found = snapshot.request(Lookup(snapshot.namespaces, b"".join(batch)))
+                num_chunks += found.num_chunks
+                if found.num_chunks < len(batch):
+                    break
+            return num_chunks
+
+        num_chunks = self.link.call("LOOKUP", count, 0)
         return min(num_chunks * self.layout.chunk_size, len(token_array))
+
+    def lookup_unpin(self, tokens: Tokens | None = None) -> int:
+        """Unpin what `lookup(tokens, pin=True)` pinned and no retrieve used.
+
+        Args:
+            tokens: the looked-up tokens; None: every pinned lookup of this engine.
+
+        Returns:
+            Pinned lookups released.
+        """
+        return self._pinned_lookups.drop(None if tokens is None else as_token_array(tokens))
 
     # -------------------------------------------------------------------- store
     def store(self, tokens: Tokens, kv, mask=None, skip_existing: bool = True,
@@ -311,28 +325,22 @@ class CacheEngine:
             or refused).
         """
         layout, link = self.layout, self.link
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                end = min(len(hashes), pos + chunks_per_request(layout, hello.block_bytes))
-                nbytes = [layout.record_bytes(e - s) for s, e in chunks[pos:end]]
-                reply = link.request(Alloc(hello.ns, b"".join(hashes[pos:end]), nbytes),
-                                     hello.generation)
-                generation, records = hello.generation, self._record_io()
-        except CacheUnavailable:
+
+        def alloc(snapshot):
+            end = min(len(hashes), pos + chunks_per_request(layout, snapshot.block_bytes))
+            num_bytes = [layout.record_bytes(e - s) for s, e in chunks[pos:end]]
+            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes[pos:end]), num_bytes))
+            return reply, end, snapshot.generation, self._record_io(snapshot.arena)
+
+        allocated = link.call("ALLOC", alloc, None)
+        if allocated is None:
             return 0
-        except DaemonError as exc:
-            logger.warning("ALLOC refused, chunks not stored: %s", exc)
-            return 0
+        reply, end, generation, records = allocated
         writes, seals = [], []
-        cursor = 0
-        for status, chunk_hash, (start, stop), span_len in zip(
-            reply.status, hashes[pos:end], chunks[pos:end], _spans_for(reply)
-        ):
-            if status != ALLOCATED:
+        for span, chunk_hash, (start, stop) in zip(reply.spans(), hashes[pos:end],
+                                                   chunks[pos:end]):
+            if span is None:  # EXISTS or NOSPACE
                 continue
-            span = reply.block_ids[cursor : cursor + span_len]
-            cursor += span_len
             writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:stop],
                                             source, start - kv_start, stop - kv_start))
             if self.verify == "checksum":
@@ -360,52 +368,54 @@ class CacheEngine:
         return written + num_later
 
     # ----------------------------------------------------------------- retrieve
-    def _acquire(self, token_array: np.ndarray, first_chunk: int):
+    def _acquire(self, token_array: np.ndarray, first_chunk: int) -> PinnedChunks | None:
         """ACQUIRE the cached run of chunks from chunk `first_chunk`, and verify their records.
 
         A run longer than `chunks_per_request` is acquired by several requests, until
         one finds less than it asked for.
 
         Returns:
-            (block ids pinned by each ACQUIRE, spans of the verified chunks, their chunk
-            ranges, generation, RecordIO), or None when the daemon is unavailable or
+            The pinned run (its `spans` and `chunks` cover the verified chunks only; its
+            leases pin all that was acquired), or None when the daemon is unavailable or
             refused (nothing stays pinned).
         """
         layout = self.layout
         hashes = hash_request_tokens(layout.chunk_size, token_array)[first_chunk:]
         if not hashes:
             return None
-        link = self.link
-        pinned: list[list[int]] = []
-        spans: list[list[int]] = []
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                generation, records = hello.generation, self._record_io()
-                per_request = chunks_per_request(layout, hello.block_bytes)
-                for pos in range(0, len(hashes), per_request):
-                    batch = hashes[pos : pos + per_request]
-                    reply = link.request(Acquire(hello.ns, b"".join(batch)), generation)
-                    pinned.append(reply.block_ids)
-                    cursor = 0
-                    for span_len in reply.num_blocks:
-                        spans.append(reply.block_ids[cursor : cursor + span_len])
-                        cursor += span_len
-                    if len(reply.num_blocks) < len(batch):
-                        break
-        except CacheUnavailable:
-            return None  # the session ended: its pins went with it
-        except DaemonError as exc:
-            logger.warning("ACQUIRE refused: %s", exc)
-            self._release(pinned, generation)
-            return None
-        chunks = self._chunks(len(token_array), first_chunk)
-        num_ok = records.verify_prefix(spans, hashes, token_array, chunks, self._fingerprint)
-        if num_ok < len(spans):
-            self._count_mismatch(spans[num_ok])
+
+        def acquire(snapshot) -> PinnedChunks:
+            per_request = chunks_per_request(layout, snapshot.block_bytes)
+            spans: list[list[int]] = []
+            for pos in range(0, len(hashes), per_request):
+                batch = hashes[pos : pos + per_request]
+                reply = snapshot.acquire(b"".join(batch))
+                spans.extend(reply.spans())
+                if len(reply.span_lengths) < len(batch):
+                    break
+            return PinnedChunks(self.link, token_array, first_chunk, spans,
+                                self._chunks(len(token_array), first_chunk)[: len(spans)],
+                                self._record_io(snapshot.arena), snapshot.session_id,
+                                list(snapshot.leases))
+
+        run = self.link.call("ACQUIRE", acquire, None)
+        if run is None or not run.spans:
+            return run
+        num_ok = run.records.verify_prefix(run.spans, hashes, token_array, run.chunks,
+                                           self._fingerprint)
+        if num_ok < len(run.spans):
+            self._count_mismatch(run.spans[num_ok])
         if self.verify == "checksum" and num_ok:
-            num_ok = self._verify_checksums(records, spans[:num_ok], chunks[:num_ok])
-        return pinned, spans[:num_ok], chunks[:num_ok], generation, records
+            num_ok = self._verify_checksums(run.records, run.spans[:num_ok], run.chunks[:num_ok])
+        del run.spans[num_ok:], run.chunks[num_ok:]
+        return run
+
+    def _pinned(self, token_array: np.ndarray, skip: int) -> PinnedChunks | None:
+        """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE."""
+        run = self._pinned_lookups.take(token_array) if len(self._pinned_lookups) else None
+        if run is not None:
+            return run
+        return self._acquire(token_array, skip // self.layout.chunk_size)
 
     def _count_mismatch(self, span: list[int]) -> None:
         self.num_verify_failures += 1
@@ -444,18 +454,6 @@ class CacheEngine:
             )
         return num_ok
 
-    def _release(self, pinned: list[list[int]], generation: int) -> None:
-        """RELEASE the blocks of each ACQUIRE (one RELEASE each: each fits in a frame)."""
-        for block_ids in pinned:
-            if not block_ids:
-                continue
-            try:
-                self.link.request(Release(block_ids), generation)
-            except CacheUnavailable:
-                return  # the daemon is gone or restarted: its pins went with it
-            except DaemonError as exc:
-                logger.warning("RELEASE refused: %s", exc)
-
     def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None):
         """Copy out the KV of the longest cached prefix of `tokens` (after the mask).
 
@@ -488,66 +486,21 @@ class CacheEngine:
         num_tokens = len(token_array)
         skip = self._skip_tokens(num_tokens, mask, chunk_aligned=False)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        acquired = (self._acquire(token_array, skip // self.layout.chunk_size)
-                    if num_tokens > skip else None)
-        if acquired is None:
+        run = self._pinned(token_array, skip) if num_tokens > skip else None
+        if run is None:
             self.miss_tokens += num_tokens - skip
             return (), ret_mask
-        pinned, spans, chunks, generation, records = acquired
-        num_hit = chunks[-1][1] - skip if chunks else 0
         try:
-            kv = self._copy_out(records, spans, chunks, skip, num_hit, return_tuple, out)
+            spans, chunks = run.from_chunk(skip // self.layout.chunk_size)
+            num_hit = chunks[-1][1] - skip if chunks else 0
+            kv = copy_records_out(run.records, self.copier, spans, chunks, skip, num_hit,
+                                  return_tuple, out) if num_hit else ()
         finally:
-            self._release(pinned, generation)
+            run.release()
         self.hit_tokens += num_hit
         self.miss_tokens += num_tokens - skip - num_hit
         ret_mask[skip : skip + num_hit] = True
-        if num_hit == 0:
-            return (), ret_mask
         return kv, ret_mask
-
-    def _copy_out(self, records: RecordIO, spans, chunks, skip: int, num_hit: int,
-                  return_tuple: bool, out):
-        """Copy tokens [skip, skip + num_hit) out of the records of `chunks` (the first
-        chunk may start before `skip`: its leading tokens are dropped)."""
-        layout = self.layout
-        token_dim = layout.token_dim
-        if isinstance(out, (tuple, list)):
-            layer_token_dim = token_dim - 2
-            check_out_layers(out, layout, num_hit)
-
-            def copy_to_layers(span, start, end):
-                first = max(start, skip)
-                # chunk_shape(end - first): the record without the tokens before `skip`
-                record = records.read_kv(span, end - start).narrow(token_dim, first - start,
-                                                                   end - first)
-                for layer, (k_out, v_out) in enumerate(out):
-                    for dst, src in ((k_out, record[layer, 0]), (v_out, record[layer, 1])):
-                        copy_tensor(dst.narrow(layer_token_dim, first - skip, end - first), src)
-
-            self.copier.run([functools.partial(copy_to_layers, span, start, end)
-                             for span, (start, end) in zip(spans, chunks)])
-            synchronize_if_cuda(out[0][0])  # host-to-device copies done before RELEASE
-            return tuple(
-                (k.narrow(layer_token_dim, 0, num_hit), v.narrow(layer_token_dim, 0, num_hit))
-                for k, v in out
-            )
-        if out is None:
-            blob = new_kv_buffer(layout.chunk_shape(num_hit), layout.torch_dtype)
-        else:
-            check_out_blob(out, layout, num_hit)
-            blob = out.narrow(token_dim, 0, num_hit)
-        tasks = []
-        for span, (start, end) in zip(spans, chunks):
-            first = max(start, skip)
-            dst = blob.narrow(token_dim, first - skip, end - first)
-            tasks.append(functools.partial(_copy_record, dst, records, span, end - start,
-                                           first - start))
-        self.copier.run(tasks)
-        synchronize_if_cuda(blob)  # host-to-device copies done before RELEASE
-        if return_tuple:
-            return tuple((blob[layer, 0], blob[layer, 1]) for layer in range(layout.num_layers))
-        return blob
 
     def retrieve_views(self, tokens: Tokens, mask=None) -> RetrievedViews:
         """Pin the cached prefix and return zero-copy views of its arena blocks.
@@ -581,12 +534,12 @@ class CacheEngine:
                 f"several {hello.block_bytes}-byte blocks: zero-copy views need one block per "
                 "chunk (start the daemon without --block-size, or use retrieve())"
             )
-        acquired = (self._acquire(token_array, skip // layout.chunk_size)
-                    if len(token_array) > skip else None)
-        if acquired is None:
+        run = self._pinned(token_array, skip) if len(token_array) > skip else None
+        if run is None:
             self.miss_tokens += len(token_array) - skip
             return RetrievedViews([], [], skip, 0, None)
-        pinned, spans, chunks, generation, records = acquired
+        spans, chunks = run.from_chunk(skip // layout.chunk_size)
+        records = run.records
         views = [records.kv_view(span[0], end - start) for span, (start, end) in zip(spans, chunks)]
         if views and chunks[0][0] < skip:
             dropped = skip - chunks[0][0]  # masked tokens of the first chunk
@@ -595,16 +548,15 @@ class CacheEngine:
         num_hit = chunks[-1][1] - skip if chunks else 0
         self.hit_tokens += num_hit
         self.miss_tokens += len(token_array) - skip - num_hit
-        return RetrievedViews(
-            views, [block_id for block_ids in pinned for block_id in block_ids], skip, num_hit,
-            lambda: self._release(pinned, generation), layout.token_dim, self.copier,
-        )
+        return RetrievedViews(views, [b for span in spans for b in span], skip, num_hit,
+                              run.release, layout.token_dim, self.copier)
 
     # -------------------------------------------------------------------- close
     def close(self) -> None:
         """Finish background stores, end the session (pins are released), unmap."""
         try:
             self.flush()
+            self._pinned_lookups.drop()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
@@ -623,16 +575,3 @@ class CacheEngine:
 def _check_verify(verify: str) -> None:
     if verify not in ("tokens", "checksum"):
         raise ValueError(f'verify must be "tokens" or "checksum", got {verify!r}')
-
-
-def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int], num_tokens: int,
-                 first: int) -> None:
-    """dst = tokens [first, first + dst's token count) of the record of a `num_tokens` chunk."""
-    token_dim = records.layout.token_dim
-    copy_tensor(dst, records.read_kv(span, num_tokens).narrow(token_dim, first, dst.shape[token_dim]))
-
-
-def _spans_for(reply) -> list[int]:
-    """Blocks per chunk of an AllocReply, aligned with its status list (0 if not ALLOCATED)."""
-    num_blocks = iter(reply.num_blocks)
-    return [next(num_blocks) if status == ALLOCATED else 0 for status in reply.status]

@@ -4,8 +4,8 @@ Why this file exists: callers hand KV over in several forms (one blob tensor, a 
 per-layer (K, V), a transformers DynamicCache) and in two orders (vllm: token-major,
 huggingface: head-major). `KVSource` turns any of them into views in the layout's own
 order without copying; `copy_tensor` moves bytes with the fastest routine measured here
-(numpy `copyto` ~10 GB/s single thread, against ~6.5 GB/s for a single-thread torch
-copy, ../shared/limits/RESULTS.md); `new_kv_buffer` allocates results with numpy, which
+(numpy `copyto`, faster on one thread than a single-thread torch copy:
+docs/architecture.md, "Performance rules"); `new_kv_buffer` allocates results with numpy, which
 applies MADV_HUGEPAGE to large arrays (~5 GB/s first touch against ~2 GB/s for
 `torch.empty`).
 """

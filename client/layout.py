@@ -2,8 +2,8 @@
 
 Why this file exists: every process that shares a cached chunk must agree on its bytes.
 `KVLayout` names the model and the tensor geometry (it is the namespace of the hashes:
-two processes share chunks only when their layouts are equal); `ChunkRecord` places one
-chunk in its arena block(s).
+two processes share chunks only when their layouts are equal) and says how one chunk's
+record lies in its arena block(s); client/records.py reads and writes records.
 
 Record of one chunk of `t` tokens (t <= chunk_size), layer-major so that one layer of
 a chunk is a zero-copy slice (layer-wise loading, CacheBlend)::
@@ -34,6 +34,7 @@ previous record) fails the identity check and is a miss, never misread.
 import dataclasses
 import struct
 
+import msgspec
 import numpy as np
 import torch
 import xxhash
@@ -104,19 +105,13 @@ class KVLayout:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-        if not self.model_name:
-            raise ValueError("KVLayout.model_name must not be empty")
-        for field in ("num_layers", "num_kv_heads", "head_size", "chunk_size", "world_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVLayout.{field} must be an int >= 1, got {value!r}")
-        if not 0 <= self.worker_id < self.world_size:
-            raise ValueError(
-                f"KVLayout.worker_id must be in [0, world_size={self.world_size}), "
-                f"got {self.worker_id}"
-            )
         if self.fmt not in FORMATS:
             raise ValueError(f"KVLayout.fmt must be one of {FORMATS}, got {self.fmt!r}")
+        # Every range is the wire schema's (protocol.Layout): checked by msgspec, once.
+        try:
+            msgspec.convert(msgspec.structs.asdict(self.to_wire()), Layout)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"KVLayout: {exc}") from None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -170,7 +165,7 @@ class KVLayout:
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             chunk_size=self.chunk_size,
-            chunk_bytes=self.record_bytes(self.chunk_size),
+            record_bytes=self.record_bytes(self.chunk_size),
         )
 
     def numpy_alias(self) -> tuple[torch.dtype, type]:

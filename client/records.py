@@ -106,7 +106,7 @@ class RecordIO:
         # of the block's previous record survives into this one.
         header[:RECORD_HEADER_BYTES] = 0
         RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, self.fingerprint, chunk_hash)
-        header[64 : 64 + 8 * t].view(np.int64)[:] = chunk_tokens
+        header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].view(np.int64)[:] = chunk_tokens
 
     # -------------------------------------------------------------- integrity
     def seal(self, span: list[int], num_tokens: int) -> None:
@@ -169,9 +169,9 @@ class RecordIO:
         t = len(chunk_tokens)
         if len(span) == 1:
             base = self.arena.block_offset(span[0])
-            header = self._u8[base : base + 64 + 8 * t]
+            header = self._u8[base : base + RECORD_HEADER_BYTES + 8 * t]
         else:
-            header = gather(self.arena, span, 64 + 8 * t)
+            header = gather(self.arena, span, RECORD_HEADER_BYTES + 8 * t)
         magic, num_tokens, record_fingerprint, record_hash = RECORD_HEADER.unpack_from(header, 0)
         if (
             magic != RECORD_MAGIC
@@ -181,7 +181,7 @@ class RecordIO:
         ):
             return False
         # A byte comparison in C: ~1 us for 256 tokens, 4x faster than np.array_equal.
-        return header[64 : 64 + 8 * t].tobytes() == chunk_tokens.tobytes()
+        return header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].tobytes() == chunk_tokens.tobytes()
 
     def verify_prefix(
         self,
@@ -219,7 +219,7 @@ class RecordIO:
             first = chunks[0][0]
             tokens = token_array[first : first + num_fast * chunk_size].reshape(num_fast, chunk_size)
             ok = (headers[:, : RECORD_HEADER.size] == expected).all(axis=1)
-            ok &= (headers[:, 64:].view(np.int64) == tokens).all(axis=1)
+            ok &= (headers[:, RECORD_HEADER_BYTES:].view(np.int64) == tokens).all(axis=1)
             if not ok.all():
                 return int(ok.argmin())
         else:
@@ -231,12 +231,12 @@ class RecordIO:
         return len(spans)
 
     def _all_headers(self) -> np.ndarray:
-        """Header and token ids of every block's record: `[num_blocks, 64 + 8*chunk_size]` uint8."""
+        """Header and token ids of every block's record: `[num_blocks, RECORD_HEADER_BYTES + 8*chunk_size]` uint8."""
         if self._headers is None:
             arena = self.arena
             start = arena.block_offset(0)
             self._headers = np.lib.stride_tricks.as_strided(
-                self._u8[start:], shape=(arena.num_blocks, 64 + 8 * self.layout.chunk_size),
+                self._u8[start:], shape=(arena.num_blocks, RECORD_HEADER_BYTES + 8 * self.layout.chunk_size),
                 strides=(arena.block_bytes, 1), writeable=False,
             )
         return self._headers

@@ -3,7 +3,7 @@
 The distribution has four import packages, whose names differ from their folders:
 `lmcached` (this folder), `lmcached.shm` (folder `shm/`: the arena and the block pool),
 `lmcached.client` (folder `client/`: the engine used inside worker processes) and
-`lmcached.examples` (folder `examples/`: what `lmcached demo` runs). See DESIGN.md.
+`lmcached.examples` (folder `examples/`: what `lmcached demo` runs). See docs/architecture.md.
 
 What lives here:
     server.py, connection.py   the event loop and one client connection's buffers

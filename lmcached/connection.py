@@ -3,7 +3,7 @@
 Why this file exists: it is the part of the event loop (`server.py`) that every byte a
 client sends goes through, so that its rules can be read and tested in one place:
 frames are parsed in place from the connection's buffer, any payload becomes exactly one
-reply (`answer_frame` never raises), and the limits after Redis
+reply, or none for a RELEASE (`answer_frame` never raises), and the limits after Redis
 (`client-query-buffer-limit`, `client-output-buffer-limit`, `timeout`, `maxclients`)
 are constants here.
 """
@@ -12,8 +12,17 @@ import selectors
 import socket
 import time
 
+import msgspec
+
 from lmcached.logger import init_logger
-from lmcached.protocol import MAX_FRAME_BYTES, Clients, Info, encode_frame, request_decoder
+from lmcached.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Clients,
+    Info,
+    encode_frame,
+    request_decoder,
+)
 from lmcached.service import CacheService
 from lmcached.session import Session
 
@@ -79,7 +88,7 @@ class ClientConnection:
         return end if end <= len(self.inbuf) else 0
 
 
-def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes, int]:
+def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes | None, int]:
     """Decode one request, answer it, and encode the reply frame. Never raises.
 
     Args:
@@ -89,24 +98,51 @@ def answer_frame(service: CacheService, session: Session, payload) -> tuple[byte
 
     Returns:
         (reply frame, cost of the request in PASS_BUDGET units). The reply is the
-        handler's, or `bad_request` for a payload that does not decode to a valid request
-        (any exception of the decoder: msgspec's errors, but also e.g. UnicodeDecodeError
-        for a str of invalid UTF-8), `internal` when a handler or the encoder fails
-        (logged with its traceback), or `too_large` for a reply above the frame limit.
+        handler's, None for a request that has no reply (RELEASE), `version` for a
+        HELLO of another protocol version, `bad_request` for a payload that does not
+        decode to a valid request (any exception of the decoder: msgspec's errors, but
+        also e.g. UnicodeDecodeError for a str of invalid UTF-8), `internal` when a
+        handler or the encoder fails (logged with its traceback), or `too_large` for a
+        reply above the frame limit.
     """
     try:
         request = request_decoder.decode(payload)
     except Exception as exc:  # noqa: BLE001 - no frame may reach the loop as an exception
-        reply, cost = service.error("bad_request", f"undecodable request: {exc!r}"), 1
+        reply, cost = _undecodable(service, payload, exc), 1
+        if reply is None:
+            return None, cost
     else:
         reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
+        if reply is None:
+            return None, cost
     try:
         return encode_frame(reply), cost
     except ValueError as exc:
+        service.withdraw(session, reply)  # its lease or blocks would be held for nothing
         return encode_frame(service.error("too_large", str(exc))), cost
     except Exception:  # noqa: BLE001 - a reply the encoder rejects is a daemon bug
         logger.exception("cannot encode the reply %r", reply)
         return encode_frame(service.error("internal", "internal error in the daemon (see its log)")), cost
+
+
+def _undecodable(service: CacheService, payload, exc: Exception):
+    """The Error for a payload that is not a valid request: `version` when it is a HELLO
+    of another protocol version (whose fields may differ), None (counted, no reply: its
+    sender reads none) for a malformed RELEASE, else `bad_request`."""
+    try:
+        message = msgspec.msgpack.decode(payload)
+    except Exception:  # noqa: BLE001 - not even msgpack
+        message = None
+    if isinstance(message, list) and message and message[0] == "release":
+        service.error("bad_request", f"undecodable RELEASE: {exc!r}")
+        return None
+    if (isinstance(message, list) and len(message) > 1 and message[0] == "hello"
+            and isinstance(message[1], int) and message[1] != PROTOCOL_VERSION):
+        return service.error(
+            "version", f"protocol version {message[1]}; this daemon speaks {PROTOCOL_VERSION}: "
+            "use an lmcached client of the daemon's version"
+        )
+    return service.error("bad_request", f"undecodable request: {exc!r}")
 
 
 class RateLimitedLog:

@@ -126,7 +126,7 @@ def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
             "proc": proc_name,
             "rss_bytes": rss,
             "uid": s.uid,
-            "ns": s.ns if s.ns is not None else 0,
+            "ns": ",".join(map(str, s.namespaces)) or "-",
             "age_s": round(now - s.created_at, 1),
             "idle_s": round(now - s.last_request_at, 1),
             "pinned_blocks": s.num_pinned_blocks,

@@ -1,7 +1,7 @@
 """Progress of the arena prefault at daemon start: a bar on a terminal, log lines else.
 
 Why this file exists: prefaulting a large arena takes seconds to minutes (first touch
-of shared memory runs at 0.4-1.3 GB/s on these machines, DESIGN.md); an operator should
+of shared memory runs at 0.4-1.3 GB/s here, docs/architecture.md, "Prefault"); an operator should
 see it move, and systemd's journal should get a few lines, not a bar.
 """
 

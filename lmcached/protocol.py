@@ -1,8 +1,17 @@
 """Wire protocol between clients and the daemon: typed msgpack messages on a Unix socket.
 
 Why this file exists: it is the only contract between worker processes and the daemon.
-Every request is one round trip and batches all chunks of a request (never one message
-per chunk or per layer); bulk KV bytes never cross the socket, only block ids.
+Every request batches all chunks of a request (never one message per chunk or per layer)
+and is one round trip, except RELEASE, which has no reply: a client sends it and goes on,
+so a retrieve costs one synchronous round trip (ACQUIRE). Bulk KV bytes never cross the
+socket, only block ids.
+
+Version 2 (this one) against version 1: ACQUIRE and GET answer a lease id and RELEASE
+takes leases (no reply, no block ids sent back); LOOKUP and ACQUIRE carry a list of
+namespaces (a session may register one layout per tensor parallel rank in HELLO), so a
+vLLM scheduler asks for every rank in one frame; fields renamed: `span_lengths` (blocks
+per value), `num_bytes` (bytes per value), `Layout.record_bytes` (bytes of one full chunk
+record). A version-1 HELLO gets an Error with code "version".
 
 Frame::
 
@@ -13,16 +22,17 @@ Frame::
 A frame longer than MAX_FRAME_BYTES closes the connection. Messages are msgspec Structs
 (never pickle from a peer). Chunk hashes travel as one `bytes` of 16 bytes per chunk
 (xxh3_128 digests). Encoding and decoding a small Struct costs far less than the
-socket round trip itself (DESIGN.md, "Performance rules").
+socket round trip itself (docs/architecture.md, "Performance rules").
 """
 
 import os
 import socket
 import struct
+from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 1 << 20
 HASH_BYTES = 16
 MAX_CHUNKS_PER_REQUEST = 1 << 16  # 16M tokens at chunk_size 256
@@ -34,62 +44,92 @@ EXISTS = 1  # already READY: nothing to write
 NOSPACE = 2  # nothing evictable: not stored (every later chunk is NOSPACE too)
 
 
-class Layout(msgspec.Struct, frozen=True):
-    """What a KV chunk is: the namespace of its hashes (see DESIGN.md, "Keys").
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-    Two processes share cached chunks only when their layouts are equal.
-    `chunk_bytes` is the size of the record of one full chunk in the arena (header
-    plus KV bytes), which sizes the daemon's blocks when `--block-size` is unset.
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a KV chunk is: the namespace of its hashes (docs/architecture.md, "Namespaces").
+
+    Two processes share cached chunks only when their layouts are equal. The schema
+    declares every constraint, so the daemon's decoder refuses a bad layout as
+    `bad_request` before any handler runs.
+
+    Fields:
+        model_name: model identifier, 1-256 characters.
+        world_size: tensor parallel world size, >= 1.
+        worker_id: the tensor parallel rank, 0 <= worker_id < world_size.
+        fmt: "vllm" or "huggingface" (order of the token and head dimensions of a KV
+            chunk), or "kv" (values of the key-value adapters, under string keys).
+        dtype: KV dtype name (e.g. "bfloat16").
+        num_layers, num_kv_heads, head_size: KV geometry of this rank, each >= 1.
+        chunk_size: tokens per chunk, >= 1.
+        record_bytes: bytes of the arena record of one full chunk (header, token ids
+            and KV), which sizes the daemon's blocks when `--block-size` is unset.
     """
 
-    model_name: str
-    world_size: int
-    worker_id: int
-    fmt: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    chunk_size: int
-    chunk_bytes: int
+    model_name: ShortName
+    world_size: PositiveInt
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    fmt: Literal["vllm", "huggingface", "kv"]
+    dtype: ShortName
+    num_layers: PositiveInt
+    num_kv_heads: PositiveInt
+    head_size: PositiveInt
+    chunk_size: PositiveInt
+    record_bytes: PositiveInt
+
+    def __post_init__(self) -> None:
+        if self.worker_id >= self.world_size:
+            raise ValueError(
+                f"worker_id {self.worker_id} must be < world_size {self.world_size}"
+            )
 
 
 # ------------------------------------------------------------------------ requests
 class Hello(msgspec.Struct, tag="hello", array_like=True):
-    """Opens a session. `layout` is None for admin tools that store nothing."""
+    """Opens a session: one namespace per layout (e.g. one per tensor parallel rank).
+
+    `layouts` is empty for admin tools that store nothing.
+    """
 
     version: int
     pid: int
     name: str
-    layout: Layout | None = None
+    layouts: list[Layout] = []
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True):
-    """How many leading chunks of `hashes` are READY. No pins, no LRU change."""
+    """How many leading chunks of `hashes` are READY in every namespace listed.
 
-    ns: int
+    No pins, no LRU change. `namespaces` are ids from this session's HELLO.
+    """
+
+    namespaces: list[int]
     hashes: bytes
 
 
 class Acquire(msgspec.Struct, tag="acquire", array_like=True):
-    """Pin the READY prefix of `hashes` (ref_cnt += 1) and return its blocks."""
+    """Pin the chunks of `hashes` READY in every namespace listed (the common prefix)
+    under one lease (ref_cnt += 1 per block) and return their blocks, namespace-major."""
 
-    ns: int
+    namespaces: list[int]
     hashes: bytes
 
 
 class Release(msgspec.Struct, tag="release", array_like=True):
-    """Unpin blocks this session pinned (every block id, in chain order)."""
+    """Unpin the blocks of each lease. No reply (a client never waits for it); a lease
+    this session does not hold is counted as error `not_owner` and logged."""
 
-    block_ids: list[int]
+    leases: list[int]
 
 
 class Alloc(msgspec.Struct, tag="alloc", array_like=True):
-    """Blocks to write the chunks of `hashes` that are not cached; `nbytes` per chunk."""
+    """Blocks to write the chunks of `hashes` that are not cached; `num_bytes` per chunk."""
 
     ns: int
     hashes: bytes
-    nbytes: list[int]
+    num_bytes: list[int]
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -105,15 +145,16 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
 
 
 class Put(msgspec.Struct, tag="put", array_like=True):
-    """Blocks to write a value of `nbytes` under a string key (replaces on COMMIT)."""
+    """Blocks to write a value of `num_bytes` under a string key (replaces on COMMIT)."""
 
     ns: int
     key: str
-    nbytes: int
+    num_bytes: int
 
 
 class Get(msgspec.Struct, tag="get", array_like=True):
-    """Pin the value under a string key and return its blocks (empty when missing)."""
+    """Pin the value under a string key under a lease and return its blocks (empty and
+    lease 0 when missing)."""
 
     ns: int
     key: str
@@ -179,7 +220,10 @@ Request = (
 
 # ------------------------------------------------------------------------- replies
 class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True):
-    """Where the arena is. `ns` is None for a session without a layout."""
+    """Where the arena is, and the namespace id of each layout of the HELLO, in order.
+
+    `num_blocks` is the arena's block count (0 until a first layout sets the block size).
+    """
 
     session_id: int
     arena_name: str
@@ -187,7 +231,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True):
     block_bytes: int
     num_blocks: int
     capacity_bytes: int
-    ns: int | None
+    namespaces: list[int]
     server_pid: int
 
 
@@ -209,22 +253,38 @@ class LookupReply(msgspec.Struct, tag="lookup_reply", array_like=True):
 
 
 class BlocksReply(msgspec.Struct, tag="blocks_reply", array_like=True):
-    """Values found (ACQUIRE, GET): all their block ids, in order.
+    """Values found and pinned (ACQUIRE, GET) under `lease`, all their block ids in order.
 
-    `num_blocks[i]` blocks of `block_ids` belong to value i, which holds `nbytes[i]`.
+    Value i has `span_lengths[i]` blocks of `block_ids` and holds `num_bytes[i]` bytes.
+    For an ACQUIRE of n namespaces the values are namespace-major: n runs of
+    len(span_lengths) // n chunks. `lease` is 0 when nothing was pinned (nothing to
+    RELEASE).
     """
 
+    lease: int
     block_ids: list[int]
-    num_blocks: list[int]
-    nbytes: list[int]
+    span_lengths: list[int]
+    num_bytes: list[int]
+
+    def spans(self) -> list[list[int]]:
+        """The block ids of each value, in order."""
+        return split_spans(self.block_ids, self.span_lengths)
 
 
 class AllocReply(msgspec.Struct, tag="alloc_reply", array_like=True):
-    """Per chunk a status (ALLOCATED, EXISTS, NOSPACE); blocks of the ALLOCATED ones."""
+    """Per chunk a status (ALLOCATED, EXISTS, NOSPACE); blocks of the ALLOCATED ones.
+
+    The i-th ALLOCATED value has `span_lengths[i]` blocks of `block_ids`.
+    """
 
     status: list[int]
     block_ids: list[int]
-    num_blocks: list[int]
+    span_lengths: list[int]
+
+    def spans(self) -> list[list[int] | None]:
+        """Per chunk of the ALLOC, the block ids to write, or None (EXISTS, NOSPACE)."""
+        allocated = iter(split_spans(self.block_ids, self.span_lengths))
+        return [next(allocated) if status == ALLOCATED else None for status in self.status]
 
 
 class CountReply(msgspec.Struct, tag="count_reply", array_like=True):
@@ -255,6 +315,27 @@ Reply = (
     HelloReply | Ok | Error | LookupReply | BlocksReply | AllocReply | CountReply
     | KeysReply | InfoReply | ClientsReply
 )
+
+# Requests the daemon never answers (the client does not wait): see `Connection.send`.
+NO_REPLY_REQUESTS = frozenset({Release})
+
+
+def split_spans(block_ids: list[int], span_lengths: list[int]) -> list[list[int]]:
+    """Cut `block_ids` into consecutive runs of `span_lengths[i]` ids (one per value).
+
+    Raises:
+        ValueError: the lengths do not add up to len(block_ids) (a reply out of protocol).
+    """
+    if len(span_lengths) == len(block_ids):  # one block per value: the usual case
+        return [[block_id] for block_id in block_ids]
+    spans, cursor = [], 0
+    for length in span_lengths:
+        spans.append(block_ids[cursor : cursor + length])
+        cursor += length
+    if cursor != len(block_ids):
+        raise ValueError(f"span lengths add up to {cursor}, not {len(block_ids)} block ids")
+    return spans
+
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -310,7 +391,7 @@ class Connection:
     # The reply type of each request (see lmcached/service.py); any other reply, other
     # than an Error, means the peer does not speak this protocol.
     REPLY_TYPES: dict[type, type] = {
-        Hello: HelloReply, Lookup: LookupReply, Acquire: BlocksReply, Release: Ok,
+        Hello: HelloReply, Lookup: LookupReply, Acquire: BlocksReply,
         Alloc: AllocReply, Commit: Ok, Abort: Ok, Put: AllocReply, Get: BlocksReply,
         Delete: CountReply, Scan: KeysReply, Info: InfoReply, Clients: ClientsReply,
         Evict: CountReply, Clear: CountReply, Ping: Ok, Shutdown: Ok, ConfigGet: InfoReply,
@@ -353,11 +434,10 @@ class Connection:
                 f"connection to {self.socket_path} is out of step after an earlier failure "
                 f"({self._broken}): open a new Connection"
             )
+        if type(message) in NO_REPLY_REQUESTS:
+            raise ValueError(f"{type(message).__name__} has no reply: use send()")
         frame = encode_frame(message)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if timeout_s != self._sock_timeout_s:  # settimeout costs a syscall: only on change
-            self._sock.settimeout(timeout_s)
-            self._sock_timeout_s = timeout_s
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
         try:
             self._sock.sendall(frame)
             self._recv_exactly(self._header)
@@ -387,6 +467,40 @@ class Connection:
             raise
         return reply
 
+    def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Send a request the daemon does not answer (NO_REPLY_REQUESTS), without waiting.
+
+        Args:
+            message: a NO_REPLY_REQUESTS Struct.
+            timeout_s: how long the send may wait for room in the socket, seconds
+                (None: the connection's `timeout_s`).
+
+        Raises:
+            ValueError: `message` is a request that has a reply (use `request`), or it
+                exceeds MAX_FRAME_BYTES; nothing was sent.
+            TimeoutError, ConnectionError: the send failed; the connection is then
+                unusable (a part of the frame may have been sent).
+        """
+        if type(message) not in NO_REPLY_REQUESTS:
+            raise ValueError(f"{type(message).__name__} has a reply: use request()")
+        if self._broken is not None:
+            raise ConnectionError(
+                f"connection to {self.socket_path} is out of step after an earlier failure "
+                f"({self._broken}): open a new Connection"
+            )
+        frame = encode_frame(message)
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._sock.sendall(frame)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _set_timeout(self, timeout_s: float) -> None:
+        if timeout_s != self._sock_timeout_s:  # settimeout costs a syscall: only on change
+            self._sock.settimeout(timeout_s)
+            self._sock_timeout_s = timeout_s
+
     def _recv_exactly(self, buf: bytearray) -> None:
         view = memoryview(buf)
         while view:
@@ -406,6 +520,7 @@ class Connection:
         self.close()
 
 
-def hello(conn: Connection, name: str, layout: Layout | None = None) -> HelloReply:
-    """Open a session on `conn` (see `Hello`)."""
-    return conn.request(Hello(PROTOCOL_VERSION, os.getpid(), name, layout))
+def hello(conn: Connection, name: str, layouts: list[Layout] | tuple[Layout, ...] = ()
+          ) -> HelloReply:
+    """Open a session on `conn` with one namespace per layout (see `Hello`)."""
+    return conn.request(Hello(PROTOCOL_VERSION, os.getpid(), name, list(layouts)))

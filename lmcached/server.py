@@ -3,7 +3,7 @@
 Why this file exists: it moves frames between sockets and `CacheService` and owns the
 process life cycle (start-up sweep, arena prefault, READY, signals, graceful stop).
 No asyncio: a selectors loop answers a round trip several times faster than asyncio
-(DESIGN.md, "Performance rules").
+(docs/architecture.md, "Performance rules").
 
 Life cycle::
 
@@ -417,7 +417,8 @@ class Server:
                     return
                 with view[conn.inpos + 4 : end] as payload:
                     frame, cost = answer_frame(service, session, payload)
-                replies.append(frame)
+                if frame is not None:
+                    replies.append(frame)
                 conn.inpos = end
                 conn.served_frames += 1
                 budget -= cost

@@ -1,7 +1,7 @@
 """Request semantics of the daemon: one method per request type, no sockets.
 
 Why this file exists: it is everything the daemon decides, separated from how bytes
-arrive (`server.py`), so that the semantics of DESIGN.md's protocol table can be read
+arrive (`server.py`), so that the semantics of docs/architecture.md's request table can be read
 and tested in one place. Each handler validates its request completely before it
 changes anything; a bad request gets an `Error` reply and is counted, and the daemon
 goes on serving. What the keys of the block pool are is `keys.py`; the fields of INFO
@@ -10,6 +10,8 @@ and CLIENTS are built in `info.py`.
 
 import os
 import time
+
+import msgspec
 
 from lmcached import keys
 from lmcached.config import ServerConfig
@@ -20,6 +22,7 @@ from lmcached.protocol import (
     EXISTS,
     HASH_BYTES,
     MAX_CHUNKS_PER_REQUEST,
+    NO_REPLY_REQUESTS,
     NOSPACE,
     PROTOCOL_VERSION,
     Abort,
@@ -65,6 +68,7 @@ _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
+MAX_LAYOUTS_PER_SESSION = 64  # namespaces one HELLO may register (e.g. TP ranks)
 
 
 class RequestError(Exception):
@@ -95,6 +99,7 @@ class CacheService:
         self.pool: BlockPool | None = BlockPool(arena.num_blocks) if arena.block_bytes else None
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
+        self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
         self.namespaces: dict[Layout, int] = {}
         self._ns_prefix: dict[int, bytes] = {}
         self.started_at = time.time()
@@ -141,11 +146,7 @@ class CacheService:
         pool = self.pool
         if pool is None:
             return
-        pinned = [
-            pool.blocks[block_id]
-            for block_id, count in session.pins.items()
-            for _ in range(count)
-        ]
+        pinned = [block for blocks in session.leases.values() for block in blocks]
         if pinned:
             pool.free(pinned)
         pending = {id(v): v for v in session.writing.values()}
@@ -156,7 +157,7 @@ class CacheService:
                 "session %d (pid %d) ended holding %d pins and %d pending values: released",
                 session.session_id, session.pid, len(pinned), len(pending),
             )
-        session.pins.clear()
+        session.leases.clear()
         session.writing.clear()
 
     # ---------------------------------------------------------------- dispatch
@@ -167,7 +168,8 @@ class CacheService:
         root are refused with `forbidden`.
 
         Returns:
-            The reply Struct (an `Error` for a refused request).
+            The reply Struct (an `Error` for a refused request), or None for a request
+            of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
         """
         self.stat_requests += 1
         session.num_requests += 1
@@ -182,10 +184,22 @@ class CacheService:
                 raise RequestError("no_session", "send HELLO before any other request")
             return self._handlers[type(request)](session, request)
         except RequestError as exc:
-            return self.error(exc.code, str(exc))
+            reply = self.error(exc.code, str(exc))
         except Exception:  # a bug in a handler: log it, answer, keep serving the others
             logger.exception("internal error handling %r", request)
-            return self.error("internal", "internal error in the daemon (see its log)")
+            reply = self.error("internal", "internal error in the daemon (see its log)")
+        return None if type(request) in NO_REPLY_REQUESTS else reply
+
+    def withdraw(self, session: Session, reply) -> None:
+        """Undo what `reply` handed out when it cannot be sent (e.g. over the frame limit):
+        the client never learns its lease or block ids, so nothing may stay held."""
+        if isinstance(reply, BlocksReply) and reply.lease:
+            blocks = session.take_leases([reply.lease])
+            if blocks:
+                self.pool.free(blocks)
+        elif isinstance(reply, AllocReply) and reply.block_ids:
+            for value in session.take_pending(reply.block_ids) or ():
+                self.pool.abort(value.blocks)
 
     def error(self, code: str, message: str) -> Error:
         """An Error reply, counted under its code."""
@@ -195,24 +209,44 @@ class CacheService:
 
     # -------------------------------------------------------------- validation
     def _check_namespace(self, session: Session, ns: int) -> None:
-        """Refuse a namespace other than the one this session's HELLO registered."""
-        if ns not in self._ns_prefix or ns != session.ns:
+        """Refuse a namespace that is not one of this session's HELLO layouts."""
+        if ns not in session.namespaces:
             raise RequestError(
-                "bad_namespace", f"namespace {ns} is not this session's (HELLO gave {session.ns})"
+                "bad_namespace",
+                f"namespace {ns} is not this session's (HELLO gave {session.namespaces})",
             )
 
-    def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
-        """The block-pool keys of a request's chunk hashes, after validating them."""
-        self._check_namespace(session, ns)
+    def _check_hashes(self, hashes: bytes, num_namespaces: int = 1) -> int:
+        """The chunk count of a request's hashes, after validating their length."""
         if len(hashes) % HASH_BYTES:
             raise RequestError(
                 "bad_request", f"hashes are {len(hashes)} bytes, not a multiple of {HASH_BYTES}"
             )
-        if len(hashes) > MAX_CHUNKS_PER_REQUEST * HASH_BYTES:
+        num_chunks = len(hashes) // HASH_BYTES
+        if num_chunks * max(num_namespaces, 1) > MAX_CHUNKS_PER_REQUEST:
             raise RequestError(
-                "bad_request", f"more than {MAX_CHUNKS_PER_REQUEST} chunks in one request"
+                "bad_request", f"more than {MAX_CHUNKS_PER_REQUEST} chunks (over all "
+                "namespaces) in one request: split it"
             )
+        return num_chunks
+
+    def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
+        """The block-pool keys of a request's chunk hashes, after validating them."""
+        self._check_namespace(session, ns)
+        self._check_hashes(hashes)
         return keys.chunk_keys(self._ns_prefix[ns], hashes)
+
+    def _chunk_keys_per_namespace(self, session: Session, namespaces: list[int],
+                                  hashes: bytes) -> list[list[bytes]]:
+        """The block-pool keys of `hashes` in each listed namespace (LOOKUP, ACQUIRE)."""
+        if not namespaces:
+            raise RequestError("bad_request", "no namespace listed")
+        if len(set(namespaces)) != len(namespaces):
+            raise RequestError("bad_request", f"namespace listed twice in {namespaces}")
+        for ns in namespaces:
+            self._check_namespace(session, ns)
+        self._check_hashes(hashes, len(namespaces))
+        return [keys.chunk_keys(self._ns_prefix[ns], hashes) for ns in namespaces]
 
     def _string_key(self, session: Session, ns: int, key: str) -> bytes:
         """The block-pool key of a request's string key, after validating it."""
@@ -226,35 +260,41 @@ class CacheService:
             raise RequestError("no_layout", "no layout has attached yet: the arena has no blocks")
         return self.pool
 
-    def _allocate_value(self, session: Session, key: bytes, nbytes: int, replace: bool):
-        """Allocate WRITING blocks for one value of `nbytes`; None when nothing is evictable."""
+    def _allocate_value(self, session: Session, key: bytes, num_bytes: int, replace: bool):
+        """Allocate WRITING blocks for one value of `num_bytes`; None when nothing is
+        evictable."""
         pool = self.pool
         block_bytes = self.arena.block_bytes
-        num_blocks = -(-nbytes // block_bytes)
+        num_blocks = -(-num_bytes // block_bytes)
         blocks = pool.allocate(num_blocks)
         if blocks is None:
             return None
         for block in blocks:
             block.num_bytes = block_bytes
-        blocks[-1].num_bytes = nbytes - (num_blocks - 1) * block_bytes
+        blocks[-1].num_bytes = num_bytes - (num_blocks - 1) * block_bytes
         session.add_pending(PendingValue(key, blocks, replace))
         return blocks
 
+    def _lease(self, session: Session, spans: list[list[KVCacheBlock]]) -> int:
+        """A new lease holding the pins of `spans` (0, and no lease, when empty)."""
+        if not spans:
+            return 0
+        lease = self._next_lease
+        self._next_lease += 1
+        session.add_lease(lease, [block for span in spans for block in span])
+        return lease
+
     @staticmethod
-    def _blocks_reply(spans: list[list[KVCacheBlock]]) -> BlocksReply:
+    def _blocks_reply(lease: int, spans: list[list[KVCacheBlock]]) -> BlocksReply:
         if all(len(span) == 1 for span in spans):  # one block per value: the usual case
-            return BlocksReply([span[0].block_id for span in spans], [1] * len(spans),
+            return BlocksReply(lease, [span[0].block_id for span in spans], [1] * len(spans),
                                [span[0].num_bytes for span in spans])
-        block_ids, num_blocks, nbytes = [], [], []
+        block_ids, span_lengths, num_bytes = [], [], []
         for span in spans:
-            if len(span) == 1:
-                block_ids.append(span[0].block_id)
-                nbytes.append(span[0].num_bytes)
-            else:
-                block_ids.extend(b.block_id for b in span)
-                nbytes.append(sum(b.num_bytes for b in span))
-            num_blocks.append(len(span))
-        return BlocksReply(block_ids, num_blocks, nbytes)
+            block_ids.extend(b.block_id for b in span)
+            span_lengths.append(len(span))
+            num_bytes.append(sum(b.num_bytes for b in span))
+        return BlocksReply(lease, block_ids, span_lengths, num_bytes)
 
     # ---------------------------------------------------------------- requests
     def _hello(self, session: Session, req: Hello) -> HelloReply:
@@ -264,12 +304,17 @@ class CacheService:
             raise RequestError(
                 "version", f"protocol version {req.version}; this daemon speaks {PROTOCOL_VERSION}"
             )
-        ns = None
-        if req.layout is not None:
-            ns = self._register_layout(req.layout)
+        if len(req.layouts) > MAX_LAYOUTS_PER_SESSION:
+            raise RequestError(
+                "bad_request", f"{len(req.layouts)} layouts in one HELLO (at most "
+                f"{MAX_LAYOUTS_PER_SESSION})"
+            )
+        if len(set(req.layouts)) != len(req.layouts):
+            raise RequestError("bad_request", "the same layout twice in one HELLO")
+        namespaces = [self._register_layout(layout) for layout in req.layouts]
         session.greeted = True
         session.name = req.name[:128]
-        session.ns = ns
+        session.namespaces = namespaces
         return HelloReply(
             session.session_id,
             self.config.name,
@@ -277,17 +322,12 @@ class CacheService:
             self.arena.block_bytes,
             self.arena.num_blocks,
             self.arena.capacity_bytes,
-            ns,
+            namespaces,
             os.getpid(),
         )
 
     def _register_layout(self, layout: Layout) -> int:
-        for field in ("world_size", "num_layers", "num_kv_heads", "head_size", "chunk_size",
-                      "chunk_bytes"):
-            if getattr(layout, field) < 1:
-                raise RequestError("bad_request", f"layout.{field} must be >= 1")
-        if not 0 <= layout.worker_id < layout.world_size:
-            raise RequestError("bad_request", "layout.worker_id must be in [0, world_size)")
+        # The schema (protocol.Layout) has already checked every field's range.
         if self.pool is None:
             block_bytes = self.config.block_bytes or self._block_bytes_for(layout)
             try:
@@ -296,14 +336,16 @@ class CacheService:
                 raise RequestError("too_large", str(exc)) from None
             self.pool = BlockPool(self.arena.num_blocks)
             logger.info(
-                "first layout (%s, chunk %d bytes) set block_bytes=%d: %d blocks",
-                layout.model_name, layout.chunk_bytes, block_bytes, self.arena.num_blocks,
+                "first layout (%s, chunk record %d bytes) set block_bytes=%d: %d blocks",
+                layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
             )
-        if layout.chunk_bytes > self.arena.num_blocks * self.arena.block_bytes:
+        if layout.record_bytes > self.arena.num_blocks * self.arena.block_bytes:
             raise RequestError(
                 "too_large",
-                f"a chunk of {layout.chunk_bytes} bytes does not fit in the arena",
+                f"a chunk record of {layout.record_bytes} bytes does not fit in the arena",
             )
+        if layout.fmt == "kv":  # a key-value adapter's record_bytes is only a size hint
+            layout = msgspec.structs.replace(layout, record_bytes=1)
         ns = self.namespaces.get(layout)
         if ns is None:
             ns = len(self.namespaces) + 1
@@ -316,57 +358,70 @@ class CacheService:
         record size rounded up to BLOCK_ALIGN_BYTES, but never so large that the arena
         has fewer than MIN_DERIVED_BLOCKS blocks (a larger record then spans several
         blocks), so that no client can shrink the usable arena for the others."""
-        wanted = -(-layout.chunk_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+        wanted = -(-layout.record_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
         usable = self.arena.capacity_bytes - HEADER_BYTES
         ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
         return max(BLOCK_ALIGN_BYTES, min(wanted, ceiling))
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply:
-        keys = self._chunk_keys(session, req.ns, req.hashes)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        pool = self._require_pool()
         self.stat_lookups += 1
-        return LookupReply(self._require_pool().num_ready_prefix(keys))
+        num_chunks = len(per_namespace[0])
+        for chunk_keys in per_namespace:
+            num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
+            if num_chunks == 0:
+                break
+        return LookupReply(num_chunks)
 
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply:
-        keys = self._chunk_keys(session, req.ns, req.hashes)
-        spans = self._require_pool().acquire_prefix(keys)
-        for span in spans:
-            session.add_pins(span)
-        return self._blocks_reply(spans)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        pool = self._require_pool()
+        num_chunks = len(per_namespace[0])
+        if len(per_namespace) > 1:  # the prefix READY in every namespace
+            for chunk_keys in per_namespace:
+                num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
+        spans = []
+        for chunk_keys in per_namespace:
+            spans.extend(pool.acquire_prefix(chunk_keys[:num_chunks]))
+            pool.stat_misses += len(chunk_keys) - num_chunks
+        return self._blocks_reply(self._lease(session, spans), spans)
 
-    def _release(self, session: Session, req: Release) -> Ok:
-        if not session.take_pins(req.block_ids):
-            raise RequestError("not_owner", "RELEASE of blocks this session did not pin")
-        if req.block_ids:
-            pool = self.pool
-            pool.free([pool.blocks[i] for i in req.block_ids])
-        return Ok()
+    def _release(self, session: Session, req: Release) -> None:
+        blocks = session.take_leases(req.leases)
+        if blocks is None:
+            raise RequestError("not_owner", f"RELEASE of leases this session does not hold "
+                               f"({req.leases[:8]}{'...' if len(req.leases) > 8 else ''})")
+        if blocks:
+            self.pool.free(blocks)
+        return None
 
     def _alloc(self, session: Session, req: Alloc) -> AllocReply:
         keys = self._chunk_keys(session, req.ns, req.hashes)
         pool = self._require_pool()
-        if len(req.nbytes) != len(keys) or any(n < 1 for n in req.nbytes):
-            raise RequestError("bad_request", "ALLOC needs one positive nbytes per hash")
-        status, block_ids, num_blocks = [], [], []
+        if len(req.num_bytes) != len(keys) or any(n < 1 for n in req.num_bytes):
+            raise RequestError("bad_request", "ALLOC needs one positive num_bytes per hash")
+        status, block_ids, span_lengths = [], [], []
         held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
         no_space = False
-        for key, nbytes in zip(keys, req.nbytes):
+        for key, num_bytes in zip(keys, req.num_bytes):
             span = pool.cached.get(key)
             if span is not None:
                 pool.touch(span)
                 held.extend(span)
                 status.append(EXISTS)
                 continue
-            blocks = None if no_space else self._allocate_value(session, key, nbytes, False)
+            blocks = None if no_space else self._allocate_value(session, key, num_bytes, False)
             if blocks is None:
                 no_space = True
                 status.append(NOSPACE)
                 continue
             status.append(ALLOCATED)
             block_ids.extend(b.block_id for b in blocks)
-            num_blocks.append(len(blocks))
+            span_lengths.append(len(blocks))
         if held:
             pool.free(held)
-        return AllocReply(status, block_ids, num_blocks)
+        return AllocReply(status, block_ids, span_lengths)
 
     def _commit(self, session: Session, req: Commit) -> Ok:
         values = session.take_pending(req.block_ids)
@@ -399,10 +454,10 @@ class CacheService:
 
     def _put(self, session: Session, req: Put) -> AllocReply:
         key = self._string_key(session, req.ns, req.key)
-        if req.nbytes < 1:
-            raise RequestError("bad_request", "PUT needs nbytes >= 1")
+        if req.num_bytes < 1:
+            raise RequestError("bad_request", "PUT needs num_bytes >= 1")
         self._require_pool()
-        blocks = self._allocate_value(session, key, req.nbytes, True)
+        blocks = self._allocate_value(session, key, req.num_bytes, True)
         if blocks is None:
             return AllocReply([NOSPACE], [], [])
         return AllocReply([ALLOCATED], [b.block_id for b in blocks], [len(blocks)])
@@ -410,9 +465,7 @@ class CacheService:
     def _get(self, session: Session, req: Get) -> BlocksReply:
         key = self._string_key(session, req.ns, req.key)
         spans = self._require_pool().acquire_prefix([key])
-        for span in spans:
-            session.add_pins(span)
-        return self._blocks_reply(spans)
+        return self._blocks_reply(self._lease(session, spans), spans)
 
     def _delete(self, session: Session, req: Delete) -> CountReply:
         key = self._string_key(session, req.ns, req.key)

@@ -1,7 +1,7 @@
 """One session per client connection: what it pinned and what it is writing.
 
-Why this file exists: a client may only RELEASE what it pinned and COMMIT/ABORT what it
-allocated, and when its connection ends (close, crash = EOF) everything it held is given
+Why this file exists: a client may only RELEASE the leases it holds and COMMIT/ABORT
+what it allocated, and when its connection ends (close, crash = EOF) everything it held is given
 back. The session is the record that makes both checks O(request).
 """
 
@@ -28,8 +28,8 @@ class Session:
         session_id: daemon-unique id (shown by `lmcached clients`).
         pid, uid, gid: peer credentials from SO_PEERCRED at accept.
         name: the client's self-description from HELLO.
-        ns: namespace id from HELLO's layout, or None (admin tools).
-        pins: block id -> number of pins this session holds on it.
+        namespaces: namespace ids of HELLO's layouts, in order (empty: admin tools).
+        leases: lease id -> the blocks it pinned (one ref each), from ACQUIRE / GET.
         writing: block id -> the PendingValue it belongs to (every block of it).
         num_requests: requests handled.
         created_at / last_request_at: time.monotonic() seconds.
@@ -41,9 +41,9 @@ class Session:
         "uid",
         "gid",
         "name",
-        "ns",
+        "namespaces",
         "greeted",
-        "pins",
+        "leases",
         "writing",
         "num_requests",
         "created_at",
@@ -56,49 +56,41 @@ class Session:
         self.uid = uid
         self.gid = gid
         self.name = ""
-        self.ns: int | None = None
+        self.namespaces: list[int] = []
         self.greeted = False
-        self.pins: dict[int, int] = {}
+        self.leases: dict[int, list[KVCacheBlock]] = {}
         self.writing: dict[int, PendingValue] = {}
         self.num_requests = 0
         self.created_at = self.last_request_at = time.monotonic()
 
     @property
     def num_pinned_blocks(self) -> int:
-        """Pins held, counting a block pinned twice twice."""
-        return sum(self.pins.values())
+        """Pins held by this session's leases, counting a block pinned twice twice."""
+        return sum(len(blocks) for blocks in self.leases.values())
 
     @property
     def num_writing_blocks(self) -> int:
         """Blocks allocated to this session and not yet committed or aborted."""
         return len(self.writing)
 
-    def add_pins(self, blocks: list[KVCacheBlock]) -> None:
-        """Record one pin on each of `blocks` (after the pool touched them)."""
-        pins = self.pins
-        for block in blocks:
-            pins[block.block_id] = pins.get(block.block_id, 0) + 1
+    def add_lease(self, lease: int, blocks: list[KVCacheBlock]) -> None:
+        """Record one pin on each of `blocks` (after the pool touched them) as `lease`."""
+        self.leases[lease] = blocks
 
-    def take_pins(self, block_ids: list[int]) -> bool:
-        """Remove one pin per listed id if this session holds them all; else change nothing.
+    def take_leases(self, leases: list[int]) -> list[KVCacheBlock] | None:
+        """Remove the listed leases if this session holds them all; else change nothing.
 
         Returns:
-            False when some id is not pinned by this session (often enough).
+            The blocks they pinned (one entry per pin), or None when some lease is not
+            held (unknown, already released, or listed twice).
         """
-        pins = self.pins
-        wanted: dict[int, int] = {}
-        for block_id in block_ids:
-            wanted[block_id] = wanted.get(block_id, 0) + 1
-        for block_id, count in wanted.items():
-            if pins.get(block_id, 0) < count:
-                return False
-        for block_id, count in wanted.items():
-            left = pins[block_id] - count
-            if left:
-                pins[block_id] = left
-            else:
-                del pins[block_id]
-        return True
+        held = self.leases
+        if len(set(leases)) != len(leases) or any(lease not in held for lease in leases):
+            return None
+        blocks = []
+        for lease in leases:
+            blocks.extend(held.pop(lease))
+        return blocks
 
     def add_pending(self, value: PendingValue) -> None:
         """Record a value being written by this session."""

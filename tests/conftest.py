@@ -8,11 +8,12 @@ import tempfile
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
-from lmcached.protocol import Connection, Info
+from lmcached.protocol import Clients, Connection, Info, Release, request_decoder
 from lmcached.shm.janitor import list_segments
 
 SEGMENT_LEAK_DEADLINE_S = 10.0
@@ -86,6 +87,12 @@ class DaemonProcess:
             sections = conn.request(Info()).sections
         return {k: v for fields in sections.values() for k, v in fields.items()}
 
+    def pins_held(self) -> int:
+        """Pins held by every session together (CLIENTS), counting a block pinned by two
+        leases twice (INFO's pinned_blocks counts blocks)."""
+        with Connection(self.socket) as conn:
+            return sum(row["pinned_blocks"] for row in conn.request(Clients()).clients)
+
 
 def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None,
                  preexec_fn=None) -> DaemonProcess:
@@ -131,3 +138,18 @@ def daemon_factory(unique_name, short_tmp):
 def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with a 64 MiB arena and 1 MiB blocks."""
     return daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+
+
+def is_release_frame(payload) -> bool:
+    """Whether the daemon leaves `payload` unanswered: it decodes to a RELEASE, or it is a
+    msgpack array tagged "release" that does not (its sender, `Connection.send`, reads no
+    reply either way)."""
+    try:
+        return isinstance(request_decoder.decode(payload), Release)
+    except Exception:  # noqa: BLE001 - not a valid request
+        pass
+    try:
+        message = msgspec.msgpack.decode(payload)
+    except Exception:  # noqa: BLE001 - not msgpack: answered with an Error
+        return False
+    return isinstance(message, list) and bool(message) and message[0] == "release"

@@ -107,7 +107,7 @@ def run_to_step(socket: str, step: str) -> None:
     if step == "alloc":
         engine.link.fill_and_commit = lambda *args: stop_at(step)
     elif step == "copy":
-        records = engine._record_io()
+        records = engine._record_io(engine.link.arena)
         write = records.write
 
         def half_write(span, chunk_hash, chunk_tokens, source, start, end):
@@ -131,7 +131,7 @@ def run_to_step(socket: str, step: str) -> None:
         assert views.num_tokens == len(STEP_TOKENS)
         stop_at(step)
     assert step == "lease", step
-    engine._release = lambda *args: stop_at(step)
+    engine.link.release = lambda *args: stop_at(step)
     engine.retrieve(STEP_TOKENS)
 
 

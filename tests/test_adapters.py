@@ -208,3 +208,41 @@ def test_two_consumers_never_receive_the_same_entry(daemon_factory):
         results.extend(json.loads(out))
     assert sorted(results) == list(range(40))  # every entry exactly once
     buf.close()
+
+
+def test_a_put_whose_copy_fails_is_aborted_and_a_get_leaves_no_pin(daemon, monkeypatch):
+    from lmcached.client.adapters import tensor_store
+    from lmcached.client.adapters.tensor_store import TensorStore, kv_namespace
+
+    store = TensorStore(kv_namespace("abort-test", 4096), socket=daemon.socket)
+    try:
+        assert store.put("kept", torch.arange(10))
+
+        def failing_scatter(*args):
+            raise OSError("copy failed half-way")
+
+        monkeypatch.setattr(tensor_store, "scatter", failing_scatter)
+        with pytest.raises(OSError, match="half-way"):
+            store.put("torn", torch.arange(10))
+        info = daemon.info()
+        assert info["writing_blocks"] == 0  # ABORTed at once, not at the session's end
+        monkeypatch.undo()
+        assert store.get("torn") is None and torch.equal(store.get("kept"), torch.arange(10))
+        assert store.contains("kept") and daemon.pins_held() == 0
+    finally:
+        store.close()
+
+
+def test_stores_of_one_name_share_keys_whatever_their_size_hint(daemon):
+    from lmcached.client.adapters.tensor_store import TensorStore, kv_namespace
+
+    hinted = TensorStore(kv_namespace("shared", 1 << 16), socket=daemon.socket)
+    plain = TensorStore(kv_namespace("shared", 0), socket=daemon.socket)
+    other = TensorStore(kv_namespace("another", 1 << 16), socket=daemon.socket)
+    try:
+        assert hinted.put("k", torch.arange(4))
+        assert torch.equal(plain.get("k"), torch.arange(4))  # the hint only sizes blocks
+        assert other.get("k") is None  # another name never meets it
+    finally:
+        for store in (hinted, plain, other):
+            store.close()

@@ -49,7 +49,7 @@ def test_checksummed_records_round_trip_and_carry_their_checksum(daemon):
             record = record_bytes(engine, block_id, 16)
             kind, _, checksum = RECORD_CHECKSUM.unpack_from(record, RECORD_HEADER.size)
             assert kind == CHECKSUM_XXH3_64
-            assert checksum == engine._record_io().checksum([block_id], 16)
+            assert checksum == engine._record_io(engine.link.arena).checksum([block_id], 16)
         got, ret_mask = engine.retrieve(TOKENS, return_tuple=False)
         assert bool(ret_mask.all()) and torch.equal(got, kv)
         with engine.retrieve_views(TOKENS) as views:
@@ -120,8 +120,9 @@ def test_records_spanning_several_blocks_are_checksummed(daemon_factory):
         got, _ = engine.retrieve(tokens, return_tuple=False)
         assert torch.equal(got, kv)
         # Flip one KV byte in the third block of the first record.
-        block_ids, spans = engine._acquire(np.asarray(tokens, dtype=np.int64), 0)[:2]
-        engine._release(block_ids, engine.link.generation)
+        run = engine._acquire(np.asarray(tokens, dtype=np.int64), 0)
+        spans = run.spans
+        run.release()
         assert [len(span) for span in spans] == [33, 19]
         arena = engine.link.arena
         arena.numpy_view(arena.block_offset(spans[0][2]) + 7, 1)[0] ^= 0x80

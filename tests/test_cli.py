@@ -1,5 +1,6 @@
 """The `lmcached` admin CLI against a real daemon, and without one (one line, exit 1)."""
 
+import importlib.metadata
 import json
 import os
 import re
@@ -39,7 +40,7 @@ def hashes(*ids: int) -> bytes:
 def store_chunks(daemon, ids) -> Connection:
     """Store chunks `ids` through a fresh session, left open (the caller closes it)."""
     conn = Connection(daemon.socket)
-    ns = hello(conn, "writer", LAYOUT).ns
+    ns = hello(conn, "writer", [LAYOUT]).namespaces[0]
     reply = conn.request(Alloc(ns, hashes(*ids), [1000] * len(ids)))
     conn.request(Commit(reply.block_ids))
     return conn
@@ -97,7 +98,7 @@ def test_info_unknown_section_fails_with_one_line(daemon):
 def test_clients_prints_one_line_per_client(daemon):
     workers = [Connection(daemon.socket) for _ in range(2)]
     for i, conn in enumerate(workers):
-        hello(conn, f"worker-{i}", LAYOUT)
+        hello(conn, f"worker-{i}", [LAYOUT])
     try:
         result = run_cli("clients", "--socket", daemon.socket)
     finally:
@@ -245,34 +246,198 @@ def test_console_script_without_daemon_has_no_traceback(command, short_tmp):
     assert proc.stderr.splitlines() == [f"lmcached: no daemon is running on {path}"]
 
 
-# ------------------------------------------------------------------------------ help
-def test_help_lists_the_commands_and_version():
-    result = run_cli("--help")
-    assert result.exit_code == 0
-    for command in ("serve", "info", "clients", "ping", "evict", "clear", "stop", "config"):
-        assert re.search(rf"^\s+{command}\s", result.stdout, re.MULTILINE), command
-    assert "--version" in result.stdout
-    result = run_cli("--version")
-    assert result.exit_code == 0 and re.search(r"\d+\.\d+\.\d+", result.stdout)
+# ------------------------------------------------------- version and unknown input
+def test_version_is_the_installed_distributions():
+    proc = subprocess.run([LMCACHED, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"lmcached, version {importlib.metadata.version('lmcached')}\n"
 
 
-def test_admin_help_names_socket_options_and_environment():
-    result = run_cli("info", "--help")
-    assert result.exit_code == 0
-    for needle in ("SECTION", "--json", "--socket", "LMCACHED_SOCKET", "--name"):
-        assert needle in result.stdout, needle
+def test_an_unknown_command_is_a_usage_error_that_names_it():
+    result = run_cli("infos")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "No such command 'infos'" in result.stderr
 
 
-def test_serve_help_names_every_option_and_environment_variable():
+# ------------------------------------------ every admin command finds the socket alike
+SOCKET_SOURCES = ["--socket", "LMCACHED_SOCKET", "--name", "LMCACHED_NAME", "default"]
+
+
+@pytest.mark.parametrize("source", SOCKET_SOURCES)
+@pytest.mark.parametrize("command", ADMIN_COMMANDS, ids=lambda c: c[0])
+def test_admin_command_finds_the_socket_from_each_source(command, source, short_tmp):
+    """Each admin command resolves its socket the same way: --socket, else
+    $LMCACHED_SOCKET, else NAME (--name or $LMCACHED_NAME, default "default") in
+    $RUNTIME_DIRECTORY. No daemon runs: the error line names the path it tried."""
+    runtime_dir = os.path.join(short_tmp, "run")
+    os.mkdir(runtime_dir, 0o700)
+    explicit = os.path.join(short_tmp, "explicit.sock")
+    env = {"LMCACHED_SOCKET": None, "LMCACHED_NAME": None, "RUNTIME_DIRECTORY": runtime_dir,
+           "XDG_RUNTIME_DIR": None}
+    args = []
+    expected = {
+        "--socket": explicit,
+        "LMCACHED_SOCKET": explicit,
+        "--name": os.path.join(runtime_dir, "llama.sock"),
+        "LMCACHED_NAME": os.path.join(runtime_dir, "llama.sock"),
+        "default": os.path.join(runtime_dir, "lmcached.sock"),
+    }[source]
+    if source == "--socket":
+        args = ["--socket", explicit]
+    elif source == "LMCACHED_SOCKET":
+        env["LMCACHED_SOCKET"] = explicit
+    elif source == "--name":
+        args = ["--name", "llama"]
+    elif source == "LMCACHED_NAME":
+        env["LMCACHED_NAME"] = "llama"
+    result = run_cli(*command, *args, env=env)
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == f"lmcached: no daemon is running on {expected}\n"
+
+
+def test_socket_option_wins_over_lmcached_socket(daemon, short_tmp):
+    dead = os.path.join(short_tmp, "dead.sock")
+    result = run_cli("ping", "--socket", daemon.socket, env={"LMCACHED_SOCKET": dead})
+    assert (result.exit_code, result.stdout) == (0, "PONG\n")
+
+
+def test_lmcached_socket_wins_over_the_name(daemon, short_tmp):
+    env = {"LMCACHED_SOCKET": daemon.socket, "RUNTIME_DIRECTORY": short_tmp}
+    result = run_cli("ping", "--name", "someone-else", env=env)
+    assert (result.exit_code, result.stdout) == (0, "PONG\n")
+
+
+def test_serve_help_shows_each_option_with_its_environment_variable():
     proc = subprocess.run([LMCACHED, "serve", "--help"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
-    for option in ("--config", "--name", "--socket", "--capacity", "--block-size",
-                   "--shm-mode", "--log-level", "--allow-group", "--max-clients",
-                   "--idle-timeout", "--buffer-budget"):
-        assert option in proc.stdout, option
-    daemon_vars = ["LMCACHED_CONFIG", *(f"LMCACHED_{key.upper()}"
-                                        for key in config.Settings.__struct_fields__)]
-    for name in daemon_vars:
+    options = ["--config", *(f"--{key.replace('_', '-')}"
+                             for key in config.Settings.__struct_fields__)]
+    help_text = " ".join(proc.stdout.split())  # undo click's wrapping
+    for i, option in enumerate(options):
+        # this option's entry: from its name to the next option's
+        end = help_text.index(f" {options[i + 1]} ") if i + 1 < len(options) else None
+        entry = help_text[help_text.index(f" {option} "):end]
+        name = "LMCACHED_" + option[2:].replace("-", "_").upper()
         assert name in envs.ENV_VARS, name
-        assert name in proc.stdout, name
+        assert f"[env var: {name}" in entry, entry
+    config_entry = help_text[help_text.index(" --config "):help_text.index(" --name ")]
+    assert "read from --config, else from $LMCACHED_CONFIG" in config_entry
+
+
+# --------------------------------------------------- serve: where each setting comes from
+DAEMON_VARS = [config.CONFIG_ENVVAR, *map(config.envvar_name, config.SETTINGS)]
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """`lmcached serve` with the daemon left out: the ServerConfigs it would have run.
+
+    No LMCACHED_* or runtime directory variable of the caller's environment leaks in.
+    """
+    configs = []
+    monkeypatch.setattr("lmcached.server.run_server", lambda cfg: configs.append(cfg) or 0)
+    monkeypatch.setattr("lmcached.cli.configure_logging", lambda level: None)
+    monkeypatch.setattr(config, "shm_free_bytes", lambda: 1 << 50)
+    for name in (*DAEMON_VARS, "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    return configs
+
+
+def serve(started: list, *args: str, env: dict | None = None):
+    """Run `lmcached serve ARGS`; returns (result, the ServerConfig started or None)."""
+    result = run_cli("serve", *args, env=env)
+    return result, (started.pop() if started else None)
+
+
+# key, its ServerConfig field, the value in the file (TOML), the environment, the command
+# line, and the effective value of each source, the default last
+SOURCES = [
+    ("capacity", "capacity_bytes", '"8MiB"', "16MiB", "32MiB",
+     (8 * MiB, 16 * MiB, 32 * MiB, config.default_capacity_bytes())),
+    ("max_clients", "max_clients", "7", "9", "11", (7, 9, 11, 1024)),
+    ("buffer_budget", "buffer_budget_bytes", "4194304", "2MiB", "4GB",
+     (4 * MiB, 2 * MiB, 4 * 10**9, 128 * MiB)),
+    ("name", "name", '"from-file"', "from-env", "from-flag",
+     ("from-file", "from-env", "from-flag", "default")),
+    ("log_level", "log_level", '"warning"', "error", "debug", ("WARNING", "ERROR", "DEBUG", "INFO")),
+    ("shm_mode", "shm_mode", "0o640", "0660", "0600", (0o640, 0o660, 0o600, 0o600)),
+]
+
+
+@pytest.mark.parametrize(("key", "field", "in_file", "in_env", "on_line", "effective"), SOURCES,
+                         ids=[source[0] for source in SOURCES])
+def test_serve_takes_flag_over_env_over_file_over_default(
+    started, tmp_path, key, field, in_file, in_env, on_line, effective
+):
+    from_file, from_env, from_line, default = effective
+    path = tmp_path / "lmcached.toml"
+    path.write_text(f"{key} = {in_file}\n")
+    env_var, option = config.envvar_name(key), config.option_name(key)
+
+    result, cfg = serve(started)
+    assert result.exit_code == 0, result.output
+    assert getattr(cfg, field) == default and cfg.config_file is None
+
+    # wherever --config stands on the line, the file applies to every setting
+    result, cfg = serve(started, "--idle-timeout", "1", "--config", str(path))
+    assert result.exit_code == 0, result.output
+    assert getattr(cfg, field) == from_file and cfg.config_file == str(path)
+    result, cfg = serve(started, env={config.CONFIG_ENVVAR: str(path)})
+    assert getattr(cfg, field) == from_file and cfg.config_file == str(path), result.output
+
+    result, cfg = serve(started, "--config", str(path), env={env_var: in_env})
+    assert getattr(cfg, field) == from_env, result.output
+
+    result, cfg = serve(started, "--config", str(path), option, on_line, env={env_var: in_env})
+    assert getattr(cfg, field) == from_line, result.output
+    assert cfg.cli_options == {key: on_line}
+
+
+def test_serve_reresolves_from_its_command_line_on_sighup(started, tmp_path):
+    """SIGHUP calls load_config with cli_options: a flag still beats the env and the file."""
+    path = tmp_path / "lmcached.toml"
+    path.write_text('log_level = "warning"\nmax_clients = 7\n')
+    result, cfg = serve(started, "--shm-mode", "0640", "--config", str(path), "--log-level",
+                        "debug", env={"LMCACHED_LOG_LEVEL": "error"})
+    assert result.exit_code == 0, result.output
+    assert cfg.cli_options == {"shm_mode": "0640", "log_level": "debug"}
+    path.write_text('log_level = "critical"\nmax_clients = 8\n')
+    fresh = config.load_config({**cfg.cli_options, "capacity": cfg.capacity_bytes},
+                               cfg.config_file, check_shm_free=False)
+    assert (fresh.log_level, fresh.shm_mode, fresh.max_clients) == ("DEBUG", 0o640, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "file_text", "message"),
+    [
+        ([], {"LMCACHED_MAX_CLIENTS": "lots"}, "",
+         r"LMCACHED_MAX_CLIENTS: invalid value 'lots': Expected `int`, got `str`"),
+        ([], {"LMCACHED_CAPACITY": "150%"}, "",
+         r"LMCACHED_CAPACITY: percentage '150%' must be in \(0, 100\]"),
+        ([], {}, 'max_clients = "10"\n',
+         r"max_clients in \S+/bad.toml: invalid value '10': Expected `int`, got `str`"),
+        ([], {}, "socket = 7\n", r"socket in \S+/bad.toml: invalid value 7: Expected `str`"),
+        ([], {}, 'capacity = "8 parsecs"\n', r"capacity in \S+/bad.toml: cannot parse size"),
+        (["--idle-timeout", "soon"], {}, "", r"--idle-timeout: invalid value 'soon'"),
+        ([], {}, "capcity = 1\n", r"unknown keys in \S+/bad.toml: \['capcity'\]"),
+    ],
+)
+def test_serve_refuses_a_bad_value_naming_its_source_and_starts_nothing(
+    started, tmp_path, args, env, file_text, message
+):
+    path = tmp_path / "bad.toml"
+    path.write_text(file_text)
+    result, cfg = serve(started, "--config", str(path), *args, env=env)
+    assert result.exit_code == 1 and cfg is None
+    assert re.search(rf"^Error: {message}", result.stderr, re.MULTILINE), result.stderr
+
+
+def test_serve_refuses_a_missing_config_file_naming_its_source(started, tmp_path):
+    path = str(tmp_path / "absent.toml")
+    result, cfg = serve(started, "--config", path)
+    assert (result.exit_code, cfg) == (1, None)
+    assert f"Error: --config: cannot read {path}: No such file" in result.stderr
+    result, cfg = serve(started, env={config.CONFIG_ENVVAR: path})
+    assert (result.exit_code, cfg) == (1, None)
+    assert f"Error: LMCACHED_CONFIG: cannot read {path}" in result.stderr

@@ -13,12 +13,12 @@ HASHES = [bytes([i]) * 16 for i in range(1, 4)]
 
 def alloc(link: DaemonLink) -> tuple[list[int], int]:
     hello = link.ensure_connected()
-    reply = link.request(Alloc(hello.ns, b"".join(HASHES), [4096] * len(HASHES)))
+    reply = link.request(Alloc(hello.namespaces[0], b"".join(HASHES), [4096] * len(HASHES)))
     return list(reply.block_ids), hello.generation
 
 
 def num_ready(link: DaemonLink) -> int:
-    return link.request(Lookup(link.hello_reply.ns, b"".join(HASHES))).num_chunks
+    return link.request(Lookup(link.hello_reply.namespaces, b"".join(HASHES))).num_chunks
 
 
 def writing_blocks(socket: str) -> int:
@@ -27,7 +27,7 @@ def writing_blocks(socket: str) -> int:
 
 
 def test_a_fill_that_raises_aborts_the_blocks_and_reraises(daemon):
-    link = DaemonLink(daemon.socket, layout=LAYOUT.to_wire())
+    link = DaemonLink(daemon.socket, layouts=[LAYOUT.to_wire()])
     try:
         block_ids, generation = alloc(link)
         assert block_ids and writing_blocks(daemon.socket) == len(block_ids)
@@ -49,7 +49,7 @@ def test_a_fill_that_raises_aborts_the_blocks_and_reraises(daemon):
 
 
 def test_a_commit_into_another_generation_is_not_sent(daemon):
-    link = DaemonLink(daemon.socket, layout=LAYOUT.to_wire())
+    link = DaemonLink(daemon.socket, layouts=[LAYOUT.to_wire()])
     try:
         block_ids, generation = alloc(link)
         assert link.fill_and_commit(block_ids, generation + 1, lambda: None) is False

@@ -9,9 +9,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcached.protocol import MAX_FRAME_BYTES, Connection, Info, Layout, Ping, encode_frame, hello
+from conftest import is_release_frame
+from lmcached.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Acquire,
+    Connection,
+    Hello,
+    Info,
+    Layout,
+    Lookup,
+    Ok,
+    Ping,
+    Release,
+    encode_frame,
+    hello,
+    reply_decoder,
+)
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
+FUZZ_HELLO = Hello(PROTOCOL_VERSION, 1, "fuzz", [LAYOUT])
 TAGS = ["hello", "lookup", "acquire", "release", "alloc", "commit", "abort", "put", "get",
         "delete", "scan", "info", "clients", "evict", "clear", "ping", "config_get", "nope"]
 SCALARS = st.one_of(
@@ -19,6 +36,7 @@ SCALARS = st.one_of(
     st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=64),
 )
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5), max_leaves=12)
+
 
 
 def frame(payload: bytes) -> bytes:
@@ -34,6 +52,14 @@ PAYLOADS = st.one_of(
     st.integers(min_value=MAX_FRAME_BYTES + 1, max_value=2**32 - 1).map(
         lambda n: struct.pack("<I", n) + b"x" * 16  # oversized frame header
     ),
+    # Well-typed v2 requests of the new shapes: RELEASE of any leases (no reply), LOOKUP
+    # and ACQUIRE of any namespace lists.
+    st.lists(st.integers(min_value=-(2**63), max_value=2**64 - 1), max_size=6).map(
+        lambda leases: encode_frame(Release(leases))
+    ),
+    st.tuples(st.sampled_from([Lookup, Acquire]),
+              st.lists(st.integers(min_value=-3, max_value=5), max_size=4),
+              st.binary(max_size=80)).map(lambda t: encode_frame(t[0](t[1], t[2]))),
 )
 
 
@@ -42,8 +68,7 @@ def send_garbage(path: str, greet: bool, data: bytes) -> None:
     sock.settimeout(10)
     sock.connect(path)
     if greet:
-        sock.sendall(encode_frame(msgspec.structs.replace(
-            __import__("lmcached.protocol", fromlist=["Hello"]).Hello(1, 1, "fuzz", LAYOUT))))
+        sock.sendall(encode_frame(FUZZ_HELLO))
         sock.recv(4096)
     try:
         sock.sendall(data)
@@ -115,31 +140,46 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
 
     from lmcached.protocol import Alloc, Commit
 
+    from test_frame_fuzz import RANK0, RANK1
+
     writer = Connection(daemon.socket)
-    ns = hello(writer, "writer", LAYOUT).ns
-    stored = writer.request(Alloc(ns, chunk_hashes(range(8)), [1000] * 8))
-    writer.request(Commit(stored.block_ids))
+    ns, _ = hello(writer, "writer", [RANK0, RANK1]).namespaces
+    for namespace in (ns, ns + 1):
+        stored = writer.request(Alloc(namespace, chunk_hashes(range(8)), [1000] * 8))
+        writer.request(Commit(stored.block_ids))
     rng = random.Random(1234)
-    num_frames = 0
+    num_frames = num_releases = 0
     for _ in range(10):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(30)
         sock.connect(daemon.socket)
-        stream = [encode_frame(msgspec.structs.replace(
-            __import__("lmcached.protocol", fromlist=["Hello"]).Hello(1, 1, "fuzz", LAYOUT)))]
+        # Lease ids are daemon-wide and sequential: this connection's first ACQUIRE
+        # gets the one after the writer's, so the fuzzed RELEASEs free real pins too.
+        first_lease = writer.request(Acquire([ns], chunk_hashes([0]))).lease + 1
+        writer.send(Release([first_lease - 1]))
+        stream = [encode_frame(Hello(PROTOCOL_VERSION, 1, "fuzz", [RANK0, RANK1]))]
+        expected_replies = 1
         for _ in range(500):
-            payload = mutate(rng.choice(seed_requests(ns, rng)), rng)
+            payload = mutate(rng.choice(seed_requests(ns, rng, first_lease)), rng)
             stream.append(struct.pack("<I", len(payload)) + payload)
+            is_release = is_release_frame(payload)
+            num_releases += is_release
+            expected_replies += not is_release
+        stream.append(encode_frame(Ping()))  # still in step after it all: its Ok comes last
+        expected_replies += 1
         sock.sendall(b"".join(stream))
         sock.shutdown(socket.SHUT_WR)
-        replies = 0
+        frames = []
         buf = b""
         while chunk := sock.recv(1 << 20):
             buf += chunk
         while len(buf) >= 4:
-            buf = buf[4 + int.from_bytes(buf[:4], "little"):]
-            replies += 1
-        assert replies == len(stream), daemon.log()[-1500:]  # one reply per frame, none lost
+            end = 4 + int.from_bytes(buf[:4], "little")
+            frames.append(buf[4:end])
+            buf = buf[end:]
+        # One reply per frame but a RELEASE, none lost, none extra, in step to the end.
+        assert len(frames) == expected_replies, daemon.log()[-1500:]
+        assert isinstance(reply_decoder.decode(frames[-1]), Ok)
         num_frames += len(stream)
         sock.close()
     writer.close()
@@ -152,5 +192,5 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
     assert blocks["pinned_blocks"] == 0 and blocks["writing_blocks"] == 0
     assert blocks["free_blocks"] + blocks["cached_blocks"] == blocks["num_blocks"]
     assert daemon.proc.poll() is None
-    assert num_frames >= 5000
+    assert num_frames >= 5000 and num_releases > 0
     admin.close()

@@ -244,7 +244,7 @@ def test_a_failed_connect_degrades_to_misses_with_one_warning(failure, daemon, s
     caplog.set_level(logging.WARNING, logger="lmcached")
     engine = CacheEngine.connect(layout, socket=path, data_timeout_s=DATA_TIMEOUT_S)
     try:
-        assert not engine.link.connected
+        assert engine.link.hello_reply is None
         assert_misses_with_one_warning(engine, caplog)
     finally:
         engine.close()
@@ -305,7 +305,7 @@ class FakeDaemon:
                 (length,) = struct.unpack("<I", header)
                 request = request_decoder.decode(conn.recv(length, socket.MSG_WAITALL))
                 if isinstance(request, Hello) and self.greet:
-                    conn.sendall(encode_frame(HelloReply(1, "fake", 1, 4096, 16, 65536, 7, 0)))
+                    conn.sendall(encode_frame(HelloReply(1, "fake", 1, 4096, 16, 65536, [7], 0)))
                 elif self.garbage:
                     conn.sendall(self.garbage)
                 else:
@@ -349,7 +349,7 @@ def test_a_connection_that_got_a_bad_reply_refuses_further_requests(garbage, sho
     try:
         with Connection(path, timeout_s=2) as conn:
             with pytest.raises(ConnectionError):
-                conn.request(protocol.Lookup(1, bytes(16)))
+                conn.request(protocol.Lookup([1], bytes(16)))
             with pytest.raises(ConnectionError, match="out of step"):
                 conn.request(Ping())
     finally:
@@ -362,9 +362,9 @@ def test_a_connection_that_got_a_bad_reply_refuses_further_requests(garbage, sho
 ])
 def test_any_request_failure_but_a_refusal_becomes_cache_unavailable(error, daemon,
                                                                      monkeypatch):
-    link = DaemonLink(daemon.socket, layout=small_layout().to_wire())
+    link = DaemonLink(daemon.socket, layouts=[small_layout().to_wire()])
     try:
-        ns = link.ensure_connected().ns
+        ns = link.ensure_connected().namespaces
 
         def fail(self, message, timeout_s=None):
             raise error
@@ -372,7 +372,7 @@ def test_any_request_failure_but_a_refusal_becomes_cache_unavailable(error, daem
         monkeypatch.setattr(Connection, "request", fail)
         with pytest.raises(CacheUnavailable):
             link.request(protocol.Lookup(ns, bytes(16)))
-        assert not link.connected  # dropped: a late reply must not answer the next one
+        assert link.hello_reply is None  # dropped: a late reply must not answer the next one
     finally:
         link.close()
 
@@ -384,7 +384,7 @@ def test_a_failing_detach_hook_does_not_block_the_reconnect_to_a_restarted_daemo
     args = ("--capacity", "16MiB", "--block-size", "64KiB")
     first = start_daemon(unique_name, path, os.path.join(short_tmp, "1.log"), *args)
     second = None
-    link = DaemonLink(path, layout=small_layout().to_wire(), data_timeout_s=1.0)
+    link = DaemonLink(path, layouts=[small_layout().to_wire()], data_timeout_s=1.0)
 
     def broken_detach(arena):
         raise RuntimeError("cudaHostUnregister failed")
@@ -398,7 +398,7 @@ def test_a_failing_detach_hook_does_not_block_the_reconnect_to_a_restarted_daemo
 
         def reconnected():
             try:
-                link.request(protocol.Lookup(link.ensure_connected().ns, bytes(16)))
+                link.request(protocol.Lookup(link.ensure_connected().namespaces, bytes(16)))
             except CacheUnavailable:  # the loss is noticed, then the backoff
                 return None
             return link.generation != old_generation

@@ -241,7 +241,7 @@ def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, 
     sent.clear()
     got, _ = engine.retrieve(tokens, return_tuple=False)
     assert torch.equal(got, kv)
-    assert sent == ["Acquire"] * 4 + ["Release"] * 4
+    assert sent == ["Acquire"] * 4 + ["Release"]  # one RELEASE frame carries every lease
     with engine.retrieve_views(tokens) as views:
         assert views.num_tokens == 100 and len(views.block_ids) == 7
         assert daemon.info()["pinned_blocks"] == 7
@@ -440,3 +440,87 @@ def test_hashes_are_a_prefix_chain():
     assert a[:2] == b[:2] and a[2] != b[2]
     c = hash_request_tokens(4, [1] + list(range(1, 10)))
     assert all(x != y for x, y in zip(a, c))  # a change in chunk 0 changes every hash
+
+
+# ------------------------------------------------------------------ protocol v2
+def spy_requests(monkeypatch, link) -> list[str]:
+    """Names of the requests `link` sends from now on, in order (RELEASE included)."""
+    sent = []
+    request = link.request
+    monkeypatch.setattr(link, "request",
+                        lambda msg, *a: sent.append(type(msg).__name__) or request(msg, *a))
+    return sent
+
+
+def test_a_retrieve_waits_for_one_round_trip(engine, daemon, monkeypatch):
+    tokens, kv = torch.arange(64), make_kv(engine.layout, 64)
+    engine.store(tokens, kv)
+    requests_before = daemon.info()["requests"]
+    sent = spy_requests(monkeypatch, engine.link)
+    got, _ = engine.retrieve(tokens, return_tuple=False)
+    assert torch.equal(got, kv)
+    # ACQUIRE (answered) and one RELEASE the engine does not wait for
+    assert sent == ["Acquire", "Release"]
+    info = daemon.info()  # INFO itself is one more request, answered after the RELEASE
+    assert info["requests"] - requests_before == 3 and info["pinned_blocks"] == 0
+
+
+def test_a_pinned_lookup_is_reused_by_the_retrieve_of_the_same_tokens(engine, daemon,
+                                                                      monkeypatch):
+    tokens, kv = torch.arange(64), make_kv(engine.layout, 64)
+    engine.store(tokens[:48], kv[:, :, :48])
+    hashed = []
+    real_hash = hash_request_tokens
+    monkeypatch.setattr("lmcached.client.engine.hash_request_tokens",
+                        lambda *a: hashed.append(1) or real_hash(*a))
+    sent = spy_requests(monkeypatch, engine.link)
+    assert engine.lookup(tokens, pin=True) == 48
+    assert daemon.info()["pinned_blocks"] == 3  # held between lookup and retrieve
+    got, ret_mask = engine.retrieve(tokens, mask=suffix_mask(64, 20), return_tuple=False)
+    assert torch.equal(got, kv[:, :, 20:48]) and int(ret_mask.sum()) == 28
+    assert sent == ["Acquire", "Release"] and len(hashed) == 1  # no second hash, no ACQUIRE
+    assert daemon.info()["pinned_blocks"] == 0
+    # consumed: the next retrieve of the same tokens asks the daemon again
+    sent.clear()
+    with engine.retrieve_views(tokens) as views:
+        assert views.num_tokens == 48
+    assert sent == ["Acquire", "Release"]
+
+
+def test_pinned_lookups_of_other_tokens_or_never_retrieved_are_unpinned(engine, daemon,
+                                                                        monkeypatch):
+    tokens, kv = torch.arange(64), make_kv(engine.layout, 64)
+    engine.store(tokens, kv)
+    assert engine.lookup(tokens, pin=True) == 64
+    # a retrieve of other tokens does not use (nor release) it
+    assert engine.retrieve(tokens[:32], return_tuple=False)[1].sum() == 32
+    assert daemon.info()["pinned_blocks"] == 4
+    assert engine.lookup_unpin(tokens) == 1 and engine.lookup_unpin(tokens) == 0
+    assert daemon.info()["pinned_blocks"] == 0
+    # a caller that pins and never retrieves cannot hold the arena: the oldest go
+    monkeypatch.setattr("lmcached.client.retrieve.MAX_PINNED_LOOKUPS", 2)
+    for _ in range(5):
+        engine.lookup(tokens, pin=True)
+    assert daemon.pins_held() == 2 * 4  # two leases on the same 4 blocks
+    engine.close()
+    assert daemon.pins_held() == 0 and daemon.info()["pinned_blocks"] == 0
+
+
+def test_a_refused_request_releases_the_leases_of_its_call(engine, daemon, monkeypatch):
+    tokens, kv = torch.arange(64), make_kv(engine.layout, 64)
+    engine.store(tokens, kv)
+    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 2)
+    real_request = engine.link.request
+    calls = []
+
+    def refuse_the_second_acquire(msg, *args):
+        calls.append(type(msg).__name__)
+        if calls.count("Acquire") == 2 and type(msg).__name__ == "Acquire":
+            msg = type(msg)([999], msg.hashes)  # a namespace not ours: refused
+        return real_request(msg, *args)
+
+    monkeypatch.setattr(engine.link, "request", refuse_the_second_acquire)
+    kv_got, ret_mask = engine.retrieve(tokens)
+    assert kv_got == () and not ret_mask.any()  # a refusal is a miss
+    assert calls == ["Acquire", "Acquire", "Release"]  # the first ACQUIRE's lease released
+    assert daemon.info()["pinned_blocks"] == 0

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from lmcached.client.hashing import as_token_array, hash_block_tokens, hash_request_tokens
 
-DOCUMENTED_SEED = 0x6C6D63616368  # b"lmcach", as hashing.py's docstring and DESIGN.md state
+DOCUMENTED_SEED = 0x6C6D63616368  # b"lmcach": hashing.py; docs/architecture.md, "Chunk hashes"
 DOCUMENTED_ROOT = b"\0" * 16
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)

@@ -27,6 +27,7 @@ from lmcached.protocol import (
     Lookup,
     Ok,
     Ping,
+    Release,
     encode_frame,
     hello,
     reply_decoder,
@@ -80,16 +81,20 @@ def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
 
 
 def test_frames_sent_in_one_write_are_all_answered_in_order(daemon):
+    """Every frame gets its reply, in order; a RELEASE (which has no reply, even when
+    refused) takes no place among them."""
     sock = raw_socket(daemon.socket)
-    frames = [Ping(), Info("stats"), Lookup(1, b"\x00" * 16), Ping(), Info("nope")]
+    frames = [Ping(), Info("stats"), Lookup([1], b"\x00" * 16), Release([5]), Ping(),
+              Info("nope")]
     sock.sendall(b"".join(encode_frame(f) for f in frames))
-    replies = read_replies(sock, len(frames))
+    replies = read_replies(sock, len(frames) - 1)
     assert isinstance(replies[0], Ok)
     assert isinstance(replies[1], InfoReply) and "stats" in replies[1].sections
     assert isinstance(replies[2], Error) and replies[2].code == "no_session"  # before HELLO
     assert isinstance(replies[3], Ok)
     assert isinstance(replies[4], Error) and replies[4].code == "bad_request"
     sock.close()
+    assert daemon.info()["errors_no_session"] == 2  # the LOOKUP's and the RELEASE's
 
 
 def test_invalid_utf8_frame_gets_bad_request_and_daemon_serves_on(daemon):
@@ -197,7 +202,7 @@ def test_unfinished_frame_is_dropped_after_a_few_seconds(daemon):
 def test_idle_timeout_closes_idle_sessions_only(daemon_factory):
     daemon = daemon_factory("--capacity", "16MiB", "--block-size", "1MiB", "--idle-timeout", "1")
     idle = Connection(daemon.socket)
-    hello(idle, "idle", LAYOUT)
+    hello(idle, "idle", [LAYOUT])
     busy = Connection(daemon.socket)
     hello(busy, "busy")
     deadline = time.monotonic() + 3.5

@@ -14,7 +14,7 @@ from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
-from lmcached.protocol import Acquire, Release
+from lmcached.protocol import Acquire
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 16, 2, 32
 LAYERS = ["layer.0", "layer.1", "layer.2"]
@@ -148,14 +148,13 @@ def test_a_saved_prompt_loads_into_another_workers_blocks(daemon_factory, device
     tokens = np.arange(100, 100 + 2 * CHUNK, dtype=np.int64)
     hashes = hash_request_tokens(CHUNK, tokens)
     first, second = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
-    pins = DaemonLink(daemon.socket, layout=settings.layouts[0].to_wire())
+    pins = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()])
     try:
         first.save([SaveSpec("a", 0, tokens, hashes, block_ids=[3, 5, 7, 9])])
         assert first.num_saved_chunks == 2 and daemon.info()["stores"] == 2
         # the scheduler's part: pin both chunks, plan a load into blocks 1, 2 and 4, 6
-        acquired = pins.request(Acquire(pins.ensure_connected().ns, b"".join(hashes)))
-        spans = [acquired.block_ids[:acquired.num_blocks[0]],
-                 acquired.block_ids[acquired.num_blocks[0]:]]
+        acquired = pins.request(Acquire(pins.ensure_connected().namespaces, b"".join(hashes)))
+        spans = acquired.spans()
         generation = pins.hello_reply.generation
 
         def plan(req_tokens):
@@ -171,7 +170,8 @@ def test_a_saved_prompt_loads_into_another_workers_blocks(daemon_factory, device
         second.load([plan(tokens + 1)])
         assert second.take_load_errors() == {1, 2, 4, 6} and second.num_load_errors == 2
         assert second.take_failed_chunks() == {"b": 0}
-        pins.request(Release(list(acquired.block_ids)))
+        pins.release([acquired.lease], pins.hello_reply.session_id)
+        assert daemon.info()["pinned_blocks"] == 0
     finally:
         pins.close()
         first.shutdown()

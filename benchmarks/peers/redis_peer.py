@@ -162,8 +162,8 @@ class RedisKV:
     def __init__(self, client, layout: KVLayout, batch_bytes: int = BATCH_BYTES) -> None:
         self.client = client
         self.layout = layout
-        self.chunk_bytes = layout.chunk_size * layout.token_bytes
-        self.batch_chunks = max(1, batch_bytes // self.chunk_bytes)
+        self.kv_bytes_per_chunk = layout.chunk_size * layout.token_bytes
+        self.batch_chunks = max(1, batch_bytes // self.kv_bytes_per_chunk)
         self.alias = layout.numpy_alias()[1]
 
     def keys(self, tokens) -> list[bytes]:

@@ -16,20 +16,10 @@ import msgspec
 import numpy as np
 import torch
 
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import gather, scatter
 from lmcached.logger import init_logger
-from lmcached.protocol import (
-    NOSPACE,
-    Commit,
-    DaemonError,
-    Delete,
-    Get,
-    Layout,
-    Put,
-    Release,
-    Scan,
-)
+from lmcached.protocol import NOSPACE, DaemonError, Delete, Layout, Put, Scan
 
 VALUE_MAGIC = 0x42564D4C  # "LMVB"
 VALUE_HEADER_BYTES = 128
@@ -55,7 +45,7 @@ def kv_namespace(name: str, value_bytes_hint: int = 1 << 20) -> Layout:
     """
     return Layout(model_name=name, world_size=1, worker_id=0, fmt="kv", dtype="uint8",
                   num_layers=1, num_kv_heads=1, head_size=1, chunk_size=1,
-                  chunk_bytes=value_bytes_hint + VALUE_HEADER_BYTES)
+                  record_bytes=value_bytes_hint + VALUE_HEADER_BYTES)
 
 
 class TensorStore:
@@ -70,7 +60,7 @@ class TensorStore:
     Every method degrades when the daemon is unavailable: `put` returns False, `get`
     None, `delete` False, `scan` [].
 
-    The namespace's value size hint (`chunk_bytes`) only sizes blocks; values of any
+    The namespace's value size hint (`record_bytes`) only sizes blocks; values of any
     size span blocks. A hint larger than the daemon's arena, which the daemon refuses
     ("too_large"), is dropped with a warning: the store opens the namespace of the same
     name without a hint (`kv_namespace(name, 0)`), and values that fit are stored.
@@ -78,20 +68,21 @@ class TensorStore:
 
     def __init__(self, namespace: Layout, socket: str | None = None, name: str = "default",
                  timeout_s: float = 10.0) -> None:
-        self.link = DaemonLink(socket, name, namespace, timeout_s, f"TensorStore({namespace.model_name})")
+        self.link = DaemonLink(socket, name, [namespace], timeout_s,
+                               f"TensorStore({namespace.model_name})")
         try:
             self.link.try_connect(strict=True)
         except DaemonError as exc:
-            no_hint = msgspec.structs.replace(namespace, chunk_bytes=VALUE_HEADER_BYTES)
+            no_hint = msgspec.structs.replace(namespace, record_bytes=VALUE_HEADER_BYTES)
             if exc.code != "too_large" or namespace == no_hint:
                 self.link.mark_down(str(exc))
                 return
             logger.warning(
                 "the daemon's arena cannot hold a %d-byte value (the size hint of namespace "
-                "%r): using the namespace without a hint", namespace.chunk_bytes,
+                "%r): using the namespace without a hint", namespace.record_bytes,
                 namespace.model_name,
             )
-            self.link.layout = no_hint
+            self.link.layouts = (no_hint,)
             self.link.try_connect()
         except Exception as exc:  # no daemon now: misses, and reconnects with back-off
             self.link.mark_down(f"{type(exc).__name__}: {exc}")
@@ -107,50 +98,48 @@ class TensorStore:
             False when not stored (arena full of pinned data, or no daemon).
 
         Raises:
-            ValueError: unsupported dtype or more than 8 dims.
+            ValueError: unsupported dtype, more than 8 dims, or an empty key.
         """
         if tensor.dtype not in _DTYPE_CODE or tensor.dim() > MAX_DIMS:
             raise ValueError(f"cannot store a {tensor.dim()}-d {tensor.dtype} tensor")
+        if not key:
+            raise ValueError("the key must be a non-empty string")
         data = tensor.detach().contiguous().cpu()
-        payload = data.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
+        payload = data.reshape(-1).view(torch.uint8).numpy()  # [num_bytes]
         link = self.link
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                reply = link.request(Put(hello.ns, key, VALUE_HEADER_BYTES + payload.size))
-                generation, arena = hello.generation, link.arena
-            if reply.status[0] == NOSPACE:
-                return False
-            header = np.zeros(VALUE_HEADER_BYTES, dtype=np.uint8)
-            shape = list(data.shape) + [0] * (MAX_DIMS - data.dim())
-            _HEADER.pack_into(header, 0, VALUE_MAGIC, _DTYPE_CODE[data.dtype], data.dim(), *shape)
-            scatter(arena, reply.block_ids, [header, payload])
-            link.request(Commit(reply.block_ids), generation)
-        except CacheUnavailable:
+        allocated = link.call(
+            "PUT", lambda snapshot: (snapshot.request(
+                Put(snapshot.ns, key, VALUE_HEADER_BYTES + payload.size)), snapshot), None)
+        if allocated is None:
             return False
-        except DaemonError as exc:
-            raise ValueError(f"the daemon refused PUT {key!r}: {exc}") from None
-        return True
+        reply, snapshot = allocated
+        if reply.status[0] == NOSPACE:
+            return False
+        header = np.zeros(VALUE_HEADER_BYTES, dtype=np.uint8)
+        shape = list(data.shape) + [0] * (MAX_DIMS - data.dim())
+        _HEADER.pack_into(header, 0, VALUE_MAGIC, _DTYPE_CODE[data.dtype], data.dim(), *shape)
+        return link.fill_and_commit(
+            reply.block_ids, snapshot.generation,
+            lambda: scatter(snapshot.arena, reply.block_ids, [header, payload]))
+
+    def _get(self, key: str, read):
+        """GET `key`, `read(arena, reply)` while it is pinned, RELEASE; None on a miss."""
+        def body(snapshot):
+            reply = snapshot.acquire_value(key)
+            if not reply.block_ids:
+                return None
+            try:
+                return read(snapshot.arena, reply)
+            finally:
+                snapshot.release()
+        return self.link.call("GET", body, None)
 
     def get(self, key: str) -> torch.Tensor | None:
         """A copy of the tensor under `key`, or None."""
-        link = self.link
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                reply = link.request(Get(hello.ns, key))
-                generation, arena = hello.generation, link.arena
-        except CacheUnavailable:
+        raw = self._get(key, lambda arena, reply: gather(arena, reply.block_ids,
+                                                         reply.num_bytes[0]))
+        if raw is None:
             return None
-        if not reply.block_ids:
-            return None
-        try:
-            raw = gather(arena, reply.block_ids, reply.nbytes[0])
-        finally:
-            try:
-                link.request(Release(reply.block_ids), generation)
-            except CacheUnavailable:
-                pass
         magic, code, ndim, *shape = _HEADER.unpack_from(raw, 0)
         if magic != VALUE_MAGIC or code >= len(_DTYPES) or ndim > MAX_DIMS:
             return None
@@ -159,32 +148,18 @@ class TensorStore:
 
     def delete(self, key: str) -> bool:
         """Remove `key`. Returns True when it existed."""
-        try:
-            hello = self.link.ensure_connected()
-            return self.link.request(Delete(hello.ns, key)).count == 1
-        except CacheUnavailable:
-            return False
+        return self.link.call(
+            "DELETE", lambda snapshot: snapshot.request(Delete(snapshot.ns, key)).count == 1,
+            False)
 
     def contains(self, key: str) -> bool:
         """True when `key` is stored (a GET and RELEASE, no copy)."""
-        link = self.link
-        try:
-            with link.lock:
-                hello = link.ensure_connected()
-                reply = link.request(Get(hello.ns, key))
-                if reply.block_ids:
-                    link.request(Release(reply.block_ids), hello.generation)
-        except CacheUnavailable:
-            return False
-        return bool(reply.block_ids)
+        return self._get(key, lambda arena, reply: True) is True
 
     def scan(self, prefix: str = "", limit: int = 100) -> list[str]:
         """Keys starting with `prefix`, at most `limit`."""
-        try:
-            hello = self.link.ensure_connected()
-            return self.link.request(Scan(hello.ns, prefix, limit)).keys
-        except CacheUnavailable:
-            return []
+        return self.link.call(
+            "SCAN", lambda snapshot: snapshot.request(Scan(snapshot.ns, prefix, limit)).keys, [])
 
     def close(self) -> None:
         """End the session."""

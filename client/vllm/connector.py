@@ -17,8 +17,10 @@ One engine step (the scheduler and the workers may be separate processes: they s
 only the pickled metadata, the daemon and its arena)::
 
     scheduler (EngineCore)                         worker (one per TP rank)
-    get_num_new_matched_tokens: LOOKUP per rank
-    update_state_after_alloc:   ACQUIRE per rank (pins the chunks to load)
+    get_num_new_matched_tokens: one ACQUIRE for
+      every rank's namespace (pins the hit)
+    update_state_after_alloc: plan the load on
+      those pins (no request)
     build_connector_meta: loads + saves  --meta-->  start_load_kv: check record headers,
                                                       copy blocks in (before the forward)
                                                     forward
@@ -26,6 +28,7 @@ only the pickled metadata, the daemon and its arena)::
                                                       chunks' blocks out, COMMIT
     update_connector_output: RELEASE the   <--out-- loaded steps; failed loads as invalid
       pins once every rank loaded them                block ids (vLLM recomputes them)
+      (no reply awaited)
 
 A chunk is `chunk_size` prompt tokens = `chunk_size / block_size` whole vLLM blocks. Its
 record is the layout's header (magic, token ids, fingerprint, checked before every load)

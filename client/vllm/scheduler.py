@@ -2,8 +2,13 @@
 
 Why this file exists: vLLM's scheduler (EngineCore) asks the connector how much of a
 prompt lmcached holds, tells it which blocks it allocated, and ships per-step metadata
-to the workers. This class answers those hooks against the daemon, one session per TP
-rank's namespace. It is vllm-free: vLLM objects (Request, KVCacheBlocks, SchedulerOutput)
+to the workers. This class answers those hooks against the daemon in one session that
+holds every tensor parallel rank's namespace. A request costs one synchronous round trip
+whatever the TP size (protocol v2): `get_num_new_matched_tokens` ACQUIREs the hit in
+every rank's namespace at once (a pinned lookup, after LMCache's lookup(pin=True)), and
+`update_state_after_alloc` plans the load on those pins instead of asking again; the
+pins are RELEASEd without waiting once every rank has loaded. Pinning at lookup also
+means a chunk vLLM was promised cannot be evicted before it is loaded. It is vllm-free: vLLM objects (Request, KVCacheBlocks, SchedulerOutput)
 are used through the attributes vLLM 0.32.0 gives them. Split from the connector after
 vLLM's NixlConnectorScheduler / LMCache's scheduler adapter.
 """
@@ -13,20 +18,28 @@ from typing import Any
 
 import numpy as np
 
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.daemon_link import chunks_per_request
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
-from lmcached.protocol import Acquire, DaemonError, Lookup, Release
 
 logger = init_logger(__name__)
 
 
 @dataclasses.dataclass
 class _Pins:
-    rank: int
-    generation: int
-    block_ids: list[int]
+    session_id: int  # the daemon session that holds the leases
+    leases: list[int]
+
+
+@dataclasses.dataclass
+class _PinnedLookup:
+    """What get_num_new_matched_tokens pinned, waiting for update_state_after_alloc."""
+
+    first_chunk: int
+    spans: list[list[list[int]]]  # per rank, the block ids of each pinned chunk
+    generations: list[int]  # per rank (-1: unreachable)
+    pins: list[_Pins]
 
 
 @dataclasses.dataclass
@@ -41,10 +54,11 @@ class _RequestState:
     epoch: int = 0
     load: LoadSpec | None = None  # allocated this step, not yet in the metadata
     pins: list[_Pins] = dataclasses.field(default_factory=list)  # pins of `load`
+    lookup: _PinnedLookup | None = None  # pinned by the last lookup, not yet allocated
 
 
 class LMCachedConnectorScheduler:
-    """Scheduler-side state of LMCachedConnector: one daemon session per TP rank.
+    """Scheduler-side state of LMCachedConnector: one daemon session for every TP rank.
 
     Args:
         settings: the connector's settings (layouts of every rank, sizes, daemon).
@@ -56,10 +70,9 @@ class LMCachedConnectorScheduler:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.num_matched_tokens = 0
-        self._links: list[DaemonLink] = [
-            settings.open_link(rank, f"vllm-scheduler(rank {rank})")
-            for rank in range(len(settings.layouts))
-        ]
+        self._world_size = len(settings.layouts)
+        self._link = settings.open_link(list(range(self._world_size)),
+                                        f"vllm-scheduler(tp {self._world_size})")
         self._requests: dict[str, _RequestState] = {}
         self._step = 0
         self._step_pins: dict[int, list[_Pins]] = {}
@@ -82,7 +95,13 @@ class LMCachedConnectorScheduler:
         return state
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond vLLM's own hit that lmcached holds (LOOKUP: no pins, no LRU change).
+        """Tokens beyond vLLM's own hit that lmcached holds, pinned until vLLM allocates.
+
+        One ACQUIRE covers every TP rank's namespace (the prefix READY in all of them).
+        The pins wait for `update_state_after_alloc`; a new call for the same request
+        (vLLM could not allocate and retries) releases them first, and
+        `request_finished` releases what is left. While a request waits, its hit stays
+        pinned and is not evicted.
 
         Args:
             request: the vLLM Request.
@@ -95,45 +114,35 @@ class LMCachedConnectorScheduler:
         state = self._request_state(request)
         if state is None:
             return 0
+        self._drop_lookup(state)
         chunk_size = self.settings.chunk_size
         state.num_local_tokens = num_computed_tokens
         first_chunk = num_computed_tokens // chunk_size
         max_chunks = min((len(request.prompt_token_ids) - 1) // chunk_size, len(state.hashes))
         if max_chunks * chunk_size <= num_computed_tokens:
             return 0
-        num_chunks = self._lookup(state.hashes[first_chunk:max_chunks])
+        spans, generations, pins = self._acquire(state.hashes[first_chunk:max_chunks])
+        state.lookup = _PinnedLookup(first_chunk, spans, generations, pins)
+        num_chunks = len(spans[0])
         return max((first_chunk + num_chunks) * chunk_size - num_computed_tokens, 0)
-
-    def _lookup(self, hashes: list[ChunkHash]) -> int:
-        """Leading chunks of `hashes` READY in every rank's namespace (0 if unreachable)."""
-        payload = b"".join(hashes)
-        num_chunks = len(hashes)
-        for link in self._links:
-            try:
-                ns = link.ensure_connected().ns
-                num_chunks = min(num_chunks, link.request(Lookup(ns, payload)).num_chunks)
-            except CacheUnavailable:
-                return 0
-            except DaemonError as exc:
-                logger.warning("LOOKUP refused: %s", exc)
-                return 0
-            if num_chunks == 0:
-                break
-        return num_chunks
 
     # -------------------------------------------------------------------- pins
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load.
+        """Plan the load of the chunks vLLM now expects, on the lookup's pins.
 
-        A chunk that cannot be pinned any more (evicted since LOOKUP, daemon gone) is
-        still planned: the workers report its blocks as a load error and vLLM
-        recomputes them.
+        Without a matching pinned lookup (the lookup was for another prefix), the chunks
+        are ACQUIREd now, in every rank's namespace at once. A chunk that cannot be
+        pinned (daemon gone) is still planned: the workers report its blocks as a load
+        error and vLLM recomputes them.
         """
         state = self._request_state(request)
         if state is None:
             return
+        lookup, state.lookup = state.lookup, None
         self._drop_load(state)  # an earlier allocation whose step never came
         if num_external_tokens == 0:
+            if lookup is not None:
+                self._release(lookup.pins)
             return
         chunk_size, block_size = self.settings.chunk_size, self.settings.block_size
         # [start, end) is what we matched: block aligned, ending on a chunk boundary
@@ -143,7 +152,15 @@ class LMCachedConnectorScheduler:
         first_chunk = start // chunk_size
         end_chunk = min(-(-end // chunk_size), len(state.hashes))
         hashes = state.hashes[first_chunk:end_chunk]
-        spans, generations, num_pinned = self._acquire(state, hashes)
+        if lookup is not None and lookup.first_chunk == first_chunk:
+            spans = [rank_spans[: len(hashes)] for rank_spans in lookup.spans]
+            generations, pins = lookup.generations, lookup.pins
+        else:
+            if lookup is not None:
+                self._release(lookup.pins)
+            spans, generations, pins = self._acquire(hashes)
+        state.pins.extend(pins)
+        num_pinned = len(spans[0])
         (vllm_block_ids,) = blocks.get_block_ids()[:1]
         bpc = self.settings.blocks_per_chunk
         block_offsets, block_ids = [], []
@@ -160,45 +177,48 @@ class LMCachedConnectorScheduler:
         state.num_saved_chunks = max(state.num_saved_chunks, first_chunk + num_pinned)
         self.num_matched_tokens += num_external_tokens
 
-    def _acquire(self, state: _RequestState, hashes: list[ChunkHash]):
-        """ACQUIRE `hashes` on every rank's session; pins go to `state.pins`.
+    def _acquire(self, hashes: list[ChunkHash]):
+        """ACQUIRE `hashes` in every rank's namespace at once (one round trip, split only
+        past `chunks_per_request`).
+
+        The daemon pins the prefix READY in every namespace, so each rank gets the same
+        number of chunks.
 
         Returns:
-            (spans per rank, generation per rank, chunks pinned on every rank).
+            (spans per rank, generation per rank (-1: unreachable), the pins to release).
         """
-        payload = b"".join(hashes)
-        spans, generations = [], []
-        for rank, link in enumerate(self._links):
-            rank_spans, generation = [], -1
-            try:
-                with link.lock:
-                    hello = link.ensure_connected()
-                    reply = link.request(Acquire(hello.ns, payload))
-                    generation = hello.generation
-            except CacheUnavailable:
-                reply = None
-            except DaemonError as exc:
-                logger.warning("ACQUIRE refused: %s", exc)
-                reply = None
-            if reply is not None:
-                if reply.block_ids:
-                    state.pins.append(_Pins(rank, generation, list(reply.block_ids)))
-                cursor = 0
-                for num_blocks in reply.num_blocks:
-                    rank_spans.append(reply.block_ids[cursor : cursor + num_blocks])
-                    cursor += num_blocks
-            spans.append(rank_spans)
-            generations.append(generation)
-        return spans, generations, min(len(s) for s in spans)
+        world_size = self._world_size
+        layout = self.settings.layouts[0]
+
+        def acquire(snapshot):
+            per_request = chunks_per_request(layout, snapshot.block_bytes, world_size)
+            rank_spans: list[list[list[int]]] = [[] for _ in range(world_size)]
+            for pos in range(0, len(hashes), per_request):
+                batch = hashes[pos : pos + per_request]
+                spans = snapshot.acquire(b"".join(batch)).spans()
+                found = len(spans) // world_size  # namespace-major: rank r's run is r-th
+                for rank in range(world_size):
+                    rank_spans[rank].extend(spans[rank * found : (rank + 1) * found])
+                if found < len(batch):
+                    break
+            pins = [_Pins(snapshot.session_id, list(snapshot.leases))] if snapshot.leases else []
+            return rank_spans, [snapshot.generation] * world_size, pins
+
+        acquired = self._link.call("ACQUIRE", acquire, None)
+        if acquired is None:
+            return [[] for _ in range(world_size)], [-1] * world_size, []
+        return acquired
 
     def _release(self, pins: list[_Pins]) -> None:
+        """RELEASE the leases (fire-and-forget: no wait on the daemon)."""
         for pin in pins:
-            try:
-                self._links[pin.rank].request(Release(pin.block_ids), pin.generation)
-            except CacheUnavailable:
-                pass  # the daemon is gone or restarted: its pins went with it
-            except DaemonError as exc:
-                logger.warning("RELEASE refused: %s", exc)
+            self._link.release(pin.leases, pin.session_id)
+
+    def _drop_lookup(self, state: _RequestState) -> None:
+        """Unpin what the request's last lookup pinned and no allocation used."""
+        if state.lookup is not None:
+            self._release(state.lookup.pins)
+            state.lookup = None
 
     def _drop_load(self, state: _RequestState) -> None:
         """Forget a planned load that was never sent to the workers; unpin it."""
@@ -263,11 +283,11 @@ class LMCachedConnectorScheduler:
         """Forget the request; unpin a load that never reached a step."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
+            self._drop_lookup(state)
             self._drop_load(state)
 
     def shutdown(self) -> None:
         """Close the sessions (the daemon releases every pin they hold)."""
-        for link in self._links:
-            link.close()
+        self._link.close()
         self._requests.clear()
         self._step_pins.clear()

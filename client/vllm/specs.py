@@ -46,15 +46,19 @@ class ConnectorSettings:
         """vLLM blocks in one chunk."""
         return self.chunk_size // self.block_size
 
-    def open_link(self, rank: int, client_name: str,
+    def open_link(self, ranks: list[int], client_name: str,
                   on_attach: Callable[[Arena], object] | None = None,
                   on_detach: Callable[[Arena], object] | None = None) -> DaemonLink:
-        """A daemon session in rank `rank`'s namespace; marked down (misses) if unreachable.
+        """A daemon session in the namespaces of `ranks` (one per rank, in order); marked
+        down (misses) if unreachable.
 
+        The scheduler opens one session for every rank, so that one LOOKUP or ACQUIRE
+        covers all of them; a worker opens its own rank's.
         `on_attach` / `on_detach` are called with each arena the session maps / unmaps
         (e.g. to page-lock it for CUDA copies).
         """
-        link = DaemonLink(self.socket, self.daemon_name, self.layouts[rank].to_wire(),
+        link = DaemonLink(self.socket, self.daemon_name,
+                          [self.layouts[rank].to_wire() for rank in ranks],
                           self.timeout_s, client_name)
         link.on_attach, link.on_detach = on_attach, on_detach
         link.try_connect()

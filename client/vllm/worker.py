@@ -16,11 +16,11 @@ import torch
 import xxhash
 
 from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister_arena
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.daemon_link import DaemonLink, chunks_per_request
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
-from lmcached.protocol import ALLOCATED, Alloc, DaemonError
+from lmcached.protocol import Alloc
 
 logger = init_logger(__name__)
 
@@ -183,24 +183,18 @@ class LMCachedConnectorWorker:
         # GPU blocks: page-lock the arena so copies run at pinned-memory speed (the
         # engine's cuda_register path); CPU blocks need nothing.
         hooks = (register_arena, unregister_arena) if paged.device.type == "cuda" else ()
-        self._link = self.settings.open_link(self.rank, f"vllm-worker(rank {self.rank})",
+        self._link = self.settings.open_link([self.rank], f"vllm-worker(rank {self.rank})",
                                              *hooks)
         logger.info("lmcached connector: rank %d/%d, %d layers, %d-byte pages, chunk %d tokens",
                     self.rank, self.settings.world_size, layout.num_layers, paged.page_bytes,
                     self.settings.chunk_size)
 
-    def _record_io(self) -> tuple[RecordIO, int] | None:
-        """(records of the current arena, its generation), or None if unreachable."""
-        if self._link is None:
-            return None
-        try:
-            hello = self._link.ensure_connected()
-        except CacheUnavailable:
-            return None
-        arena = self._link.arena
-        if self._records is None or self._records.arena is not arena:
-            self._records = RecordIO(arena, self.settings.layouts[self.rank], self._fingerprint)
-        return self._records, hello.generation
+    def _record_io(self, snapshot) -> RecordIO:
+        """Records of the snapshot's arena (re-made after a restart)."""
+        if self._records is None or self._records.arena is not snapshot.arena:
+            self._records = RecordIO(snapshot.arena, self.settings.layouts[self.rank],
+                                     self._fingerprint)
+        return self._records
 
     # ------------------------------------------------------------------ loads
     def load(self, loads: list[LoadSpec],
@@ -231,12 +225,12 @@ class LMCachedConnectorWorker:
 
     def _load(self, load: LoadSpec) -> int:
         """Load one request's chunks; the index of the first that failed, or -1."""
-        opened = self._record_io() if self._paged is not None else None
-        if opened is None:
+        snapshot = self._link.snapshot() if self._paged is not None else None
+        if snapshot is None:
             return 0
-        records, generation = opened
+        records = self._record_io(snapshot)
         spans = load.spans[self.rank]
-        if load.generations[self.rank] != generation:
+        if load.generations[self.rank] != snapshot.generation:
             return 0  # pinned in another arena generation: those ids mean nothing now
         chunk = self.settings.chunk_size
         for i, chunk_hash in enumerate(load.hashes):
@@ -261,7 +255,8 @@ class LMCachedConnectorWorker:
 
     # ------------------------------------------------------------------ saves
     def save(self, saves: list[SaveSpec]) -> None:
-        """Store this step's new full chunks: one ALLOC and one COMMIT for the step.
+        """Store this step's new full chunks: one ALLOC and one COMMIT for the step (more
+        only where one frame cannot carry them all: `chunks_per_request`).
 
         Chunks the daemon already holds are skipped (EXISTS), as are chunks of a
         request whose load failed in this epoch (their KV attended to bad blocks).
@@ -278,37 +273,31 @@ class LMCachedConnectorWorker:
                     seen.add(chunk_hash)
                     entries.append((chunk_hash, save.tokens[i * chunk : (i + 1) * chunk],
                                     save.block_ids[i * bpc : (i + 1) * bpc]))
-        if entries:
-            self._store(entries)
+        snapshot = self._link.snapshot() if entries else None
+        if snapshot is None:
+            return
+        # One ALLOC per step, split only where one frame could not carry it.
+        per_request = chunks_per_request(self.settings.layouts[self.rank], snapshot.block_bytes)
+        for pos in range(0, len(entries), per_request):
+            self._store(entries[pos : pos + per_request])
 
     def _store(self, entries: list[tuple[bytes, np.ndarray, list[int]]]) -> None:
         layout = self.settings.layouts[self.rank]
         link = self._link
-        try:
-            with link.lock:
-                opened = self._record_io()
-                if opened is None:
-                    return
-                records, generation = opened
-                record_bytes = layout.record_bytes(self.settings.chunk_size)
-                reply = link.request(Alloc(link.hello_reply.ns,
-                                           b"".join(h for h, _, _ in entries),
-                                           [record_bytes] * len(entries)))
-        except CacheUnavailable:
+        record_bytes = layout.record_bytes(self.settings.chunk_size)
+
+        def alloc(snapshot):
+            hashes = b"".join(h for h, _, _ in entries)
+            reply = snapshot.request(Alloc(snapshot.ns, hashes, [record_bytes] * len(entries)))
+            return reply, self._record_io(snapshot), snapshot.generation
+
+        allocated = link.call("ALLOC", alloc, None)
+        if allocated is None:
             return
-        except DaemonError as exc:
-            logger.warning("ALLOC refused, chunks not stored: %s", exc)
-            return
-        num_blocks = iter(reply.num_blocks)
-        cursor = 0
-        writes = []
-        for status, (chunk_hash, tokens, block_ids) in zip(reply.status, entries):
-            if status != ALLOCATED:
-                continue
-            span_len = next(num_blocks)
-            writes.append((reply.block_ids[cursor : cursor + span_len], chunk_hash, tokens,
-                           block_ids))
-            cursor += span_len
+        reply, records, generation = allocated
+        writes = [(span, chunk_hash, tokens, block_ids)
+                  for span, (chunk_hash, tokens, block_ids) in zip(reply.spans(), entries)
+                  if span is not None]
 
         def gather_into(dst: torch.Tensor, ids: list[int], span: list[int]) -> None:
             self._paged.gather(ids, dst)
