@@ -20,7 +20,7 @@ never map a stale segment. The header records the owner (pid, create time), so t
 janitor (`janitor.py`) can find and unlink the segments of a daemon that died.
 
 Writes into untouched shared memory pay a page fault per page and run several times
-slower than writes into touched memory (DESIGN.md, "Performance rules"), so `create`
+slower than writes into touched memory (docs/architecture.md, "Prefault"), so `create`
 prefaults every page.
 """
 

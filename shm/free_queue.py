@@ -28,7 +28,7 @@ BlockHash = NewType("BlockHash", Hashable)
 
 
 class BlockState(enum.IntEnum):
-    """Life cycle of an arena block (see DESIGN.md, "Block states")."""
+    """Life cycle of an arena block (see docs/architecture.md, "Block states")."""
 
     FREE = 0  # empty, no hash; in the free queue
     WRITING = 1  # allocated to one writer, invisible to readers; never in the free queue
