@@ -6,16 +6,18 @@ Every tamper below is one a stray or careless writer could do through the shared
 """
 
 import logging
+import os
+import struct
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from engine_worker import prompt_kv, small_layout
-from lmcached.client import CacheEngine, KVLayout
+from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 from lmcached.client.layout import (
     CHECKSUM_XXH3_64,
-    RECORD_CHECKSUM,
     RECORD_HEADER,
     RECORD_HEADER_BYTES,
 )
@@ -41,15 +43,34 @@ def record_bytes(engine: CacheEngine, block_id: int, num_tokens: int) -> np.ndar
     return arena.numpy_view(arena.block_offset(block_id), engine.layout.record_bytes(num_tokens))
 
 
+def segment_bytes(engine: CacheEngine, block_id: int, num_bytes: int) -> bytes:
+    """`num_bytes` of block `block_id` read from the segment's file in /dev/shm (a mapping
+    of our own, not the engine's)."""
+    arena = engine.link.arena
+    with open(f"/dev/shm{arena.segment_name}", "rb") as segment:
+        return os.pread(segment.fileno(), num_bytes, arena.block_offset(block_id))
+
+
 def test_checksummed_records_round_trip_and_carry_their_checksum(daemon):
+    # The record format as client/layout.py documents it, for chunk_size 16: identity
+    # (32 bytes) and integrity (kind u32, reserved u32, checksum u64) in a 64-byte header,
+    # int64 token ids from offset 64 (16 slots), KV from the next multiple of 64 (192);
+    # the checksum is xxh3-64 of identity || the chunk's token ids || its KV bytes.
     kv = prompt_kv(LAYOUT, TOKENS)
+    num_kv_bytes = kv[:, :, :16].numel() * 2  # bfloat16
     with connect(daemon, "checksum") as engine:
         assert engine.store(TOKENS, kv) == 3
-        for block_id in stored_blocks(engine, TOKENS):
-            record = record_bytes(engine, block_id, 16)
-            kind, _, checksum = RECORD_CHECKSUM.unpack_from(record, RECORD_HEADER.size)
-            assert kind == CHECKSUM_XXH3_64
-            assert checksum == engine._record_io(engine.link.arena).checksum([block_id], 16)
+        for i, block_id in enumerate(stored_blocks(engine, TOKENS)):
+            record = segment_bytes(engine, block_id, 192 + num_kv_bytes)
+            identity, token_ids, kv_bytes = record[:32], record[64:64 + 8 * 16], record[192:]
+            _, num_tokens, _, chunk_hash = struct.unpack("<IIQ16s", identity)
+            assert (num_tokens, chunk_hash) == (16, hash_request_tokens(16, TOKENS)[i])
+            assert token_ids == struct.pack("<16q", *TOKENS[16 * i : 16 * (i + 1)])
+            chunk_kv = kv[:, :, 16 * i : 16 * (i + 1)].contiguous()
+            assert kv_bytes == chunk_kv.view(torch.uint8).numpy().tobytes()
+            kind, reserved, checksum = struct.unpack_from("<IIQ", record, 32)
+            assert (kind, reserved) == (CHECKSUM_XXH3_64, 0)
+            assert checksum == xxhash.xxh3_64_intdigest(identity + token_ids + kv_bytes)
         got, ret_mask = engine.retrieve(TOKENS, return_tuple=False)
         assert bool(ret_mask.all()) and torch.equal(got, kv)
         with engine.retrieve_views(TOKENS) as views:

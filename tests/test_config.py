@@ -1,8 +1,11 @@
 """lmcached.config: sizes, byte formatting, socket path resolution, option precedence."""
 
 import os
+import types
 
+import psutil
 import pytest
+from click.testing import CliRunner
 
 from lmcached import config, envs
 from lmcached.config import (
@@ -139,10 +142,26 @@ def test_defaults_without_options_env_or_file(clean_env):
     cfg = load_config({})
     assert cfg.name == "default"
     assert cfg.socket == f"/tmp/lmcached-{os.getuid()}/default.sock"
-    assert cfg.capacity_bytes == config.default_capacity_bytes()
-    assert cfg.capacity_bytes <= 4 * GiB
+    # The documented default capacity: 4 GiB, and at most 25% of RAM.
+    assert cfg.capacity_bytes == min(4 * GiB, psutil.virtual_memory().total // 4)
     assert cfg.block_bytes == 0 and cfg.shm_mode == DEFAULT_SHM_MODE == 0o600
     assert cfg.log_level == "INFO" and cfg.allow_group is None and cfg.config_file is None
+
+
+@pytest.mark.parametrize(
+    ("ram_bytes", "expected"),
+    [
+        (2 * GiB, 512 * MiB),  # 25% of a small machine
+        (10 * GiB + 4, 10 * GiB // 4 + 1),
+        (16 * GiB, 4 * GiB),  # 25% is exactly 4 GiB
+        (16 * GiB + 4, 4 * GiB),
+        (1 << 40, 4 * GiB),  # 4 GiB on a large one
+    ],
+)
+def test_default_capacity_is_4gib_and_at_most_a_quarter_of_ram(clean_env, ram_bytes, expected):
+    clean_env.setattr(config, "shm_free_bytes", lambda: 1 << 50)
+    clean_env.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=ram_bytes))
+    assert load_config({}).capacity_bytes == expected
 
 
 def test_precedence_is_option_then_env_then_file_then_default(clean_env, tmp_path):
@@ -362,13 +381,48 @@ def test_limits_come_from_file_env_and_options_with_their_defaults(clean_env, tm
         11, 30.0, GiB)
 
 
-def test_every_setting_has_an_env_variable_and_a_serve_option():
-    from lmcached.cli import serve
+# For each setting: a valid value of its LMCACHED_* variable that is not the default, the
+# ServerConfig field it sets, and the effective value expected there.
+ENV_SETTINGS = {
+    "name": ("from-env", "name", "from-env"),
+    "socket": ("/run/from-env/d.sock", "socket", "/run/from-env/d.sock"),
+    "capacity": ("16MiB", "capacity_bytes", 16 * MiB),
+    "block_size": ("8KiB", "block_bytes", 8192),
+    "shm_mode": ("0640", "shm_mode", 0o640),
+    "log_level": ("error", "log_level", "ERROR"),
+    "allow_group": ("staff", "allow_group", "staff"),
+    "max_clients": ("9", "max_clients", 9),
+    "idle_timeout": ("2.5", "idle_timeout_s", 2.5),
+    "buffer_budget": ("2MiB", "buffer_budget_bytes", 2 * MiB),
+}
 
-    options = {opt for param in serve.params for opt in param.opts}
-    for key in config.Settings.__struct_fields__:
-        assert f"LMCACHED_{key.upper()}" in envs.ENV_VARS, key
-        assert f"--{key.replace('_', '-')}" in options, key
+
+@pytest.fixture
+def served(clean_env):
+    """`lmcached serve` with the daemon left out: the ServerConfigs it would have run."""
+    configs = []
+    clean_env.setattr("lmcached.server.run_server", lambda cfg: configs.append(cfg) or 0)
+    clean_env.setattr("lmcached.cli.configure_logging", lambda level: None)
+    clean_env.setattr(config, "shm_free_bytes", lambda: 1 << 50)
+    return configs
+
+
+@pytest.mark.parametrize("key", config.Settings.__struct_fields__)
+def test_every_setting_is_read_from_its_env_variable_and_its_serve_option(served, key):
+    from lmcached.cli import main
+
+    env_value, field, expected = ENV_SETTINGS[key]  # a KeyError: add the new setting above
+    variable = f"LMCACHED_{key.upper()}"
+    assert variable in envs.ENV_VARS, f"document {variable} in lmcached/envs.py"
+    result = CliRunner().invoke(main, ["serve"])
+    assert result.exit_code == 0, result.output
+    assert getattr(served.pop(), field) != expected  # the value is not the default
+    result = CliRunner(env={variable: env_value}).invoke(main, ["serve"])
+    assert result.exit_code == 0, result.output
+    assert getattr(served.pop(), field) == expected
+    result = CliRunner().invoke(main, ["serve", f"--{key.replace('_', '-')}", env_value])
+    assert result.exit_code == 0, result.output
+    assert getattr(served.pop(), field) == expected
 
 
 def test_allow_group_makes_the_arena_0660_unless_shm_mode_is_given(clean_env):

@@ -6,6 +6,7 @@ handled sends a PING after it and waits for its Ok (replies come in request orde
 
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -577,8 +578,16 @@ def test_capacity_beyond_dev_shm_is_refused_clearly(short_tmp):
          "--capacity", "100TiB"],
         capture_output=True, text=True, timeout=60,
     )
-    assert proc.returncode != 0
-    assert "more than /dev/shm has free" in proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    # One line: what was asked, where it came from, what /dev/shm has, and the fix.
+    match = re.fullmatch(
+        r"Error: capacity 100\.00T \(--capacity\) is more than /dev/shm has free "
+        r"\(([0-9.]+)([KMGT]?)\); ask for less, or enlarge /dev/shm\n", proc.stderr)
+    assert match, proc.stderr
+    free_bytes = float(match[1]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
+                                    "T": 1 << 40}[match[2]]
+    assert 0 < free_bytes <= shutil.disk_usage("/dev/shm").total
+    assert not os.path.exists(f"{short_tmp}/x.sock")
 
 
 def test_peer_of_another_uid_is_refused(daemon):

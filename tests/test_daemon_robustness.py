@@ -14,6 +14,9 @@ from lmcached.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Acquire,
+    Alloc,
+    Clients,
+    Commit,
     Connection,
     Hello,
     Info,
@@ -108,11 +111,37 @@ def test_daemon_survives_garbage_and_releases_everything(daemon):
     admin.close()
 
 
-def test_truncated_frame_then_close_is_harmless(daemon):
+def session_names(conn: Connection) -> list[str]:
+    """Names of the daemon's sessions (CLIENTS)."""
+    return [row["name"] for row in conn.request(Clients()).clients]
+
+
+@pytest.mark.parametrize("ending", ["close", pytest.param("timeout", marks=pytest.mark.slow)])
+def test_a_truncated_frame_closes_that_connection_and_ends_its_session(daemon, ending):
+    """A frame cut short, then EOF ("close") or nothing more ("timeout", after
+    PARTIAL_FRAME_TIMEOUT_S): the daemon closes that connection, releases what its
+    session pinned, and serves the others."""
+    admin = Connection(daemon.socket)
+    ns = hello(admin, "admin", [LAYOUT]).namespaces[0]
+    hashes = b"".join(i.to_bytes(16, "little") for i in range(3))
+    admin.request(Commit(admin.request(Alloc(ns, hashes, [1000] * 3)).block_ids))
+    victim = Connection(daemon.socket, timeout_s=30)
+    hello(victim, "truncated", [LAYOUT])
+    assert len(victim.request(Acquire([ns], hashes)).block_ids) == 3  # pins 3 blocks
+    assert "truncated" in session_names(admin) and daemon.pins_held() == 3
+    sock = victim._sock  # the raw stream: send what no Connection would
     payload = encode_frame(Ping())
-    send_garbage(daemon.socket, True, payload[: len(payload) - 1])
-    with Connection(daemon.socket) as conn:
-        conn.request(Ping())
+    sock.sendall(payload[:-1])
+    if ending == "close":
+        sock.shutdown(socket.SHUT_WR)
+    assert sock.recv(16) == b""  # the daemon closed it: at EOF, or after the timeout
+    victim.close()
+    stats = admin.request(Info("stats")).sections["stats"]
+    assert stats.get("errors_partial_frame_timeout", 0) == int(ending == "timeout")
+    assert session_names(admin) == ["admin"]
+    assert daemon.pins_held() == 0 and daemon.info()["pinned_blocks"] == 0
+    admin.request(Ping())
+    admin.close()
 
 
 def test_oversized_frame_closes_only_that_connection(daemon):
@@ -137,8 +166,6 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
     import random
 
     from test_frame_fuzz import chunk_hashes, mutate, seed_requests
-
-    from lmcached.protocol import Alloc, Commit
 
     from test_frame_fuzz import RANK0, RANK1
 

@@ -248,17 +248,28 @@ def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, 
     assert daemon.info()["pinned_blocks"] == 0
 
 
-def test_store_stops_at_the_first_request_without_space(daemon_factory, monkeypatch):
-    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 4)
+@pytest.mark.parametrize("max_chunks, allocs", [(None, 1), (4, 2)],
+                         ids=["one-request", "requests-of-4-chunks"])
+def test_store_when_full_stores_what_fits_and_stops_at_the_first_refusal(
+        daemon_factory, monkeypatch, max_chunks, allocs):
+    if max_chunks is not None:
+        monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", max_chunks)
     layout = make_layout()
     daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
     with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
-        assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10  # in 3 requests
-        with eng.retrieve_views(torch.arange(160)) as pinned:
+        assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10  # 1 or 3 requests
+        kv = make_kv(layout, 160, seed=1)
+        with eng.retrieve_views(torch.arange(160)) as pinned:  # pins all 10: 5 blocks free
             assert pinned.num_tokens == 160
-            assert eng.store(torch.arange(500, 660), make_kv(layout, 160, seed=1)) == 5
-        assert eng.num_nospace_chunks == 5  # 3 refused in the second request, 2 never asked
+            sent = spy_requests(monkeypatch, eng.link)
+            assert eng.store(torch.arange(500, 660), kv) == 5
+        # Requests of 4: the first ALLOC gets 4, the second 1 of 4 (3 refused), and the
+        # last 2 chunks are never asked for.
+        assert sent.count("Alloc") == allocs
+        assert eng.num_nospace_chunks == 5
         assert eng.lookup(torch.arange(500, 660)) == 80
+        got, ret_mask = eng.retrieve(torch.arange(500, 660), return_tuple=False)
+        assert int(ret_mask.sum()) == 80 and torch.equal(got, kv[:, :, :80])
 
 
 @pytest.mark.slow
@@ -361,18 +372,6 @@ def test_a_corrupted_record_is_a_counted_miss_never_wrong_kv(engine, daemon):
     assert daemon.info()["pinned_blocks"] == 0
 
 
-def test_store_when_full_stores_what_fits(daemon_factory):
-    layout = make_layout()
-    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
-    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
-        assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10
-        with eng.retrieve_views(torch.arange(160)) as views:  # pins all 10
-            assert views.num_tokens == 160
-            written = eng.store(torch.arange(500, 660), make_kv(layout, 160, seed=1))
-            assert written == 5 and eng.num_nospace_chunks == 5
-        assert eng.lookup(torch.arange(500, 660)) == 80
-
-
 def test_nonblocking_store_then_flush(engine):
     kv = make_kv(engine.layout, 64)
     assert engine.store(torch.arange(64), kv, blocking=False) == 0
@@ -431,15 +430,6 @@ def test_layout_validation_names_the_field():
     with pytest.raises(ValueError, match="dtype"):
         KVLayout("m", 1, 1, 1, dtype="int7")
     assert KVLayout("m", 1, 1, 1, dtype=torch.float16).dtype == "float16"
-
-
-def test_hashes_are_a_prefix_chain():
-    a = hash_request_tokens(4, np.arange(10))
-    b = hash_request_tokens(4, list(range(8)) + [0, 0])
-    assert len(a) == 3 and all(len(h) == 16 for h in a)
-    assert a[:2] == b[:2] and a[2] != b[2]
-    c = hash_request_tokens(4, [1] + list(range(1, 10)))
-    assert all(x != y for x, y in zip(a, c))  # a change in chunk 0 changes every hash
 
 
 # ------------------------------------------------------------------ protocol v2

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
-from lmcached.client import CacheEngine, hash_request_tokens
+from test_hashing import GOLDEN
+from lmcached.client import CacheEngine
 from lmcached.shm.janitor import list_segments
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
@@ -42,17 +44,27 @@ def test_another_tensor_parallel_rank_never_sees_the_chunks(daemon):
     assert run_worker("retrieve", daemon.socket, 0, 64, 0, 2)["hit"] == 64
 
 
+# Hashes every case of the golden table in a fresh interpreter: {case: [hex digest, ...]}.
+HASH_GOLDEN_CASES = textwrap.dedent("""
+    import json, sys
+    from lmcached.client import hash_request_tokens
+    cases = json.load(sys.stdin)
+    print(json.dumps({name: [h.hex() for h in hash_request_tokens(chunk_size, tokens)]
+                      for name, (chunk_size, tokens) in cases.items()}))
+""")
+
+
 @pytest.mark.slow
-def test_hashes_agree_across_processes_with_different_hash_seeds():
-    outputs = set()
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        proc = subprocess.run([sys.executable, WORKER, "hash", "-"], capture_output=True,
-                              text=True, timeout=60, env=env)
-        assert proc.returncode == 0, proc.stderr
-        outputs.add(proc.stdout.strip())
-    assert len(outputs) == 1
-    assert outputs.pop().split() == [h.hex() for h in hash_request_tokens(256, range(1000))]
+@pytest.mark.parametrize("hash_seed", ["1", "2"])
+def test_hashes_in_other_processes_are_the_golden_digests(hash_seed):
+    # Python's str/bytes hash is salted per process (PYTHONHASHSEED): chunk keys must not
+    # depend on it, so each child must produce tests/test_hashing.py's literal digests.
+    cases = {name: (chunk_size, tokens) for name, (chunk_size, tokens, _) in GOLDEN.items()}
+    proc = subprocess.run([sys.executable, "-c", HASH_GOLDEN_CASES], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONHASHSEED": hash_seed})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {name: digests for name, (_, _, digests) in GOLDEN.items()}
 
 
 @pytest.mark.slow

@@ -24,7 +24,6 @@ import psutil
 import pytest
 
 from conftest import start_daemon
-from lmcached import socket_path
 from lmcached.protocol import Clear, ConfigGet, Connection, Ping, hello
 from lmcached.shm.arena import Arena
 from lmcached.shm.janitor import list_segments
@@ -232,11 +231,62 @@ def test_client_check_passes_a_missing_directory_and_refuses_a_symlink(short_tmp
         check_client_socket_directory(os.path.join(short_tmp, "link", "d.sock"))
 
 
-def test_socket_path_errors_are_value_errors_and_default_path_is_importable_from_config():
-    from lmcached import config
+@pytest.mark.parametrize(
+    ("mode", "check", "problem", "fix"),
+    [
+        (0o777, check_socket_directory, "writable by every user", "chmod 0700 {dir}"),
+        (0o770, check_socket_directory, "mode 0770", "chmod 0750 {dir}"),
+        (0o777, check_client_socket_directory, "writable by every user", "chmod 0700 {dir}"),
+        ("symlink", check_socket_directory, "is a symlink", "rm {dir}"),
+        ("symlink", check_client_socket_directory, "is a symlink", "rm {dir}"),
+    ],
+    ids=["daemon-0777", "daemon-0770", "client-0777", "daemon-symlink", "client-symlink"],
+)
+def test_an_unsafe_socket_directory_is_a_value_error_naming_the_path_and_the_fix(
+        short_tmp, mode, check, problem, fix):
+    # Callers (config, CLI, DaemonLink.connect) catch ValueError: the error must be one.
+    directory = os.path.join(short_tmp, "sockets")
+    if mode == "symlink":
+        os.mkdir(os.path.join(short_tmp, "target"), 0o700)
+        os.symlink(os.path.join(short_tmp, "target"), directory)
+    else:
+        os.mkdir(directory)
+        os.chmod(directory, mode)
+    sock = os.path.join(directory, "d.sock")
+    with pytest.raises(ValueError) as excinfo:
+        check(sock)
+    message = str(excinfo.value)
+    assert sock in message and problem in message, message
+    assert fix.format(dir=directory) in message, message
 
-    assert issubclass(UnsafeSocketPathError, ValueError)
-    assert config.default_socket_path is socket_path.default_socket_path
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("LMCACHED_SOCKET", "{tmp}/explicit/x.sock", "{tmp}/explicit/x.sock"),
+        ("RUNTIME_DIRECTORY", "{tmp}/run:{tmp}/other", "{tmp}/run/llama.sock"),
+        ("XDG_RUNTIME_DIR", "{tmp}/xdg", "{tmp}/xdg/lmcached/llama.sock"),
+    ],
+    ids=["LMCACHED_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"],
+)
+def test_daemon_client_and_cli_find_the_same_default_socket(monkeypatch, short_tmp, variable,
+                                                            value, expected):
+    from click.testing import CliRunner
+
+    from lmcached.cli import main
+    from lmcached.client.daemon_link import DaemonLink
+    from lmcached.config import load_config
+
+    for name in ("LMCACHED_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value.format(tmp=short_tmp))
+    expected = expected.format(tmp=short_tmp)
+    daemon_side = load_config({"name": "llama", "capacity": "1MiB"}, check_shm_free=False)
+    assert daemon_side.socket == expected
+    assert DaemonLink(None, "llama").socket_path == expected
+    result = CliRunner().invoke(main, ["ping", "--name", "llama"])  # no daemon there
+    assert result.exit_code == 1
+    assert result.stderr == f"lmcached: no daemon is running on {expected}\n"
 
 
 # -------------------------------------------------- --allow-group with a real second uid
