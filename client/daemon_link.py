@@ -194,6 +194,31 @@ class Snapshot:
             self.leases.append(reply.lease)
         return reply
 
+    def acquire_chain(self, hashes: list[bytes], layout: "KVLayout") -> list[list[list[int]]]:
+        """ACQUIRE the longest prefix of the chunk chain `hashes` READY in every namespace
+        of the link, in as few requests as frames allow (`chunks_per_request`), recording
+        the leases.
+
+        Returns:
+            Per namespace (in the link's order), the block ids of each pinned chunk; every
+            namespace gets the same number of chunks.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        num_namespaces = len(self.namespaces)
+        per_request = chunks_per_request(layout, self.block_bytes, num_namespaces)
+        chains: list[list[list[int]]] = [[] for _ in range(num_namespaces)]
+        for pos in range(0, len(hashes), per_request):
+            batch = hashes[pos : pos + per_request]
+            spans = self.acquire(b"".join(batch)).spans()
+            found = len(spans) // num_namespaces  # namespace-major
+            for i, chain in enumerate(chains):
+                chain.extend(spans[i * found : (i + 1) * found])
+            if found < len(batch):
+                break
+        return chains
+
     def release(self) -> None:
         """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget
         them."""

@@ -385,14 +385,7 @@ class CacheEngine:
             return None
 
         def acquire(snapshot) -> PinnedChunks:
-            per_request = chunks_per_request(layout, snapshot.block_bytes)
-            spans: list[list[int]] = []
-            for pos in range(0, len(hashes), per_request):
-                batch = hashes[pos : pos + per_request]
-                reply = snapshot.acquire(b"".join(batch))
-                spans.extend(reply.spans())
-                if len(reply.span_lengths) < len(batch):
-                    break
+            (spans,) = snapshot.acquire_chain(hashes, layout)
             return PinnedChunks(self.link, token_array, first_chunk, spans,
                                 self._chunks(len(token_array), first_chunk)[: len(spans)],
                                 self._record_io(snapshot.arena), snapshot.session_id,

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from lmcached.client.daemon_link import chunks_per_request
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.logger import init_logger
@@ -191,16 +190,7 @@ class LMCachedConnectorScheduler:
         layout = self.settings.layouts[0]
 
         def acquire(snapshot):
-            per_request = chunks_per_request(layout, snapshot.block_bytes, world_size)
-            rank_spans: list[list[list[int]]] = [[] for _ in range(world_size)]
-            for pos in range(0, len(hashes), per_request):
-                batch = hashes[pos : pos + per_request]
-                spans = snapshot.acquire(b"".join(batch)).spans()
-                found = len(spans) // world_size  # namespace-major: rank r's run is r-th
-                for rank in range(world_size):
-                    rank_spans[rank].extend(spans[rank * found : (rank + 1) * found])
-                if found < len(batch):
-                    break
+            rank_spans = snapshot.acquire_chain(hashes, layout)
             pins = [_Pins(snapshot.session_id, list(snapshot.leases))] if snapshot.leases else []
             return rank_spans, [snapshot.generation] * world_size, pins
 
