@@ -383,7 +383,7 @@ class Server:
             return
         if not num_bytes:  # EOF: the client closed or died; answer what it sent first
             if conn.next_frame_end() == 0:
-                self._close(conn)
+                self._close_at_eof(conn)
             else:
                 conn.eof = True
                 self._update_events(conn)
@@ -439,7 +439,7 @@ class Server:
         if not has_frame or len(conn.outbuf) >= OUTBUF_PAUSE_BYTES:
             self._ready.pop(conn, None)
         if conn.eof and not has_frame and not conn.outbuf:
-            self._close(conn)
+            self._close_at_eof(conn)
             return
         self._update_events(conn)
 
@@ -497,7 +497,7 @@ class Server:
         if len(conn.outbuf) < OUTBUF_PAUSE_BYTES and has_frame:
             self._ready[conn] = None
         if conn.eof and not has_frame and not conn.outbuf:
-            self._close(conn)
+            self._close_at_eof(conn)
             return
         self._update_events(conn)
 
@@ -530,6 +530,14 @@ class Server:
         self.service.error(code, why)
         self._drop_log.warning("closing session %d (pid %d): %s",
                                conn.session.session_id, conn.session.pid, why)
+        self._close(conn)
+
+    def _close_at_eof(self, conn: ClientConnection) -> None:
+        """Close a client that shut down its side once it is served; a frame it left
+        unfinished is counted as errors_truncated_frame (its request was never seen)."""
+        if len(conn.inbuf) > conn.inpos:
+            self.service.error("truncated_frame", f"EOF after {len(conn.inbuf) - conn.inpos} "
+                               "bytes of an unfinished frame")
         self._close(conn)
 
     def _close(self, conn: ClientConnection) -> None:

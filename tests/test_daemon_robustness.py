@@ -138,6 +138,7 @@ def test_a_truncated_frame_closes_that_connection_and_ends_its_session(daemon, e
     victim.close()
     stats = admin.request(Info("stats")).sections["stats"]
     assert stats.get("errors_partial_frame_timeout", 0) == int(ending == "timeout")
+    assert stats.get("errors_truncated_frame", 0) == int(ending == "close")
     assert session_names(admin) == ["admin"]
     assert daemon.pins_held() == 0 and daemon.info()["pinned_blocks"] == 0
     admin.request(Ping())
