@@ -97,13 +97,7 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks = len(blocks)
         self.fake_head = KVCacheBlock(-1)
         self.fake_tail = KVCacheBlock(-1)
-        prev = self.fake_head
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-        prev.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = prev
+        self._splice(self.fake_head, blocks, self.fake_tail)
 
     def popleft(self) -> KVCacheBlock:
         """Remove and return the front block (an empty one, else the LRU cached one).
@@ -184,32 +178,27 @@ class FreeKVCacheBlockQueue:
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the back in their order, so blocks[-1] is evicted last
         (vLLM's `append_n`). The blocks must not be in the queue."""
-        if not blocks:
-            return
-        last = self.fake_tail.prev_free_block
-        for block in blocks:
-            last.next_free_block = block
-            block.prev_free_block = last
-            last = block
-        last.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = last
+        self._splice(self.fake_tail.prev_free_block, blocks, self.fake_tail)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the front in their order, so blocks[0] is handed out first
         (vLLM's `prepend_n`; `prepend_n(popleft_n(k))` leaves the queue as it was).
         The blocks must not be in the queue."""
-        if not blocks:
-            return
-        first = self.fake_head.next_free_block
-        prev = self.fake_head
+        self._splice(self.fake_head, blocks, self.fake_head.next_free_block)
+        self.num_free_blocks += len(blocks)
+
+    @staticmethod
+    def _splice(before: KVCacheBlock, blocks: list[KVCacheBlock],
+                after: KVCacheBlock) -> None:
+        """Link `blocks`, in order, between the adjacent nodes `before` and `after`."""
+        prev = before
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        prev.next_free_block = after
+        after.prev_free_block = prev
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """The queued blocks front to back; do not change the queue while iterating."""
