@@ -181,15 +181,14 @@ class Snapshot:
         """Send one request in this snapshot's generation (see `DaemonLink.request`)."""
         return self.link.request(message, self.generation)
 
-    def acquire(self, hashes: bytes, namespaces: list[int] | None = None) -> BlocksReply:
-        """ACQUIRE the READY prefix of `hashes` in `namespaces` (default: all of the link's),
-        recording its lease in `leases`.
+    def acquire(self, hashes: bytes) -> BlocksReply:
+        """ACQUIRE the prefix of `hashes` READY in every namespace of the link, recording
+        its lease in `leases`.
 
         Raises:
             CacheUnavailable, DaemonError: as `DaemonLink.request`.
         """
-        reply = self.request(Acquire(self.namespaces if namespaces is None else namespaces,
-                                     hashes))
+        reply = self.request(Acquire(self.namespaces, hashes))
         if reply.lease:
             self.leases.append(reply.lease)
         return reply
@@ -484,9 +483,8 @@ class DaemonLink:
             leases are released first).
         """
         with self.lock:
-            try:
-                snapshot = Snapshot(self, self.ensure_connected(), self.arena)
-            except CacheUnavailable:
+            snapshot = self.snapshot()
+            if snapshot is None:
                 return default
             try:
                 return body(snapshot)

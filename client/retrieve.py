@@ -63,6 +63,10 @@ class PinnedChunks:
         """Every block id of the verified chunks, in order."""
         return [block_id for span in self.spans for block_id in span]
 
+    def holds(self, tokens: np.ndarray) -> bool:
+        """Whether this run was pinned for exactly these tokens."""
+        return len(self.tokens) == len(tokens) and np.array_equal(self.tokens, tokens)
+
     def from_chunk(self, first_chunk: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """(spans, chunks) of the verified chunks from request chunk `first_chunk` on."""
         offset = max(first_chunk - self.first_chunk, 0)
@@ -113,7 +117,7 @@ class PinnedLookups:
         """Remove and return the oldest pinned run of exactly these tokens, if any."""
         with self._lock:
             for key, run in self._runs.items():
-                if len(run.tokens) == len(tokens) and np.array_equal(run.tokens, tokens):
+                if run.holds(tokens):
                     del self._runs[key]
                     return run
         return None
@@ -125,8 +129,7 @@ class PinnedLookups:
                 dropped = list(self._runs.values())
                 self._runs.clear()
             else:
-                keys = [key for key, run in self._runs.items()
-                        if len(run.tokens) == len(tokens) and np.array_equal(run.tokens, tokens)]
+                keys = [key for key, run in self._runs.items() if run.holds(tokens)]
                 dropped = [self._runs.pop(key) for key in keys]
         for run in dropped:
             run.release()
