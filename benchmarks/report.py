@@ -458,24 +458,35 @@ def plot_latency(results: dict, path: str) -> None:
 
 
 def write_outputs(results: dict, out_dir: str, stem: str) -> dict:
-    """Write <stem>.json, <stem>.md and the PNGs; returns their paths."""
+    """Write <stem>.json and <stem>.md, then the PNGs; returns the paths written.
+
+    The results are written before any plot is drawn, so a missing or failing matplotlib
+    loses no figure: the plots are skipped with a message.
+    """
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, f"{stem}.json"),
-             "markdown": os.path.join(out_dir, f"{stem}.md"),
-             "bandwidth_png": os.path.join(out_dir, f"{stem}-bandwidth.png")}
-    if results.get("scaling", {}).get("rounds"):
-        paths["latency_png"] = os.path.join(out_dir, f"{stem}-latency.png")
-    results["outputs"] = {k: os.path.basename(v) for k, v in paths.items()}
+             "markdown": os.path.join(out_dir, f"{stem}.md")}
+    plots = {}
     if results["lmcached"]:
-        plot_bandwidth(results, paths["bandwidth_png"])
-    if "latency_png" in paths:
-        plot_latency(results, paths["latency_png"])
+        plots["bandwidth_png"] = (plot_bandwidth, os.path.join(out_dir, f"{stem}-bandwidth.png"))
+    if results.get("scaling", {}).get("rounds"):
+        plots["latency_png"] = (plot_latency, os.path.join(out_dir, f"{stem}-latency.png"))
+    try:
+        import matplotlib  # noqa: F401  (only to know whether plots can be drawn)
+    except ImportError:
+        print("report: matplotlib is not installed; plots skipped "
+              "(pip install 'lmcached[bench]')", file=sys.stderr)
+        plots = {}
+    paths.update({name: path for name, (_, path) in plots.items()})
+    results["outputs"] = {k: os.path.basename(v) for k, v in paths.items()}
     markdown = render(results, markdown=True)
     images = [f"![{name}]({os.path.basename(p)})" for name, p in paths.items() if p.endswith(".png")]
     with open(paths["markdown"], "w") as f:
         f.write(markdown + "\n\n" + "\n".join(images) + "\n")
     with open(paths["json"], "w") as f:
         json.dump(results, f, indent=1, default=_json_default)
+    for plot, path in plots.values():
+        plot(results, path)
     return paths
 
 
