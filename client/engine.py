@@ -157,8 +157,7 @@ class CacheEngine:
 
     def _record_io(self, arena: Arena) -> RecordIO:
         """Record reader/writer for `arena` (re-made after a restart)."""
-        if self._records is None or self._records.arena is not arena:
-            self._records = RecordIO(arena, self.layout)
+        self._records = RecordIO.for_arena(self._records, arena, self.layout)
         return self._records
 
     def _skip_tokens(self, num_tokens: int, mask, chunk_aligned: bool) -> int:
@@ -446,6 +445,25 @@ class CacheEngine:
                 spans[num_ok],
             )
         return num_ok
+
+    def acquire(self, tokens: Tokens) -> PinnedChunks | None:
+        """Pin the cached chunk chain of `tokens` (from position 0) for reading in place.
+
+        The lower-level read under `retrieve` and `retrieve_views`, for callers that
+        gather from the arena blocks themselves (CacheBlend's retriever reads one layer
+        at a time). A pinned lookup of the same tokens is taken over.
+
+        Args:
+            tokens: `[num_tokens]` token ids.
+
+        Returns:
+            The pinned, verified run (`spans`: block ids per chunk; `chunks`: its
+            `[start, end)` token ranges; `records.kv_view(block_id, n)` reads a chunk in
+            place), or None when the daemon is unavailable. The caller must call
+            `.release()` when done reading; until then the blocks are neither evicted
+            nor rewritten.
+        """
+        return self._pinned(as_token_array(tokens), 0)
 
     def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None):
         """Copy out the KV of the longest cached prefix of `tokens` (after the mask).

@@ -49,6 +49,18 @@ class RecordIO:
         self._all_full_chunks: torch.Tensor | None = None
         self._headers: np.ndarray | None = None
 
+    @classmethod
+    def for_arena(cls, current: "RecordIO | None", arena: Arena, layout: KVLayout,
+                  fingerprint: int | None = None) -> "RecordIO":
+        """`current` when it reads `arena`, else a new reader (a restarted daemon's arena).
+
+        Its views of every block are built once per arena generation, so callers keep one
+        reader and pass it back here with each snapshot's arena.
+        """
+        if current is not None and current.arena is arena:
+            return current
+        return cls(arena, layout, fingerprint)
+
     # ------------------------------------------------------------------ write
     def write(
         self,

@@ -242,8 +242,6 @@ def main() -> None:
         print(json.dumps(run(socket, int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))))
     elif mode == "restart_client":
         print(json.dumps(restart_client(socket, int(sys.argv[3]), sys.argv[4])))
-    elif mode == "hash":
-        print(" ".join(h.hex() for h in hash_request_tokens(256, list(range(1000)))))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -191,9 +191,8 @@ class LMCachedConnectorWorker:
 
     def _record_io(self, snapshot) -> RecordIO:
         """Records of the snapshot's arena (re-made after a restart)."""
-        if self._records is None or self._records.arena is not snapshot.arena:
-            self._records = RecordIO(snapshot.arena, self.settings.layouts[self.rank],
-                                     self._fingerprint)
+        self._records = RecordIO.for_arena(self._records, snapshot.arena,
+                                           self.settings.layouts[self.rank], self._fingerprint)
         return self._records
 
     # ------------------------------------------------------------------ loads
