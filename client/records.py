@@ -157,12 +157,16 @@ class RecordIO:
         for start, end in ((0, RECORD_HEADER.size),
                            (RECORD_HEADER_BYTES, RECORD_HEADER_BYTES + 8 * num_tokens),
                            (self._kv_offset, self.layout.record_bytes(num_tokens))):
-            for piece in self._pieces(span, start, end):
+            for piece in self.pieces(span, start, end):
                 digest.update(piece)
         return digest.intdigest()
 
-    def _pieces(self, span: list[int], start: int, end: int) -> list[np.ndarray]:
-        """Bytes [start, end) of the record in `span`, as uint8 views of the arena."""
+    def pieces(self, span: list[int], start: int, end: int) -> list[np.ndarray]:
+        """Bytes [start, end) of the record in `span`, as uint8 views of the arena.
+
+        One view per block the range touches (a record larger than a block spans
+        several), in order; nothing is copied.
+        """
         block_bytes = self.arena.block_bytes
         pieces = []
         while start < end:
