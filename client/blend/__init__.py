@@ -18,7 +18,7 @@ What lives here:
 
 What it may import: torch, numpy and lmcached.client's core (engine, records, kv_io,
 cuda, hashing) and lmcached.logger; never transformers (the Hugging Face layer loop
-that drives these is `lmcached.client.hf`) nor vllm.
+that drives these is `lmcached.client.hf_blend`, behind `lmcached.client.hf`) nor vllm.
 """
 
 from lmcached.client.blend.executor import (
