@@ -25,16 +25,31 @@ KV: 32 layers, 8 KV heads, head_size 128, bfloat16 = 128 KiB per token, chunk 25
                     ratios to the same op without checksums in this run
 
     python benchmarks/bench_engine.py [--tokens 4096 16384] [--repeat 5] [--quick]
+
+With --metrics-cost it measures instead what Prometheus metrics cost (docs/metrics.md):
+two daemons, one with --metrics-port and a scrape of it every second, one without,
+used in turn in each round, half of the rounds in reverse order (store cold, retrieve
+out=, and a one-chunk lookup round trip), printed as on/off ratios; and the cost of one latency observation in the loop
+(`RequestLatency.observe`) against prometheus_client's `Histogram.observe`.
+
+    python benchmarks/bench_engine.py --metrics-cost [--quick] [--repeat 10]
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import os
+import socket as socketlib
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import timeit
+import typing
+import urllib.request
 from typing import Callable
 
 import numpy as np
@@ -45,7 +60,9 @@ from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
-from lmcached.protocol import Clear, Connection, hello
+from lmcached.launcher import temporary_daemon
+from lmcached.metrics import RequestLatency
+from lmcached.protocol import Clear, Connection, Lookup, hello
 
 LAYOUT = LLAMA_8B
 CROSS_PROCESS_STORE = """
@@ -240,17 +257,168 @@ def report(num_tokens: int, data: dict) -> list[tuple[str, bool, str]]:
     ] + checksum_rows
 
 
+def scrape_every(port: int, interval_s: float, stop: threading.Event, took: list) -> None:
+    """GET /metrics every `interval_s` until `stop`; appends each scrape's seconds to `took`."""
+    while not stop.wait(interval_s):
+        started = time.perf_counter()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+            reply.read()
+        took.append(time.perf_counter() - started)
+
+
+def observe_cost_ns(n: int = 200_000) -> tuple[float, float]:
+    """ns per latency observation: (RequestLatency.observe, prometheus_client Histogram
+    child .observe with the same buckets), median of 5 runs of n each."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from lmcached.metrics import LATENCY_BUCKETS_S
+
+    ours = RequestLatency([Lookup])
+    theirs = Histogram("bench_seconds", "bench", ["type"], registry=CollectorRegistry(),
+                       buckets=LATENCY_BUCKETS_S).labels("lookup")
+    ours_s = median(timeit.repeat(lambda: ours.observe(Lookup, 3e-5), number=n, repeat=5))
+    theirs_s = median(timeit.repeat(lambda: theirs.observe(3e-5), number=n, repeat=5))
+    return ours_s / n * 1e9, theirs_s / n * 1e9
+
+
+def snapshot_cost_us(num_namespaces: int = 8, n: int = 200) -> tuple[float, float]:
+    """us per scrape, in process: (take_snapshot, the loop's share; building the metric
+    families and encoding the text, the scrape thread's share), for a daemon with
+    `num_namespaces` namespaces and every request type in the latency histogram."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lmcached.config import ServerConfig
+    from lmcached.metrics import DaemonCollector, take_snapshot
+    from lmcached.protocol import PROTOCOL_VERSION, Hello, Request
+    from lmcached.service import CacheService
+    from lmcached.shm.arena import Arena
+
+    name = f"bench-snapshot-{os.getpid()}"
+    arena = Arena.create(name, 64 << 20, 4096, prefault=False)
+    try:
+        service = CacheService(ServerConfig(name=name, socket="/nonexistent", metrics_port=1),
+                               arena)
+        session = service.open_session(os.getpid(), os.getuid(), os.getgid())
+        layouts = [dataclasses.replace(LAYOUT, model_name=f"model-{i}").to_wire()
+                   for i in range(num_namespaces)]
+        service.handle(session, Hello(PROTOCOL_VERSION, os.getpid(), "bench", layouts))
+        for request_type in typing.get_args(Request):
+            service.latency.observe(request_type, 3e-5)
+        loop_s = median(timeit.repeat(lambda: take_snapshot(service), number=n, repeat=5))
+        snapshot = take_snapshot(service)
+
+        class Fixed:  # the scrape thread's work alone: the loop already answered
+            def request(self):
+                return snapshot
+
+        registry = CollectorRegistry()
+        registry.register(DaemonCollector(Fixed()))
+        text_s = median(timeit.repeat(lambda: generate_latest(registry), number=n, repeat=5))
+        service.close_session(session)
+    finally:
+        arena.close()
+    return loop_s / n * 1e6, text_s / n * 1e6
+
+
+def in_both_orders(fns: dict[str, Callable[[], object]], rounds: int,
+                   setup: Callable[[], object] | None = None) -> dict:
+    """`time_in_turn` of `fns` for `rounds` rounds, half of them in reverse order, so that
+    neither op always runs first."""
+    samples = time_in_turn(fns, rounds - rounds // 2, setup)
+    backwards = time_in_turn(dict(reversed(fns.items())), rounds // 2, setup)
+    return {name: samples[name] + backwards[name] for name in fns}
+
+
+def bench_metrics_cost(token_counts: list[int], rounds: int, capacity_mib: int) -> None:
+    """Print store / retrieve GB/s and a lookup round trip with metrics on (scraped every
+    second) and off, the two daemons used in turn in each round."""
+    with socketlib.socket() as probe:  # a free port, chosen by the kernel
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["--capacity", f"{capacity_mib}MiB", "--block-size", record_block_size(LAYOUT),
+            "--log-level", "WARNING"]
+    stop, took = threading.Event(), []
+    with contextlib.ExitStack() as stack:
+        pid = os.getpid()
+        sockets = {
+            "off": stack.enter_context(temporary_daemon(*args, name=f"bench-off-{pid}")),
+            "on": stack.enter_context(temporary_daemon(*args, "--metrics-port", str(port),
+                                                       name=f"bench-on-{pid}")),
+        }
+        engines = {c: stack.enter_context(CacheEngine.connect(LAYOUT, socket=s, strict=True))
+                   for c, s in sockets.items()}
+        admins = {c: stack.enter_context(Connection(s)) for c, s in sockets.items()}
+        for admin in admins.values():
+            hello(admin, "bench-admin")
+        scraper = threading.Thread(target=scrape_every, args=(port, 1.0, stop, took))
+        scraper.start()
+        stack.callback(scraper.join)
+        stack.callback(stop.set)
+        print(f"\nmetrics cost: 'on' has --metrics-port {port} and a scrape every 1 s; "
+              f"{rounds} rounds, on and off in turn")
+        print(f"{'tokens':>7} {'op':>9} {'off GB/s':>9} {'on GB/s':>8} {'on/off median':>14} "
+              f"{'on/off mean':>12}")
+        for num_tokens in token_counts:
+            nbytes = num_tokens * LAYOUT.token_bytes
+            tokens = torch.arange(num_tokens) + 1_000_000 * num_tokens
+            src, dst = filled_blob(num_tokens, 1.25), filled_blob(num_tokens, 0.0)
+            alias = LAYOUT.numpy_alias()[0]
+            src_np, dst_np = src.view(alias).numpy(), dst.view(alias).numpy()
+            memcpy_s = median(time_it(lambda: np.copyto(dst_np, src_np), rounds))
+            print(f"{num_tokens:>7} {'memcpy':>9} {nbytes / memcpy_s / GB:9.2f}")
+            samples = in_both_orders({f"store {c}": functools.partial(e.store, tokens, src)
+                                      for c, e in engines.items()}, rounds,
+                                     setup=lambda: [a.request(Clear()) for a in admins.values()])
+            for engine in engines.values():  # the last CLEAR emptied the other daemon
+                engine.store(tokens, src)
+            samples.update(in_both_orders({
+                f"retrieve {c}": functools.partial(e.retrieve, tokens, return_tuple=False, out=dst)
+                for c, e in engines.items()}, rounds))
+            for engine in engines.values():
+                dst.zero_()
+                _, ret_mask = engine.retrieve(tokens, return_tuple=False, out=dst)
+                assert bool(ret_mask.all()) and torch.equal(dst, src), "retrieved bytes differ"
+            for op in ("store", "retrieve"):
+                off, on = samples[f"{op} off"], samples[f"{op} on"]
+                print(f"{num_tokens:>7} {op:>9} {nbytes / median(off) / GB:9.2f} "
+                      f"{nbytes / median(on) / GB:8.2f} {median(off) / median(on):13.3f}x "
+                      f"{sum(off) / sum(on):11.3f}x")
+        one_chunk = torch.arange(LAYOUT.chunk_size) + 42
+        for engine in engines.values():
+            engine.store(one_chunk, filled_blob(LAYOUT.chunk_size, 1.0))
+        lookups = 500
+        samples = in_both_orders({c: lambda e=e: [e.lookup(one_chunk) for _ in range(lookups)]
+                                  for c, e in engines.items()}, rounds)
+        off_us, on_us = (median(samples[c]) / lookups * 1e6 for c in ("off", "on"))
+        print(f"lookup round trip (1 chunk): off {off_us:.1f} us, on {on_us:.1f} us "
+              f"(time on/off {on_us / off_us:.3f}x)")
+    print(f"scrapes: {len(took)}, median {median(took) * 1e3:.1f} ms each" if took else
+          "scrapes: none (the run took less than 1 s)")
+    ours_ns, theirs_ns = observe_cost_ns()
+    print(f"one latency observation: RequestLatency.observe {ours_ns:.0f} ns, prometheus_client "
+          f"Histogram.observe {theirs_ns:.0f} ns")
+    loop_us, text_us = snapshot_cost_us()
+    print(f"one scrape in process (8 namespaces, every request type): take_snapshot on the "
+          f"loop {loop_us:.0f} us, families + text on the scrape thread {text_us:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, 3 repeats "
+                        "(10 rounds with --metrics-cost)")
+    parser.add_argument("--metrics-cost", action="store_true",
+                        help="store / retrieve with metrics scraped every second vs off")
     args = parser.parse_args()
     if args.quick:
-        args.tokens, args.repeat = [1024, 4096], 3
+        args.tokens, args.repeat = [1024, 4096], 10 if args.metrics_cost else 3
     torch.set_num_threads(2)
     longest = max(args.tokens)
     capacity_mib = longest * LAYOUT.token_bytes * 5 // 4 // 2**20 + 256
+    if args.metrics_cost:
+        bench_metrics_cost(args.tokens, args.repeat, capacity_mib)
+        return
     print(f"layout: {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} KV heads x "
           f"{LAYOUT.head_size} x bf16 = {LAYOUT.token_bytes // 1024} KiB/token, "
           f"chunk {LAYOUT.chunk_size}; arena {capacity_mib} MiB; median of {args.repeat}")

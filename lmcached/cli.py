@@ -5,8 +5,9 @@
     lmcached ping | stop | config | clear [--yes] | evict (--lru N | --key K)
     lmcached demo [--workers 2]
 
-Every admin command takes --socket / --name; when no daemon answers it prints one line
-and exits with status 1.
+Every admin command takes --socket / --name. Every error, a daemon that does not start
+included, is one `Error: ...` line on stderr and exit status 1 (click's usage errors:
+status 2, with the usage).
 """
 
 import json
@@ -33,7 +34,7 @@ from lmcached.socket_path import (
     check_client_socket_directory,
     default_socket_path,
 )
-from lmcached.stats import render_clients, render_info
+from lmcached.stats import blocks_note, render_clients, render_info
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,14 +60,18 @@ def serve(ctx: click.Context, **_settings) -> None:
     (`max_clients = 512`; no file is read when neither is given), its default. It has
     the same type in each.
     """
-    from lmcached.server import run_server
+    from lmcached.server import StartupError, run_server
 
     try:
         config = config_from_context(ctx)
     except OSError as exc:  # /dev/shm cannot be inspected
         raise click.ClickException(str(exc)) from None
     configure_logging(config.log_level)
-    sys.exit(run_server(config))
+    try:
+        status = run_server(config)
+    except StartupError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(status)
 
 
 def _admin_options(func):
@@ -77,26 +82,26 @@ def _admin_options(func):
 
 
 def _request(socket_path: str | None, name: str, message):
-    """Send one admin request; a missing daemon is one line and exit status 1."""
+    """Send one admin request and return the reply.
+
+    Raises:
+        click.ClickException: no daemon, an unsafe socket directory, a broken connection,
+            or an Error reply (printed as one `Error: ...` line, exit status 1).
+    """
     path = socket_path or default_socket_path(name)
     try:
         check_client_socket_directory(path)
-    except UnsafeSocketPathError as exc:
-        click.echo(f"lmcached: {exc}", err=True)
-        sys.exit(1)
-    try:
         with Connection(path, timeout_s=10.0) as conn:
             hello(conn, "lmcached-cli")
             return conn.request(message)
+    except UnsafeSocketPathError as exc:
+        raise click.ClickException(str(exc)) from None
     except (FileNotFoundError, ConnectionRefusedError):
-        click.echo(f"lmcached: no daemon is running on {path}", err=True)
-        sys.exit(1)
+        raise click.ClickException(f"no daemon is running on {path}") from None
     except (ConnectionError, TimeoutError, OSError) as exc:
-        click.echo(f"lmcached: cannot talk to the daemon on {path}: {exc}", err=True)
-        sys.exit(1)
-    except DaemonError as exc:
-        click.echo(f"lmcached: the daemon refused: {exc}", err=True)
-        sys.exit(1)
+        raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
+    except DaemonError as exc:  # "<code>: <message>", the code as INFO counts it
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
@@ -104,9 +109,19 @@ def _request(socket_path: str | None, name: str, message):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_admin_options
 def info(section, as_json, socket_path, name) -> None:
-    """Server statistics: server, memory, blocks, clients, stats (or one SECTION)."""
+    """Server statistics: server, memory, blocks, clients, stats (or one SECTION).
+
+    While no client has sent a layout (and --block-size is unset), the arena has no
+    blocks yet; a note on stderr says why.
+    """
     reply = _request(socket_path, name, Info(section))
-    click.echo(json.dumps(reply.sections, indent=2) if as_json else render_info(reply.sections))
+    if as_json:
+        click.echo(json.dumps(reply.sections, indent=2))
+        return
+    click.echo(render_info(reply.sections))
+    note = blocks_note(reply.sections)
+    if note:
+        click.echo(note, err=True)
 
 
 @main.command()
@@ -174,7 +189,8 @@ def config(as_json, socket_path, name) -> None:
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=2),
               help="Worker processes, each with its own copy of the model.")
 @click.option("--size", type=click.Choice(["demo", "tiny"]), default="demo", show_default=True,
-              help="demo: ~1-2 s cold prefills; tiny: seconds in all (tests).")
+              help="demo: a 10-layer model, prompts of ~1.3k tokens; tiny: a 2-layer "
+              "model for tests, too small for the cache to pay off.")
 @click.option("--socket", "socket_path", help="Use the daemon on this socket instead of "
               "starting one on a temp socket.")
 @click.option("--capacity", default="1GiB", show_default=True,

@@ -9,7 +9,9 @@ setting has the same name and type in each source (`Settings`): the TOML key
 its source, a value goes through `Settings` (msgspec) and then its parser; a value of the
 wrong type is an error naming the key and its source (`socket = 7` in the file is
 refused, not turned into a socket named "7"). Sizes accept bytes (`1048576`), binary
-units (`512MiB`, `8GiB`), decimal units (`4GB`) and a percentage of physical RAM (`25%`).
+units (`512MiB`, `8GiB`), decimal units (`4GB`) and a percentage of physical RAM (`25%`);
+a message about a size echoes it as typed and states the other sizes in the same style
+(`capacity 10TB ... /dev/shm has free 25.28GB`, `capacity 10GiB ... 23.54GiB`).
 
 This module declares the options (`serve_params`, used by `lmcached.cli`) and turns a
 parsed click context into a `ServerConfig` (`config_from_context`); `load_config` runs
@@ -38,6 +40,7 @@ DEFAULT_SHM_MODE = 0o600
 DEFAULT_GROUP_SHM_MODE = 0o660  # with --allow-group: members map the arena read-write
 DEFAULT_MAX_CLIENTS = 1024
 DEFAULT_BUFFER_BUDGET_BYTES = 128 << 20
+DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are for this node's Prometheus agent
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _UNITS = {
     "": 1, "b": 1,
@@ -45,6 +48,7 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+_DECIMAL_UNITS = frozenset({"k", "kb", "m", "mb", "g", "gb", "t", "tb"})
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -94,6 +98,44 @@ def format_bytes(num_bytes: int | float) -> str:
     return f"{int(num_bytes)}B"
 
 
+def size_style(text: str | int | None) -> str:
+    """The unit style of a size as the user typed it: "decimal" for `4GB`, `10TB` (powers
+    of 1000), "binary" for anything else (`8GiB`, bytes, a percentage, no value)."""
+    if isinstance(text, str):
+        match = _SIZE_RE.match(text)
+        if match and match.group(2).lower() in _DECIMAL_UNITS:
+            return "decimal"
+    return "binary"
+
+
+def format_size(num_bytes: int | float, style: str = "binary") -> str:
+    """A byte count in the unit style of `size_style`, in a form `parse_size` reads back.
+
+    Examples: 23.54GiB, 512MiB, 1000B (binary); 25.28GB, 10TB (decimal).
+
+    Raises:
+        ValueError: `style` is neither "binary" nor "decimal".
+    """
+    if style not in ("binary", "decimal"):
+        raise ValueError(f"size style {style!r}: use 'binary' or 'decimal'")
+    base, names = (1000, "KB MB GB TB") if style == "decimal" else (1024, "KiB MiB GiB TiB")
+    scale, unit = 1, "B"
+    for power, name in enumerate(names.split(), 1):
+        if abs(num_bytes) >= base**power:
+            scale, unit = base**power, name
+    return f"{num_bytes / scale:.2f}".rstrip("0").rstrip(".") + unit
+
+
+def echo_size(text: str | int | None, num_bytes: int) -> str:
+    """How a message names a size the user gave as `text` (None: a default of
+    `num_bytes`): as typed when it has a unit, a percentage with its bytes, bytes as such."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        return f"{text.strip()} of RAM ({format_size(num_bytes)})"
+    if isinstance(text, str) and not text.strip().isdigit():
+        return text.strip()
+    return format_size(num_bytes) if text is None else f"{num_bytes} bytes"
+
+
 def default_capacity_bytes() -> int:
     """The smaller of 4 GiB and 25% of physical RAM."""
     return min(DEFAULT_CAPACITY_BYTES, int(psutil.virtual_memory().total * DEFAULT_RAM_FRACTION))
@@ -128,6 +170,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_clients: Annotated[int, msgspec.Meta(ge=1)] | None = None
     idle_timeout: Annotated[float, msgspec.Meta(ge=0, le=1e9)] | None = None  # seconds
     buffer_budget: Size | None = None
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    metrics_host: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +204,23 @@ def _parse_name(value: str) -> str:
     return value
 
 
+def _parse_capacity(value: Size) -> int:
+    from lmcached.shm.arena import HEADER_BYTES  # the arena owns its layout
+
+    capacity_bytes = parse_size(value)
+    if capacity_bytes <= HEADER_BYTES:
+        raise ValueError(
+            f"capacity {echo_size(value, capacity_bytes)} leaves no room for blocks: the "
+            f"arena's header alone takes {HEADER_BYTES} bytes"
+        )
+    return capacity_bytes
+
+
 def _parse_block_size(value: Size) -> int:
     block_bytes = parse_size(value)
     if block_bytes % 64:
-        raise ValueError(f"block size {block_bytes} is not a multiple of 64")
+        raise ValueError(f"block size {echo_size(value, block_bytes)} is not a multiple of 64 "
+                         "bytes")
     return block_bytes
 
 
@@ -189,8 +246,8 @@ def _parse_buffer_budget(value: Size) -> int:
     budget_bytes = parse_size(value)
     if budget_bytes < MAX_FRAME_BYTES:
         raise ValueError(
-            f"buffer budget {format_bytes(budget_bytes)} is less than one largest frame "
-            f"({format_bytes(MAX_FRAME_BYTES)})"
+            f"buffer budget {echo_size(value, budget_bytes)} is less than one largest frame "
+            f"({format_size(MAX_FRAME_BYTES, size_style(value))})"
         )
     return budget_bytes
 
@@ -208,7 +265,7 @@ SETTINGS: dict[str, SettingSpec] = {
         None, "$RUNTIME_DIRECTORY/lmcached.sock, $XDG_RUNTIME_DIR/lmcached/<name>.sock or "
         "/tmp/lmcached-<uid>/<name>.sock"),
     "capacity": SettingSpec(
-        parse_size, 'a size such as "8GiB", "4GB", "25%" or whole bytes', "SIZE",
+        _parse_capacity, 'a size such as "8GiB", "4GB", "25%" or whole bytes', "SIZE",
         "Arena size: 512MiB, 8GiB, 4GB, 25% (of RAM) or bytes; never more than /dev/shm "
         "has free.",
         None, "the smaller of 4GiB and 25% of RAM"),
@@ -242,11 +299,22 @@ SETTINGS: dict[str, SettingSpec] = {
         "Input and output buffers of all clients together; beyond it the clients holding "
         "the most are dropped.",
         "128MiB"),
+    "metrics_port": SettingSpec(
+        int, "a TCP port number, 1-65535", "PORT",
+        "Serve Prometheus metrics on http://HOST:PORT/metrics (docs/metrics.md). A port "
+        "in use stops the start-up.",
+        None, "off"),
+    "metrics_host": SettingSpec(
+        str, 'an address to listen on, e.g. "127.0.0.1" or "::"', "HOST",
+        "Address of the metrics endpoint; 0.0.0.0 exposes the cache's statistics to the "
+        "network.",
+        DEFAULT_METRICS_HOST),
 }
 assert list(SETTINGS) == list(Settings.__struct_fields__), "SETTINGS must mirror Settings"
 _FILE_KEYS = frozenset(SETTINGS)
 CONFIG_ENVVAR = "LMCACHED_CONFIG"
 _CLI_OPTIONS_META = "lmcached.config.cli_options"  # ctx.meta key: raw command-line values
+_TYPED_META = "lmcached.config.typed"  # ctx.meta key: each setting as its source typed it
 
 
 def option_name(key: str) -> str:
@@ -316,6 +384,7 @@ class SettingType(click.ParamType):
             raise ConfigError(
                 f"{label}: invalid value {value!r}: {detail}; expected {spec.expected}"
             ) from None
+        ctx.meta.setdefault(_TYPED_META, {})[self.key] = typed
         try:
             return spec.parse(typed)
         except ValueError as exc:
@@ -394,6 +463,10 @@ class ServerConfig:
         idle_timeout_s: a client without a request for this long is disconnected, in
             seconds; 0 = never (Redis `timeout`).
         buffer_budget_bytes: input and output buffers of all clients together, in bytes.
+        metrics_port: TCP port of the Prometheus endpoint; None = no endpoint.
+        metrics_host: address the endpoint listens on.
+        size_texts: each size setting as its source typed it (`"10TB"`), so that
+            messages echo it in the user's units (`echo_size`).
         cli_options: the command-line options it was resolved from, as given (SIGHUP
             re-resolves with them, so a command-line --log-level keeps precedence).
     """
@@ -410,13 +483,16 @@ class ServerConfig:
     max_clients: int = DEFAULT_MAX_CLIENTS
     idle_timeout_s: float = 0.0
     buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
+    size_texts: dict = dataclasses.field(default_factory=dict, repr=False)
     cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict[str, int | str]:
         """Flat view for `CONFIG GET`; absent values as '', booleans as 0/1."""
         out = {}
         for field in dataclasses.fields(self):
-            if field.name == "cli_options":
+            if field.name in ("cli_options", "size_texts"):
                 continue
             value = getattr(self, field.name)
             if field.name == "shm_mode":
@@ -431,7 +507,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
     """The `ServerConfig` of a parsed `lmcached serve` context (options of `serve_params`).
 
     Fills in the defaults that depend on other settings: the socket (from the name),
-    the capacity (from RAM), the arena's mode (0660 with allow_group).
+    the capacity (from RAM), the arena's mode (0660 with allow_group). Sizes in its
+    messages are echoed as the user typed them (`echo_size`).
 
     Args:
         ctx: the context click parsed the options into.
@@ -439,7 +516,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
             a running daemon re-reads its file (its own arena already uses that space).
 
     Raises:
-        ConfigError: a capacity larger than /dev/shm's free space.
+        ConfigError: a block size that does not fit in the arena, or a capacity larger
+            than /dev/shm's free space.
     """
     params = ctx.params
     shm_mode = params["shm_mode"]
@@ -457,15 +535,32 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
         max_clients=params["max_clients"],
         idle_timeout_s=params["idle_timeout"],
         buffer_budget_bytes=params["buffer_budget"],
+        metrics_port=params["metrics_port"],
+        metrics_host=params["metrics_host"],
         cli_options=dict(ctx.meta.get(_CLI_OPTIONS_META, {})),
     )
+    typed = ctx.meta.get(_TYPED_META, {})
+    cfg.size_texts = {key: typed[key] for key in ("capacity", "block_size", "buffer_budget")
+                      if key in typed}
+    capacity = echo_size(typed.get("capacity"), cfg.capacity_bytes)
+    style = size_style(typed.get("capacity"))
+    if cfg.block_bytes:
+        from lmcached.shm.arena import HEADER_BYTES
+
+        if cfg.block_bytes > cfg.capacity_bytes - HEADER_BYTES:
+            raise ConfigError(
+                f"block size {echo_size(typed.get('block_size'), cfg.block_bytes)} "
+                f"({_source_label(ctx, 'block_size')}) does not fit in capacity {capacity} "
+                f"({_source_label(ctx, 'capacity')}) with the arena's {HEADER_BYTES}-byte "
+                "header; use a smaller block size or a larger capacity"
+            )
     if check_shm_free:
         free = shm_free_bytes()
         if cfg.capacity_bytes > free:
             raise ConfigError(
-                f"capacity {format_bytes(cfg.capacity_bytes)} ({_source_label(ctx, 'capacity')}) "
-                f"is more than /dev/shm has free ({format_bytes(free)}); ask for less, or "
-                "enlarge /dev/shm"
+                f"capacity {capacity} ({_source_label(ctx, 'capacity')}) is more than "
+                f"/dev/shm has free ({format_size(free, style)}); ask for less, or enlarge "
+                "/dev/shm"
             )
     return cfg
 

@@ -22,6 +22,9 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_IDLE_TIMEOUT": "seconds without a request before a client is disconnected "
     "(default 0 = never)",
     "LMCACHED_BUFFER_BUDGET": "input and output buffers of all clients together (default 128MiB)",
+    "LMCACHED_METRICS_PORT": "TCP port of the Prometheus metrics endpoint of `lmcached serve` "
+    "(default: none, metrics off; docs/metrics.md)",
+    "LMCACHED_METRICS_HOST": "address the metrics endpoint listens on (default 127.0.0.1)",
     "LMCACHED_DATA_TIMEOUT_MS": "clients: timeout of a serving-path request (LOOKUP, ACQUIRE, "
     "ALLOC, COMMIT, ...) and of a reconnect, in milliseconds (default 200); a daemon that "
     "does not answer in time is skipped for a back-off window (misses, skipped stores)",

@@ -24,6 +24,15 @@ if TYPE_CHECKING:  # service.py imports this module
 INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
 
 InfoFields = dict[str, int | float | str]
+_own_process: psutil.Process | None = None  # made once: psutil.Process() reads /proc
+
+
+def _memory_info():
+    """This process's memory (psutil), through one `psutil.Process` per pid."""
+    global _own_process
+    if _own_process is None or _own_process.pid != os.getpid():
+        _own_process = psutil.Process()
+    return _own_process.memory_info()
 
 
 def info_sections(service: "CacheService") -> dict[str, InfoFields]:
@@ -45,7 +54,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
     stored_bytes = pool.num_cached_bytes if pool else 0
     hits = pool.stat_hits if pool else 0
     misses = pool.stat_misses if pool else 0
-    memory = psutil.Process().memory_info()
+    memory = _memory_info()
     rss = memory.rss
     rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
     stats = {
@@ -57,6 +66,10 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "misses": misses,
         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
         "evictions": pool.stat_evictions if pool else 0,
+        "total_stored_bytes": service.stat_stored_bytes,
+        "total_stored_human": format_bytes(service.stat_stored_bytes),
+        "total_served_bytes": service.stat_served_bytes,
+        "total_served_human": format_bytes(service.stat_served_bytes),
         "errors": sum(service.stat_errors.values()),
     }
     for code in sorted(service.stat_errors):

@@ -7,9 +7,13 @@ No asyncio: a selectors loop answers a round trip several times faster than asyn
 
 Life cycle::
 
-    sweep orphans of <name> -> refuse if a daemon answers on the socket -> create and
-    prefault the arena (progress) -> listen -> READY=1 -> serve -> SIGTERM/SIGINT or
-    SHUTDOWN -> STOPPING=1 -> close clients, unlink socket and arena -> exit 0
+    check the socket's directory -> refuse if a daemon answers on the socket -> bind the
+    metrics port (--metrics-port) -> sweep orphans of <name> -> create and prefault the
+    arena (progress) -> listen -> READY=1 -> serve -> SIGTERM/SIGINT or SHUTDOWN ->
+    STOPPING=1 -> close clients, unlink socket and arena -> exit 0
+
+Whatever stops the start-up is one `StartupError` whose message says why and what to do;
+the CLI prints it as one `Error: ...` line and exits with status 1.
 """
 
 import errno
@@ -23,7 +27,7 @@ import socket
 import struct
 import time
 
-from lmcached.config import ServerConfig, format_bytes, load_config
+from lmcached.config import ServerConfig, echo_size, format_bytes, load_config
 from lmcached.logger import configure_logging, init_logger
 from lmcached.notify import SystemdNotifier
 from lmcached.connection import (
@@ -41,6 +45,7 @@ from lmcached.connection import (
     RateLimitedLog,
     answer_frame,
 )
+from lmcached.metrics import MetricsExporter, take_snapshot
 from lmcached.progress import PrefaultProgress
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService
@@ -54,6 +59,11 @@ RECV_BYTES = 256 * 1024
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 FD_RESERVE = 32  # descriptors besides clients: listener, wakeup pair, selector, log, ...
 
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do, in one line."""
+
+
 class Server:
     """One lmcached daemon.
 
@@ -61,8 +71,8 @@ class Server:
         config: effective configuration (see `lmcached.config.load_config`).
 
     Raises (from `start`):
-        RuntimeError: another daemon answers on the socket, or the socket path is bad.
-        OSError: the arena cannot be created (e.g. /dev/shm full).
+        StartupError: the socket path is bad or taken, the metrics port is in use, the
+            arena cannot be created, ...
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -89,10 +99,25 @@ class Server:
         self._accept_paused_until = 0.0
         self._accept_log = RateLimitedLog()
         self._drop_log = RateLimitedLog()
+        self._metrics: MetricsExporter | None = None
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
-        """Sweep, create and prefault the arena, listen, then notify READY."""
+        """Check the socket, bind the metrics port, sweep, create and prefault the arena,
+        listen, then notify READY.
+
+        Raises:
+            StartupError: why the daemon cannot start; what it made is removed.
+        """
+        try:
+            self._start()
+        except (RuntimeError, ValueError, OSError) as exc:
+            self._teardown()
+            if isinstance(exc, StartupError):
+                raise
+            raise StartupError(str(exc)) from exc
+
+    def _start(self) -> None:
         cfg = self.config
         if cfg.allow_group:
             try:
@@ -105,8 +130,11 @@ class Server:
                     f"group, so it cannot give it the socket and the arena; add it (usermod "
                     f"-aG {cfg.allow_group} USER) or pick one of its groups"
                 )
-        self._raise_fd_limit()
-        prepare_socket_directory(cfg.socket, self._allowed_gid)
+        try:
+            prepare_socket_directory(cfg.socket, self._allowed_gid)
+        except OSError as exc:
+            raise StartupError(f"cannot create the directory of --socket {cfg.socket}: "
+                               f"{exc.strerror or exc}: {exc.filename}") from exc
         if self._allowed_gid is not None and not group_can_enter(cfg.socket, self._allowed_gid):
             directory = os.path.dirname(cfg.socket)
             logger.warning("members of group %s cannot enter %s, so they cannot connect: "
@@ -116,20 +144,31 @@ class Server:
             logger.warning("--shm-mode 0%o: members of group %s cannot map the arena "
                            "read-write (use 0660)", cfg.shm_mode, cfg.allow_group)
         claim_socket_path(cfg.socket)
+        self._raise_fd_limit()
+        if cfg.metrics_port is not None:
+            self._start_metrics(cfg.metrics_host, cfg.metrics_port)
         removed = sweep_orphans(cfg.name)
         if removed:
             logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
         self.notifier.notify(f"STATUS=prefaulting {format_bytes(cfg.capacity_bytes)} arena")
         started = time.monotonic()
-        self.arena = Arena.create(
-            cfg.name,
-            cfg.capacity_bytes,
-            cfg.block_bytes,
-            mode=cfg.shm_mode,
-            prefault=cfg.prefault,
-            progress=PrefaultProgress(cfg.capacity_bytes),
-            gid=self._allowed_gid,
-        )
+        try:
+            self.arena = Arena.create(
+                cfg.name,
+                cfg.capacity_bytes,
+                cfg.block_bytes,
+                mode=cfg.shm_mode,
+                prefault=cfg.prefault,
+                progress=PrefaultProgress(cfg.capacity_bytes),
+                gid=self._allowed_gid,
+            )
+        except OSError as exc:
+            capacity = echo_size(cfg.size_texts.get("capacity"), cfg.capacity_bytes)
+            hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
+                    "cgroup's MemoryMax=): raise the limit or lower --capacity",
+                    errno.ENOSPC: "/dev/shm is full: free it or lower --capacity"}
+            raise StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
+                               f"{hint.get(exc.errno, 'see the daemon log')}") from exc
         try:
             elapsed = time.monotonic() - started
             logger.info(
@@ -145,6 +184,28 @@ class Server:
             raise
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        """Serve Prometheus metrics on host:port (`metrics.py`); bound before the arena
+        is made, so that a port in use stops the start-up at once."""
+        try:
+            self._metrics = MetricsExporter(host, port)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(
+                    f"metrics port {port} on {host} is already in use: choose another "
+                    "--metrics-port, or stop the process that listens there") from exc
+            raise StartupError(f"cannot serve metrics on {host} port {port}: "
+                               f"{exc.strerror or exc}; check --metrics-host") from exc
+
+    def _wake(self) -> None:
+        """Wake the loop from another thread (a scrape waiting for a snapshot)."""
+        wakeup = self._wakeup_w
+        if wakeup is not None:
+            try:
+                wakeup.send(b"\0")
+            except OSError:  # full: the loop wakes anyway; closed: it is stopping
+                pass
 
     def _raise_fd_limit(self) -> None:
         """Raise the soft RLIMIT_NOFILE to max_clients + FD_RESERVE (as Redis does for
@@ -223,6 +284,11 @@ class Server:
         next_watchdog = time.monotonic()
         next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
         service = self.service
+        scrapes = ()  # metrics: scrapes waiting for a snapshot (SnapshotChannel.pending)
+        if self._metrics is not None:
+            channel = self._metrics.channel
+            channel.attach(lambda: take_snapshot(service), self._wake)
+            scrapes = channel.pending
         try:
             while self._stop_signal is None and not service.stop_requested:
                 now = time.monotonic()
@@ -256,6 +322,8 @@ class Server:
                             self._on_readable(data)
                 for conn in list(self._ready):
                     self._serve(conn)
+                if scrapes:  # between two requests: a consistent snapshot
+                    channel.serve_pending()
             if self._stop_signal is not None:
                 logger.info("received %s: stopping", signal.Signals(self._stop_signal).name)
         finally:
@@ -557,8 +625,12 @@ class Server:
 
     # ----------------------------------------------------------------- teardown
     def _teardown(self) -> None:
-        """Close clients, unlink the socket and the arena. Idempotent."""
+        """Stop the metrics endpoint, close clients, unlink the socket and the arena.
+        Idempotent."""
         self.notifier.notify("STOPPING=1", "STATUS=stopping")
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         for conn in list(self._connections.values()):
             self._close(conn)
         if self._listener is not None:
@@ -586,13 +658,13 @@ class Server:
 
 
 def run_server(config: ServerConfig) -> int:
-    """Run a daemon in this process until it is stopped. Returns the exit status."""
+    """Run a daemon in this process until it is stopped. Returns the exit status (0).
+
+    Raises:
+        StartupError: it could not start (see `Server.start`).
+    """
     server = Server(config)
-    try:
-        server.start()
-    except (RuntimeError, ValueError, OSError) as exc:
-        logger.error("cannot start: %s", exc)
-        return 1
+    server.start()
     server.serve_forever()
     logger.info("stopped")
     return 0

@@ -17,6 +17,7 @@ from lmcached import keys
 from lmcached.config import ServerConfig
 from lmcached.info import INFO_SECTIONS, client_rows, info_sections
 from lmcached.logger import init_logger
+from lmcached.metrics import RequestLatency
 from lmcached.protocol import (
     ALLOCATED,
     EXISTS,
@@ -91,6 +92,11 @@ class CacheService:
         pool: the block pool, or None until the block size is known.
         sessions: session id -> Session.
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
+        stat_ns_hits / stat_ns_misses: chunks (and GET values) found / not found, indexed
+            by namespace id (index 0 unused); they add up to the pool's stat_hits /
+            stat_misses.
+        latency: time per request type, observed when metrics are on (`metrics.py`),
+            else None.
     """
 
     def __init__(self, config: ServerConfig, arena: Arena) -> None:
@@ -109,6 +115,10 @@ class CacheService:
         self.stat_lookups = 0
         self.stat_connections = 0
         self.stat_errors: dict[str, int] = {}
+        self.stat_stored_bytes = 0  # bytes of the values committed, since start
+        self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
+        self.stat_ns_hits = [0]
+        self.stat_ns_misses = [0]
         self._handlers = {
             Hello: self._hello,
             Lookup: self._lookup,
@@ -129,6 +139,7 @@ class CacheService:
             Shutdown: self._shutdown,
             ConfigGet: self._config_get,
         }
+        self.latency = RequestLatency(self._handlers) if config.metrics_port else None
 
     # ---------------------------------------------------------------- sessions
     def open_session(self, pid: int, uid: int, gid: int) -> Session:
@@ -165,12 +176,21 @@ class CacheService:
         """Answer one decoded request. Never raises for a client's mistake.
 
         PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
-        root are refused with `forbidden`.
+        root are refused with `forbidden`. With metrics on, the time from here to the
+        reply Struct is observed in `latency` (decoding, encoding and sending are not).
 
         Returns:
             The reply Struct (an `Error` for a refused request), or None for a request
             of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
         """
+        if self.latency is None:
+            return self._answer(session, request)
+        started = time.perf_counter()
+        reply = self._answer(session, request)
+        self.latency.observe(type(request), time.perf_counter() - started)
+        return reply
+
+    def _answer(self, session: Session, request) -> object:
         self.stat_requests += 1
         session.num_requests += 1
         session.last_request_at = time.monotonic()
@@ -284,16 +304,19 @@ class CacheService:
         session.add_lease(lease, [block for span in spans for block in span])
         return lease
 
-    @staticmethod
-    def _blocks_reply(lease: int, spans: list[list[KVCacheBlock]]) -> BlocksReply:
+    def _blocks_reply(self, lease: int, spans: list[list[KVCacheBlock]]) -> BlocksReply:
+        """The reply to a pinning request; counts the bytes served."""
         if all(len(span) == 1 for span in spans):  # one block per value: the usual case
+            num_bytes = [span[0].num_bytes for span in spans]
+            self.stat_served_bytes += sum(num_bytes)
             return BlocksReply(lease, [span[0].block_id for span in spans], [1] * len(spans),
-                               [span[0].num_bytes for span in spans])
+                               num_bytes)
         block_ids, span_lengths, num_bytes = [], [], []
         for span in spans:
             block_ids.extend(b.block_id for b in span)
             span_lengths.append(len(span))
             num_bytes.append(sum(b.num_bytes for b in span))
+        self.stat_served_bytes += sum(num_bytes)
         return BlocksReply(lease, block_ids, span_lengths, num_bytes)
 
     # ---------------------------------------------------------------- requests
@@ -351,6 +374,8 @@ class CacheService:
             ns = len(self.namespaces) + 1
             self.namespaces[layout] = ns
             self._ns_prefix[ns] = keys.chunk_prefix(ns)
+            self.stat_ns_hits.append(0)
+            self.stat_ns_misses.append(0)
         return ns
 
     def _block_bytes_for(self, layout: Layout) -> int:
@@ -382,9 +407,12 @@ class CacheService:
             for chunk_keys in per_namespace:
                 num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
         spans = []
-        for chunk_keys in per_namespace:
-            spans.extend(pool.acquire_prefix(chunk_keys[:num_chunks]))
+        for ns, chunk_keys in zip(req.namespaces, per_namespace):
+            found = pool.acquire_prefix(chunk_keys[:num_chunks])
+            spans.extend(found)
             pool.stat_misses += len(chunk_keys) - num_chunks
+            self.stat_ns_hits[ns] += len(found)
+            self.stat_ns_misses[ns] += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:
@@ -437,6 +465,7 @@ class CacheService:
             for value, ok in zip(group, indexed):
                 if ok:
                     committed.extend(value.blocks)
+                    self.stat_stored_bytes += sum(b.num_bytes for b in value.blocks)
                 else:  # another session committed the same chunk first
                     pool.abort(value.blocks)
             self.stat_stores += sum(indexed)
@@ -465,6 +494,8 @@ class CacheService:
     def _get(self, session: Session, req: Get) -> BlocksReply:
         key = self._string_key(session, req.ns, req.key)
         spans = self._require_pool().acquire_prefix([key])
+        self.stat_ns_hits[req.ns] += len(spans)
+        self.stat_ns_misses[req.ns] += 1 - len(spans)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _delete(self, session: Session, req: Delete) -> CountReply:
@@ -519,7 +550,8 @@ class CacheService:
             name = req.section.lower()
             if name not in sections:
                 raise RequestError(
-                    "bad_request", f"no INFO section {req.section!r}; sections: {INFO_SECTIONS}"
+                    "bad_request", f"no INFO section {req.section!r}; sections: "
+                    f"{', '.join(INFO_SECTIONS)}"
                 )
             sections = {name: sections[name]}
         return InfoReply(sections)

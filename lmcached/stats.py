@@ -17,6 +17,23 @@ def render_info(sections: dict[str, dict[str, int | float | str]]) -> str:
     return "\n".join(lines)
 
 
+def blocks_note(sections: dict[str, dict[str, int | float | str]]) -> str | None:
+    """Why INFO shows block_bytes or num_blocks 0, or None when it shows neither.
+
+    The arena (capacity_bytes) is created and prefaulted at start, but without
+    --block-size it is cut into blocks only when the first layout arrives in a HELLO
+    (docs/architecture.md, "Block size").
+    """
+    if sections.get("memory", {}).get("block_bytes", 1) and \
+            sections.get("blocks", {}).get("num_blocks", 1):
+        return None
+    return ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
+            "yet. The arena is allocated, but without --block-size it is cut into blocks "
+            "when the first layout arrives (block size: that layout's chunk record, rounded "
+            "up to 4 KiB, at most 1/64 of the arena). Start the daemon with --block-size to "
+            "cut it at start.")
+
+
 def render_clients(clients: list[dict[str, int | float | str]]) -> str:
     """One `id=... pid=... name=...` line per client session."""
     lines = []

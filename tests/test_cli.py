@@ -1,9 +1,11 @@
-"""The `lmcached` admin CLI against a real daemon, and without one (one line, exit 1)."""
+"""The `lmcached` admin CLI against a real daemon, and without one; every error one
+`Error: ...` line and exit status 1, start-up errors of `lmcached serve` included."""
 
 import importlib.metadata
 import json
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from click.testing import CliRunner
 from lmcached import config, envs
 from lmcached.cli import main
 from lmcached.protocol import Alloc, Commit, Connection, Layout, hello
+from lmcached.shm.janitor import list_segments
 
 MiB = 1 << 20
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
@@ -86,12 +89,42 @@ def test_info_json_is_machine_readable(daemon):
     assert sections["server"]["name"] == daemon.name
 
 
-def test_info_unknown_section_fails_with_one_line(daemon):
+def test_info_unknown_section_fails_with_one_line_listing_the_sections(daemon):
     result = run_cli("info", "nosuch", "--socket", daemon.socket)
     assert result.exit_code == 1
     assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and "nosuch" in lines[0] and lines[0].startswith("lmcached:")
+    assert result.stderr == ("Error: bad_request: no INFO section 'nosuch'; sections: server, "
+                             "memory, blocks, clients, stats\n")
+
+
+BLOCKS_NOTE = ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
+               "yet. The arena is allocated, but without --block-size it is cut into blocks "
+               "when the first layout arrives (block size: that layout's chunk record, "
+               "rounded up to 4 KiB, at most 1/64 of the arena). Start the daemon with "
+               "--block-size to cut it at start.\n")
+
+
+def test_info_before_any_layout_says_why_there_are_no_blocks(daemon_factory):
+    daemon = daemon_factory("--capacity", "8MiB")  # no --block-size
+    for args in ([], ["memory"], ["blocks"]):
+        result = run_cli("info", *args, "--socket", daemon.socket)
+        assert result.exit_code == 0, result.output
+        assert "num_blocks:0" in result.stdout or "block_bytes:0" in result.stdout
+        assert result.stderr == BLOCKS_NOTE, args
+    result = run_cli("info", "server", "--socket", daemon.socket)  # shows neither field
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert json.loads(run_cli("info", "--json", "--socket", daemon.socket).stdout)
+    assert run_cli("info", "--json", "--socket", daemon.socket).stderr == ""
+    store_chunks(daemon, [1]).close()  # the first layout cuts the arena
+    result = run_cli("info", "--socket", daemon.socket)
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "block_bytes:4096" in result.stdout.splitlines()
+
+
+def test_info_with_block_size_has_blocks_from_the_start(daemon):
+    result = run_cli("info", "--socket", daemon.socket)
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "num_blocks:63" in result.stdout.splitlines()  # (64 MiB - 4 KiB) // 1 MiB
 
 
 # ------------------------------------------------------------------ clients and ping
@@ -232,7 +265,7 @@ def test_admin_command_without_daemon_prints_one_line_and_exits_1(command, dead_
     result = run_cli(*command, "--socket", dead_socket)
     assert result.exit_code == 1
     assert result.stdout == ""
-    assert result.stderr == f"lmcached: no daemon is running on {dead_socket}\n"
+    assert result.stderr == f"Error: no daemon is running on {dead_socket}\n"
 
 
 @pytest.mark.parametrize("command", ADMIN_COMMANDS, ids=lambda c: c[0])
@@ -243,7 +276,7 @@ def test_console_script_without_daemon_has_no_traceback(command, short_tmp):
     )
     assert proc.returncode == 1
     assert proc.stdout == ""
-    assert proc.stderr.splitlines() == [f"lmcached: no daemon is running on {path}"]
+    assert proc.stderr.splitlines() == [f"Error: no daemon is running on {path}"]
 
 
 # ------------------------------------------------------- version and unknown input
@@ -292,7 +325,7 @@ def test_admin_command_finds_the_socket_from_each_source(command, source, short_
         env["LMCACHED_NAME"] = "llama"
     result = run_cli(*command, *args, env=env)
     assert (result.exit_code, result.stdout) == (1, "")
-    assert result.stderr == f"lmcached: no daemon is running on {expected}\n"
+    assert result.stderr == f"Error: no daemon is running on {expected}\n"
 
 
 def test_socket_option_wins_over_lmcached_socket(daemon, short_tmp):
@@ -441,3 +474,82 @@ def test_serve_refuses_a_missing_config_file_naming_its_source(started, tmp_path
     result, cfg = serve(started, env={config.CONFIG_ENVVAR: path})
     assert (result.exit_code, cfg) == (1, None)
     assert f"Error: LMCACHED_CONFIG: cannot read {path}" in result.stderr
+
+
+# ------------------------------------------- serve: start-up errors are one Error line
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING) lmcached")
+
+
+def serve_and_fail(name: str, socket_path: str, *args: str, preexec_fn=None) -> str:
+    """Run `lmcached serve` that must not start; returns its one Error line, after
+    checking status 1, nothing else on stderr but INFO/WARNING log lines, and no socket
+    or segment left behind."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcached.cli", "serve", "--name", name, "--socket",
+         socket_path, "--capacity", "8MiB", *args],
+        capture_output=True, text=True, timeout=60, preexec_fn=preexec_fn)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if not LOG_LINE.match(line)]
+    assert len(errors) == 1 and errors[0].startswith("Error: "), proc.stderr
+    assert list_segments(name) == []
+    return errors[0]
+
+
+def test_serve_with_an_unsafe_socket_directory_is_one_error_line(unique_name, short_tmp):
+    shared = os.path.join(short_tmp, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)
+    path = os.path.join(shared, "d.sock")
+    assert serve_and_fail(unique_name, path) == (
+        f"Error: unsafe socket directory for {path}: {shared} is writable by every user "
+        f"(mode 0777); anybody could replace the socket. Fix it (chmod 0700 {shared}) or "
+        "remove it")
+    not_a_dir = os.path.join(short_tmp, "file")
+    open(not_a_dir, "w").close()
+    path = os.path.join(not_a_dir, "d.sock")
+    assert serve_and_fail(unique_name, path) == (
+        f"Error: unsafe socket directory for {path}: {not_a_dir} is not a directory")
+    assert serve_and_fail(unique_name, "/proc/lmcached-test/d.sock") == (
+        "Error: cannot create the directory of --socket /proc/lmcached-test/d.sock: No such "
+        "file or directory: /proc/lmcached-test")
+
+
+def test_serve_on_the_socket_of_a_running_daemon_is_one_error_line(daemon, unique_name):
+    assert serve_and_fail(unique_name, daemon.socket) == (
+        f"Error: another lmcached daemon is listening on {daemon.socket}")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--capacity", "1KiB"], "Error: --capacity: capacity 1KiB leaves no room for blocks: "
+     "the arena's header alone takes 4096 bytes"),
+    (["--capacity", "8MB", "--block-size", "16MiB"], "Error: block size 16MiB (--block-size) "
+     "does not fit in capacity 8MB (--capacity) with the arena's 4096-byte header; use a "
+     "smaller block size or a larger capacity"),
+    (["--allow-group", "no-such-group-lmc"],
+     "Error: --allow-group: no group named 'no-such-group-lmc'"),
+], ids=["capacity-too-small", "block-larger-than-arena", "unknown-group"])
+def test_serve_with_sizes_or_a_group_that_cannot_work_is_one_error_line(
+        unique_name, short_tmp, args, message):
+    assert serve_and_fail(unique_name, os.path.join(short_tmp, "d.sock"), *args) == message
+
+
+@pytest.mark.parametrize(("capacity", "style"), [("1GB", "decimal"), ("1GiB", "binary")])
+def test_serve_that_may_not_map_its_arena_is_one_error_line_in_the_units_typed(
+        unique_name, short_tmp, capacity, style):
+    def limit_address_space():  # 512 MiB: the daemon itself uses ~160 MiB, the arena not
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    line = serve_and_fail(unique_name, os.path.join(short_tmp, "d.sock"), "--capacity",
+                          capacity, preexec_fn=limit_address_space)
+    assert line == (f"Error: cannot create a {capacity} arena: Cannot allocate memory; this "
+                    "process may not map that much (ulimit -v, a memory cgroup's "
+                    "MemoryMax=): raise the limit or lower --capacity")
+
+
+@pytest.mark.parametrize(("capacity", "free"), [("100TB", r"[0-9.]+[KMGT]?B"),
+                                                ("100TiB", r"[0-9.]+([KMGT]i)?B")])
+def test_serve_beyond_dev_shm_answers_in_the_units_typed(unique_name, short_tmp, capacity, free):
+    line = serve_and_fail(unique_name, os.path.join(short_tmp, "d.sock"), "--capacity", capacity)
+    assert re.fullmatch(rf"Error: capacity {capacity} \(--capacity\) is more than /dev/shm has "
+                        rf"free \({free}\); ask for less, or enlarge /dev/shm", line), line

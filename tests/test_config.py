@@ -11,9 +11,12 @@ from lmcached import config, envs
 from lmcached.config import (
     DEFAULT_SHM_MODE,
     default_socket_path,
+    echo_size,
     format_bytes,
+    format_size,
     load_config,
     parse_size,
+    size_style,
 )
 from lmcached.protocol import InfoReply, encode_frame, reply_decoder
 
@@ -104,6 +107,86 @@ def test_parse_size_refuses_values_that_are_neither_text_nor_whole_bytes(value):
 )
 def test_format_bytes_is_redis_style(num_bytes, expected):
     assert format_bytes(num_bytes) == expected
+
+
+# -------------------------------------------------- sizes in the units the user typed
+@pytest.mark.parametrize(("text", "style"), [
+    ("10TB", "decimal"), ("4gb", "decimal"), ("512k", "decimal"), ("1.5 MB", "decimal"),
+    ("10TiB", "binary"), ("8GiB", "binary"), ("1048576", "binary"), ("100b", "binary"),
+    ("25%", "binary"), (4096, "binary"), (None, "binary"),
+])
+def test_size_style_is_decimal_only_for_decimal_units(text, style):
+    assert size_style(text) == style
+
+
+@pytest.mark.parametrize(("num_bytes", "binary", "decimal"), [
+    (0, "0B", "0B"),
+    (1000, "1000B", "1KB"),
+    (1024, "1KiB", "1.02KB"),
+    (512 * MiB, "512MiB", "536.87MB"),
+    (25_280_000_000, "23.54GiB", "25.28GB"),
+    (10**13, "9.09TiB", "10TB"),
+])
+def test_format_size_writes_each_style_in_a_form_parse_size_reads(num_bytes, binary, decimal):
+    assert (format_size(num_bytes, "binary"), format_size(num_bytes, "decimal")) == (
+        binary, decimal)
+    for text in (binary, decimal):
+        if num_bytes:
+            assert parse_size(text) == pytest.approx(num_bytes, rel=0.005)
+
+
+def test_format_size_refuses_an_unknown_style():
+    with pytest.raises(ValueError, match="use 'binary' or 'decimal'"):
+        format_size(1, "metric")
+
+
+@pytest.mark.parametrize(("text", "num_bytes", "echo"), [
+    ("10TB", 10**13, "10TB"), (" 8GiB ", 8 * GiB, "8GiB"), ("1048576", MiB, "1048576 bytes"),
+    (4096, 4096, "4096 bytes"), ("50%", 8 * GiB, "50% of RAM (8GiB)"), (None, 4 * GiB, "4GiB"),
+])
+def test_echo_size_names_a_size_as_typed(text, num_bytes, echo):
+    assert echo_size(text, num_bytes) == echo
+
+
+@pytest.mark.parametrize(("source", "capacity", "free_bytes", "message"), [
+    ("option", "10TB", 25_280_000_000,
+     r"^capacity 10TB \(--capacity\) is more than /dev/shm has free \(25\.28GB\); ask for "
+     r"less, or enlarge /dev/shm$"),
+    ("option", "100GiB", 25_275_882_536,
+     r"^capacity 100GiB \(--capacity\) is more than /dev/shm has free \(23\.54GiB\)"),
+    ("env", "30GB", 25_280_000_000,
+     r"^capacity 30GB \(LMCACHED_CAPACITY\) is more than /dev/shm has free \(25\.28GB\)"),
+    ("file", '"2TB"', 10**12,
+     r"^capacity 2TB \(capacity in \S+/c\.toml\) is more than /dev/shm has free \(1TB\)"),
+    ("file", "3000000000", GiB,
+     r"^capacity 3000000000 bytes \(capacity in \S+/c\.toml\) is more than /dev/shm has "
+     r"free \(1GiB\)"),
+])
+def test_capacity_beyond_dev_shm_is_refused_in_the_units_typed(clean_env, tmp_path, source,
+                                                               capacity, free_bytes, message):
+    clean_env.setattr(config, "shm_free_bytes", lambda: free_bytes)
+    options, path = {}, None
+    if source == "option":
+        options["capacity"] = capacity
+    elif source == "env":
+        clean_env.setenv("LMCACHED_CAPACITY", capacity)
+    else:
+        path = write_toml(tmp_path / "c.toml", f"capacity = {capacity}\n")
+    with pytest.raises(ValueError, match=message):
+        load_config(options, path)
+
+
+def test_a_capacity_that_holds_no_block_is_refused(clean_env, tmp_path):
+    with pytest.raises(ValueError, match=r"^--capacity: capacity 4KB leaves no room for blocks: "
+                       r"the arena's header alone takes 4096 bytes$"):
+        load_config({"capacity": "4KB"})
+    assert load_config({"capacity": "4097"}).capacity_bytes == 4097
+    path = write_toml(tmp_path / "c.toml", 'capacity = "1MiB"\nblock_size = "2MiB"\n')
+    with pytest.raises(ValueError, match=r"^block size 2MiB \(block_size in \S+/c.toml\) does "
+                       r"not fit in capacity 1MiB \(capacity in \S+/c.toml\) with the arena's "
+                       r"4096-byte header; use a smaller block size or a larger capacity$"):
+        load_config({}, path)
+    assert load_config({"block_size": str(MiB - 4096)}, path).block_bytes == MiB - 4096
 
 
 # --------------------------------------------------------------- default_socket_path
@@ -219,7 +302,8 @@ def test_options_that_are_not_settings_are_refused(clean_env):
 
 
 def test_capacity_beyond_dev_shm_free_is_refused(clean_env):
-    with pytest.raises(ValueError, match=r"100.00T \(--capacity\) is more than /dev/shm has free"):
+    with pytest.raises(ValueError, match=r"^capacity 100TiB \(--capacity\) is more than /dev/shm "
+                       r"has free \([0-9.]+([KMGT]i)?B\)"):
         load_config({"capacity": "100TiB"})
 
 
@@ -238,9 +322,19 @@ def test_capacity_check_can_be_skipped_by_a_running_daemon(clean_env):
         ({}, {"LMCACHED_CAPACITY": "150%"}, "", r"^LMCACHED_CAPACITY: percentage"),
         ({}, {}, 'capacity = "0"\n', r"^capacity in .*c.toml: size must be positive"),
         ({"capacity": "1MiB", "block_size": "100"}, {}, "",
-         r"^--block-size: block size 100 is not a multiple of 64"),
+         r"^--block-size: block size 100 bytes is not a multiple of 64 bytes$"),
         ({"capacity": "1MiB"}, {}, "block_size = 1000\n",
-         r"^block_size in .*c.toml: block size 1000 is not a multiple of 64"),
+         r"^block_size in .*c.toml: block size 1000 bytes is not a multiple of 64 bytes$"),
+        ({"capacity": "1MiB", "block_size": "1000B"}, {}, "",
+         r"^--block-size: block size 1000B is not a multiple of 64 bytes$"),
+        ({"capacity": "1MiB", "metrics_port": "0"}, {}, "",
+         r"^--metrics-port: invalid value '0': Expected `int` >= 1; expected a TCP port"),
+        ({"capacity": "1MiB"}, {"LMCACHED_METRICS_PORT": "http"}, "",
+         r"^LMCACHED_METRICS_PORT: invalid value 'http': Expected `int`, got `str`"),
+        ({"capacity": "1MiB"}, {}, "metrics_port = 65536\n",
+         r"^metrics_port in .*c.toml: invalid value 65536: Expected `int` <= 65535"),
+        ({"capacity": "1MiB"}, {}, 'metrics_port = "9464"\n',
+         r"^metrics_port in .*c.toml: invalid value '9464': Expected `int`, got `str`"),
         ({"capacity": "1MiB", "shm_mode": "0689"}, {}, "",
          r"^--shm-mode: shm mode '0689' is not octal"),
         ({"capacity": "1MiB", "shm_mode": "1777"}, {}, "", r"shm mode '1777' is out of range"),
@@ -318,8 +412,10 @@ def test_as_dict_survives_the_config_get_reply(clean_env):
         ("idle_timeout = -1\n", r"^idle_timeout in .*t.toml: .*Expected `float` >= 0"),
         ('idle_timeout = "5"\n', r"^idle_timeout in .*t.toml: .*Expected `float`, got `str`"),
         ("buffer_budget = 1.5\n", r"^buffer_budget in .*t.toml: .*got `float`"),
-        ('buffer_budget = "512KiB"\n', r"^buffer_budget in .*t.toml: buffer budget 512.00K is "
-         r"less than one largest frame"),
+        ('buffer_budget = "512KiB"\n', r"^buffer_budget in .*t.toml: buffer budget 512KiB is "
+         r"less than one largest frame \(1MiB\)$"),
+        ('buffer_budget = "1MB"\n', r"^buffer_budget in .*t.toml: buffer budget 1MB is "
+         r"less than one largest frame \(1\.05MB\)$"),
         ("capacity = 8.0\n", r"^capacity in .*t.toml: .*got `float`"),
         ("log_level = 10\n", r"^log_level in .*t.toml: .*Expected `str`, got `int`"),
         ('allow_group = ["a"]\n', r"^allow_group in .*t.toml: .*got `array`"),
@@ -394,6 +490,8 @@ ENV_SETTINGS = {
     "max_clients": ("9", "max_clients", 9),
     "idle_timeout": ("2.5", "idle_timeout_s", 2.5),
     "buffer_budget": ("2MiB", "buffer_budget_bytes", 2 * MiB),
+    "metrics_port": ("9464", "metrics_port", 9464),
+    "metrics_host": ("::1", "metrics_host", "::1"),
 }
 
 
@@ -423,6 +521,18 @@ def test_every_setting_is_read_from_its_env_variable_and_its_serve_option(served
     result = CliRunner().invoke(main, ["serve", f"--{key.replace('_', '-')}", env_value])
     assert result.exit_code == 0, result.output
     assert getattr(served.pop(), field) == expected
+
+
+def test_metrics_are_off_unless_a_port_is_given_in_any_source(clean_env, tmp_path):
+    cfg = load_config({"capacity": "1MiB"})
+    assert (cfg.metrics_port, cfg.metrics_host) == (None, "127.0.0.1")
+    assert (cfg.as_dict()["metrics_port"], cfg.as_dict()["metrics_host"]) == ("", "127.0.0.1")
+    path = write_toml(tmp_path / "m.toml", 'metrics_port = 9464\nmetrics_host = "0.0.0.0"\n')
+    cfg = load_config({"capacity": "1MiB"}, path)
+    assert (cfg.metrics_port, cfg.metrics_host) == (9464, "0.0.0.0")
+    clean_env.setenv("LMCACHED_METRICS_PORT", "9465")
+    assert load_config({"capacity": "1MiB"}, path).metrics_port == 9465
+    assert load_config({"capacity": "1MiB", "metrics_port": "9466"}, path).metrics_port == 9466
 
 
 def test_allow_group_makes_the_arena_0660_unless_shm_mode_is_given(clean_env):

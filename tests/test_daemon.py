@@ -581,11 +581,11 @@ def test_capacity_beyond_dev_shm_is_refused_clearly(short_tmp):
     assert proc.returncode == 1, proc.stderr
     # One line: what was asked, where it came from, what /dev/shm has, and the fix.
     match = re.fullmatch(
-        r"Error: capacity 100\.00T \(--capacity\) is more than /dev/shm has free "
-        r"\(([0-9.]+)([KMGT]?)\); ask for less, or enlarge /dev/shm\n", proc.stderr)
+        r"Error: capacity 100TiB \(--capacity\) is more than /dev/shm has free "
+        r"\(([0-9.]+)((?:[KMGT]i)?B)\); ask for less, or enlarge /dev/shm\n", proc.stderr)
     assert match, proc.stderr
-    free_bytes = float(match[1]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
-                                    "T": 1 << 40}[match[2]]
+    free_bytes = float(match[1]) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30,
+                                    "TiB": 1 << 40}[match[2]]
     assert 0 < free_bytes <= shutil.disk_usage("/dev/shm").total
     assert not os.path.exists(f"{short_tmp}/x.sock")
 

@@ -286,7 +286,7 @@ def test_daemon_client_and_cli_find_the_same_default_socket(monkeypatch, short_t
     assert DaemonLink(None, "llama").socket_path == expected
     result = CliRunner().invoke(main, ["ping", "--name", "llama"])  # no daemon there
     assert result.exit_code == 1
-    assert result.stderr == f"lmcached: no daemon is running on {expected}\n"
+    assert result.stderr == f"Error: no daemon is running on {expected}\n"
 
 
 # -------------------------------------------------- --allow-group with a real second uid

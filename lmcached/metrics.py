@@ -1,0 +1,323 @@
+"""Prometheus metrics of the daemon: a collector over its own counters, served by a thread.
+
+Why this file exists: operators scrape lmcached with Prometheus, as they scrape vLLM and
+LMCache (`lmcached serve --metrics-port PORT`; docs/metrics.md lists every metric). The
+daemon already counts what INFO shows (`info.py`), so this module exports those numbers
+through a custom collector (prometheus_client's `Collector` protocol) instead of keeping
+a second set of counters. The one thing only the loop can measure is how long a request
+takes, so `RequestLatency` is observed there, with plain ints (docs/architecture.md,
+"Performance rules": stats stay off the hot path).
+
+Threads, and why a scrape's numbers agree with each other::
+
+    HTTP thread (prometheus_client)               selector loop (server.py)
+    GET /metrics -> DaemonCollector.collect
+      SnapshotChannel.request(): queue a slot,
+      write a byte to the loop's wakeup socket ---> wakes up; after serving the clients
+      wait (SNAPSHOT_TIMEOUT_S)                     of this pass, serve_pending():
+                                                    take_snapshot(service), a copy of
+      <-------------------------------------------- plain values, into every slot
+      build the metric families from the copy,
+      encode the text (all off the loop)
+
+The snapshot is taken on the loop thread between two requests, so it is consistent:
+blocks by state add up to the arena's blocks, a request's hits come with its misses, and
+the counters equal INFO's at that instant. The alternative, a lock taken by every counter
+update, would put a lock on every request for a scrape every few seconds. The loop's
+share of a scrape is the copy: INFO's fields plus one row per namespace and per request
+type.
+"""
+
+import bisect
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from lmcached.info import INFO_SECTIONS, InfoFields, info_sections
+from lmcached.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Upper bounds (seconds) of the request latency buckets. A handler takes microseconds
+# (a LOOKUP of a few chunks) to milliseconds (an ACQUIRE of thousands of chunks, a CLEAR).
+LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                     1e-2, 2.5e-2, 0.1, 1.0)
+SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the loop, then reports lmcached_up 0
+
+
+class _LatencyRow:
+    """Latency observations of one request type: per-bucket counts (not cumulative; the
+    last one is +Inf) and their sum in seconds."""
+
+    __slots__ = ("label", "counts", "sum_s")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.sum_s = 0.0
+
+
+class RequestLatency:
+    """How long the daemon takes to answer each request type: a histogram in plain ints.
+
+    Observed on the loop thread only (no lock); copied by `take_snapshot` on that thread.
+    prometheus_client's own `Histogram` would take a lock per observation and per label
+    lookup; `benchmarks/bench_engine.py --metrics-cost` times both.
+
+    Args:
+        request_types: the request Structs; each is labelled by its wire tag
+            (`Lookup` -> "lookup", `ConfigGet` -> "config_get").
+    """
+
+    def __init__(self, request_types) -> None:
+        self._rows = {t: _LatencyRow(t.__struct_config__.tag) for t in request_types}
+
+    def observe(self, request_type: type, seconds: float) -> None:
+        """Count one request of `request_type` that took `seconds` (wall clock).
+
+        Raises:
+            KeyError: `request_type` was not given at construction (a bug).
+        """
+        row = self._rows[request_type]
+        row.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        row.sum_s += seconds
+
+    def copy(self) -> dict[str, tuple[list[int], float]]:
+        """{wire tag: (per-bucket counts, sum of seconds)} of the types seen so far."""
+        return {row.label: (row.counts[:], row.sum_s) for row in self._rows.values()
+                if row.sum_s or any(row.counts)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceRow:
+    """Hit and miss counts of one namespace (one layout: a model, a TP rank, a format)."""
+
+    ns: int
+    model: str
+    chunk_size: int  # tokens per chunk
+    hit_chunks: int
+    miss_chunks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The daemon's numbers at one instant between two requests (plain values only).
+
+    Attributes:
+        info: INFO's sections (`info.info_sections`).
+        namespaces: one row per namespace, by id.
+        latency: `RequestLatency.copy()`, or {} when latency is not observed.
+        start_time_s: when the daemon started (Unix time).
+    """
+
+    info: dict[str, InfoFields]
+    namespaces: list[NamespaceRow]
+    latency: dict[str, tuple[list[int], float]]
+    start_time_s: float
+
+
+def take_snapshot(service) -> Snapshot:
+    """Copy the numbers of `service` (a `CacheService`); on the loop thread only."""
+    namespaces = [  # in id order: ids are given in the order layouts are first seen
+        NamespaceRow(ns, layout.model_name, layout.chunk_size, service.stat_ns_hits[ns],
+                     service.stat_ns_misses[ns])
+        for layout, ns in service.namespaces.items()
+    ]
+    latency = service.latency.copy() if service.latency is not None else {}
+    return Snapshot(info_sections(service), namespaces, latency, service.started_at)
+
+
+class SnapshotChannel:
+    """Hands snapshots from the loop thread to scrape threads (see the module docstring).
+
+    `attach` once the loop runs; `close` when it stops. Until attached and after closed,
+    `request` returns None at once.
+    """
+
+    def __init__(self) -> None:
+        self.pending: collections.deque = collections.deque()  # [event, snapshot] slots
+        self._lock = threading.Lock()  # attach / close against request
+        self._take: Callable[[], Snapshot] | None = None
+        self._wake: Callable[[], None] | None = None
+
+    def attach(self, take: Callable[[], Snapshot], wake: Callable[[], None]) -> None:
+        """The loop runs: `take()` makes a snapshot (loop thread), `wake()` (any thread)
+        makes the loop call `serve_pending` soon."""
+        with self._lock:
+            self._take, self._wake = take, wake
+
+    def request(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Snapshot | None:
+        """A snapshot from the loop (scrape thread); None when the loop is not serving
+        or did not answer within `timeout_s`."""
+        slot = [threading.Event(), None]
+        with self._lock:
+            if self._wake is None:
+                return None
+            self.pending.append(slot)
+            wake = self._wake
+        wake()
+        if not slot[0].wait(timeout_s):
+            logger.warning("metrics: the daemon's loop did not answer a scrape within %.1f s",
+                           timeout_s)
+            return None
+        return slot[1]
+
+    def serve_pending(self) -> None:
+        """Answer every waiting scrape with one snapshot (loop thread)."""
+        snapshot = self._take()
+        while self.pending:
+            slot = self.pending.popleft()
+            slot[1] = snapshot
+            slot[0].set()
+
+    def close(self) -> None:
+        """The loop stops: waiting and later scrapes get None."""
+        with self._lock:
+            self._take = self._wake = None
+            while self.pending:
+                self.pending.popleft()[0].set()
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def metric_families(snap: Snapshot) -> Iterator[Metric]:
+    """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
+    server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS)
+    yield InfoMetricFamily("lmcached", "The daemon: version, name, arena generation.", value={
+        "version": str(server["version"]), "name": str(server["name"]),
+        "generation": str(server["generation"]),
+        "protocol_version": str(server["protocol_version"])})
+    yield _gauge("lmcached_start_time_seconds", "When the daemon started (Unix time).",
+                 snap.start_time_s)
+    yield _counter("lmcached_requests", "Requests answered, every type (INFO requests).",
+                   stats["requests"])
+    yield _counter("lmcached_connections", "Connections accepted (INFO connections_received).",
+                   stats["connections_received"])
+    yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
+    yield _gauge("lmcached_namespaces", "Layouts registered since start.", clients["namespaces"])
+    yield _counter("lmcached_lookups", "LOOKUP requests answered.", stats["lookups"])
+    yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
+                   stats["stores"])
+    yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",
+                   stats["evictions"])
+    yield _counter("lmcached_stored_bytes", "Bytes of the values committed (INFO "
+                   "total_stored_bytes).", stats["total_stored_bytes"])
+    yield _counter("lmcached_served_bytes", "Bytes of the values pinned for readers by "
+                   "ACQUIRE and GET (INFO total_served_bytes).", stats["total_served_bytes"])
+    per_ns = {
+        ("hit_chunks", "Chunks found by ACQUIRE and values by GET."):
+            lambda r: r.hit_chunks,
+        ("miss_chunks", "Chunks and values asked for by ACQUIRE and GET and not found."):
+            lambda r: r.miss_chunks,
+        ("hit_tokens", "hit_chunks x the namespace's chunk size (a shorter last chunk "
+         "counts whole)."): lambda r: r.hit_chunks * r.chunk_size,
+        ("miss_tokens", "miss_chunks x the namespace's chunk size."):
+            lambda r: r.miss_chunks * r.chunk_size,
+    }
+    for (name, doc), value in per_ns.items():
+        family = CounterMetricFamily(f"lmcached_{name}", doc, labels=["namespace", "model"])
+        for row in snap.namespaces:
+            family.add_metric([str(row.ns), row.model], value(row))
+        yield family
+    errors = CounterMetricFamily("lmcached_errors", "Refused requests and dropped connections, "
+                                 "by error code (INFO errors_<code>).", labels=["code"])
+    for field, value in stats.items():
+        if field.startswith("errors_"):
+            errors.add_metric([field[len("errors_"):]], value)
+    yield errors
+    yield _gauge("lmcached_arena_capacity_bytes", "Size of the arena segment.",
+                 memory["capacity_bytes"])
+    yield _gauge("lmcached_block_size_bytes", "Size of one block; 0 until the first layout "
+                 "(or --block-size) sets it.", memory["block_bytes"])
+    yield _gauge("lmcached_arena_blocks", "Blocks in the arena; 0 until the block size is set.",
+                 blocks["num_blocks"])
+    pinned_indexed = blocks["cached_blocks"] - blocks["evictable_blocks"]
+    by_state = GaugeMetricFamily("lmcached_blocks", "Blocks by state; the states add up to "
+                                 "lmcached_arena_blocks.", labels=["state"])
+    for state, value in (("free", blocks["free_blocks"]), ("ready", blocks["evictable_blocks"]),
+                         ("pinned", pinned_indexed), ("detached", blocks["detached_blocks"]),
+                         ("writing", blocks["writing_blocks"])):
+        by_state.add_metric([state], value)
+    yield by_state
+    yield _gauge("lmcached_cached_values", "Values in the index now.", blocks["cached_values"])
+    yield _gauge("lmcached_used_bytes", "Bytes of the blocks in use (READY, WRITING, detached).",
+                 memory["used_bytes"])
+    yield _gauge("lmcached_cached_bytes", "Bytes of the values in the index now (INFO "
+                 "stored_bytes).", memory["stored_bytes"])
+    yield _gauge("lmcached_arena_fill_ratio", "Cached bytes / bytes of their blocks "
+                 "(INFO fill_ratio).", memory["fill_ratio"])
+    latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "
+                                    "loop spent answering a request, by type.", labels=["type"])
+    bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+    for label, (counts, sum_s) in sorted(snap.latency.items()):
+        cumulative, running = [], 0
+        for bound, count in zip(bounds, counts):
+            running += count
+            cumulative.append((bound, running))
+        latency.add_metric([label], cumulative, sum_s)
+    yield latency
+
+
+class DaemonCollector:
+    """prometheus_client collector of the daemon's metrics, read at scrape time.
+
+    Args:
+        channel: where the snapshots come from.
+    """
+
+    def __init__(self, channel: SnapshotChannel) -> None:
+        self.channel = channel
+
+    def collect(self) -> Iterator[Metric]:
+        """lmcached_up, then (when the loop answered) every family of `metric_families`."""
+        snapshot = self.channel.request()
+        yield _gauge("lmcached_up", "1 when the daemon's loop answered this scrape; 0 while "
+                     "it starts or stops, or when it did not answer in time.",
+                     0 if snapshot is None else 1)
+        if snapshot is not None:
+            yield from metric_families(snapshot)
+
+
+class MetricsExporter:
+    """The HTTP endpoint: its own registry (lmcached_* and process_*) and server thread.
+
+    Args:
+        host: address to listen on (e.g. "127.0.0.1", "::").
+        port: TCP port.
+
+    Raises:
+        OSError: the address cannot be bound (errno EADDRINUSE: the port is in use).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.channel = SnapshotChannel()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(self.channel))
+        ProcessCollector(registry=self.registry)
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._httpd.server_port
+        logger.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        """Answer waiting scrapes with lmcached_up 0, stop the server, join its thread."""
+        self.channel.close()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
