@@ -9,13 +9,20 @@ tokenizer is a byte-level BPE trained here on that text with the `tokenizers` li
 
 Worker 1 serves half the prompts; worker 2 the other half plus prompts that share their
 system prompt and documents with worker 1's, so its prefill of those reads worker 1's
-KV from shared memory. Every request is also run without the cache, to check that the
-greedy outputs are identical.
+KV from shared memory. Every request is also run without the cache, in the same process
+with the same model: the headline compares the TTFT of the same prompts with and without
+lmcached, and the outputs must be identical.
+
+The demo needs the `hf` extra (torch, transformers, tokenizers). Importing this module
+without them raises ImportError at once (the CLI turns it into one `Error:` line), instead
+of failing later in a worker process.
 """
 
 import contextlib
 import dataclasses
+import importlib.util
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import statistics
@@ -25,6 +32,25 @@ from typing import Callable, Iterator
 
 from lmcached.launcher import temporary_daemon
 from lmcached.protocol import Connection, Info, Ping, hello
+
+_MISSING = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+if _MISSING:
+    raise ImportError(f"{', '.join(_MISSING)} not installed")
+
+# Longest silence while waiting for a worker: after it, one line says what it is doing.
+HEARTBEAT_S = 10.0
+
+# One line per column of the per-request table (printed above it).
+COLUMNS = [
+    ("worker", "the worker process that served the request"),
+    ("request", "g<document group>-q<question>: prompts of one group share system prompt and documents"),
+    ("prompt", "prompt length, tokens"),
+    ("cached", "prompt tokens whose KV came from lmcached instead of being computed"),
+    ("cross", "of those, tokens that another worker process computed and stored"),
+    ("TTFT ms", "time to first token with lmcached (retrieve the cached prefix, prefill the rest)"),
+    ("no-cache", "time to first token of the same prompt without lmcached (same process and model)"),
+    ("same", "yes when the generated tokens equal those of the no-cache run"),
+]
 
 SYSTEM_PROMPT = (
     "You are a careful assistant for Python programmers. Answer the question using only "
@@ -59,9 +85,10 @@ class DemoSize:
 
 
 SIZES = {
-    # Cold prefill of a ~1.3k-token prompt takes ~1-2 s on the 2-core machines here.
+    # A 10-layer model, prompts of ~1.3k tokens: a prefill takes seconds on a CPU.
     "demo": DemoSize(512, 10, 8, 4, 8000, 420, 3, 256, 16),
-    # For the end-to-end test: seconds in all.
+    # For the end-to-end test: prefills of milliseconds, so the cache's own round trips
+    # show and the cached run may well be slower.
     "tiny": DemoSize(64, 2, 4, 2, 1000, 48, 2, 32, 4),
 }
 
@@ -130,15 +157,26 @@ def build_prompts(size: DemoSize, tokenizer_path: str, num_workers: int) -> list
 
 
 def worker_main(worker_id: int, size: DemoSize, socket: str, tokenizer_path: str, conn) -> None:
-    """A worker process: build the model, then serve prompt lists sent by the parent."""
+    """A worker process: build the model, then serve prompt lists sent by the parent.
+
+    Messages to the parent: `progress` (printed), `status` (what it is doing, printed
+    only if it takes longer than HEARTBEAT_S), `ready`, one `result` per request, `done`.
+    """
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:
+        conn.send({"event": "progress", "worker": worker_id, "text": text})
+
+    progress("importing torch and transformers")
     import torch
 
     from lmcached.client import CacheEngine, hash_request_tokens
     from lmcached.client.hf import generate_with_cache, layout_for_model
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    started = time.perf_counter()
+    progress(f"building the {size.num_layers}-layer model (random weights, seed 0)")
     model = build_model(size)
+    progress("connecting to the daemon")
     layout = layout_for_model(model, size.chunk_size, model_name="lmcached-demo-llama")
     engine = CacheEngine.connect(layout, socket=socket, strict=True)
     conn.send({"event": "ready", "worker": worker_id, "build_s": time.perf_counter() - started})
@@ -149,6 +187,8 @@ def worker_main(worker_id: int, size: DemoSize, socket: str, tokenizer_path: str
             if message is None:
                 break
             for request in message:
+                conn.send({"event": "status", "worker": worker_id,
+                           "text": f"is running {request['id']} with and without the cache"})
                 tokens = torch.tensor(request["tokens"], dtype=torch.int64)
                 hashes = hash_request_tokens(size.chunk_size, tokens)
                 warm = generate_with_cache(model, engine, tokens, size.max_new_tokens)
@@ -190,6 +230,16 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
              capacity: str = "1GiB", log: Callable[[str], None] = print) -> dict:
     """Run the demo; print progress and results through `log`; return the summary.
 
+    Args:
+        num_workers: worker processes, >= 2 (worker 2 on reuses worker 1's prefixes).
+        size_name: a key of SIZES ("demo" or "tiny").
+        socket: use the daemon on this socket instead of starting one.
+        capacity: arena of the daemon the demo starts (e.g. "1GiB").
+        log: where progress lines, the table and the summary go.
+
+    Returns:
+        The summary (see `summarize`), with every per-request result under "results".
+
     Raises:
         ValueError: num_workers < 2 or an unknown size.
         RuntimeError: the daemon or a worker failed.
@@ -197,7 +247,7 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
     if num_workers < 2:
         raise ValueError("the demo needs at least 2 workers to share prefixes between processes")
     if size_name not in SIZES:
-        raise ValueError(f"unknown size {size_name!r}; choose from {sorted(SIZES)}")
+        raise ValueError(f"unknown size {size_name!r}; choose from {', '.join(sorted(SIZES))}")
     size = SIZES[size_name]
     started = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="lmcdemo-")
@@ -218,16 +268,21 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
                 proc.start()
                 workers.append(proc)
                 pipes.append(parent_end)
-            for pipe in pipes:
-                ready = _receive(pipe, workers)
+            waiter = _Waiter(pipes, workers, log)
+            for _ in range(num_workers):
+                ready = waiter.next({"ready"})
                 log(f"worker {ready['worker']} ready (pid {workers[ready['worker'] - 1].pid}, "
-                    f"model built in {ready['build_s']:.1f} s)")
+                    f"started in {ready['build_s']:.1f} s)")
+            log("")
+            log("columns:")
+            for name, meaning in COLUMNS:
+                log(f"  {name:<9} {meaning}")
             log(f"{'worker':>6} {'request':>8} {'prompt':>7} {'cached':>7} {'cross':>6} "
                 f"{'TTFT ms':>8} {'no-cache':>9} {'same':>5}")
             results = []
             for w, pipe in enumerate(pipes):  # worker 1 first: its prefixes are then shared
                 pipe.send(prompts[w])
-                while (message := _receive(pipe, workers))["event"] == "result":
+                while (message := waiter.next({"result", "done"}, only=w))["event"] == "result":
                     results.append(message)
                     log(f"{message['worker']:>6} {message['id']:>8} {message['prompt_tokens']:>7} "
                         f"{message['cached_tokens']:>7} {message['cross_process_tokens']:>6} "
@@ -238,8 +293,9 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
             with Connection(sock) as conn:
                 hello(conn, "lmcached-demo")
                 info = conn.request(Info()).sections
-        summary = _summarize(results, info, num_workers, time.perf_counter() - started)
-        _print_summary(summary, log)
+            summary = summarize(results, info, num_workers, time.perf_counter() - started)
+            print_summary(summary, log)
+            log("stopping the workers" + ("" if socket else " and the daemon") + " ...")
         return summary
     finally:
         for proc in workers:
@@ -250,29 +306,97 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _receive(pipe, workers) -> dict:
-    """The next message from a worker; fail clearly if a worker died."""
-    while not pipe.poll(0.5):
-        dead = [p for p in workers if p.exitcode not in (None, 0)]
-        if dead:
-            raise RuntimeError(f"{dead[0].name} exited with status {dead[0].exitcode}")
-    return pipe.recv()
+class _Waiter:
+    """Receives the workers' messages: prints progress, fails if a worker dies, and says
+    what the busy workers are doing after HEARTBEAT_S without a message."""
+
+    def __init__(self, pipes: list, workers: list, log: Callable[[str], None]) -> None:
+        self.pipes, self.workers, self.log = pipes, workers, log
+        self.doing = {w + 1: ("is starting", time.monotonic()) for w in range(len(pipes))}
+
+    def next(self, events: set[str], only: int | None = None) -> dict:
+        """The next message whose event is in `events` (from worker index `only`, or any).
+
+        Raises:
+            RuntimeError: a worker exited with an error.
+        """
+        pipes = self.pipes if only is None else [self.pipes[only]]
+        quiet_since = time.monotonic()
+        while True:
+            for pipe in multiprocessing.connection.wait(pipes, timeout=0.5):
+                message = pipe.recv()
+                quiet_since = time.monotonic()
+                event, worker = message["event"], message["worker"]
+                if event == "progress":
+                    self.log(f"worker {worker}: {message['text']} ...")
+                    self.doing[worker] = (f"is {message['text']}", time.monotonic())
+                elif event == "status":
+                    self.doing[worker] = (message["text"], time.monotonic())
+                elif event in events:
+                    if event in ("ready", "done"):
+                        self.doing.pop(worker, None)  # idle until it is sent prompts
+                    return message
+            dead = [p for p in self.workers if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with status {dead[0].exitcode}")
+            waited_s = time.monotonic() - quiet_since
+            if waited_s >= HEARTBEAT_S:
+                now = time.monotonic()
+                self.log("  still waiting: " + "; ".join(
+                    f"worker {w} {text} ({now - since:.0f} s)" for w, (text, since) in self.doing.items()
+                    if only is None or w == only + 1))
+                quiet_since = time.monotonic()
 
 
-def _summarize(results: list[dict], info: dict, num_workers: int, wall_s: float) -> dict:
+def speedup_headline(ttft_s: float | None, ttft_no_cache_s: float | None, num_prompts: int) -> str:
+    """The demo's headline: the median TTFT of the prompts that found a cached prefix,
+    against the median TTFT of the SAME prompts run without lmcached.
+
+    Args:
+        ttft_s: median TTFT with lmcached, seconds (None: no prompt found a prefix).
+        ttft_no_cache_s: median TTFT of the same prompts without lmcached, seconds.
+        num_prompts: how many prompts the medians cover.
+
+    Returns:
+        One line; "N.Nx faster" or "N.Nx slower" (two decimals below 1.1x), or why there
+        is no comparison.
+    """
+    if not num_prompts or ttft_s is None or ttft_no_cache_s is None:
+        return "no prompt found a cached prefix: nothing to compare"
+    if ttft_s <= 0 or ttft_no_cache_s <= 0:
+        raise ValueError(f"TTFTs must be positive seconds, got {ttft_s} and {ttft_no_cache_s}")
+    ratio = ttft_no_cache_s / ttft_s  # above 1: faster with lmcached
+    factor = max(ratio, 1 / ratio)
+    verdict = ("as fast" if ratio == 1 else
+               f"{factor:.{2 if factor < 1.1 else 1}f}x {'faster' if ratio > 1 else 'slower'}")
+    return (f"{ttft_s * 1e3:.0f} ms median with lmcached, {ttft_no_cache_s * 1e3:.0f} ms for the "
+            f"same {num_prompts} prompt{'s' if num_prompts != 1 else ''} without it: {verdict}")
+
+
+def summarize(results: list[dict], info: dict, num_workers: int, wall_s: float) -> dict:
+    """The demo's summary from its per-request results and the daemon's INFO sections.
+
+    TTFT medians: `ttft_warm_median_s` and `ttft_warm_no_cache_median_s` are over the same
+    prompts (those that found a cached prefix), with and without lmcached;
+    `ttft_warm_speedup` is the second over the first (above 1: faster with lmcached).
+    `ttft_cold_median_s` is over the prompts that found nothing to reuse.
+    """
     cold = [r["ttft_s"] for r in results if r["cached_tokens"] == 0]
     warm = [r for r in results if r["cached_tokens"] > 0]
+    warm_s = statistics.median(r["ttft_s"] for r in warm) if warm else None
+    warm_no_cache_s = statistics.median(r["ttft_no_cache_s"] for r in warm) if warm else None
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     cached_tokens = sum(r["cached_tokens"] for r in results)
     stats = info["stats"]
     return {
         "workers": num_workers,
         "requests": len(results),
+        "num_warm_requests": len(warm),
         "ttft_cold_median_s": statistics.median(cold) if cold else None,
-        "ttft_warm_median_s": statistics.median(r["ttft_s"] for r in warm) if warm else None,
-        "ttft_warm_no_cache_median_s": (
-            statistics.median(r["ttft_no_cache_s"] for r in warm) if warm else None
-        ),
+        "ttft_warm_median_s": warm_s,
+        "ttft_warm_no_cache_median_s": warm_no_cache_s,
+        "ttft_warm_speedup": warm_no_cache_s / warm_s if warm else None,
+        "headline": speedup_headline(warm_s, warm_no_cache_s, len(warm)),
         "cross_process_hit_tokens": sum(r["cross_process_tokens"] for r in results),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
@@ -291,21 +415,18 @@ def _summarize(results: list[dict], info: dict, num_workers: int, wall_s: float)
     }
 
 
-def _print_summary(s: dict, log: Callable[[str], None]) -> None:
-    def ms(value):
-        return "-" if value is None else f"{value * 1e3:.0f} ms"
-
-    speedup = (
-        f"{s['ttft_cold_median_s'] / s['ttft_warm_median_s']:.1f}x"
-        if s["ttft_cold_median_s"] and s["ttft_warm_median_s"] else "-"
-    )
+def print_summary(s: dict, log: Callable[[str], None]) -> None:
+    """Print `summarize`'s result, headline first, one explained line per figure."""
+    num_cold = s["requests"] - s["num_warm_requests"]
+    cold = "-" if s["ttft_cold_median_s"] is None else f"{s['ttft_cold_median_s'] * 1e3:.0f} ms median"
     d = s["daemon"]
     log("")
+    log(f"TTFT with a cached prefix         {s['headline']}")
+    log(f"TTFT with no cached prefix        {cold} ({num_cold} prompt{'s' if num_cold != 1 else ''} "
+        f"seen for the first time: nothing to reuse; the KV is stored for the others)")
     log(f"requests                          {s['requests']} on {s['workers']} worker processes")
-    log(f"TTFT cold (no cached prefix)      {ms(s['ttft_cold_median_s'])} median")
-    log(f"TTFT warm (cached prefix)         {ms(s['ttft_warm_median_s'])} median ({speedup} faster; "
-        f"{ms(s['ttft_warm_no_cache_median_s'])} for the same prompts without lmcached)")
-    log(f"cross-process hit tokens          {s['cross_process_hit_tokens']}")
+    log(f"cross-process hit tokens          {s['cross_process_hit_tokens']} (computed by one "
+        f"worker process, read by another)")
     log(f"hit rate                          {s['hit_rate'] * 100:.1f}% "
         f"({s['cached_tokens']} of {s['prompt_tokens']} prompt tokens from the cache)")
     log(f"outputs identical to no-cache run {'yes' if s['outputs_identical'] else 'NO'} "
@@ -313,4 +434,6 @@ def _print_summary(s: dict, log: Callable[[str], None]) -> None:
         f"{s['max_logit_diff']:.1e})")
     log(f"daemon                            hits={d['hits']} misses={d['misses']} "
         f"stores={d['stores']} evictions={d['evictions']} stored={d['stored_human']}")
+    log("                                  (`lmcached info` fields: chunks found / not found, "
+        "chunks stored, chunks evicted; stored: KV bytes held, K/M/G = KiB/MiB/GiB)")
     log(f"wall time                         {s['wall_s']:.1f} s")
