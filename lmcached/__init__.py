@@ -12,6 +12,8 @@ What lives here:
     info.py, stats.py          INFO / CLIENTS fields (daemon) and their text (CLI)
     protocol.py                the wire protocol shared with the clients
     config.py, envs.py         configuration and every LMCACHED_* variable
+    sizes.py                   sizes as typed: parse "8GiB" / "10TB", echo, *_human form
+    metrics.py                 the Prometheus endpoint (--metrics-port), its own thread
     socket_path.py             where the socket lives and whether it can be trusted
     cli.py, launcher.py        the `lmcached` command and daemon subprocesses
     logger.py, notify.py       logging and systemd's notify protocol

@@ -8,10 +8,8 @@ setting has the same name and type in each source (`Settings`): the TOML key
 `max_clients`, the option `--max-clients`, the variable `LMCACHED_MAX_CLIENTS`. Whatever
 its source, a value goes through `Settings` (msgspec) and then its parser; a value of the
 wrong type is an error naming the key and its source (`socket = 7` in the file is
-refused, not turned into a socket named "7"). Sizes accept bytes (`1048576`), binary
-units (`512MiB`, `8GiB`), decimal units (`4GB`) and a percentage of physical RAM (`25%`);
-a message about a size echoes it as typed and states the other sizes in the same style
-(`capacity 10TB ... /dev/shm has free 25.28GB`, `capacity 10GiB ... 23.54GiB`).
+refused, not turned into a socket named "7"). Sizes (`8GiB`, `4GB`, `25%`, bytes) are
+read by `lmcached.sizes`, and a message about a size echoes it in the units typed.
 
 This module declares the options (`serve_params`, used by `lmcached.cli`) and turns a
 parsed click context into a `ServerConfig` (`config_from_context`); `load_config` runs
@@ -20,7 +18,6 @@ the same options on a dict, for the daemon's SIGHUP re-read and for tests.
 
 import dataclasses
 import os
-import re
 import shutil
 import tomllib
 from collections.abc import Callable
@@ -32,6 +29,8 @@ import psutil
 from click.core import ParameterSource
 
 from lmcached.protocol import MAX_FRAME_BYTES
+from lmcached.sizes import echo_size, format_size, parse_size, size_style
+from lmcached.sizes import format_bytes  # noqa: F401 (re-export for lmcached.server)
 from lmcached.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
 
 DEFAULT_CAPACITY_BYTES = 4 << 30  # and at most 25% of RAM
@@ -42,98 +41,6 @@ DEFAULT_MAX_CLIENTS = 1024
 DEFAULT_BUFFER_BUDGET_BYTES = 128 << 20
 DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are for this node's Prometheus agent
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_DECIMAL_UNITS = frozenset({"k", "kb", "m", "mb", "g", "gb", "t", "tb"})
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int, total_bytes: int | None = None) -> int:
-    """Parse a size: `1048576`, `512MiB`, `8GiB`, `4GB`, or `25%` of `total_bytes`.
-
-    Args:
-        text: the size.
-        total_bytes: what a percentage refers to (default: physical RAM).
-
-    Raises:
-        ValueError: unparseable, zero, or a percentage outside (0, 100].
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    elif not isinstance(text, str):
-        raise ValueError(f"size {text!r} must be a string such as '8GiB' or whole bytes")
-    else:
-        stripped = text.strip()
-        if stripped.endswith("%"):
-            try:
-                pct = float(stripped[:-1])
-            except ValueError:
-                raise ValueError(f"cannot parse percentage {text!r}: use e.g. 25%") from None
-            if not 0 < pct <= 100:
-                raise ValueError(f"percentage {text!r} must be in (0, 100]")
-            total = total_bytes if total_bytes is not None else psutil.virtual_memory().total
-            value = int(total * pct / 100)
-        else:
-            match = _SIZE_RE.match(stripped)
-            unit = match.group(2).lower() if match else None
-            if match is None or unit not in _UNITS:
-                raise ValueError(
-                    f"cannot parse size {text!r}: use bytes, 512MiB, 8GiB, 4GB or 25%"
-                )
-            value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
-def format_bytes(num_bytes: int | float) -> str:
-    """Human form of a byte count, Redis style: 1.50G, 512.00M, 3.00K, 12B."""
-    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.2f}{unit}"
-    return f"{int(num_bytes)}B"
-
-
-def size_style(text: str | int | None) -> str:
-    """The unit style of a size as the user typed it: "decimal" for `4GB`, `10TB` (powers
-    of 1000), "binary" for anything else (`8GiB`, bytes, a percentage, no value)."""
-    if isinstance(text, str):
-        match = _SIZE_RE.match(text)
-        if match and match.group(2).lower() in _DECIMAL_UNITS:
-            return "decimal"
-    return "binary"
-
-
-def format_size(num_bytes: int | float, style: str = "binary") -> str:
-    """A byte count in the unit style of `size_style`, in a form `parse_size` reads back.
-
-    Examples: 23.54GiB, 512MiB, 1000B (binary); 25.28GB, 10TB (decimal).
-
-    Raises:
-        ValueError: `style` is neither "binary" nor "decimal".
-    """
-    if style not in ("binary", "decimal"):
-        raise ValueError(f"size style {style!r}: use 'binary' or 'decimal'")
-    base, names = (1000, "KB MB GB TB") if style == "decimal" else (1024, "KiB MiB GiB TiB")
-    scale, unit = 1, "B"
-    for power, name in enumerate(names.split(), 1):
-        if abs(num_bytes) >= base**power:
-            scale, unit = base**power, name
-    return f"{num_bytes / scale:.2f}".rstrip("0").rstrip(".") + unit
-
-
-def echo_size(text: str | int | None, num_bytes: int) -> str:
-    """How a message names a size the user gave as `text` (None: a default of
-    `num_bytes`): as typed when it has a unit, a percentage with its bytes, bytes as such."""
-    if isinstance(text, str) and text.strip().endswith("%"):
-        return f"{text.strip()} of RAM ({format_size(num_bytes)})"
-    if isinstance(text, str) and not text.strip().isdigit():
-        return text.strip()
-    return format_size(num_bytes) if text is None else f"{num_bytes} bytes"
 
 
 def default_capacity_bytes() -> int:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Iterable
 import psutil
 
 from lmcached import __version__
-from lmcached.config import format_bytes
 from lmcached.protocol import PROTOCOL_VERSION
 from lmcached.session import Session
+from lmcached.sizes import format_bytes
 
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.service import CacheService

@@ -8,8 +8,8 @@ see it move, and systemd's journal should get a few lines, not a bar.
 import sys
 import time
 
-from lmcached.config import format_bytes
 from lmcached.logger import init_logger
+from lmcached.sizes import format_bytes
 
 logger = init_logger(__name__)
 

@@ -8,17 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from lmcached import config, envs
-from lmcached.config import (
-    DEFAULT_SHM_MODE,
-    default_socket_path,
-    echo_size,
-    format_bytes,
-    format_size,
-    load_config,
-    parse_size,
-    size_style,
-)
+from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
 from lmcached.protocol import InfoReply, encode_frame, reply_decoder
+from lmcached.sizes import echo_size, format_bytes, format_size, parse_size, size_style
 
 MiB = 1 << 20
 GiB = 1 << 30
