@@ -7,13 +7,15 @@ The distribution has four import packages, whose names differ from their folders
 
 What lives here:
     server.py, connection.py   the event loop and one client connection's buffers
+    startup.py                 the start-up steps before the loop serves
     service.py, session.py     request semantics and what each session holds
     keys.py                    the block pool's keys for chunks and string keys
     info.py, stats.py          INFO / CLIENTS fields (daemon) and their text (CLI)
     protocol.py                the wire protocol shared with the clients
     config.py, envs.py         configuration and every LMCACHED_* variable
     sizes.py                   sizes as typed: parse "8GiB" / "10TB", echo, *_human form
-    metrics.py                 the Prometheus endpoint (--metrics-port), its own thread
+    metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port): its collector, and
+                               its HTTP server, bounded against hostile local processes
     socket_path.py             where the socket lives and whether it can be trusted
     cli.py, launcher.py        the `lmcached` command and daemon subprocesses
     logger.py, notify.py       logging and systemd's notify protocol

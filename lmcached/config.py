@@ -30,7 +30,6 @@ from click.core import ParameterSource
 
 from lmcached.protocol import MAX_FRAME_BYTES
 from lmcached.sizes import echo_size, format_size, parse_size, size_style
-from lmcached.sizes import format_bytes  # noqa: F401 (re-export for lmcached.server)
 from lmcached.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
 
 DEFAULT_CAPACITY_BYTES = 4 << 30  # and at most 25% of RAM

@@ -10,9 +10,11 @@ takes, so `RequestLatency` is observed there, with plain ints (docs/architecture
 
 Threads, and why a scrape's numbers agree with each other::
 
-    HTTP thread (prometheus_client)               selector loop (server.py)
+    HTTP thread (metrics_http.py)                 selector loop (server.py)
     GET /metrics -> DaemonCollector.collect
-      SnapshotChannel.request(): queue a slot,
+      SnapshotChannel.request(): the latest
+      snapshot if younger than SNAPSHOT_MAX_AGE_S;
+      else queue a slot,
       write a byte to the loop's wakeup socket ---> wakes up; after serving the clients
       wait (SNAPSHOT_TIMEOUT_S)                     of this pass, serve_pending():
                                                     take_snapshot(service), a copy of
@@ -26,15 +28,22 @@ the counters equal INFO's at that instant. The alternative, a lock taken by ever
 update, would put a lock on every request for a scrape every few seconds. The loop's
 share of a scrape is the copy: INFO's fields plus one row per namespace and per request
 type.
+
+Any local process can open the port, so a scrape's cost to the daemon is bounded
+(docs/metrics.md, "Limits"): a snapshot younger than SNAPSHOT_MAX_AGE_S answers later
+scrapes without waking the loop, so a flood costs the loop at most one copy per
+interval; the HTTP server (`metrics_http.py`) bounds connections, their threads, their
+rate, their size and their time.
 """
 
 import bisect
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -46,6 +55,7 @@ from prometheus_client.utils import floatToGoString
 
 from lmcached.info import INFO_SECTIONS, InfoFields, info_sections
 from lmcached.logger import init_logger
+from lmcached.metrics_http import ScrapeServer
 
 logger = init_logger(__name__)
 
@@ -54,6 +64,7 @@ logger = init_logger(__name__)
 LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
                      1e-2, 2.5e-2, 0.1, 1.0)
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the loop, then reports lmcached_up 0
+SNAPSHOT_MAX_AGE_S = 0.5  # a snapshot this young answers later scrapes without the loop
 
 
 class _LatencyRow:
@@ -142,14 +153,21 @@ class SnapshotChannel:
     """Hands snapshots from the loop thread to scrape threads (see the module docstring).
 
     `attach` once the loop runs; `close` when it stops. Until attached and after closed,
-    `request` returns None at once.
+    `request` returns None at once. A snapshot younger than `max_age_s` answers later
+    requests without waking the loop, so a scrape flood costs the loop at most one
+    snapshot per `max_age_s`.
+
+    Args:
+        max_age_s: how long a snapshot is reused, in seconds (0: never).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_age_s: float = SNAPSHOT_MAX_AGE_S) -> None:
         self.pending: collections.deque = collections.deque()  # [event, snapshot] slots
+        self.max_age_s = max_age_s
         self._lock = threading.Lock()  # attach / close against request
         self._take: Callable[[], Snapshot] | None = None
         self._wake: Callable[[], None] | None = None
+        self._latest: tuple[float, Snapshot] | None = None  # (monotonic time taken, snapshot)
 
     def attach(self, take: Callable[[], Snapshot], wake: Callable[[], None]) -> None:
         """The loop runs: `take()` makes a snapshot (loop thread), `wake()` (any thread)
@@ -158,12 +176,16 @@ class SnapshotChannel:
             self._take, self._wake = take, wake
 
     def request(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Snapshot | None:
-        """A snapshot from the loop (scrape thread); None when the loop is not serving
-        or did not answer within `timeout_s`."""
+        """A snapshot from the loop (scrape thread), the latest one if it is younger than
+        `max_age_s`; None when the loop is not serving or did not answer within
+        `timeout_s`."""
         slot = [threading.Event(), None]
         with self._lock:
             if self._wake is None:
                 return None
+            latest = self._latest
+            if latest is not None and time.monotonic() - latest[0] < self.max_age_s:
+                return latest[1]
             self.pending.append(slot)
             wake = self._wake
         wake()
@@ -176,6 +198,7 @@ class SnapshotChannel:
     def serve_pending(self) -> None:
         """Answer every waiting scrape with one snapshot (loop thread)."""
         snapshot = self._take()
+        self._latest = (time.monotonic(), snapshot)
         while self.pending:
             slot = self.pending.popleft()
             slot[1] = snapshot
@@ -184,7 +207,7 @@ class SnapshotChannel:
     def close(self) -> None:
         """The loop stops: waiting and later scrapes get None."""
         with self._lock:
-            self._take = self._wake = None
+            self._take = self._wake = self._latest = None
             while self.pending:
                 self.pending.popleft()[0].set()
 
@@ -296,7 +319,9 @@ class DaemonCollector:
 
 
 class MetricsExporter:
-    """The HTTP endpoint: its own registry (lmcached_* and process_*) and server thread.
+    """The HTTP endpoint: its own registry (lmcached_* and process_*), prometheus_client's
+    WSGI app, served by a `ScrapeServer` (metrics_http.py: bounded connections, threads,
+    rate, size and time) on a thread of its own.
 
     Args:
         host: address to listen on (e.g. "127.0.0.1", "::").
@@ -311,7 +336,11 @@ class MetricsExporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(self.channel))
         ProcessCollector(registry=self.registry)
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = ScrapeServer(host, port)
+        self._httpd.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics",
+                                        daemon=True)
+        self._thread.start()
         self.port = self._httpd.server_port
         logger.info("metrics on http://%s:%d/metrics", host, self.port)
 

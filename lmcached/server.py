@@ -1,33 +1,32 @@
 """The daemon's event loop: one thread, `selectors` over non-blocking Unix sockets.
 
 Why this file exists: it moves frames between sockets and `CacheService` and owns the
-process life cycle (start-up sweep, arena prefault, READY, signals, graceful stop).
-No asyncio: a selectors loop answers a round trip several times faster than asyncio
-(docs/architecture.md, "Performance rules").
+process life cycle (signals, READY, graceful stop); the start-up steps before it serves
+are in `startup.py`. No asyncio: a selectors loop answers a round trip several times
+faster than asyncio (docs/architecture.md, "Performance rules").
 
 Life cycle::
 
-    check the socket's directory -> refuse if a daemon answers on the socket -> bind the
-    metrics port (--metrics-port) -> sweep orphans of <name> -> create and prefault the
-    arena (progress) -> listen -> READY=1 -> serve -> SIGTERM/SIGINT or SHUTDOWN ->
-    STOPPING=1 -> close clients, unlink socket and arena -> exit 0
+    catch SIGTERM/SIGINT/SIGHUP -> start-up steps (startup.py: socket directory, metrics
+    port, sweep, create and prefault the arena) -> listen -> READY=1 -> serve ->
+    SIGTERM/SIGINT or SHUTDOWN -> STOPPING=1 -> close clients, unlink socket and arena
+    -> exit 0
 
 Whatever stops the start-up is one `StartupError` whose message says why and what to do;
-the CLI prints it as one `Error: ...` line and exits with status 1.
+the CLI prints it as one `Error: ...` line and exits with status 1. A stop signal during
+the start-up stops it cleanly (exit 0, nothing left in /dev/shm).
 """
 
 import errno
-import grp
 import os
 import pwd
-import resource
 import selectors
 import signal
 import socket
 import struct
 import time
 
-from lmcached.config import ServerConfig, echo_size, format_bytes, load_config
+from lmcached.config import ServerConfig, load_config
 from lmcached.logger import configure_logging, init_logger
 from lmcached.notify import SystemdNotifier
 from lmcached.connection import (
@@ -46,22 +45,25 @@ from lmcached.connection import (
     answer_frame,
 )
 from lmcached.metrics import MetricsExporter, take_snapshot
-from lmcached.progress import PrefaultProgress
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService
 from lmcached.shm.arena import Arena
-from lmcached.shm.janitor import sweep_orphans
-from lmcached.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
+from lmcached.sizes import format_bytes
+from lmcached.startup import (
+    StartupError,
+    StartupInterrupted,
+    create_arena,
+    prepare_socket,
+    raise_fd_limit,
+    resolve_allowed_group,
+    start_metrics,
+    sweep,
+)
 
 logger = init_logger(__name__)
 
 RECV_BYTES = 256 * 1024
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-FD_RESERVE = 32  # descriptors besides clients: listener, wakeup pair, selector, log, ...
-
-
-class StartupError(RuntimeError):
-    """The daemon cannot start; the message says why and what to do, in one line."""
 
 
 class Server:
@@ -72,7 +74,8 @@ class Server:
 
     Raises (from `start`):
         StartupError: the socket path is bad or taken, the metrics port is in use, the
-            arena cannot be created, ...
+            arena cannot be created, ... (`startup.py`).
+        StartupInterrupted: SIGTERM/SIGINT during the prefault (`run_server` exits 0).
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -103,100 +106,38 @@ class Server:
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
-        """Check the socket, bind the metrics port, sweep, create and prefault the arena,
-        listen, then notify READY.
+        """Catch the stop signals, run the start-up steps (`startup.py`), listen, then
+        notify READY.
 
         Raises:
             StartupError: why the daemon cannot start; what it made is removed.
+            StartupInterrupted: a stop signal arrived during the prefault; what it made
+                is removed.
         """
         try:
             self._start()
-        except (RuntimeError, ValueError, OSError) as exc:
+        except BaseException as exc:
             self._teardown()
-            if isinstance(exc, StartupError):
-                raise
-            raise StartupError(str(exc)) from exc
+            if isinstance(exc, (RuntimeError, ValueError, OSError)) and not isinstance(
+                    exc, StartupError):
+                raise StartupError(str(exc)) from exc
+            raise
 
     def _start(self) -> None:
         cfg = self.config
-        if cfg.allow_group:
-            try:
-                self._allowed_gid = grp.getgrnam(cfg.allow_group).gr_gid
-            except KeyError:
-                raise RuntimeError(f"--allow-group: no group named {cfg.allow_group!r}") from None
-            if os.geteuid() != 0 and self._allowed_gid not in (os.getegid(), *os.getgroups()):
-                raise RuntimeError(
-                    f"--allow-group {cfg.allow_group}: the daemon's user is not a member of that "
-                    f"group, so it cannot give it the socket and the arena; add it (usermod "
-                    f"-aG {cfg.allow_group} USER) or pick one of its groups"
-                )
-        try:
-            prepare_socket_directory(cfg.socket, self._allowed_gid)
-        except OSError as exc:
-            raise StartupError(f"cannot create the directory of --socket {cfg.socket}: "
-                               f"{exc.strerror or exc}: {exc.filename}") from exc
-        if self._allowed_gid is not None and not group_can_enter(cfg.socket, self._allowed_gid):
-            directory = os.path.dirname(cfg.socket)
-            logger.warning("members of group %s cannot enter %s, so they cannot connect: "
-                           "chgrp %s %s && chmod 0750 %s", cfg.allow_group, directory,
-                           cfg.allow_group, directory, directory)
-        if self._allowed_gid is not None and cfg.shm_mode & 0o060 != 0o060:
-            logger.warning("--shm-mode 0%o: members of group %s cannot map the arena "
-                           "read-write (use 0660)", cfg.shm_mode, cfg.allow_group)
-        claim_socket_path(cfg.socket)
-        self._raise_fd_limit()
+        self._install_signals()  # first: a stop during the start-up is a clean stop
+        self._allowed_gid = resolve_allowed_group(cfg)
+        prepare_socket(cfg, self._allowed_gid)
+        raise_fd_limit(cfg)
         if cfg.metrics_port is not None:
-            self._start_metrics(cfg.metrics_host, cfg.metrics_port)
-        removed = sweep_orphans(cfg.name)
-        if removed:
-            logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
-        self.notifier.notify(f"STATUS=prefaulting {format_bytes(cfg.capacity_bytes)} arena")
-        started = time.monotonic()
-        try:
-            self.arena = Arena.create(
-                cfg.name,
-                cfg.capacity_bytes,
-                cfg.block_bytes,
-                mode=cfg.shm_mode,
-                prefault=cfg.prefault,
-                progress=PrefaultProgress(cfg.capacity_bytes),
-                gid=self._allowed_gid,
-            )
-        except OSError as exc:
-            capacity = echo_size(cfg.size_texts.get("capacity"), cfg.capacity_bytes)
-            hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
-                    "cgroup's MemoryMax=): raise the limit or lower --capacity",
-                    errno.ENOSPC: "/dev/shm is full: free it or lower --capacity"}
-            raise StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
-                               f"{hint.get(exc.errno, 'see the daemon log')}") from exc
-        try:
-            elapsed = time.monotonic() - started
-            logger.info(
-                "arena %s ready: %s in %.2f s (%.2f GB/s prefault)",
-                self.arena.segment_name, format_bytes(cfg.capacity_bytes), elapsed,
-                cfg.capacity_bytes / max(elapsed, 1e-9) / 1e9,
-            )
-            self.service = CacheService(cfg, self.arena)
-            self._listen(cfg.socket)
-            self._install_signals()
-        except BaseException:
-            self._teardown()
-            raise
+            self._metrics = start_metrics(cfg.metrics_host, cfg.metrics_port)
+        sweep(cfg.name)
+        self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
+                                  lambda: self._stop_signal)
+        self.service = CacheService(cfg, self.arena)
+        self._listen(cfg.socket)
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
-
-    def _start_metrics(self, host: str, port: int) -> None:
-        """Serve Prometheus metrics on host:port (`metrics.py`); bound before the arena
-        is made, so that a port in use stops the start-up at once."""
-        try:
-            self._metrics = MetricsExporter(host, port)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise StartupError(
-                    f"metrics port {port} on {host} is already in use: choose another "
-                    "--metrics-port, or stop the process that listens there") from exc
-            raise StartupError(f"cannot serve metrics on {host} port {port}: "
-                               f"{exc.strerror or exc}; check --metrics-host") from exc
 
     def _wake(self) -> None:
         """Wake the loop from another thread (a scrape waiting for a snapshot)."""
@@ -206,35 +147,6 @@ class Server:
                 wakeup.send(b"\0")
             except OSError:  # full: the loop wakes anyway; closed: it is stopping
                 pass
-
-    def _raise_fd_limit(self) -> None:
-        """Raise the soft RLIMIT_NOFILE to max_clients + FD_RESERVE (as Redis does for
-        `maxclients`), up to the hard limit; if even that is too low, lower max_clients
-        to fit (stored back in the config) and warn."""
-        cfg = self.config
-        want = cfg.max_clients + FD_RESERVE
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        infinity = resource.RLIM_INFINITY
-        if soft != infinity and soft < want:
-            new_soft = want if hard == infinity else min(want, hard)
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
-                soft = new_soft
-            except (ValueError, OSError) as exc:
-                logger.warning("cannot raise the file descriptor limit from %d to %d: %s",
-                               soft, new_soft, exc)
-        if soft != infinity and soft < want:
-            fitting = max(1, soft - FD_RESERVE)
-            logger.warning(
-                "the file descriptor limit (soft %d, hard %s) holds only %d clients: "
-                "max_clients lowered from %d to %d; raise the hard limit (LimitNOFILE= in "
-                "the unit, ulimit -Hn) or lower --max-clients", soft,
-                "unlimited" if hard == infinity else hard, fitting, cfg.max_clients, fitting,
-            )
-            cfg.max_clients = fitting
-        logger.info("file descriptor limit %s (hard %s): room for max_clients %d",
-                    "unlimited" if soft == infinity else soft,
-                    "unlimited" if hard == infinity else hard, cfg.max_clients)
 
     def _listen(self, path: str) -> None:
         """Bind the socket (0600; 0660 and the allowed group with --allow-group) in the
@@ -254,12 +166,16 @@ class Server:
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "listener")
+
+    def _install_signals(self) -> None:
+        """SIGTERM/SIGINT set the stop flag and SIGHUP the reload flag, both waking the
+        loop through the wakeup socket; installed before the start-up steps, so that a
+        signal during the prefault ends it cleanly instead of killing the process (which
+        would leave the arena in /dev/shm)."""
         self._wakeup_r, self._wakeup_w = socket.socketpair()
         self._wakeup_r.setblocking(False)
         self._wakeup_w.setblocking(False)
         self._selector.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
-
-    def _install_signals(self) -> None:
         signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._old_handlers[signum] = signal.signal(signum, self._on_stop_signal)
@@ -658,13 +574,18 @@ class Server:
 
 
 def run_server(config: ServerConfig) -> int:
-    """Run a daemon in this process until it is stopped. Returns the exit status (0).
+    """Run a daemon in this process until it is stopped (also during its start-up).
+    Returns the exit status (0).
 
     Raises:
         StartupError: it could not start (see `Server.start`).
     """
     server = Server(config)
-    server.start()
+    try:
+        server.start()
+    except StartupInterrupted as exc:
+        logger.info("received %s during start-up: stopped", signal.Signals(exc.signum).name)
+        return 0
     server.serve_forever()
     logger.info("stopped")
     return 0

@@ -8,7 +8,7 @@ segment itself, as CPython keeps `resource_tracker.py` apart from `shared_memory
 
 A segment is an orphan when the daemon recorded in its header (pid and process create
 time, written by `Arena.create`) is gone. The daemon sweeps the segments of its name at
-start-up (`server.py`); `launcher.py` sweeps after stopping a daemon it started.
+start-up (`startup.py`); `launcher.py` sweeps after stopping a daemon it started.
 """
 
 import os

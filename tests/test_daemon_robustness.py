@@ -1,8 +1,14 @@
 """Garbage on the socket never crashes the daemon (hypothesis-generated inputs)."""
 
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
@@ -29,6 +35,8 @@ from lmcached.protocol import (
     hello,
     reply_decoder,
 )
+from lmcached.shm.janitor import list_segments
+from test_metrics import free_port
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
 FUZZ_HELLO = Hello(PROTOCOL_VERSION, 1, "fuzz", [LAYOUT])
@@ -222,3 +230,57 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
     assert daemon.proc.poll() is None
     assert num_frames >= 5000 and num_releases > 0
     admin.close()
+
+
+def test_sigterm_during_the_prefault_stops_cleanly_while_scrapes_run(unique_name, short_tmp):
+    """A stop while the arena is prefaulted (systemd stops a daemon that is starting;
+    Prometheus scrapes it meanwhile and gets lmcached_up 0): exit status 0 within
+    seconds, the half-built arena unlinked, the port and socket released. Without the
+    handlers installed before the prefault, SIGTERM killed the process and left the
+    whole arena in /dev/shm."""
+    port = free_port()
+    socket_path = os.path.join(short_tmp, "d.sock")
+    log_path = os.path.join(short_tmp, "d.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcached.cli", "serve", "--name", unique_name, "--socket",
+             socket_path, "--capacity", "2GiB", "--metrics-port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT)
+    ups = []
+    stop = threading.Event()
+
+    def scrape_while_starting() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                            timeout=10) as reply:
+                    ups.append("lmcached_up 0.0" in reply.read().decode())
+            except OSError:
+                time.sleep(0.01)
+
+    scraper = threading.Thread(target=scrape_while_starting)
+    scraper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (ups and list_segments(unique_name)):  # prefaulting, scraped
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        scraper.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with open(log_path) as f:
+        log_text = f.read()
+    assert "received SIGTERM during start-up: stopped" in log_text, log_text[-2000:]
+    assert all(ups)  # every scrape during the start-up said lmcached_up 0
+    assert list_segments(unique_name) == []
+    assert not os.path.exists(socket_path)
+    with socket.socket() as probe:  # nothing listens on the metrics port any more
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))

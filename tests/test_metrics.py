@@ -25,6 +25,7 @@ from lmcached.client import CacheEngine, KVLayout
 from lmcached.config import ServerConfig
 from lmcached.metrics import (
     LATENCY_BUCKETS_S,
+    SNAPSHOT_MAX_AGE_S,
     DaemonCollector,
     RequestLatency,
     SnapshotChannel,
@@ -72,6 +73,13 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[tuple, float]:
         for sample in family.samples:
             samples[(sample.name, *sorted(sample.labels.items()))] = sample.value
     return samples
+
+
+def fresh_scrape(port: int, host: str = "127.0.0.1") -> dict[tuple, float]:
+    """A scrape whose numbers were copied after this call: a snapshot younger than
+    SNAPSHOT_MAX_AGE_S is reused, so wait that long first."""
+    time.sleep(SNAPSHOT_MAX_AGE_S)
+    return scrape(port, host)
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -131,7 +139,7 @@ def test_scrapes_during_a_workload_are_consistent_and_equal_info_after_it(daemon
     previous = None
     try:
         while worker.is_alive():
-            samples = scrape(port)
+            samples = fresh_scrape(port)
             scrapes_done += 1
             assert samples[("lmcached_up",)] == 1
             # one instant between two requests: the states add up to the arena's blocks
@@ -149,7 +157,7 @@ def test_scrapes_during_a_workload_are_consistent_and_equal_info_after_it(daemon
     assert scrapes_done >= 5
 
     info = daemon.info()
-    samples = scrape(port)
+    samples = fresh_scrape(port)
     hits, misses = engine.hit_tokens, engine.miss_tokens
     engine.close()
     assert samples[("lmcached_up",)] == 1
@@ -224,7 +232,7 @@ def test_malformed_frames_count_errors_by_code(daemon_factory):
         raw.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
         raw.settimeout(30)
         assert raw.recv(1) == b""
-    after = scrape(port, "127.0.0.2")
+    after = fresh_scrape(port, "127.0.0.2")
     assert after[("lmcached_errors_total", ("code", "bad_request"))] == 1
     assert after[("lmcached_errors_total", ("code", "frame_too_large"))] == 1
     info = daemon.info()
