@@ -12,6 +12,9 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import json_default  # noqa: E402  (benchmarks/ is not a package)
+
 QUALITY_HEADER = ["method", "KL continue", "KL fact", "KL p90 (all)", "top-1 agree continue",
                   "top-1 agree fact", "acc continue", "acc 1-hop", "acc 2-hop", "recomputed"]
 # Methods in display order (bench_blend.methods() plus the two references).
@@ -186,7 +189,7 @@ def write_outputs(results: dict, out_dir: str, stem: str) -> dict:
     paths = {"json": os.path.join(out_dir, f"{stem}.json"),
              "markdown": os.path.join(out_dir, f"{stem}.md")}
     with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=1, default=_json_default)
+        json.dump(results, f, indent=1, default=json_default)
     png = os.path.join(out_dir, f"{stem}-quality.png")
     try:
         plot_quality_vs_ttft(results, png)
@@ -199,14 +202,6 @@ def write_outputs(results: dict, out_dir: str, stem: str) -> dict:
     with open(paths["markdown"], "w") as f:
         f.write(markdown + "\n")
     return paths
-
-
-def _json_default(value):
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"cannot serialize {type(value)}")
 
 
 def main() -> int:

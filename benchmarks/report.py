@@ -484,13 +484,14 @@ def write_outputs(results: dict, out_dir: str, stem: str) -> dict:
     with open(paths["markdown"], "w") as f:
         f.write(markdown + "\n\n" + "\n".join(images) + "\n")
     with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=1, default=_json_default)
+        json.dump(results, f, indent=1, default=json_default)
     for plot, path in plots.values():
         plot(results, path)
     return paths
 
 
-def _json_default(value):
+def json_default(value):
+    """`json.dump` default of benchmark results: NaN as null, tensors and arrays as lists."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if hasattr(value, "tolist"):
