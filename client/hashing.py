@@ -18,12 +18,13 @@ from typing import NewType, Sequence
 
 import numpy as np
 import torch
-import xxhash
+
+from lmcached.record_format import FIXED_SEED, hash_block_tokens  # noqa: F401 (re-export)
+from lmcached.record_format import ROOT_HASH as _ROOT_HASH
 
 ChunkHash = NewType("ChunkHash", bytes)  # 16 bytes
 
-FIXED_SEED = 0x6C6D63616368  # "lmcach"
-ROOT_HASH = ChunkHash(b"\0" * 16)
+ROOT_HASH = ChunkHash(_ROOT_HASH)
 
 
 def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.ndarray:
@@ -49,21 +50,6 @@ def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.nd
     return np.ascontiguousarray(array, dtype="<i8")
 
 
-def hash_block_tokens(parent_hash: bytes, token_ids: np.ndarray) -> ChunkHash:
-    """Hash of one chunk given its parent's hash.
-
-    Args:
-        parent_hash: 16-byte hash of the previous chunk, or ROOT_HASH for the first.
-        token_ids: the chunk's token ids, contiguous int64 `[chunk_tokens]`.
-
-    Returns:
-        The 16-byte xxh3_128 digest.
-    """
-    hasher = xxhash.xxh3_128(parent_hash, seed=FIXED_SEED)
-    hasher.update(token_ids)
-    return ChunkHash(hasher.digest())
-
-
 def hash_request_tokens(chunk_size: int, token_ids) -> list[ChunkHash]:
     """Prefix-chain hashes of every chunk of a request, including a partial last chunk.
 
@@ -83,6 +69,6 @@ def hash_request_tokens(chunk_size: int, token_ids) -> list[ChunkHash]:
     hashes = []
     parent = ROOT_HASH
     for start in range(0, len(tokens), chunk_size):
-        parent = hash_block_tokens(parent, tokens[start : start + chunk_size])
+        parent = ChunkHash(hash_block_tokens(parent, tokens[start : start + chunk_size]))
         hashes.append(parent)
     return hashes

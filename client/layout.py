@@ -32,7 +32,6 @@ previous record) fails the identity check and is a miss, never misread.
 """
 
 import dataclasses
-import struct
 
 import msgspec
 import numpy as np
@@ -40,17 +39,16 @@ import torch
 import xxhash
 
 from lmcached.protocol import Layout
+from lmcached.record_format import (  # noqa: F401 (re-exported for the client)
+    CHECKSUM_NONE,
+    CHECKSUM_XXH3_64,
+    RECORD_CHECKSUM,
+    RECORD_HEADER,
+    RECORD_HEADER_BYTES,
+    RECORD_MAGIC,
+)
 
 FORMATS = ("vllm", "huggingface")
-RECORD_MAGIC = 0x324B4D4C  # "LMK2" (format 2: integrity fields; format 1 was "LMKV")
-RECORD_HEADER_BYTES = 64
-# Identity, compared whole by readers: magic u32, num_tokens u32, layout fingerprint u64,
-# chunk hash 16 bytes.
-RECORD_HEADER = struct.Struct("<IIQ16s")
-# Integrity, at offset RECORD_HEADER.size: checksum kind u32, reserved u32, checksum u64.
-RECORD_CHECKSUM = struct.Struct("<IIQ")
-CHECKSUM_NONE = 0
-CHECKSUM_XXH3_64 = 1
 _ALIGN = 64
 
 _DTYPES = {
