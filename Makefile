@@ -26,8 +26,8 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	@echo "==> installing lmcached in editable mode with the test and hf extras"
-	@$(WITH_TICKS) $(PIP_INSTALL) -e '.[test,hf]'
+	@echo "==> installing lmcached in editable mode with the test, hf and l2 extras"
+	@$(WITH_TICKS) $(PIP_INSTALL) -e '.[test,hf,l2]'
 	touch $@
 
 $(VENV)/.installed-hf: pyproject.toml $(VENV)/.torch
@@ -43,7 +43,7 @@ $(VENV)/.installed-bench: pyproject.toml $(VENV)/.torch
 install-test: $(VENV)/.installed-test
 install-hf: $(VENV)/.installed-hf
 
-## make test: create .venv if missing, install torch==2.13.0 and .[test,hf], run every test.
+## make test: create .venv if missing, install torch==2.13.0 and .[test,hf,l2], run every test.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest
 

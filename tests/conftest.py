@@ -15,6 +15,7 @@ from lmcached import launcher
 from lmcached.launcher import stop_daemon
 from lmcached.protocol import Clients, Connection, Info, Release, request_decoder
 from lmcached.shm.janitor import list_segments
+from redis_servers import redis_cluster, redis_server  # noqa: F401
 
 SEGMENT_LEAK_DEADLINE_S = 10.0
 
