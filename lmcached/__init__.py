@@ -12,6 +12,8 @@ What lives here:
     keys.py                    the block pool's keys for chunks and string keys
     info.py, stats.py          INFO / CLIENTS fields (daemon) and their text (CLI)
     protocol.py                the wire protocol shared with the clients
+    record_format.py           chunk hashes and the record header, shared with the clients
+    l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
     config.py, envs.py         configuration and every LMCACHED_* variable
     sizes.py                   sizes as typed: parse "8GiB" / "10TB", echo, *_human form
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port): its collector, and
@@ -22,8 +24,9 @@ What lives here:
 
 What it may import: `lmcached.shm`, never `lmcached.client` (the daemon runs without
 torch and the client engine); the one exception is the CLI's `demo` command, which
-imports `lmcached.examples.demo` inside the command. Clients import `protocol`, `socket_path`, `envs` and
-`logger` from here, so those four import nothing else of the daemon.
+imports `lmcached.examples.demo` inside the command. Clients import `protocol`, `socket_path`,
+`envs`, `logger` and `record_format` from here, so those five import nothing else of the
+daemon. redis-py is imported only by `l2/redis_store.py`, only with --l2.
 """
 
 __version__ = "0.1.0"

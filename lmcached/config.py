@@ -21,7 +21,7 @@ import os
 import shutil
 import tomllib
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import click
 import msgspec
@@ -39,6 +39,7 @@ DEFAULT_GROUP_SHM_MODE = 0o660  # with --allow-group: members map the arena read
 DEFAULT_MAX_CLIENTS = 1024
 DEFAULT_BUFFER_BUDGET_BYTES = 128 << 20
 DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are for this node's Prometheus agent
+DEFAULT_L2_QUEUE_BYTES = 256 << 20
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -78,6 +79,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     buffer_budget: Size | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
     metrics_host: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    l2: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    l2_policy: Literal["write-through", "on-evict"] | None = None
+    l2_ttl: Annotated[float, msgspec.Meta(ge=0, le=1e9)] | None = None  # seconds
+    l2_queue: Size | None = None
+    l2_fetch_wait: Annotated[float, msgspec.Meta(ge=0, le=60)] | None = None  # seconds
+    l2_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +155,23 @@ def _parse_log_level(value: str) -> str:
     return level
 
 
+def _parse_l2_url(value: str) -> str:
+    try:  # the L2 tier owns the URL's syntax; redis-py is imported only with --l2
+        from lmcached.l2.redis_store import parse_l2_url
+    except ImportError as exc:
+        raise ValueError(f"the L2 tier needs redis-py ({exc}): pip install 'lmcached[l2]'") \
+            from None
+    parse_l2_url(value)
+    return value
+
+
+def _parse_l2_queue(value: Size) -> int:
+    queue_bytes = parse_size(value)
+    if queue_bytes < 1 << 20:
+        raise ValueError(f"L2 queue {echo_size(value, queue_bytes)} is less than 1MiB")
+    return queue_bytes
+
+
 def _parse_buffer_budget(value: Size) -> int:
     budget_bytes = parse_size(value)
     if budget_bytes < MAX_FRAME_BYTES:
@@ -215,6 +239,35 @@ SETTINGS: dict[str, SettingSpec] = {
         "Address of the metrics endpoint; 0.0.0.0 exposes the cache's statistics to the "
         "network.",
         DEFAULT_METRICS_HOST),
+    "l2": SettingSpec(
+        _parse_l2_url, 'a Redis URL, e.g. "redis://10.0.0.5:6379"', "URL",
+        "L2 tier on Redis or Valkey (docs/l2.md): redis://HOST:PORT[,HOST:PORT...]; a "
+        "cluster when the servers say so. Needs `pip install 'lmcached[l2]'`.",
+        None, "off"),
+    "l2_policy": SettingSpec(
+        str, '"write-through" or "on-evict"', "POLICY",
+        "Which chunks go to L2: write-through (every stored chunk, asynchronously) or "
+        "on-evict (chunks evicted from the arena by pressure).",
+        "write-through"),
+    "l2_ttl": SettingSpec(
+        float, "seconds, e.g. 86400; 0 = none", "SECONDS",
+        "Time to live of the chunks written to L2.",
+        0.0, "0 = none"),
+    "l2_queue": SettingSpec(
+        _parse_l2_queue, 'a size such as "256MiB"', "SIZE",
+        "Bytes of chunks that may wait to be written to L2; beyond, writes are dropped "
+        "and counted (a slow L2 never slows a store).",
+        "256MiB"),
+    "l2_fetch_wait": SettingSpec(
+        float, "seconds, e.g. 0.5; 0 = do not wait", "SECONDS",
+        "How long a lookup that misses in the arena waits for L2 to fetch the rest of its "
+        "prefix; a fetch still running after that is installed for the next lookup. Keep "
+        "it below the clients' LMCACHED_DATA_TIMEOUT_MS (200 ms by default).",
+        0.1),
+    "l2_threads": SettingSpec(
+        int, "a whole number of threads, 1-64", "N",
+        "Threads that write chunks to L2, and as many that fetch them.",
+        2),
 }
 assert list(SETTINGS) == list(Settings.__struct_fields__), "SETTINGS must mirror Settings"
 _FILE_KEYS = frozenset(SETTINGS)
@@ -371,6 +424,12 @@ class ServerConfig:
         buffer_budget_bytes: input and output buffers of all clients together, in bytes.
         metrics_port: TCP port of the Prometheus endpoint; None = no endpoint.
         metrics_host: address the endpoint listens on.
+        l2_url: the L2 tier's servers (`redis://HOST:PORT[,HOST:PORT...]`), None = no L2.
+        l2_policy: "write-through" or "on-evict".
+        l2_ttl_s: time to live of L2 values in seconds; 0 = none.
+        l2_queue_bytes: bytes of L2 writes that may wait.
+        l2_fetch_wait_s: how long a LOOKUP / ACQUIRE waits for an L2 fetch, in seconds.
+        l2_threads: L2 writer threads (and as many fetch threads).
         size_texts: each size setting as its source typed it (`"10TB"`), so that
             messages echo it in the user's units (`echo_size`).
         cli_options: the command-line options it was resolved from, as given (SIGHUP
@@ -391,6 +450,12 @@ class ServerConfig:
     buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
+    l2_url: str | None = None
+    l2_policy: str = "write-through"
+    l2_ttl_s: float = 0.0
+    l2_queue_bytes: int = DEFAULT_L2_QUEUE_BYTES
+    l2_fetch_wait_s: float = 0.1
+    l2_threads: int = 2
     size_texts: dict = dataclasses.field(default_factory=dict, repr=False)
     cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -443,10 +508,17 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
         buffer_budget_bytes=params["buffer_budget"],
         metrics_port=params["metrics_port"],
         metrics_host=params["metrics_host"],
+        l2_url=params["l2"],
+        l2_policy=params["l2_policy"],
+        l2_ttl_s=params["l2_ttl"],
+        l2_queue_bytes=params["l2_queue"],
+        l2_fetch_wait_s=params["l2_fetch_wait"],
+        l2_threads=params["l2_threads"],
         cli_options=dict(ctx.meta.get(_CLI_OPTIONS_META, {})),
     )
     typed = ctx.meta.get(_TYPED_META, {})
-    cfg.size_texts = {key: typed[key] for key in ("capacity", "block_size", "buffer_budget")
+    cfg.size_texts = {key: typed[key] for key in ("capacity", "block_size", "buffer_budget",
+                                                   "l2_queue")
                       if key in typed}
     capacity = echo_size(typed.get("capacity"), cfg.capacity_bytes)
     style = size_style(typed.get("capacity"))

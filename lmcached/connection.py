@@ -23,7 +23,7 @@ from lmcached.protocol import (
     encode_frame,
     request_decoder,
 )
-from lmcached.service import CacheService
+from lmcached.service import CacheService, Deferred
 from lmcached.session import Session
 
 logger = init_logger(__name__)
@@ -55,7 +55,7 @@ class ClientConnection:
     """
 
     __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "eof", "events",
-                 "connected_at", "partial_since", "served_frames")
+                 "connected_at", "partial_since", "served_frames", "parked")
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock = sock
@@ -69,6 +69,7 @@ class ClientConnection:
         self.connected_at = time.monotonic()
         self.partial_since: float | None = None  # when an unfinished frame began to wait
         self.served_frames = 0
+        self.parked: Deferred | None = None  # a request waiting for an L2 fetch
 
     @property
     def buffered_bytes(self) -> int:
@@ -88,7 +89,8 @@ class ClientConnection:
         return end if end <= len(self.inbuf) else 0
 
 
-def answer_frame(service: CacheService, session: Session, payload) -> tuple[bytes | None, int]:
+def answer_frame(service: CacheService, session: Session,
+                 payload) -> tuple[bytes | Deferred | None, int]:
     """Decode one request, answer it, and encode the reply frame. Never raises.
 
     Args:
@@ -103,7 +105,9 @@ def answer_frame(service: CacheService, session: Session, payload) -> tuple[byte
         decode to a valid request (any exception of the decoder: msgspec's errors, but
         also e.g. UnicodeDecodeError for a str of invalid UTF-8), `internal` when a
         handler or the encoder fails (logged with its traceback), or `too_large` for a
-        reply above the frame limit.
+        reply above the frame limit. A `Deferred` instead of a frame for a LOOKUP /
+        ACQUIRE that waits for an L2 fetch: the server parks the connection and encodes
+        `service.resume`'s reply later with `encode_reply`.
     """
     try:
         request = request_decoder.decode(payload)
@@ -113,16 +117,22 @@ def answer_frame(service: CacheService, session: Session, payload) -> tuple[byte
             return None, cost
     else:
         reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
-        if reply is None:
-            return None, cost
+        if reply is None or type(reply) is Deferred:
+            return reply, cost
+    return encode_reply(service, session, reply), cost
+
+
+def encode_reply(service: CacheService, session: Session, reply) -> bytes:
+    """The frame of a reply Struct: `too_large` (and what it handed out withdrawn) when
+    it exceeds the frame limit, `internal` when the encoder fails. Never raises."""
     try:
-        return encode_frame(reply), cost
+        return encode_frame(reply)
     except ValueError as exc:
         service.withdraw(session, reply)  # its lease or blocks would be held for nothing
-        return encode_frame(service.error("too_large", str(exc))), cost
+        return encode_frame(service.error("too_large", str(exc)))
     except Exception:  # noqa: BLE001 - a reply the encoder rejects is a daemon bug
         logger.exception("cannot encode the reply %r", reply)
-        return encode_frame(service.error("internal", "internal error in the daemon (see its log)")), cost
+        return encode_frame(service.error("internal", "internal error in the daemon (see its log)"))
 
 
 def _undecodable(service: CacheService, payload, exc: Exception):

@@ -25,6 +25,12 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_METRICS_PORT": "TCP port of the Prometheus metrics endpoint of `lmcached serve` "
     "(default: none, metrics off; docs/metrics.md)",
     "LMCACHED_METRICS_HOST": "address the metrics endpoint listens on (default 127.0.0.1)",
+    "LMCACHED_L2": "L2 tier's Redis servers, redis://HOST:PORT[,HOST:PORT...] (docs/l2.md)",
+    "LMCACHED_L2_POLICY": "which chunks go to L2: write-through (default) or on-evict",
+    "LMCACHED_L2_TTL": "time to live of L2 values in seconds (default 0 = none)",
+    "LMCACHED_L2_QUEUE": "bytes of L2 writes that may wait before writes are dropped (256MiB)",
+    "LMCACHED_L2_FETCH_WAIT": "seconds a lookup waits for an L2 fetch (default 0.1)",
+    "LMCACHED_L2_THREADS": "L2 writer threads, and as many fetch threads (default 2)",
     "LMCACHED_DATA_TIMEOUT_MS": "clients: timeout of a serving-path request (LOOKUP, ACQUIRE, "
     "ALLOC, COMMIT, ...) and of a reconnect, in milliseconds (default 200); a daemon that "
     "does not answer in time is skipped for a back-off window (misses, skipped stores)",

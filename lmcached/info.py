@@ -21,7 +21,7 @@ from lmcached.sizes import format_bytes
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.service import CacheService
 
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats")
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
 
 InfoFields = dict[str, int | float | str]
 _own_process: psutil.Process | None = None  # made once: psutil.Process() reads /proc
@@ -115,6 +115,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
             "namespaces": len(service.namespaces),
         },
         "stats": stats,
+        "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
     }
 
 

@@ -220,9 +220,56 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+# INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters").
+L2_COUNTERS = {
+    "l2_writes": ("lmcached_l2_writes", "Chunks written to L2."),
+    "l2_write_bytes": ("lmcached_l2_written_bytes", "Bytes of the chunks written to L2."),
+    "l2_write_failures": ("lmcached_l2_write_failures", "Chunk writes L2 refused (full: "
+                          "OOM) or that failed."),
+    "l2_fetches": ("lmcached_l2_fetches", "Fetches started by lookups that missed in the arena."),
+    "l2_fetch_hit_chunks": ("lmcached_l2_hit_chunks", "Chunks fetched from L2 into the arena."),
+    "l2_fetch_miss_chunks": ("lmcached_l2_miss_chunks", "Chunks asked of L2 that it did not "
+                             "hold."),
+    "l2_fetch_bytes": ("lmcached_l2_fetched_bytes", "Bytes of the chunks fetched from L2."),
+    "l2_fetch_waits_timed_out": ("lmcached_l2_fetch_waits_timed_out", "Lookups answered "
+                                 "before their fetch ended (--l2-fetch-wait)."),
+    "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
+}
+
+
+def l2_families(l2: InfoFields) -> Iterator[Metric]:
+    """The lmcached_l2_* families of INFO's `l2` section; none when L2 is off."""
+    if not l2.get("l2_enabled"):
+        return
+    yield _gauge("lmcached_l2_up", "1 when the last L2 operation succeeded, 0 when L2 is "
+                 "down or not reached yet.", 1 if l2["l2_state"] == "up" else 0)
+    for field, (name, doc) in L2_COUNTERS.items():
+        yield _counter(name, doc, l2[field])
+    yield _gauge("lmcached_l2_queue_bytes", "Bytes of chunks waiting to be written to L2.",
+                 l2["l2_queue_bytes"])
+    yield _gauge("lmcached_l2_queue_values", "Chunks waiting to be written to L2.",
+                 l2["l2_queue_values"])
+    drops = CounterMetricFamily("lmcached_l2_write_drops", "Chunk writes dropped, by reason.",
+                                labels=["reason"])
+    drops.add_metric(["queue_full"], l2["l2_write_drops_queue_full"])
+    drops.add_metric(["down"], l2["l2_write_drops_down"])
+    yield drops
+    rejects = CounterMetricFamily("lmcached_l2_fetch_rejects", "Fetched values not served, by "
+                                  "reason (verify_*: failed verification).", labels=["reason"])
+    for field, value in l2.items():
+        if field.startswith("l2_fetch_verify_") or field in ("l2_fetch_gone", "l2_fetch_nospace"):
+            rejects.add_metric([field[len("l2_fetch_"):]], value)
+    yield rejects
+    errors = CounterMetricFamily("lmcached_l2_errors", "L2 errors by kind.", labels=["kind"])
+    for field, value in l2.items():
+        if field.startswith("l2_errors_"):
+            errors.add_metric([field[len("l2_errors_"):]], value)
+    yield errors
+
+
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
-    server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS)
+    server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS[:5])
     yield InfoMetricFamily("lmcached", "The daemon: version, name, arena generation.", value={
         "version": str(server["version"]), "name": str(server["name"]),
         "generation": str(server["generation"]),
@@ -286,6 +333,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                  "stored_bytes).", memory["stored_bytes"])
     yield _gauge("lmcached_arena_fill_ratio", "Cached bytes / bytes of their blocks "
                  "(INFO fill_ratio).", memory["fill_ratio"])
+    yield from l2_families(snap.info["l2"])
     latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "
                                     "loop spent answering a request, by type.", labels=["type"])
     bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]

@@ -43,16 +43,18 @@ from lmcached.connection import (
     ClientConnection,
     RateLimitedLog,
     answer_frame,
+    encode_reply,
 )
 from lmcached.metrics import MetricsExporter, take_snapshot
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
-from lmcached.service import CacheService
+from lmcached.service import CacheService, Deferred
 from lmcached.shm.arena import Arena
 from lmcached.sizes import format_bytes
 from lmcached.startup import (
     StartupError,
     StartupInterrupted,
     create_arena,
+    create_l2_tier,
     prepare_socket,
     raise_fd_limit,
     resolve_allowed_group,
@@ -98,6 +100,7 @@ class Server:
         self._recv_view = memoryview(self._recv_buf)
         self._ready: dict[ClientConnection, None] = {}  # complete frames waiting, in order
         self._silent: dict[ClientConnection, None] = {}  # no request yet, oldest first
+        self._parked: dict[ClientConnection, None] = {}  # a request waits for an L2 fetch
         self._buffered_bytes = 0  # input + output buffers of every connection
         self._accept_paused_until = 0.0
         self._accept_log = RateLimitedLog()
@@ -135,6 +138,8 @@ class Server:
         self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
                                   lambda: self._stop_signal)
         self.service = CacheService(cfg, self.arena)
+        if cfg.l2_url:
+            self.service.attach_l2(create_l2_tier(cfg, self.arena, self._wake))
         self._listen(cfg.socket)
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
@@ -224,6 +229,8 @@ class Server:
                         wake_at.append(next_watchdog)
                     if self._accept_paused_until:
                         wake_at.append(self._accept_paused_until)
+                    if self._parked:
+                        wake_at.append(min(c.parked.deadline for c in self._parked))
                     timeout = max(0.0, min(wake_at) - now) if wake_at else None
                 for key, mask in self._selector.select(timeout):
                     data = key.data
@@ -236,6 +243,8 @@ class Server:
                             self._flush(data)
                         if mask & selectors.EVENT_READ and not data.closed:
                             self._on_readable(data)
+                if self._parked:
+                    self._resume_parked(time.monotonic())
                 for conn in list(self._ready):
                     self._serve(conn)
                 if scrapes:  # between two requests: a consistent snapshot
@@ -254,6 +263,8 @@ class Server:
         if self._reload_requested:
             self._reload_requested = False
             self._reload()
+        if self.service.l2 is not None:  # L2 threads wake the loop when they finish work
+            self.service.l2.process_completions(self.service.pool)
 
     def _reload(self) -> None:
         """SIGHUP: re-read the log level from the environment and the config file."""
@@ -385,6 +396,9 @@ class Server:
         what the selector watches for it."""
         if conn.closed:  # dropped earlier in this pass (e.g. over the buffer budget)
             return
+        if conn.parked is not None:  # a request waits for an L2 fetch; the next ones too
+            self._ready.pop(conn, None)
+            return
         service, session = self.service, conn.session
         replies = []
         budget = PASS_BUDGET
@@ -401,11 +415,15 @@ class Server:
                     return
                 with view[conn.inpos + 4 : end] as payload:
                     frame, cost = answer_frame(service, session, payload)
-                if frame is not None:
-                    replies.append(frame)
                 conn.inpos = end
                 conn.served_frames += 1
                 budget -= cost
+                if type(frame) is Deferred:
+                    conn.parked = frame
+                    self._parked[conn] = None
+                    break
+                if frame is not None:
+                    replies.append(frame)
         if conn.served_frames:
             self._silent.pop(conn, None)
         if conn.inpos:
@@ -420,12 +438,34 @@ class Server:
         conn.partial_since = (
             None if has_frame or not conn.inbuf else (conn.partial_since or time.monotonic())
         )
-        if not has_frame or len(conn.outbuf) >= OUTBUF_PAUSE_BYTES:
+        if not has_frame or len(conn.outbuf) >= OUTBUF_PAUSE_BYTES or conn.parked is not None:
             self._ready.pop(conn, None)
-        if conn.eof and not has_frame and not conn.outbuf:
+        if conn.eof and not has_frame and not conn.outbuf and conn.parked is None:
             self._close_at_eof(conn)
             return
         self._update_events(conn)
+
+    def _resume_parked(self, now: float) -> None:
+        """Answer the parked requests whose L2 fetch ended or whose wait passed, then
+        serve what their clients sent after them."""
+        for conn in list(self._parked):
+            deferred = conn.parked
+            if not deferred.job.done and now < deferred.deadline:
+                continue
+            del self._parked[conn]
+            conn.parked = None
+            reply = self.service.resume(conn.session, deferred)
+            if reply is not None:
+                self._send(conn, encode_reply(self.service, conn.session, reply))
+                if conn.closed:
+                    continue
+            has_frame = conn.next_frame_end() != 0
+            if has_frame and len(conn.outbuf) < OUTBUF_PAUSE_BYTES:
+                self._ready[conn] = None
+            if conn.eof and not has_frame and not conn.outbuf:
+                self._close_at_eof(conn)
+                continue
+            self._update_events(conn)
 
     def _update_events(self, conn: ClientConnection) -> None:
         """Watch for input only while the client has room (few frames waiting, replies
@@ -531,6 +571,7 @@ class Server:
         self._connections.pop(conn.sock.fileno(), None)
         self._ready.pop(conn, None)
         self._silent.pop(conn, None)
+        self._parked.pop(conn, None)
         self._buffered_bytes -= conn.buffered_bytes
         conn.inbuf = conn.outbuf = bytearray()
         if conn.events:
@@ -567,6 +608,8 @@ class Server:
             self._wakeup_r.close()
             self._wakeup_w.close()
             self._wakeup_r = self._wakeup_w = None
+        if self.service is not None and self.service.l2 is not None:
+            self.service.l2.close(self.service.pool)  # its threads read the arena
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -10,6 +10,7 @@ and CLIENTS are built in `info.py`.
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -61,6 +62,9 @@ from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.block_pool import BlockPool
 from lmcached.shm.free_queue import KVCacheBlock
 
+if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
+    from lmcached.l2.tier import L2Tier
+
 logger = init_logger(__name__)
 
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
@@ -80,6 +84,19 @@ class RequestError(Exception):
         self.code = code
 
 
+class Deferred:
+    """A LOOKUP or ACQUIRE that waits for an L2 fetch (docs/l2.md, "How a fetch looks to
+    a client"): the server parks its connection until `job.done` or `deadline`
+    (time.monotonic()), then answers it with `CacheService.resume`."""
+
+    __slots__ = ("request", "job", "deadline")
+
+    def __init__(self, request, job, deadline: float) -> None:
+        self.request = request
+        self.job = job
+        self.deadline = deadline
+
+
 class CacheService:
     """The daemon's state and request handlers (single-threaded: no locks).
 
@@ -97,12 +114,16 @@ class CacheService:
             stat_misses.
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
+        l2: the L2 tier (`lmcached/l2/tier.py`), or None without --l2; set by the server
+            before it serves.
     """
 
     def __init__(self, config: ServerConfig, arena: Arena) -> None:
         self.config = config
         self.arena = arena
-        self.pool: BlockPool | None = BlockPool(arena.num_blocks) if arena.block_bytes else None
+        self.pool: BlockPool | None = None
+        self.l2: "L2Tier | None" = None
+        self._resuming = False  # answering a Deferred: do not start another fetch
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
@@ -140,6 +161,21 @@ class CacheService:
             ConfigGet: self._config_get,
         }
         self.latency = RequestLatency(self._handlers) if config.metrics_port else None
+        if arena.block_bytes:
+            self._make_pool()
+
+    def attach_l2(self, tier: "L2Tier") -> None:
+        """Use `tier` for every namespace and pool from now on (before serving)."""
+        self.l2 = tier
+        for layout, ns in self.namespaces.items():
+            tier.register_namespace(ns, layout)
+        if self.pool is not None:
+            self.pool.on_evict = tier.spill
+
+    def _make_pool(self) -> None:
+        self.pool = BlockPool(self.arena.num_blocks)
+        if self.l2 is not None:
+            self.pool.on_evict = self.l2.spill
 
     # ---------------------------------------------------------------- sessions
     def open_session(self, pid: int, uid: int, gid: int) -> Session:
@@ -190,9 +226,21 @@ class CacheService:
         self.latency.observe(type(request), time.perf_counter() - started)
         return reply
 
-    def _answer(self, session: Session, request) -> object:
-        self.stat_requests += 1
-        session.num_requests += 1
+    def resume(self, session: Session, deferred: Deferred) -> object:
+        """Answer a parked request from the arena, after its fetch ended or its wait
+        passed (a fetch still running goes on installing for later lookups)."""
+        if not deferred.job.done:
+            self.l2.stats["fetch_waits_timed_out"] += 1
+        self._resuming = True
+        try:
+            return self._answer(session, deferred.request, count=False)
+        finally:
+            self._resuming = False
+
+    def _answer(self, session: Session, request, count: bool = True) -> object:
+        if count:
+            self.stat_requests += 1
+            session.num_requests += 1
         session.last_request_at = time.monotonic()
         try:
             if type(request) in PRIVILEGED_REQUESTS and session.uid not in (0, os.geteuid()):
@@ -357,7 +405,7 @@ class CacheService:
                 self.arena.set_block_bytes(block_bytes)
             except ValueError as exc:
                 raise RequestError("too_large", str(exc)) from None
-            self.pool = BlockPool(self.arena.num_blocks)
+            self._make_pool()
             logger.info(
                 "first layout (%s, chunk record %d bytes) set block_bytes=%d: %d blocks",
                 layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
@@ -376,6 +424,8 @@ class CacheService:
             self._ns_prefix[ns] = keys.chunk_prefix(ns)
             self.stat_ns_hits.append(0)
             self.stat_ns_misses.append(0)
+            if self.l2 is not None:
+                self.l2.register_namespace(ns, layout)
         return ns
 
     def _block_bytes_for(self, layout: Layout) -> int:
@@ -388,24 +438,46 @@ class CacheService:
         ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
         return max(BLOCK_ALIGN_BYTES, min(wanted, ceiling))
 
-    def _lookup(self, session: Session, req: Lookup) -> LookupReply:
+    def _fetch_rest(self, req: Lookup | Acquire, per_namespace: list[list[bytes]],
+                    num_chunks: int) -> Deferred | None:
+        """Start (or join) an L2 fetch of the chunks after the arena's `num_chunks`; a
+        Deferred when the request is to wait for it (docs/l2.md). A new fetch pins the
+        arena's part of the chain until it ends, so that installing the rest never
+        evicts it."""
+        if self.l2 is None or self._resuming or num_chunks * HASH_BYTES >= len(req.hashes):
+            return None
+        cached = self.pool.cached
+        prefix_blocks = [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
+                         for b in cached[key]]
+        job = self.l2.start_fetch(self.pool, req.namespaces,
+                                  [self._ns_prefix[ns] for ns in req.namespaces], req.hashes,
+                                  num_chunks, prefix_blocks)
+        if job is None or not self.l2.fetch_wait_s:
+            return None
+        return Deferred(req, job, time.monotonic() + self.l2.fetch_wait_s)
+
+    def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
         pool = self._require_pool()
-        self.stat_lookups += 1
+        if not self._resuming:
+            self.stat_lookups += 1
         num_chunks = len(per_namespace[0])
         for chunk_keys in per_namespace:
             num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
             if num_chunks == 0:
                 break
-        return LookupReply(num_chunks)
+        return self._fetch_rest(req, per_namespace, num_chunks) or LookupReply(num_chunks)
 
-    def _acquire(self, session: Session, req: Acquire) -> BlocksReply:
+    def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
         pool = self._require_pool()
         num_chunks = len(per_namespace[0])
-        if len(per_namespace) > 1:  # the prefix READY in every namespace
+        if len(per_namespace) > 1 or self.l2 is not None:  # the prefix READY everywhere
             for chunk_keys in per_namespace:
                 num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
+            deferred = self._fetch_rest(req, per_namespace, num_chunks)
+            if deferred is not None:
+                return deferred
         spans = []
         for ns, chunk_keys in zip(req.namespaces, per_namespace):
             found = pool.acquire_prefix(chunk_keys[:num_chunks])
@@ -469,6 +541,9 @@ class CacheService:
                 else:  # another session committed the same chunk first
                     pool.abort(value.blocks)
             self.stat_stores += sum(indexed)
+            if self.l2 is not None and not replace:
+                self.l2.write_through(pool, [(v.key, v.blocks) for v, ok in zip(group, indexed)
+                                             if ok])
             if committed:
                 pool.free(committed)  # the writer's reference; tail first
         return Ok()

@@ -8,7 +8,8 @@ here leaves `server.py` the loop. The order::
 
     resolve --allow-group -> check the socket's directory -> refuse if a daemon answers
     on the socket -> raise the file descriptor limit -> bind the metrics port
-    (--metrics-port) -> sweep orphans of <name> -> create and prefault the arena
+    (--metrics-port) -> sweep orphans of <name> -> create and prefault the arena ->
+    start the L2 tier's threads (--l2)
 
 The metrics port is bound before the arena is made, so that a port in use stops the
 start-up at once and not after minutes of prefault. A stop signal during the prefault
@@ -198,3 +199,38 @@ def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNo
                 format_bytes(cfg.capacity_bytes), elapsed,
                 cfg.capacity_bytes / max(elapsed, 1e-9) / 1e9)
     return arena
+
+
+L2_SOCKET_TIMEOUT_S = 2.0  # a Redis operation slower than this counts as an outage
+
+
+def create_l2_tier(cfg: ServerConfig, arena: Arena, wake: Callable[[], None]):
+    """The L2 tier of `--l2` (docs/l2.md): its threads start; it does not wait for Redis.
+
+    An L2 that is down at start is not a start-up error: the tier backs off, counts it,
+    and connects when the servers answer.
+
+    Args:
+        cfg: the l2_* settings.
+        arena: the daemon's arena.
+        wake: wakes the loop (the threads' completions).
+
+    Raises:
+        StartupError: redis-py is not installed, or the URL is malformed.
+    """
+    try:
+        from lmcached.l2.redis_store import RedisL2, parse_l2_url
+        from lmcached.l2.tier import L2Tier
+    except ImportError as exc:
+        raise StartupError(f"--l2 needs redis-py ({exc}): pip install 'lmcached[l2]'") from exc
+    try:
+        addresses = parse_l2_url(cfg.l2_url)
+    except ValueError as exc:
+        raise StartupError(f"--l2 {cfg.l2_url}: {exc}") from exc
+    store = RedisL2(addresses, ttl_s=cfg.l2_ttl_s or None, timeout_s=L2_SOCKET_TIMEOUT_S)
+    logger.info("L2 tier on %s (%s, ttl %s, queue %s, fetch wait %g s, %d threads)",
+                cfg.l2_url, cfg.l2_policy, f"{cfg.l2_ttl_s:g} s" if cfg.l2_ttl_s else "none",
+                format_bytes(cfg.l2_queue_bytes), cfg.l2_fetch_wait_s, cfg.l2_threads)
+    return L2Tier(store, arena, url=cfg.l2_url, policy=cfg.l2_policy, ttl_s=cfg.l2_ttl_s,
+                  queue_bytes=cfg.l2_queue_bytes, fetch_wait_s=cfg.l2_fetch_wait_s,
+                  num_threads=cfg.l2_threads, wake=wake)

@@ -20,6 +20,8 @@ Popping a cached block from the free queue evicts its whole value (every block o
 span leaves the index and moves to the front of the queue as an empty block).
 """
 
+from collections.abc import Callable
+
 from .free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
 
 # Plain-int aliases of the states for the hot paths (no enum attribute lookups).
@@ -45,6 +47,10 @@ class BlockPool:
         cached: value key -> its blocks (one or more), for READY values.
         stat_hits / stat_misses: chunks found / not found by `acquire_prefix`.
         stat_evictions: values removed from the index by pressure or by `evict*`.
+        on_evict: called as `on_evict(key, blocks)` when pressure (`allocate`) evicts a
+            value, before its blocks are handed out, while their bytes and `num_bytes`
+            are intact (the daemon's L2 tier copies them, lmcached/l2/tier.py); None = no
+            hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -62,6 +68,7 @@ class BlockPool:
         self.stat_hits = 0
         self.stat_misses = 0
         self.stat_evictions = 0
+        self.on_evict: Callable[[BlockHash, list[KVCacheBlock]], None] | None = None
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -124,6 +131,8 @@ class BlockPool:
 
     def _evict_popped(self, block: KVCacheBlock) -> None:
         """Evict the value of `block`, just popped from the free queue."""
+        if self.on_evict is not None:
+            self.on_evict(block.block_hash, self.cached[block.block_hash])
         span = self.cached.pop(block.block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         if len(span) > 1:

@@ -484,6 +484,12 @@ ENV_SETTINGS = {
     "buffer_budget": ("2MiB", "buffer_budget_bytes", 2 * MiB),
     "metrics_port": ("9464", "metrics_port", 9464),
     "metrics_host": ("::1", "metrics_host", "::1"),
+    "l2": ("redis://10.0.0.5:6379,10.0.0.6:6379", "l2_url", "redis://10.0.0.5:6379,10.0.0.6:6379"),
+    "l2_policy": ("on-evict", "l2_policy", "on-evict"),
+    "l2_ttl": ("3600", "l2_ttl_s", 3600.0),
+    "l2_queue": ("64MiB", "l2_queue_bytes", 64 * MiB),
+    "l2_fetch_wait": ("0.05", "l2_fetch_wait_s", 0.05),
+    "l2_threads": ("4", "l2_threads", 4),
 }
 
 
@@ -550,3 +556,20 @@ def test_serve_reports_a_toml_type_error_and_starts_nothing(clean_env, tmp_path,
     assert result.exit_code == 1
     assert "socket in " in result.output and "Expected `str`, got `int`" in result.output
     assert not os.path.exists("7")
+
+
+def test_l2_without_redis_py_is_refused_naming_the_extra(clean_env, monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "redis" or m.startswith(("redis.", "lmcached.l2"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)  # import redis -> ImportError
+    with pytest.raises(config.ConfigError, match=r"--l2: the L2 tier needs redis-py .*"
+                       r"pip install 'lmcached\[l2\]'"):
+        load_config({"l2": "redis://127.0.0.1:6379"}, check_shm_free=False)
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:6379", "redis://", "redis://host", "http://h:1"])
+def test_a_malformed_l2_url_is_refused_naming_its_source(clean_env, url):
+    with pytest.raises(config.ConfigError, match=r"^--l2: "):
+        load_config({"l2": url}, check_shm_free=False)

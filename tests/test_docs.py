@@ -102,6 +102,10 @@ QUOTED_MESSAGES = [
     "caching again",
     "needs torch, which the base install",
     "the demo needs the hf extra",
+    "needs redis-py",
+    "next try in",
+    "list several addresses only for a cluster",
+    "is larger than a Redis value may be",
 ]
 
 

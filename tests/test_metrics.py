@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.config import ServerConfig
 from lmcached.metrics import (
+    L2_COUNTERS,
+    l2_families,
     LATENCY_BUCKETS_S,
     SNAPSHOT_MAX_AGE_S,
     DaemonCollector,
@@ -361,8 +363,11 @@ DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
 def exposed_names(service) -> set[str]:
     """The names of every lmcached_* metric as a scrape writes them (counters with
     `_total`, the info metric with `_info`)."""
+    l2_on = {"l2_enabled": 1, "l2_state": "up", "l2_queue_bytes": 0, "l2_queue_values": 0,
+             "l2_write_drops_queue_full": 0, "l2_write_drops_down": 0,
+             **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
     families = [*metric_families(take_snapshot(service)), *DaemonCollector(
-        SnapshotChannel()).collect()]
+        SnapshotChannel()).collect(), *l2_families(l2_on)]
     suffix = {"counter": "_total", "info": "_info"}
     return {family.name + suffix.get(family.type, "") for family in families}
 

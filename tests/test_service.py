@@ -771,7 +771,8 @@ def test_info_reports_every_section_from_the_service_state(service):
     lookup(service, session, [1], [0])
     reply = service.handle(session, Info())
     assert isinstance(reply, InfoReply) and list(reply.sections) == list(INFO_SECTIONS)
-    server, memory, blocks, clients, stats = (reply.sections[name] for name in INFO_SECTIONS)
+    server, memory, blocks, clients, stats, l2 = (reply.sections[name] for name in INFO_SECTIONS)
+    assert l2 == {"l2_enabled": 0}  # no --l2
     assert server["protocol_version"] == PROTOCOL_VERSION
     assert (server["name"], server["socket"]) == (service.arena.name, "/nonexistent")
     assert (server["generation"], server["pid"]) == (service.arena.generation, os.getpid())

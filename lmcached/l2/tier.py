@@ -1,0 +1,537 @@
+"""The daemon's L2 tier: chunks written to Redis by worker threads, misses fetched back.
+
+Why this file exists: the daemon's loop is one thread (`server.py`) and must never wait
+for the network, yet chunks have to reach Redis and come back from it. This module owns
+the threads that talk to Redis (`redis_store.RedisL2`), the bounded queue of writes, and
+the completions that the threads hand back to the loop. Everything that touches the
+block pool or the arena's blocks runs on the loop thread, in `process_completions`;
+the threads only read bytes the loop pinned for them, and talk to Redis.
+
+Flows (docs/l2.md):
+
+- write-through: a committed chunk is pinned and queued (`write_through`); a writer
+  thread reads its bytes in place, SETs them; the loop unpins it (`process_completions`).
+- on-evict: the block pool's `on_evict` hook copies an evicted chunk's bytes into the
+  queue (`spill`) before its blocks are handed to the next writer.
+- fetch on miss: a LOOKUP / ACQUIRE that misses in the arena starts a `FetchJob`
+  (`start_fetch`); a fetch thread finds how much of the rest of the chain L2 holds
+  (EXISTS), GETs it in batches, verifies each value (`values.verify_value`), and the
+  loop installs each batch into newly allocated blocks (`_install`). The request waits
+  (it is parked by the server) until the job ends or `fetch_wait_s` passes.
+
+The queue is bounded in bytes (`queue_bytes`): a write that does not fit is dropped and
+counted, so a slow or dead L2 never slows a store. While the L2 is down, writes are
+dropped and fetches answer "miss" at once; `redis_store.RedisL2` backs off and reconnects.
+"""
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from lmcached.l2.redis_store import L2Unavailable, RedisL2
+from lmcached.l2.values import (
+    ENVELOPE_BYTES,
+    L2VerifyError,
+    encode_value,
+    l2_key,
+    namespace_fingerprint,
+    verify_value,
+)
+from lmcached.logger import init_logger
+from lmcached.protocol import Layout
+from lmcached.record_format import ROOT_HASH
+from lmcached.shm.arena import Arena
+from lmcached.shm.block_pool import BlockPool
+from lmcached.shm.free_queue import KVCacheBlock
+
+logger = init_logger(__name__)
+
+POLICIES = ("write-through", "on-evict")
+WRITE_BATCH_VALUES = 32  # SETs pipelined in one round trip at most
+WRITE_BATCH_BYTES = 64 << 20
+FETCH_BATCH_BYTES = 64 << 20  # values fetched before the loop installs them
+FETCH_BATCHES_AHEAD = 2  # batches a fetch thread may hold that the loop has not installed
+MAX_FETCH_JOBS = 256  # fetches queued or running; beyond, a miss is answered at once
+DOWN_HOLD_S = 0.1  # after an outage, fetches answer "miss" at once for this long at least
+CLOSE_DRAIN_S = 5.0  # graceful stop: writes still queued get this long to reach L2
+MAX_VALUE_BYTES = 512 << 20  # Redis' proto-max-bulk-len default ("512mb": MiB)
+_CHUNK_KEY = b"c"[0]
+
+
+@dataclasses.dataclass(slots=True)
+class WriteJob:
+    """One chunk on its way to L2.
+
+    Attributes:
+        pool_key: its block-pool key (`keys.chunk_keys`).
+        key: its L2 key (`values.l2_key`).
+        ns_fp, chunk_hash: what its envelope says (16 bytes each).
+        pieces: its record's bytes: views of its pinned arena blocks (write-through), or
+            one copy (on-evict).
+        num_bytes: record length in bytes.
+        blocks: the blocks pinned for it, which the loop frees once written; None for a copy.
+    """
+
+    pool_key: bytes
+    key: bytes
+    ns_fp: bytes
+    chunk_hash: bytes
+    pieces: list
+    num_bytes: int
+    blocks: list[KVCacheBlock] | None
+
+
+class FetchJob:
+    """A fetch of the rest of one chain from L2, in chain order.
+
+    Attributes:
+        namespaces: the namespace ids of the request (one per TP rank listed).
+        fps: their namespace fingerprints.
+        prefixes: their block-pool key prefixes.
+        hashes: the chunk hashes from the first chunk missing in the arena, `[n]` x 16 B.
+        parent: the hash of the chunk before `hashes[0]` (ROOT_HASH at the start).
+        done: set by the loop once every batch is installed (or the fetch failed).
+        num_installed: chunks (per namespace) installed so far.
+        held: the blocks of the chain's arena part, pinned until the job ends.
+    """
+
+    __slots__ = ("key", "namespaces", "fps", "prefixes", "hashes", "parent", "record_bytes",
+                 "done", "num_installed", "credits", "started_at", "held")
+
+    def __init__(self, key, namespaces, fps, prefixes, hashes, parent, record_bytes) -> None:
+        self.key = key
+        self.namespaces = namespaces
+        self.fps = fps
+        self.prefixes = prefixes
+        self.hashes = hashes
+        self.parent = parent
+        self.record_bytes = record_bytes
+        self.done = False
+        self.num_installed = 0
+        self.credits = threading.Semaphore(FETCH_BATCHES_AHEAD)
+        self.started_at = time.monotonic()
+        self.held: list[KVCacheBlock] = []  # the arena's part of the chain, pinned
+
+
+class L2Tier:
+    """Writes chunks to an L2 store and fetches misses back (docs/l2.md).
+
+    Args:
+        store: the L2 store (`RedisL2`), shared by every thread.
+        url: the L2's address as configured (for INFO).
+        ttl_s: the values' time to live in L2, in seconds (0 = none); for INFO (the
+            store sets it).
+        arena: the daemon's arena (chunk bytes are read and written in place).
+        policy: "write-through" (every committed chunk) or "on-evict" (chunks evicted by
+            pressure).
+        queue_bytes: bytes of writes that may wait; a write that does not fit is dropped.
+        fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a fetch; 0 = never (the fetch
+            still runs and a later lookup sees its chunks).
+        num_threads: writer threads, and as many fetch threads.
+        wake: wakes the loop (thread-safe); called after each completion is posted.
+
+    Raises:
+        ValueError: unknown policy, queue_bytes < 1, num_threads < 1, fetch_wait_s < 0.
+    """
+
+    def __init__(self, store: RedisL2, arena: Arena, *, url: str, policy: str, ttl_s: float,
+                 queue_bytes: int, fetch_wait_s: float, num_threads: int,
+                 wake: Callable[[], None]) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"L2 policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if queue_bytes < 1 or num_threads < 1 or fetch_wait_s < 0:
+            raise ValueError("L2 queue_bytes and num_threads must be >= 1, fetch_wait_s >= 0")
+        self.store = store
+        self.url = url
+        self.ttl_s = ttl_s
+        self.arena = arena
+        self.policy = policy
+        self.queue_bytes = queue_bytes
+        self.fetch_wait_s = fetch_wait_s
+        self._wake = wake
+        self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
+        self._writes: collections.deque[WriteJob] = collections.deque()
+        self._fetches: collections.deque[FetchJob] = collections.deque()
+        self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
+        self._cv = threading.Condition()
+        self._completions: collections.deque = collections.deque()  # appended by threads
+        self._stopping = False
+        self._down_until = 0.0
+        self._config_error_logged = False
+        self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
+        self.num_writes_in_flight = 0
+        self.stats = collections.Counter()
+        self._threads = [
+            threading.Thread(target=self._writer, name=f"lmcached-l2-writer-{i}", daemon=True)
+            for i in range(num_threads)
+        ] + [
+            threading.Thread(target=self._fetcher, name=f"lmcached-l2-fetch-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------ namespaces
+    def register_namespace(self, ns: int, layout: Layout) -> None:
+        """Note a namespace: chunk namespaces (fmt other than "kv") go to L2, unless a
+        value would exceed Redis' largest bulk string (512 MB, `proto-max-bulk-len`)."""
+        if ns in self._ns:
+            return
+        if layout.fmt == "kv":
+            self._ns[ns] = None
+        elif layout.record_bytes + ENVELOPE_BYTES > MAX_VALUE_BYTES:
+            logger.warning("namespace %d (%s): a chunk record of %d bytes is larger than a "
+                           "Redis value may be (512 MB): its chunks stay out of L2; use a "
+                           "smaller chunk size", ns, layout.model_name, layout.record_bytes)
+            self._ns[ns] = None
+        else:
+            self._ns[ns] = (namespace_fingerprint(layout), layout)
+
+    def _chunk_of(self, pool_key: bytes):
+        """(fp, chunk hash) of a chunk key in an L2 namespace, else None."""
+        if pool_key[0] != _CHUNK_KEY:
+            return None
+        entry = self._ns.get(int.from_bytes(pool_key[1:5], "little"))
+        return None if entry is None else (entry[0], pool_key[5:])
+
+    # ---------------------------------------------------------------- writes
+    def _record_pieces(self, blocks: list[KVCacheBlock]) -> list:
+        """Views of a value's bytes in its arena blocks, in order."""
+        arena = self.arena
+        return [memoryview(arena.numpy_view(arena.block_offset(b.block_id), b.num_bytes))
+                for b in blocks]
+
+    def _enqueue(self, job: WriteJob) -> bool:
+        if self.queued_bytes + job.num_bytes > self.queue_bytes:
+            self.stats["write_drops_queue_full"] += 1
+            return False
+        if time.monotonic() < self._down_until:
+            self.stats["write_drops_down"] += 1
+            return False
+        self.queued_bytes += job.num_bytes
+        self.num_writes_in_flight += 1
+        with self._cv:
+            self._writes.append(job)
+            self._cv.notify()
+        return True
+
+    def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
+        """Queue newly committed values (write-through policy; loop thread).
+
+        Each chunk of an L2 namespace is pinned (`BlockPool.touch`) until its writer has
+        sent it; a value that does not fit in the queue is dropped and counted.
+
+        Args:
+            pool: the block pool the values were just committed in.
+            values: (pool key, READY blocks) per committed value.
+        """
+        if self.policy != "write-through":
+            return
+        for pool_key, blocks in values:
+            chunk = self._chunk_of(pool_key)
+            if chunk is None:
+                continue
+            num_bytes = sum(b.num_bytes for b in blocks)
+            job = WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1],
+                           self._record_pieces(blocks), num_bytes, blocks)
+            if self._enqueue(job):
+                pool.touch(blocks)
+
+    def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
+        """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
+        chunk's bytes into the write queue before its blocks are reused."""
+        if self.policy != "on-evict":
+            return
+        try:
+            self._spill(pool_key, blocks)
+        except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
+            logger.exception("L2 spill of an evicted chunk failed")
+            self.stats["write_failures"] += 1
+
+    def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
+        # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
+        # and the write refreshes its place in Redis' LRU.
+        chunk = self._chunk_of(pool_key)
+        if chunk is None:
+            return
+        num_bytes = sum(b.num_bytes for b in blocks)
+        if self.queued_bytes + num_bytes > self.queue_bytes:
+            self.stats["write_drops_queue_full"] += 1
+            return
+        copy = b"".join(self._record_pieces(blocks))
+        self._enqueue(WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1], [copy], num_bytes,
+                               None))
+
+    def _writer(self) -> None:
+        """Writer thread: pipelines queued SETs, then posts them back to the loop."""
+        while True:
+            with self._cv:
+                while not self._writes and not self._stopping:
+                    self._cv.wait()
+                if not self._writes:
+                    return
+                batch, num_bytes = [], 0
+                while self._writes and len(batch) < WRITE_BATCH_VALUES and (
+                        not batch or num_bytes + self._writes[0].num_bytes <= WRITE_BATCH_BYTES):
+                    job = self._writes.popleft()
+                    batch.append(job)
+                    num_bytes += job.num_bytes
+            outcome = "written"
+            stored = 0
+            try:
+                items = [(job.key, encode_value(job.ns_fp, job.chunk_hash, job.pieces))
+                         for job in batch]
+                stored = self.store.set_many(items)
+            except L2Unavailable:
+                outcome = "down"
+            except Exception as exc:  # noqa: BLE001 - a writer never dies: count, log, go on
+                self._log_failure("write", exc)
+                outcome = "error"
+            self._post(("written", batch, outcome, stored))
+
+    def _log_failure(self, what: str, exc: Exception) -> None:
+        """Log a failure that is not an outage: a configuration error (ValueError, e.g.
+        several addresses of a standalone server) once, anything else with its trace."""
+        if isinstance(exc, ValueError):
+            if not self._config_error_logged:
+                self._config_error_logged = True
+                logger.error("L2 %s failed and will fail until the daemon is restarted with "
+                             "another --l2: %s", what, exc)
+            return
+        logger.exception("L2 %s failed", what)
+
+    # --------------------------------------------------------------- fetches
+    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
+                    hashes: bytes, first: int,
+                    prefix_blocks: list[KVCacheBlock]) -> FetchJob | None:
+        """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
+
+        Loop thread. Returns None, and starts nothing, when a namespace is not an L2
+        one, the L2 was down within the last DOWN_HOLD_S (or is backing off), or
+        MAX_FETCH_JOBS are in flight.
+
+        Args:
+            namespaces: namespace ids of the request.
+            prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
+            hashes: the request's chunk hashes, 16 bytes each.
+            first: index of the first chunk missing in the arena.
+            prefix_blocks: the blocks of the chain's chunks before `first` in the arena; a
+                new job pins them until it ends (its installs never evict them).
+        """
+        entries = [self._ns.get(ns) for ns in namespaces]
+        if any(entry is None for entry in entries):
+            return None
+        chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
+        key = (tuple(namespaces), chunk_hashes[0])
+        job = self._jobs.get(key)
+        if job is not None:
+            self.stats["fetches_joined"] += 1
+            return job
+        if time.monotonic() < self._down_until or len(self._jobs) >= MAX_FETCH_JOBS:
+            self.stats["fetches_skipped"] += 1
+            return None
+        parent = hashes[(first - 1) * 16 : first * 16] if first else ROOT_HASH
+        job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
+                       parent, max(e[1].record_bytes for e in entries))
+        pool.touch(prefix_blocks)
+        job.held = prefix_blocks
+        self._jobs[key] = job
+        self.stats["fetches"] += 1
+        with self._cv:
+            self._fetches.append(job)
+            self._cv.notify_all()
+        return job
+
+    def _fetcher(self) -> None:
+        """Fetch thread: runs queued FetchJobs one at a time."""
+        while True:
+            with self._cv:
+                while not self._fetches and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._fetches.popleft()
+            try:
+                self._fetch(job)
+            except L2Unavailable:
+                self._post(("down", job))
+            except Exception as exc:  # noqa: BLE001 - a fetch thread never dies
+                self._log_failure("fetch", exc)
+                self._post(("fetch_error", job))
+            self._post(("fetched", job))
+
+    def _fetch(self, job: FetchJob) -> None:
+        """The run of the chain that L2 holds in every namespace, GET in batches,
+        verified; each batch is posted to the loop (at most FETCH_BATCHES_AHEAD ahead)."""
+        store, fps, hashes = self.store, job.fps, job.hashes
+        num_chunks = len(hashes)
+        for fp in fps:
+            num_chunks = store.exists_prefix([l2_key(fp, h) for h in hashes[:num_chunks]])
+            if not num_chunks:
+                break
+        self._post(("misses", len(hashes) - num_chunks))
+        per_batch = max(1, FETCH_BATCH_BYTES // (job.record_bytes * len(fps)))
+        for start in range(0, num_chunks, per_batch):
+            stop = min(num_chunks, start + per_batch)
+            keys = [l2_key(fp, hashes[i]) for i in range(start, stop) for fp in fps]
+            values = store.get_many(keys)
+            batch, failure = [], None
+            for offset, i in enumerate(range(start, stop)):
+                parent = hashes[i - 1] if i else job.parent
+                records = []
+                for j, fp in enumerate(fps):
+                    value = values[offset * len(fps) + j]
+                    if value is None:  # expired or evicted between EXISTS and GET
+                        failure = "gone"
+                        break
+                    try:
+                        records.append(verify_value(value, fp, hashes[i], parent))
+                    except L2VerifyError as exc:
+                        failure = f"verify_{exc.reason}"
+                        break
+                if failure:
+                    break
+                batch.append(records)
+            while not job.credits.acquire(timeout=0.5):
+                if self._stopping:
+                    return
+            self._post(("batch", job, start, batch, failure))
+            if failure:
+                return
+
+    # ------------------------------------------------------------ loop side
+    def _post(self, message) -> None:
+        self._completions.append(message)  # deque.append is atomic
+        self._wake()
+
+    def process_completions(self, pool: BlockPool | None) -> bool:
+        """Apply what the threads finished (loop thread): unpin written chunks, install
+        fetched ones, count. Returns True when a fetch job ended."""
+        ended = False
+        completions = self._completions
+        stats = self.stats
+        while completions:
+            message = completions.popleft()
+            kind = message[0]
+            if kind == "written":
+                _, batch, outcome, stored = message
+                for job in batch:
+                    self.queued_bytes -= job.num_bytes
+                self.num_writes_in_flight -= len(batch)
+                if outcome == "written":
+                    stats["writes"] += stored
+                    stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
+                    stats["write_failures"] += len(batch) - stored
+                elif outcome == "down":
+                    stats["write_drops_down"] += len(batch)
+                    self._down_until = time.monotonic() + DOWN_HOLD_S
+                else:
+                    stats["write_failures"] += len(batch)
+                pinned = [b for job in batch if job.blocks for b in job.blocks]
+                if pinned and pool is not None:
+                    pool.free(pinned)
+            elif kind == "batch":
+                _, job, start, records, failure = message
+                if failure:
+                    stats[f"fetch_{failure}"] += 1
+                if pool is not None and not job.done:
+                    self._install(pool, job, start, records)
+                job.credits.release()
+            elif kind == "misses":
+                stats["fetch_miss_chunks"] += message[1]
+            elif kind == "down":
+                self._down_until = time.monotonic() + DOWN_HOLD_S
+                stats["fetch_down"] += 1
+            elif kind == "fetch_error":
+                stats["fetch_errors"] += 1
+            elif kind == "fetched":
+                job = message[1]
+                job.done = True
+                self._jobs.pop(job.key, None)
+                if job.held and pool is not None:
+                    pool.free(job.held)
+                job.held = []
+                ended = True
+        return ended
+
+    def _install(self, pool: BlockPool, job: FetchJob, start: int,
+                 records: list[list[memoryview]]) -> None:
+        """Copy verified records into newly allocated blocks and index them (READY,
+        unpinned, most recently used). Stops when the arena has no evictable room."""
+        arena, block_bytes = self.arena, self.arena.block_bytes
+        for offset, per_ns in enumerate(records):
+            chunk_hash = job.hashes[start + offset]
+            for prefix, record in zip(job.prefixes, per_ns):
+                pool_key = prefix + chunk_hash
+                if pool_key in pool.cached:
+                    continue  # stored meanwhile by a client
+                num_bytes = len(record)
+                blocks = pool.allocate(-(-num_bytes // block_bytes))
+                if blocks is None:
+                    self.stats["fetch_nospace"] += 1
+                    return
+                src = np.frombuffer(record, dtype=np.uint8)
+                for i, block in enumerate(blocks):
+                    block.num_bytes = min(block_bytes, num_bytes - i * block_bytes)
+                    dst = arena.numpy_view(arena.block_offset(block.block_id), block.num_bytes)
+                    np.copyto(dst, src[i * block_bytes : i * block_bytes + block.num_bytes])
+                pool.commit(blocks, pool_key)
+                pool.free(blocks)
+                self.stats["fetch_hit_chunks"] += 1
+                self.stats["fetch_bytes"] += num_bytes
+            job.num_installed = start + offset + 1
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, int | float | str]:
+        """INFO section `l2` (docs/l2.md, "Counters")."""
+        stats = self.stats
+        out = {
+            "l2_enabled": 1,
+            "l2_url": self.url,
+            "l2_ttl_s": self.ttl_s,
+            "l2_mode": self.store.mode,
+            "l2_state": self.store.state,
+            "l2_policy": self.policy,
+            "l2_queue_values": self.num_writes_in_flight,
+            "l2_queue_bytes": self.queued_bytes,
+            "l2_queue_limit_bytes": self.queue_bytes,
+            "l2_fetches_in_flight": len(self._jobs),
+            "l2_reconnects": self.store.num_reconnects,
+        }
+        for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
+                     "write_failures", "fetches", "fetches_joined", "fetches_skipped",
+                     "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes", "fetch_nospace",
+                     "fetch_down", "fetch_errors", "fetch_gone", "fetch_waits_timed_out"):
+            out[f"l2_{name}"] = stats[name]
+        for name in sorted(stats):
+            if name.startswith("fetch_verify_"):
+                out[f"l2_{name}"] = stats[name]
+        for kind, count in sorted(self.store.errors.items()):
+            out[f"l2_errors_{kind}"] = count
+        return out
+
+    # --------------------------------------------------------------- teardown
+    def close(self, pool: BlockPool | None) -> None:
+        """Stop the threads: queued writes get CLOSE_DRAIN_S to reach L2 (then are
+        dropped); fetches stop. Loop thread, before the arena is unmapped."""
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        with self._cv:
+            self._stopping = True
+            self._fetches.clear()
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cv:
+            dropped = len(self._writes)
+            self._writes.clear()
+        if dropped:
+            logger.warning("stopping: %d chunk writes to L2 were still queued: dropped", dropped)
+        self.process_completions(pool)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            logger.warning("L2 threads still busy at stop: %s", ", ".join(alive))
+        self.store.close()
