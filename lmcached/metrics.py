@@ -253,11 +253,13 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
                                 labels=["reason"])
     drops.add_metric(["queue_full"], l2["l2_write_drops_queue_full"])
     drops.add_metric(["down"], l2["l2_write_drops_down"])
+    drops.add_metric(["oversize"], l2["l2_write_drops_oversize"])
     yield drops
     rejects = CounterMetricFamily("lmcached_l2_fetch_rejects", "Fetched values not served, by "
                                   "reason (verify_*: failed verification).", labels=["reason"])
     for field, value in l2.items():
-        if field.startswith("l2_fetch_verify_") or field in ("l2_fetch_gone", "l2_fetch_nospace"):
+        if field.startswith("l2_fetch_verify_") or field in ("l2_fetch_gone", "l2_fetch_nospace",
+                                                             "l2_fetch_oversize"):
             rejects.add_metric([field[len("l2_fetch_"):]], value)
     yield rejects
     errors = CounterMetricFamily("lmcached_l2_errors", "L2 errors by kind.", labels=["kind"])

@@ -377,7 +377,7 @@ class Server:
             self._close(conn)
             return
         if not num_bytes:  # EOF: the client closed or died; answer what it sent first
-            if conn.next_frame_end() == 0:
+            if conn.next_frame_end() == 0 and conn.parked is None:
                 self._close_at_eof(conn)
             else:
                 conn.eof = True
@@ -450,6 +450,9 @@ class Server:
         serve what their clients sent after them."""
         for conn in list(self._parked):
             deferred = conn.parked
+            if deferred is None:  # closed while an earlier one was resumed (buffer budget)
+                self._parked.pop(conn, None)
+                continue
             if not deferred.job.done and now < deferred.deadline:
                 continue
             del self._parked[conn]
@@ -520,7 +523,7 @@ class Server:
         has_frame = conn.next_frame_end() != 0
         if len(conn.outbuf) < OUTBUF_PAUSE_BYTES and has_frame:
             self._ready[conn] = None
-        if conn.eof and not has_frame and not conn.outbuf:
+        if conn.eof and not has_frame and not conn.outbuf and conn.parked is None:
             self._close_at_eof(conn)
             return
         self._update_events(conn)
@@ -539,6 +542,8 @@ class Server:
         longer than their timeout (Redis: `timeout`)."""
         idle_timeout_s = self.config.idle_timeout_s
         for conn in list(self._connections.values()):
+            if conn.parked is not None:  # waits for the daemon (an L2 fetch), not the client
+                continue
             if conn.partial_since is not None and now - conn.partial_since > PARTIAL_FRAME_TIMEOUT_S:
                 self._drop(conn, "partial_frame_timeout",
                            f"left a frame unfinished for more than {PARTIAL_FRAME_TIMEOUT_S:.0f} s")
@@ -572,6 +577,7 @@ class Server:
         self._ready.pop(conn, None)
         self._silent.pop(conn, None)
         self._parked.pop(conn, None)
+        conn.parked = None
         self._buffered_bytes -= conn.buffered_bytes
         conn.inbuf = conn.outbuf = bytearray()
         if conn.events:

@@ -256,15 +256,19 @@ def test_l2_down_at_start_is_not_an_error(redis_server, daemon_factory):
     assert daemon.info()["pinned_blocks"] == 0
 
 
+def _recv_exactly(sock, num_bytes: int) -> bytes:
+    data = b""
+    while len(data) < num_bytes:
+        piece = sock.recv(num_bytes - len(data))
+        if not piece:
+            raise AssertionError("the daemon closed the connection before replying")
+        data += piece
+    return data
+
+
 def _read_reply(sock):
-    header = b""
-    while len(header) < 4:
-        header += sock.recv(4 - len(header))
-    length = int.from_bytes(header, "little")
-    payload = b""
-    while len(payload) < length:
-        payload += sock.recv(length - len(payload))
-    return reply_decoder.decode(payload)
+    length = int.from_bytes(_recv_exactly(sock, 4), "little")
+    return reply_decoder.decode(_recv_exactly(sock, length))
 
 
 def test_frames_after_a_parked_request_are_answered_after_it(redis_server, daemon_factory):
@@ -306,3 +310,21 @@ def test_l2_metrics_equal_info_l2(redis_server, daemon_factory):
     assert samples[("lmcached_l2_up",)] == 0
     assert total(samples, "lmcached_l2_write_drops_total", reason="down") == \
         l2_info(node_a)["l2_write_drops_down"]
+
+
+def test_a_client_that_shuts_down_its_side_while_parked_still_gets_its_reply(
+        redis_server, daemon_factory):
+    daemon = daemon_factory(*ARENA, "--l2", redis_server.url, "--l2-fetch-wait", "1")
+    with socketlib.socket(socketlib.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(daemon.socket)
+        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "eof",
+                                        [small_layout().to_wire()])))
+        ns = _read_reply(sock).namespaces[0]
+        redis_server.client().client_pause(2000)
+        sock.sendall(encode_frame(Lookup([ns], b"\2" * 32)))
+        time.sleep(0.2)  # parked by now
+        sock.shutdown(socketlib.SHUT_WR)  # EOF while the LOOKUP waits for its fetch
+        assert _read_reply(sock) == LookupReply(0)
+        assert sock.recv(1) == b"", "then the daemon closes"
+    assert daemon.info()["pinned_blocks"] == 0

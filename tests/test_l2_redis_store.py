@@ -125,6 +125,14 @@ def test_exists_prefix_stops_at_the_first_missing_key(redis_server):
     assert store.exists_prefix(keys[:3]) == 3
 
 
+def test_value_lengths_are_strlen_and_0_for_missing_keys(redis_server):
+    store = store_for(redis_server)
+    keys = chain_keys(4)
+    assert store.set_many([(keys[0], b"v" * 10), (keys[2], b"w" * 70000)]) == 2
+    assert store.value_lengths(keys) == [10, 0, 70000, 0]
+    assert store.value_lengths([]) == []
+
+
 def test_a_full_redis_refuses_sets_that_are_counted_not_raised(redis_server):
     redis_server.client().config_set("maxmemory-policy", "noeviction")
     redis_server.client().config_set("maxmemory", "1mb")

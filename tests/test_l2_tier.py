@@ -50,6 +50,7 @@ class FakeStore:
         self.down = False
         self.mode, self.state, self.errors, self.num_reconnects = "standalone", "up", {}, 0
         self.lock = threading.Lock()
+        self.num_length_calls = 0
 
     def _check(self) -> None:
         if self.down:
@@ -70,6 +71,11 @@ class FakeStore:
         while n < len(keys) and keys[n] in self.data:
             n += 1
         return n
+
+    def value_lengths(self, keys):
+        self._check()
+        self.num_length_calls += 1
+        return [len(self.data.get(k, b"")) for k in keys]
 
     def get_many(self, keys):
         self._check()
@@ -104,7 +110,7 @@ class Node:
             if until():
                 return
             self.woken.acquire(timeout=0.05)
-        raise AssertionError("the tier did not settle")
+        raise AssertionError(f"the tier did not settle: {self.tier.info()}")
 
     def store(self, records: list[tuple[bytes, bytes]]) -> None:
         hashes = b"".join(h for h, _ in records)
@@ -345,3 +351,47 @@ def test_a_namespace_whose_values_redis_cannot_hold_stays_out_of_l2(nodes):
     assert node.tier.start_fetch(node.service.pool, [99], [b"c" + (99).to_bytes(4, "little")],
                                  b"\1" * 16, 0, []) is None
     assert node.tier.info()["l2_fetches"] == 0
+
+
+def test_a_fetch_larger_than_the_arena_keeps_its_head_and_stops(nodes):
+    store = FakeStore()
+    writer, reader = nodes(store), nodes(store, num_blocks=4)
+    prompt = make_prompt(0, 10)
+    writer.store(prompt)
+    writer.settle(lambda: writer.tier.info()["l2_writes"] == 10)
+    hashes = b"".join(h for h, _ in prompt)
+    # The first 4 chunks fill the arena and stay: installing more would evict the head.
+    assert _answer(reader, Lookup([reader.ns], hashes)) == LookupReply(4)
+    info = reader.tier.info()
+    assert info["l2_fetch_nospace"] == 1 and info["l2_fetch_hit_chunks"] == 4
+    pool = reader.service.pool
+    assert set(pool.cached) == {reader.service._ns_prefix[reader.ns] + h for h, _ in prompt[:4]}
+    assert pool.num_pinned_blocks == 0
+    pool.check_invariants()
+
+
+def test_values_longer_than_the_record_are_neither_written_nor_fetched(nodes):
+    store = FakeStore()
+    writer, reader = nodes(store), nodes(store)
+    prompt = make_prompt(0, 3)
+    # ALLOC does not bound a chunk value by its layout's record: a hostile client's 3x value.
+    huge = [(prompt[0][0], prompt[0][1] * 3)] + prompt[1:]
+    writer.store(huge)
+    writer.settle(lambda: writer.tier.info()["l2_queue_values"] == 0)
+    assert writer.tier.info()["l2_write_drops_oversize"] == 1
+    assert l2_key(FP, prompt[0][0]) not in store.data
+    # Planted straight into Redis: STRLEN sees it, no GET ever reads it.
+    store.data[l2_key(FP, prompt[0][0])] = b"\0" * (RECORD_BYTES + 65)
+    gets = []
+    store.get_many = lambda keys, get=store.get_many: gets.append(keys) or get(keys)
+    assert _answer(reader, Lookup([reader.ns], b"".join(h for h, _ in prompt))) == LookupReply(0)
+    assert reader.tier.info()["l2_fetch_oversize"] == 1 and gets == []
+
+
+def test_lengths_are_asked_in_windows_up_to_the_first_gap(nodes):
+    store = FakeStore()
+    node = nodes(store)
+    hashes = b"".join(h for h, _ in make_prompt(0, 600))  # nothing of it in L2
+    assert _answer(node, Lookup([node.ns], hashes)) == LookupReply(0)
+    assert store.num_length_calls == 1, "a gap at the first window ends the search"
+    assert node.tier.info()["l2_fetch_miss_chunks"] == 600

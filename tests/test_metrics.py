@@ -365,6 +365,7 @@ def exposed_names(service) -> set[str]:
     `_total`, the info metric with `_info`)."""
     l2_on = {"l2_enabled": 1, "l2_state": "up", "l2_queue_bytes": 0, "l2_queue_values": 0,
              "l2_write_drops_queue_full": 0, "l2_write_drops_down": 0,
+             "l2_write_drops_oversize": 0,
              **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
     families = [*metric_families(take_snapshot(service)), *DaemonCollector(
         SnapshotChannel()).collect(), *l2_families(l2_on)]

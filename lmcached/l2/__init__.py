@@ -8,6 +8,8 @@ What lives here (import name `lmcached.l2`, folder `lmcached/l2/`):
   pipelined, from several threads at once, and backs off while Redis is down.
 - `tier`: the daemon's side. Writer and fetch threads, the bounded write queue, and the
   completions that the selector loop applies to the block pool.
+- `fetch`: the read half: a fetch thread's work (`fetch_chain`: STRLEN, GET, verify) and
+  the loop's install of verified records into arena blocks.
 
 What it may import: the daemon's modules (`lmcached.record_format`, `protocol`,
 `logger`, `lmcached.shm`) and numpy, xxhash, msgspec. Never torch and never

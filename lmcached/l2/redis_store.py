@@ -210,6 +210,24 @@ class RedisL2:
             num_leading += 1
         return num_leading
 
+    def value_lengths(self, keys: list[bytes]) -> list[int]:
+        """The length of each key's value in bytes, 0 for a missing key (STRLEN in one
+        pipeline), so that a fetch knows what it will GET before it does.
+
+        Args:
+            keys: the L2 keys to measure.
+
+        Returns:
+            One length per key, in order; 0 for a missing key or a refused STRLEN.
+
+        Raises:
+            L2Unavailable: the L2 is down, slow or backing off.
+        """
+        if not keys:
+            return []
+        results = self._pipelined(lambda pipe: [pipe.strlen(key) for key in keys])
+        return [result if isinstance(result, int) else 0 for result in results]
+
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """GET each key in one pipeline.
 

@@ -15,8 +15,8 @@ Flows (docs/l2.md):
   queue (`spill`) before its blocks are handed to the next writer.
 - fetch on miss: a LOOKUP / ACQUIRE that misses in the arena starts a `FetchJob`
   (`start_fetch`); a fetch thread finds how much of the rest of the chain L2 holds
-  (EXISTS), GETs it in batches, verifies each value (`values.verify_value`), and the
-  loop installs each batch into newly allocated blocks (`_install`). The request waits
+  (STRLEN), GETs it in batches, verifies each value (`fetch.fetch_chain`), and the
+  loop installs each batch into newly allocated blocks (`fetch.install`). The request waits
   (it is parked by the server) until the job ends or `fetch_wait_s` passes.
 
 The queue is bounded in bytes (`queue_bytes`): a write that does not fit is dropped and
@@ -30,17 +30,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
+from lmcached.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.l2.redis_store import L2Unavailable, RedisL2
-from lmcached.l2.values import (
-    ENVELOPE_BYTES,
-    L2VerifyError,
-    encode_value,
-    l2_key,
-    namespace_fingerprint,
-    verify_value,
-)
+from lmcached.l2.values import ENVELOPE_BYTES, encode_value, l2_key, namespace_fingerprint
 from lmcached.logger import init_logger
 from lmcached.protocol import Layout
 from lmcached.record_format import ROOT_HASH
@@ -53,9 +45,9 @@ logger = init_logger(__name__)
 POLICIES = ("write-through", "on-evict")
 WRITE_BATCH_VALUES = 32  # SETs pipelined in one round trip at most
 WRITE_BATCH_BYTES = 64 << 20
-FETCH_BATCH_BYTES = 64 << 20  # values fetched before the loop installs them
-FETCH_BATCHES_AHEAD = 2  # batches a fetch thread may hold that the loop has not installed
-MAX_FETCH_JOBS = 256  # fetches queued or running; beyond, a miss is answered at once
+FETCH_JOBS_PER_THREAD = 4  # fetches queued or running per fetch thread; beyond, a miss is
+# answered at once (each holds its chain's arena prefix pinned)
+PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena
 DOWN_HOLD_S = 0.1  # after an outage, fetches answer "miss" at once for this long at least
 CLOSE_DRAIN_S = 5.0  # graceful stop: writes still queued get this long to reach L2
 MAX_VALUE_BYTES = 512 << 20  # Redis' proto-max-bulk-len default ("512mb": MiB)
@@ -83,38 +75,6 @@ class WriteJob:
     pieces: list
     num_bytes: int
     blocks: list[KVCacheBlock] | None
-
-
-class FetchJob:
-    """A fetch of the rest of one chain from L2, in chain order.
-
-    Attributes:
-        namespaces: the namespace ids of the request (one per TP rank listed).
-        fps: their namespace fingerprints.
-        prefixes: their block-pool key prefixes.
-        hashes: the chunk hashes from the first chunk missing in the arena, `[n]` x 16 B.
-        parent: the hash of the chunk before `hashes[0]` (ROOT_HASH at the start).
-        done: set by the loop once every batch is installed (or the fetch failed).
-        num_installed: chunks (per namespace) installed so far.
-        held: the blocks of the chain's arena part, pinned until the job ends.
-    """
-
-    __slots__ = ("key", "namespaces", "fps", "prefixes", "hashes", "parent", "record_bytes",
-                 "done", "num_installed", "credits", "started_at", "held")
-
-    def __init__(self, key, namespaces, fps, prefixes, hashes, parent, record_bytes) -> None:
-        self.key = key
-        self.namespaces = namespaces
-        self.fps = fps
-        self.prefixes = prefixes
-        self.hashes = hashes
-        self.parent = parent
-        self.record_bytes = record_bytes
-        self.done = False
-        self.num_installed = 0
-        self.credits = threading.Semaphore(FETCH_BATCHES_AHEAD)
-        self.started_at = time.monotonic()
-        self.held: list[KVCacheBlock] = []  # the arena's part of the chain, pinned
 
 
 class L2Tier:
@@ -151,13 +111,18 @@ class L2Tier:
         self.arena = arena
         self.policy = policy
         self.queue_bytes = queue_bytes
+        # Write-through holds pins, not copies: never more than a share of the arena.
+        self.pinned_limit_bytes = min(queue_bytes, arena.capacity_bytes // PINNED_SHARE)
+        self.max_fetch_jobs = FETCH_JOBS_PER_THREAD * num_threads
         self.fetch_wait_s = fetch_wait_s
         self._wake = wake
         self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
         self._writes: collections.deque[WriteJob] = collections.deque()
         self._fetches: collections.deque[FetchJob] = collections.deque()
         self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # the two queues; each kind of thread waits on its own condition
+        self._writes_cv = threading.Condition(self._lock)
+        self._fetches_cv = threading.Condition(self._lock)
         self._completions: collections.deque = collections.deque()  # appended by threads
         self._stopping = False
         self._down_until = 0.0
@@ -214,9 +179,9 @@ class L2Tier:
             return False
         self.queued_bytes += job.num_bytes
         self.num_writes_in_flight += 1
-        with self._cv:
+        with self._writes_cv:
             self._writes.append(job)
-            self._cv.notify()
+            self._writes_cv.notify()
         return True
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
@@ -236,10 +201,24 @@ class L2Tier:
             if chunk is None:
                 continue
             num_bytes = sum(b.num_bytes for b in blocks)
+            if self._oversize(pool_key, num_bytes):
+                continue
+            if self.queued_bytes + num_bytes > self.pinned_limit_bytes:
+                self.stats["write_drops_queue_full"] += 1
+                continue
             job = WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1],
                            self._record_pieces(blocks), num_bytes, blocks)
             if self._enqueue(job):
                 pool.touch(blocks)
+
+    def _oversize(self, pool_key: bytes, num_bytes: int) -> bool:
+        """A value longer than its namespace's record (ALLOC does not bound it): kept out
+        of L2, where every node would fetch it. Counted."""
+        layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
+        if num_bytes <= layout.record_bytes:
+            return False
+        self.stats["write_drops_oversize"] += 1
+        return True
 
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
@@ -259,6 +238,8 @@ class L2Tier:
         if chunk is None:
             return
         num_bytes = sum(b.num_bytes for b in blocks)
+        if self._oversize(pool_key, num_bytes):
+            return
         if self.queued_bytes + num_bytes > self.queue_bytes:
             self.stats["write_drops_queue_full"] += 1
             return
@@ -269,9 +250,9 @@ class L2Tier:
     def _writer(self) -> None:
         """Writer thread: pipelines queued SETs, then posts them back to the loop."""
         while True:
-            with self._cv:
+            with self._writes_cv:
                 while not self._writes and not self._stopping:
-                    self._cv.wait()
+                    self._writes_cv.wait()
                 if not self._writes:
                     return
                 batch, num_bytes = [], 0
@@ -311,8 +292,9 @@ class L2Tier:
         """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
 
         Loop thread. Returns None, and starts nothing, when a namespace is not an L2
-        one, the L2 was down within the last DOWN_HOLD_S (or is backing off), or
-        MAX_FETCH_JOBS are in flight.
+        one, a write or fetch failed on an outage within the last DOWN_HOLD_S, or
+        `max_fetch_jobs` are in flight. (While the store backs off longer, a job starts
+        and ends at once: the store refuses without touching the network.)
 
         Args:
             namespaces: namespace ids of the request.
@@ -326,12 +308,12 @@ class L2Tier:
         if any(entry is None for entry in entries):
             return None
         chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
-        key = (tuple(namespaces), chunk_hashes[0])
+        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])  # same chain, same end
         job = self._jobs.get(key)
         if job is not None:
             self.stats["fetches_joined"] += 1
             return job
-        if time.monotonic() < self._down_until or len(self._jobs) >= MAX_FETCH_JOBS:
+        if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
             self.stats["fetches_skipped"] += 1
             return None
         parent = hashes[(first - 1) * 16 : first * 16] if first else ROOT_HASH
@@ -341,67 +323,28 @@ class L2Tier:
         job.held = prefix_blocks
         self._jobs[key] = job
         self.stats["fetches"] += 1
-        with self._cv:
+        with self._fetches_cv:
             self._fetches.append(job)
-            self._cv.notify_all()
+            self._fetches_cv.notify()
         return job
 
     def _fetcher(self) -> None:
         """Fetch thread: runs queued FetchJobs one at a time."""
         while True:
-            with self._cv:
+            with self._fetches_cv:
                 while not self._fetches and not self._stopping:
-                    self._cv.wait()
+                    self._fetches_cv.wait()
                 if self._stopping:
                     return
                 job = self._fetches.popleft()
             try:
-                self._fetch(job)
+                fetch_chain(self.store, job, self._post, lambda: self._stopping)
             except L2Unavailable:
                 self._post(("down", job))
             except Exception as exc:  # noqa: BLE001 - a fetch thread never dies
                 self._log_failure("fetch", exc)
                 self._post(("fetch_error", job))
             self._post(("fetched", job))
-
-    def _fetch(self, job: FetchJob) -> None:
-        """The run of the chain that L2 holds in every namespace, GET in batches,
-        verified; each batch is posted to the loop (at most FETCH_BATCHES_AHEAD ahead)."""
-        store, fps, hashes = self.store, job.fps, job.hashes
-        num_chunks = len(hashes)
-        for fp in fps:
-            num_chunks = store.exists_prefix([l2_key(fp, h) for h in hashes[:num_chunks]])
-            if not num_chunks:
-                break
-        self._post(("misses", len(hashes) - num_chunks))
-        per_batch = max(1, FETCH_BATCH_BYTES // (job.record_bytes * len(fps)))
-        for start in range(0, num_chunks, per_batch):
-            stop = min(num_chunks, start + per_batch)
-            keys = [l2_key(fp, hashes[i]) for i in range(start, stop) for fp in fps]
-            values = store.get_many(keys)
-            batch, failure = [], None
-            for offset, i in enumerate(range(start, stop)):
-                parent = hashes[i - 1] if i else job.parent
-                records = []
-                for j, fp in enumerate(fps):
-                    value = values[offset * len(fps) + j]
-                    if value is None:  # expired or evicted between EXISTS and GET
-                        failure = "gone"
-                        break
-                    try:
-                        records.append(verify_value(value, fp, hashes[i], parent))
-                    except L2VerifyError as exc:
-                        failure = f"verify_{exc.reason}"
-                        break
-                if failure:
-                    break
-                batch.append(records)
-            while not job.credits.acquire(timeout=0.5):
-                if self._stopping:
-                    return
-            self._post(("batch", job, start, batch, failure))
-            if failure:
-                return
 
     # ------------------------------------------------------------ loop side
     def _post(self, message) -> None:
@@ -413,77 +356,62 @@ class L2Tier:
         fetched ones, count. Returns True when a fetch job ended."""
         ended = False
         completions = self._completions
-        stats = self.stats
         while completions:
             message = completions.popleft()
-            kind = message[0]
-            if kind == "written":
-                _, batch, outcome, stored = message
-                for job in batch:
-                    self.queued_bytes -= job.num_bytes
-                self.num_writes_in_flight -= len(batch)
-                if outcome == "written":
-                    stats["writes"] += stored
-                    stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
-                    stats["write_failures"] += len(batch) - stored
-                elif outcome == "down":
-                    stats["write_drops_down"] += len(batch)
-                    self._down_until = time.monotonic() + DOWN_HOLD_S
-                else:
-                    stats["write_failures"] += len(batch)
-                pinned = [b for job in batch if job.blocks for b in job.blocks]
-                if pinned and pool is not None:
-                    pool.free(pinned)
-            elif kind == "batch":
-                _, job, start, records, failure = message
-                if failure:
-                    stats[f"fetch_{failure}"] += 1
-                if pool is not None and not job.done:
-                    self._install(pool, job, start, records)
-                job.credits.release()
-            elif kind == "misses":
-                stats["fetch_miss_chunks"] += message[1]
-            elif kind == "down":
-                self._down_until = time.monotonic() + DOWN_HOLD_S
-                stats["fetch_down"] += 1
-            elif kind == "fetch_error":
-                stats["fetch_errors"] += 1
-            elif kind == "fetched":
-                job = message[1]
-                job.done = True
-                self._jobs.pop(job.key, None)
-                if job.held and pool is not None:
-                    pool.free(job.held)
-                job.held = []
-                ended = True
+            try:
+                ended |= self._apply(pool, message)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the loop
+                logger.exception("applying an L2 completion %s failed", message[0])
+            finally:
+                if message[0] == "batch":
+                    message[1].credits.release()
         return ended
 
-    def _install(self, pool: BlockPool, job: FetchJob, start: int,
-                 records: list[list[memoryview]]) -> None:
-        """Copy verified records into newly allocated blocks and index them (READY,
-        unpinned, most recently used). Stops when the arena has no evictable room."""
-        arena, block_bytes = self.arena, self.arena.block_bytes
-        for offset, per_ns in enumerate(records):
-            chunk_hash = job.hashes[start + offset]
-            for prefix, record in zip(job.prefixes, per_ns):
-                pool_key = prefix + chunk_hash
-                if pool_key in pool.cached:
-                    continue  # stored meanwhile by a client
-                num_bytes = len(record)
-                blocks = pool.allocate(-(-num_bytes // block_bytes))
-                if blocks is None:
-                    self.stats["fetch_nospace"] += 1
-                    return
-                src = np.frombuffer(record, dtype=np.uint8)
-                for i, block in enumerate(blocks):
-                    block.num_bytes = min(block_bytes, num_bytes - i * block_bytes)
-                    dst = arena.numpy_view(arena.block_offset(block.block_id), block.num_bytes)
-                    np.copyto(dst, src[i * block_bytes : i * block_bytes + block.num_bytes])
-                pool.commit(blocks, pool_key)
-                pool.free(blocks)
-                self.stats["fetch_hit_chunks"] += 1
-                self.stats["fetch_bytes"] += num_bytes
-            job.num_installed = start + offset + 1
+    def _apply(self, pool: BlockPool | None, message: tuple) -> bool:
+        """Apply one completion; True when it ends a fetch job."""
+        stats = self.stats
+        kind = message[0]
+        if kind == "written":
+            _, batch, outcome, stored = message
+            for job in batch:
+                self.queued_bytes -= job.num_bytes
+            self.num_writes_in_flight -= len(batch)
+            if outcome == "written":
+                stats["writes"] += stored
+                stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
+                stats["write_failures"] += len(batch) - stored
+            elif outcome == "down":
+                stats["write_drops_down"] += len(batch)
+                self._down_until = time.monotonic() + DOWN_HOLD_S
+            else:
+                stats["write_failures"] += len(batch)
+            pinned = [b for job in batch if job.blocks for b in job.blocks]
+            if pinned and pool is not None:
+                pool.free(pinned)
+        elif kind == "batch":
+            _, job, start, records, failure = message
+            if failure:
+                stats[f"fetch_{failure}"] += 1
+            if pool is not None and not job.done and not job.stop:
+                install(pool, self.arena, job, start, records, stats)
+        elif kind == "oversize":
+            stats["fetch_oversize"] += 1
+        elif kind == "misses":
+            stats["fetch_miss_chunks"] += message[1]
+        elif kind == "down":
+            self._down_until = time.monotonic() + DOWN_HOLD_S
+            stats["fetch_down"] += 1
+        elif kind == "fetch_error":
+            stats["fetch_errors"] += 1
+        elif kind == "fetched":
+            job = message[1]
+            job.done = True
+            self._jobs.pop(job.key, None)
+            if job.held and pool is not None:
+                pool.free(job.held)  # tail first: the chain's end is evicted first
+            job.held = []
+            return True
+        return False
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, int | float | str]:
@@ -503,9 +431,10 @@ class L2Tier:
             "l2_reconnects": self.store.num_reconnects,
         }
         for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
-                     "write_failures", "fetches", "fetches_joined", "fetches_skipped",
-                     "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes", "fetch_nospace",
-                     "fetch_down", "fetch_errors", "fetch_gone", "fetch_waits_timed_out"):
+                     "write_drops_oversize", "write_failures", "fetches", "fetches_joined",
+                     "fetches_skipped", "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes",
+                     "fetch_nospace", "fetch_oversize", "fetch_down", "fetch_errors",
+                     "fetch_gone", "fetch_waits_timed_out"):
             out[f"l2_{name}"] = stats[name]
         for name in sorted(stats):
             if name.startswith("fetch_verify_"):
@@ -519,13 +448,14 @@ class L2Tier:
         """Stop the threads: queued writes get CLOSE_DRAIN_S to reach L2 (then are
         dropped); fetches stop. Loop thread, before the arena is unmapped."""
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        with self._cv:
+        with self._lock:
             self._stopping = True
             self._fetches.clear()
-            self._cv.notify_all()
+            self._writes_cv.notify_all()
+            self._fetches_cv.notify_all()
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._cv:
+        with self._lock:
             dropped = len(self._writes)
             self._writes.clear()
         if dropped:
