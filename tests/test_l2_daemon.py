@@ -6,6 +6,7 @@ restarted under running daemons, values are tampered with in Redis, and the coun
 INFO `l2` must say what happened. docs/l2.md describes the behaviour.
 """
 
+import contextlib
 import os
 import socket as socketlib
 import threading
@@ -271,15 +272,22 @@ def _read_reply(sock):
     return reply_decoder.decode(_recv_exactly(sock, length))
 
 
-def test_frames_after_a_parked_request_are_answered_after_it(redis_server, daemon_factory):
-    daemon = daemon_factory(*ARENA, "--l2", redis_server.url, "--l2-fetch-wait", "1")
+@contextlib.contextmanager
+def session_on_paused_redis(daemon, redis_server):
+    """A raw socket with a HELLO done, then Redis paused for 2 s: yields (socket, ns)."""
     with socketlib.socket(socketlib.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(daemon.socket)
-        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "order",
+        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "raw",
                                         [small_layout().to_wire()])))
         ns = _read_reply(sock).namespaces[0]
         redis_server.client().client_pause(2000)
+        yield sock, ns
+
+
+def test_frames_after_a_parked_request_are_answered_after_it(redis_server, daemon_factory):
+    daemon = daemon_factory(*ARENA, "--l2", redis_server.url, "--l2-fetch-wait", "1")
+    with session_on_paused_redis(daemon, redis_server) as (sock, ns):
         # One write, two requests: the LOOKUP waits for its fetch, the PING behind it too.
         sock.sendall(encode_frame(Lookup([ns], b"\1" * 32)) + encode_frame(Ping()))
         assert _read_reply(sock) == LookupReply(0)
@@ -315,13 +323,7 @@ def test_l2_metrics_equal_info_l2(redis_server, daemon_factory):
 def test_a_client_that_shuts_down_its_side_while_parked_still_gets_its_reply(
         redis_server, daemon_factory):
     daemon = daemon_factory(*ARENA, "--l2", redis_server.url, "--l2-fetch-wait", "1")
-    with socketlib.socket(socketlib.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(daemon.socket)
-        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "eof",
-                                        [small_layout().to_wire()])))
-        ns = _read_reply(sock).namespaces[0]
-        redis_server.client().client_pause(2000)
+    with session_on_paused_redis(daemon, redis_server) as (sock, ns):
         sock.sendall(encode_frame(Lookup([ns], b"\2" * 32)))
         time.sleep(0.2)  # parked by now
         sock.shutdown(socketlib.SHUT_WR)  # EOF while the LOOKUP waits for its fetch

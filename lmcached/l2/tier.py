@@ -197,28 +197,31 @@ class L2Tier:
         if self.policy != "write-through":
             return
         for pool_key, blocks in values:
-            chunk = self._chunk_of(pool_key)
-            if chunk is None:
+            job = self._write_job(pool_key, blocks, self.pinned_limit_bytes)
+            if job is None:
                 continue
-            num_bytes = sum(b.num_bytes for b in blocks)
-            if self._oversize(pool_key, num_bytes):
-                continue
-            if self.queued_bytes + num_bytes > self.pinned_limit_bytes:
-                self.stats["write_drops_queue_full"] += 1
-                continue
-            job = WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1],
-                           self._record_pieces(blocks), num_bytes, blocks)
+            job.pieces, job.blocks = self._record_pieces(blocks), blocks
             if self._enqueue(job):
                 pool.touch(blocks)
 
-    def _oversize(self, pool_key: bytes, num_bytes: int) -> bool:
-        """A value longer than its namespace's record (ALLOC does not bound it): kept out
-        of L2, where every node would fetch it. Counted."""
+    def _write_job(self, pool_key: bytes, blocks: list[KVCacheBlock],
+                   limit_bytes: int) -> WriteJob | None:
+        """A WriteJob without its bytes for a value bound for L2, or None (counted) when
+        it is not a chunk of an L2 namespace, is longer than its namespace's record (ALLOC
+        does not bound it, and every node would fetch it), or would take the queue over
+        `limit_bytes`."""
+        chunk = self._chunk_of(pool_key)
+        if chunk is None:
+            return None
+        num_bytes = sum(b.num_bytes for b in blocks)
         layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
-        if num_bytes <= layout.record_bytes:
-            return False
-        self.stats["write_drops_oversize"] += 1
-        return True
+        if num_bytes > layout.record_bytes:
+            self.stats["write_drops_oversize"] += 1
+            return None
+        if self.queued_bytes + num_bytes > limit_bytes:
+            self.stats["write_drops_queue_full"] += 1
+            return None
+        return WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1], [], num_bytes, None)
 
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
@@ -234,18 +237,10 @@ class L2Tier:
     def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
         # and the write refreshes its place in Redis' LRU.
-        chunk = self._chunk_of(pool_key)
-        if chunk is None:
-            return
-        num_bytes = sum(b.num_bytes for b in blocks)
-        if self._oversize(pool_key, num_bytes):
-            return
-        if self.queued_bytes + num_bytes > self.queue_bytes:
-            self.stats["write_drops_queue_full"] += 1
-            return
-        copy = b"".join(self._record_pieces(blocks))
-        self._enqueue(WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1], [copy], num_bytes,
-                               None))
+        job = self._write_job(pool_key, blocks, self.queue_bytes)
+        if job is not None:
+            job.pieces = [b"".join(self._record_pieces(blocks))]  # a copy: the blocks go now
+            self._enqueue(job)
 
     def _writer(self) -> None:
         """Writer thread: pipelines queued SETs, then posts them back to the loop."""
@@ -288,7 +283,7 @@ class L2Tier:
     # --------------------------------------------------------------- fetches
     def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
                     hashes: bytes, first: int,
-                    prefix_blocks: list[KVCacheBlock]) -> FetchJob | None:
+                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> FetchJob | None:
         """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
 
         Loop thread. Returns None, and starts nothing, when a namespace is not an L2
@@ -301,8 +296,9 @@ class L2Tier:
             prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
             hashes: the request's chunk hashes, 16 bytes each.
             first: index of the first chunk missing in the arena.
-            prefix_blocks: the blocks of the chain's chunks before `first` in the arena; a
-                new job pins them until it ends (its installs never evict them).
+            prefix_blocks: returns the blocks of the chain's chunks before `first` in the
+                arena; called only for a new job, which pins them until it ends (its
+                installs never evict them).
         """
         entries = [self._ns.get(ns) for ns in namespaces]
         if any(entry is None for entry in entries):
@@ -319,8 +315,8 @@ class L2Tier:
         parent = hashes[(first - 1) * 16 : first * 16] if first else ROOT_HASH
         job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
                        parent, max(e[1].record_bytes for e in entries))
-        pool.touch(prefix_blocks)
-        job.held = prefix_blocks
+        job.held = prefix_blocks()
+        pool.touch(job.held)
         self._jobs[key] = job
         self.stats["fetches"] += 1
         with self._fetches_cv:
