@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 import psutil
 
 from lmcached import __version__
+from lmcached.demotion import DEMOTION_STATS
 from lmcached.protocol import PROTOCOL_VERSION
 from lmcached.session import Session
 from lmcached.sizes import format_bytes
@@ -52,8 +53,9 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
     detached = pool.num_detached_blocks if pool else 0
     used_bytes = (cached + writing + detached) * block_bytes
     stored_bytes = pool.num_cached_bytes if pool else 0
-    hits = pool.stat_hits if pool else 0
-    misses = pool.stat_misses if pool else 0
+    pools = [p for p in service.tiers.pools if p is not None]
+    hits = sum(p.stat_hits for p in pools)
+    misses = sum(p.stat_misses for p in pools)
     memory = _memory_info()
     rss = memory.rss
     rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
@@ -65,7 +67,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "hits": hits,
         "misses": misses,
         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-        "evictions": pool.stat_evictions if pool else 0,
+        "evictions": sum(p.stat_evictions for p in pools),
         "total_stored_bytes": service.stat_stored_bytes,
         "total_stored_human": format_bytes(service.stat_stored_bytes),
         "total_served_bytes": service.stat_served_bytes,
@@ -74,6 +76,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
     }
     for code in sorted(service.stat_errors):
         stats[f"errors_{code}"] = service.stat_errors[code]
+    device_memory, device_blocks = _device_tier_info(service, stats)
     return {
         "server": {
             "version": __version__,
@@ -99,6 +102,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
             "stored_bytes": stored_bytes,
             "stored_human": format_bytes(stored_bytes),
             "fill_ratio": round(stored_bytes / (cached * block_bytes), 4) if cached else 0.0,
+            **device_memory,
         },
         "blocks": {
             "num_blocks": num_blocks,
@@ -109,6 +113,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
             "detached_blocks": detached,
             "evictable_blocks": pool.num_free_blocks - pool.num_empty_blocks if pool else 0,
             "cached_values": len(pool.cached) if pool else 0,
+            **device_blocks,
         },
         "clients": {
             "connected_clients": len(service.sessions),
@@ -117,6 +122,45 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
     }
+
+
+def _device_tier_info(service: "CacheService", stats: InfoFields) -> tuple[InfoFields, InfoFields]:
+    """The `memory` and `blocks` fields of each device tier (`tier<i>_...`, i >= 1),
+    and its hits and the demotion counters added to `stats`; the host arena's fields
+    keep their names. Nothing without device tiers."""
+    memory: InfoFields = {}
+    blocks: InfoFields = {}
+    device_tiers = service.tiers.device_tiers
+    if not device_tiers:
+        return memory, blocks
+    memory["device_tiers"] = len(device_tiers)
+    demoter = service.demoter
+    for tier in device_tiers:
+        t, pool = f"tier{tier.tier_id}_", tier.pool
+        capacity = tier.size_bytes
+        stored = pool.num_cached_bytes if pool else 0
+        memory.update({
+            t + "kind": tier.kind,
+            t + "device": tier.device,
+            t + "state": "failed" if tier.failed else "ok",
+            t + "capacity_bytes": capacity,
+            t + "capacity_human": format_bytes(capacity),
+            t + "stored_bytes": stored,
+            t + "stored_human": format_bytes(stored),
+        })
+        blocks.update({
+            t + "num_blocks": pool.num_blocks if pool else 0,
+            t + "free_blocks": pool.num_empty_blocks if pool else 0,
+            t + "cached_blocks": pool.num_cached_blocks if pool else 0,
+            t + "pinned_blocks": pool.num_pinned_blocks if pool else 0,
+            t + "writing_blocks": pool.num_writing_blocks if pool else 0,
+            t + "detached_blocks": pool.num_detached_blocks if pool else 0,
+            t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
+        })
+        stats[t + "hits"] = pool.stat_hits if pool else 0
+    for name in DEMOTION_STATS:
+        stats[name] = demoter.stats[name] if demoter else 0
+    return memory, blocks
 
 
 def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
@@ -141,6 +185,7 @@ def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
             "rss_bytes": rss,
             "uid": s.uid,
             "ns": ",".join(map(str, s.namespaces)) or "-",
+            "devices": ",".join(s.devices) or "-",
             "age_s": round(now - s.created_at, 1),
             "idle_s": round(now - s.last_request_at, 1),
             "pinned_blocks": s.num_pinned_blocks,

@@ -43,6 +43,29 @@ ALLOCATED = 0  # blocks handed out in WRITING for this session: write, then COMM
 EXISTS = 1  # already READY: nothing to write
 NOSPACE = 2  # nothing evictable: not stored (every later chunk is NOSPACE too)
 
+# A block reference on the wire names a tier and a block of it: `tier << 32 | block`.
+# Tier 0 is the host arena, so a host block's reference is its block id, unchanged
+# since version 2 began (docs/architecture.md, "Tiers").
+TIER_SHIFT = 32
+MAX_TIERS = 17  # the host arena and at most 16 device tiers
+MAX_DEVICES_PER_SESSION = 16
+ANY_DEVICE = "*"  # Hello.devices: accept blocks of every tier, mapping none (a scheduler)
+
+
+def block_ref(tier_id: int, block_id: int) -> int:
+    """The wire reference of block `block_id` of tier `tier_id` (tier 0: the block id)."""
+    return tier_id << TIER_SHIFT | block_id
+
+
+def tier_of(ref: int) -> int:
+    """The tier id of a block reference."""
+    return ref >> TIER_SHIFT
+
+
+def local_block(ref: int) -> int:
+    """The block id, within its tier, of a block reference."""
+    return ref & ((1 << TIER_SHIFT) - 1)
+
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -97,6 +120,10 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     pid: int
     name: str
     layouts: list[Layout] = []
+    # Device UUIDs whose tiers this session maps (OPEN_TIER) and may be handed blocks
+    # of; ANY_DEVICE accepts blocks of every tier without mapping one. Empty (every
+    # client before tiers): host blocks only.
+    devices: Annotated[list[ShortName], msgspec.Meta(max_length=MAX_DEVICES_PER_SESSION)] = []
 
 
 class Lookup(msgspec.Struct, tag="lookup", array_like=True):
@@ -125,11 +152,17 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 
 
 class Alloc(msgspec.Struct, tag="alloc", array_like=True):
-    """Blocks to write the chunks of `hashes` that are not cached; `num_bytes` per chunk."""
+    """Blocks to write the chunks of `hashes` that are not cached; `num_bytes` per chunk.
+
+    `tier` is where the writer would like them: a device tier whose device is in the
+    session's HELLO `devices` gets the chunks it has empty blocks for, the rest go to
+    the host arena (tier 0, the default).
+    """
 
     ns: int
     hashes: bytes
     num_bytes: list[int]
+    tier: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIERS)] = 0
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -181,6 +214,14 @@ class Info(msgspec.Struct, tag="info", array_like=True):
     section: str | None = None
 
 
+class OpenTier(msgspec.Struct, tag="open_tier", array_like=True):
+    """Ask for the memory of a device tier: the reply `TierHandle` carries its file
+    descriptor as SCM_RIGHTS ancillary data. Only a tier whose device is in the
+    session's HELLO `devices` (not ANY_DEVICE) is opened; else error `bad_tier`."""
+
+    tier_id: Annotated[int, msgspec.Meta(ge=1, lt=MAX_TIERS)]
+
+
 class Clients(msgspec.Struct, tag="clients", array_like=True):
     """One entry per connected session."""
 
@@ -214,7 +255,7 @@ class ConfigGet(msgspec.Struct, tag="config_get", array_like=True):
 
 Request = (
     Hello | Lookup | Acquire | Release | Alloc | Commit | Abort | Put | Get | Delete
-    | Scan | Info | Clients | Evict | Clear | Ping | Shutdown | ConfigGet
+    | Scan | Info | Clients | Evict | Clear | Ping | Shutdown | ConfigGet | OpenTier
 )
 
 
@@ -233,6 +274,44 @@ class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True):
     capacity_bytes: int
     namespaces: list[int]
     server_pid: int
+    # Every tier, tier 0 (the host arena) first. Empty from a daemon without tiers.
+    tiers: list["TierInfo"] = []
+
+
+class TierInfo(msgspec.Struct, array_like=True):
+    """One tier of the daemon's memory, as HELLO announces it.
+
+    Attributes:
+        tier_id: the tier part of its block references (0: the host arena).
+        kind: "host" (the POSIX arena), "cuda" (a CUDA VMM allocation exported as a
+            POSIX file descriptor) or "fake" (a memfd standing in for a device, tests).
+        device: the device's UUID (e.g. "GPU-8f6a..."; "fake-0"); "" for the host.
+        size_bytes: bytes of the tier's memory (a device tier: what OPEN_TIER maps).
+        block_bytes: bytes of one block (as the arena's; 0 until a first layout).
+        num_blocks: blocks of the tier.
+    """
+
+    tier_id: int
+    kind: str
+    device: str
+    size_bytes: int
+    block_bytes: int
+    num_blocks: int
+
+
+class TierHandle(msgspec.Struct, tag="tier_handle", array_like=True):
+    """Reply to OPEN_TIER; the tier's file descriptor comes with the reply's first byte.
+
+    `generation` is the daemon's (a mapping is valid for that generation only); a
+    "fake" tier's memory starts with an arena segment header (shm/arena.py), a
+    "cuda" tier's is `size_bytes` of device memory, blocks from offset 0.
+    """
+
+    tier_id: int
+    generation: int
+    kind: str
+    device: str
+    size_bytes: int
 
 
 class Ok(msgspec.Struct, tag="ok", array_like=True):
@@ -313,7 +392,7 @@ class ClientsReply(msgspec.Struct, tag="clients_reply", array_like=True):
 
 Reply = (
     HelloReply | Ok | Error | LookupReply | BlocksReply | AllocReply | CountReply
-    | KeysReply | InfoReply | ClientsReply
+    | KeysReply | InfoReply | ClientsReply | TierHandle
 )
 
 # Requests the daemon never answers (the client does not wait): see `Connection.send`.
@@ -395,6 +474,7 @@ class Connection:
         Alloc: AllocReply, Commit: Ok, Abort: Ok, Put: AllocReply, Get: BlocksReply,
         Delete: CountReply, Scan: KeysReply, Info: InfoReply, Clients: ClientsReply,
         Evict: CountReply, Clear: CountReply, Ping: Ok, Shutdown: Ok, ConfigGet: InfoReply,
+        OpenTier: TierHandle,
     }
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:

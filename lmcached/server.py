@@ -87,6 +87,7 @@ class Server:
         self.service: CacheService | None = None
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
+        self._device_memories: list = []  # device tier memories (lmcached/device_memory.py)
         self._wakeup_r: socket.socket | None = None
         self._wakeup_w: socket.socket | None = None
         self._connections: dict[int, ClientConnection] = {}
@@ -137,12 +138,23 @@ class Server:
         sweep(cfg.name)
         self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
                                   lambda: self._stop_signal)
-        self.service = CacheService(cfg, self.arena)
+        self._device_memories = self._open_device_tiers()
+        self.service = CacheService(cfg, self.arena, self._device_memories)
+        self.service.wake = self._wake
         if cfg.l2_url:
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self._wake))
         self._listen(cfg.socket)
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
+
+    def _open_device_tiers(self) -> list:
+        """Allocate and export the device tiers of `--gpu-capacity` (CUDA libraries are
+        imported only then); [] without it."""
+        if not getattr(self.config, "gpu_capacity_bytes", 0):
+            return []
+        from lmcached.device_memory import open_device_tiers
+
+        return open_device_tiers(self.config, self.config.name, self.arena.generation)
 
     def _wake(self) -> None:
         """Wake the loop from another thread (a scrape waiting for a snapshot)."""
@@ -265,6 +277,7 @@ class Server:
             self._reload()
         if self.service.l2 is not None:  # L2 threads wake the loop when they finish work
             self.service.l2.process_completions(self.service.pool)
+        self.service.process_completions()  # demotions
 
     def _reload(self) -> None:
         """SIGHUP: re-read the log level from the environment and the config file."""
@@ -539,7 +552,9 @@ class Server:
 
     def _housekeeping(self, now: float) -> None:
         """Drop connections with an unfinished frame, no first request, or no request for
-        longer than their timeout (Redis: `timeout`)."""
+        longer than their timeout (Redis: `timeout`); start demotions a device tier
+        needs."""
+        self.service.housekeeping()
         idle_timeout_s = self.config.idle_timeout_s
         for conn in list(self._connections.values()):
             if conn.parked is not None:  # waits for the daemon (an L2 fetch), not the client
@@ -616,6 +631,11 @@ class Server:
             self._wakeup_r = self._wakeup_w = None
         if self.service is not None and self.service.l2 is not None:
             self.service.l2.close(self.service.pool)  # its threads read the arena
+        if self.service is not None:
+            self.service.close()  # the demotion thread reads device tiers and the arena
+        for memory in self._device_memories:
+            memory.close()
+        self._device_memories = []
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -51,18 +51,22 @@ from lmcached.protocol import (
     Lookup,
     LookupReply,
     Ok,
+    OpenTier,
     Ping,
     Put,
     Release,
     Scan,
     Shutdown,
+    TierHandle,
 )
 from lmcached.session import PendingValue, Session
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.block_pool import BlockPool
 from lmcached.shm.free_queue import KVCacheBlock
+from lmcached.tiers import TierSet
 
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
+    from lmcached.demotion import Demoter
     from lmcached.l2.tier import L2Tier
 
 logger = init_logger(__name__)
@@ -70,6 +74,9 @@ logger = init_logger(__name__)
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
 MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
 _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
+# Chunk formats a device tier may hold: records of one block whose KV a GPU reader uses
+# in place (the key-value adapters' values and multi-block records stay on the host).
+DEVICE_TIER_FORMATS = frozenset({"vllm", "huggingface"})
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
@@ -104,9 +111,18 @@ class CacheService:
         config: effective configuration.
         arena: the owned arena; cut into blocks now if its block size is known, else at
             the first HELLO that carries a layout.
+        device_memories: one device tier memory per `--gpu-device`
+            (lmcached/device_memory.py), tiers 1, 2, ...; cut into blocks of the
+            arena's block size with it.
 
     Attributes:
-        pool: the block pool, or None until the block size is known.
+        pool: the host arena's block pool (tier 0), or None until the block size is
+            known.
+        tiers: every tier and its pool (lmcached/tiers.py).
+        demoter: moves device-tier chunks to the host arena (lmcached/demotion.py);
+            None without device tiers or before the block size is known.
+        wake: wakes the server's loop from another thread (set by the server); the
+            loop then calls `process_completions`.
         sessions: session id -> Session.
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
         stat_ns_hits / stat_ns_misses: chunks (and GET values) found / not found, indexed
@@ -118,9 +134,12 @@ class CacheService:
             before it serves.
     """
 
-    def __init__(self, config: ServerConfig, arena: Arena) -> None:
+    def __init__(self, config: ServerConfig, arena: Arena, device_memories=()) -> None:
         self.config = config
         self.arena = arena
+        self.tiers = TierSet(arena, device_memories)
+        self.demoter: "Demoter | None" = None
+        self.wake = lambda: None
         self.pool: BlockPool | None = None
         self.l2: "L2Tier | None" = None
         self._resuming = False  # answering a Deferred: do not start another fetch
@@ -159,6 +178,7 @@ class CacheService:
             Ping: self._ping,
             Shutdown: self._shutdown,
             ConfigGet: self._config_get,
+            OpenTier: self._open_tier,
         }
         self.latency = RequestLatency(self._handlers) if config.metrics_port else None
         if arena.block_bytes:
@@ -173,9 +193,46 @@ class CacheService:
             self.pool.on_evict = tier.spill
 
     def _make_pool(self) -> None:
-        self.pool = BlockPool(self.arena.num_blocks)
+        tiers = self.tiers
+        tiers.make_pools(self.l2.spill if self.l2 is not None else None)
+        self.pool = tiers.pools[0]
+        if any(pool is not None for pool in tiers.pools[1:]):
+            from lmcached.demotion import Demoter
+
+            self.demoter = Demoter(tiers, lambda: self.wake(), self._host_committed)
+        for tier in tiers.device_tiers:
+            logger.info("device tier %d (%s %s): %d blocks of %d bytes", tier.tier_id,
+                        tier.kind, tier.device, tier.memory.num_blocks, tier.memory.block_bytes)
+
+    def _host_committed(self, values: list) -> None:
+        """Values just committed in the host arena by a demotion: L2 write-through."""
         if self.l2 is not None:
-            self.pool.on_evict = self.l2.spill
+            self.l2.write_through(self.pool, values)
+
+    def process_completions(self) -> None:
+        """Finish what the daemon's threads completed (demotions); loop thread, after
+        a wake-up."""
+        if self.demoter is not None:
+            self.demoter.finish()
+
+    def housekeeping(self) -> None:
+        """Periodic work of the loop thread: start demotions a device tier needs."""
+        if self.demoter is not None:
+            self.demoter.plan()
+
+    def close(self) -> None:
+        """Stop the daemon's worker threads that read tier memory (before it is
+        unmapped)."""
+        if self.demoter is not None:
+            self.demoter.close()
+            self.demoter = None
+
+    def reply_fds(self, reply) -> list[int]:
+        """File descriptors to send with `reply` as SCM_RIGHTS ancillary data (the
+        daemon keeps them open): a device tier's memory for OPEN_TIER's TierHandle."""
+        if isinstance(reply, TierHandle):
+            return [self.tiers.tiers[reply.tier_id].memory.export_fd()]
+        return []
 
     # ---------------------------------------------------------------- sessions
     def open_session(self, pid: int, uid: int, gid: int) -> Session:
@@ -190,15 +247,15 @@ class CacheService:
         """Release every pin and abort every pending value of an ended session."""
         if self.sessions.pop(session.session_id, None) is None:
             return
-        pool = self.pool
-        if pool is None:
+        if self.pool is None:
             return
+        tiers = self.tiers
         pinned = [block for blocks in session.leases.values() for block in blocks]
         if pinned:
-            pool.free(pinned)
+            tiers.free(pinned)
         pending = {id(v): v for v in session.writing.values()}
         for value in pending.values():
-            pool.abort(value.blocks)
+            tiers.abort(value.blocks)
         if pinned or pending:
             logger.info(
                 "session %d (pid %d) ended holding %d pins and %d pending values: released",
@@ -264,10 +321,10 @@ class CacheService:
         if isinstance(reply, BlocksReply) and reply.lease:
             blocks = session.take_leases([reply.lease])
             if blocks:
-                self.pool.free(blocks)
+                self.tiers.free(blocks)
         elif isinstance(reply, AllocReply) and reply.block_ids:
             for value in session.take_pending(reply.block_ids) or ():
-                self.pool.abort(value.blocks)
+                self.tiers.abort(value.blocks)
 
     def error(self, code: str, message: str) -> Error:
         """An Error reply, counted under its code."""
@@ -328,13 +385,18 @@ class CacheService:
             raise RequestError("no_layout", "no layout has attached yet: the arena has no blocks")
         return self.pool
 
-    def _allocate_value(self, session: Session, key: bytes, num_bytes: int, replace: bool):
-        """Allocate WRITING blocks for one value of `num_bytes`; None when nothing is
-        evictable."""
-        pool = self.pool
+    def _allocate_value(self, session: Session, key: bytes, num_bytes: int, replace: bool,
+                        device_pool: BlockPool | None = None):
+        """Allocate WRITING blocks for one value of `num_bytes`: in `device_pool` when it
+        has an empty block for a one-block value, else in the host arena (which may
+        evict); None when nothing is evictable."""
         block_bytes = self.arena.block_bytes
         num_blocks = -(-num_bytes // block_bytes)
-        blocks = pool.allocate(num_blocks)
+        blocks = None
+        if device_pool is not None and num_blocks == 1:
+            blocks = device_pool.allocate_empty(1)
+        if blocks is None:
+            blocks = self.pool.allocate(num_blocks)
         if blocks is None:
             return None
         for block in blocks:
@@ -357,11 +419,11 @@ class CacheService:
         if all(len(span) == 1 for span in spans):  # one block per value: the usual case
             num_bytes = [span[0].num_bytes for span in spans]
             self.stat_served_bytes += sum(num_bytes)
-            return BlocksReply(lease, [span[0].block_id for span in spans], [1] * len(spans),
+            return BlocksReply(lease, [span[0].ref for span in spans], [1] * len(spans),
                                num_bytes)
         block_ids, span_lengths, num_bytes = [], [], []
         for span in spans:
-            block_ids.extend(b.block_id for b in span)
+            block_ids.extend(b.ref for b in span)
             span_lengths.append(len(span))
             num_bytes.append(sum(b.num_bytes for b in span))
         self.stat_served_bytes += sum(num_bytes)
@@ -386,6 +448,8 @@ class CacheService:
         session.greeted = True
         session.name = req.name[:128]
         session.namespaces = namespaces
+        session.devices = list(req.devices)
+        session.readable = self.tiers.readable_for(session.devices)
         return HelloReply(
             session.session_id,
             self.config.name,
@@ -395,6 +459,7 @@ class CacheService:
             self.arena.capacity_bytes,
             namespaces,
             os.getpid(),
+            self.tiers.infos(),
         )
 
     def _register_layout(self, layout: Layout) -> int:
@@ -462,8 +527,9 @@ class CacheService:
         if not self._resuming:
             self.stat_lookups += 1
         num_chunks = len(per_namespace[0])
+        readable = session.readable
         for chunk_keys in per_namespace:
-            num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
+            num_chunks = self.tiers.ready_prefix(chunk_keys[:num_chunks], readable)
             if num_chunks == 0:
                 break
         return self._fetch_rest(req, per_namespace, num_chunks) or LookupReply(num_chunks)
@@ -471,16 +537,17 @@ class CacheService:
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
         pool = self._require_pool()
+        tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
         if len(per_namespace) > 1 or self.l2 is not None:  # the prefix READY everywhere
             for chunk_keys in per_namespace:
-                num_chunks = pool.num_ready_prefix(chunk_keys[:num_chunks])
+                num_chunks = tiers.ready_prefix(chunk_keys[:num_chunks], readable)
             deferred = self._fetch_rest(req, per_namespace, num_chunks)
             if deferred is not None:
                 return deferred
         spans = []
         for ns, chunk_keys in zip(req.namespaces, per_namespace):
-            found = pool.acquire_prefix(chunk_keys[:num_chunks])
+            found = tiers.acquire_prefix(chunk_keys[:num_chunks], readable)
             spans.extend(found)
             pool.stat_misses += len(chunk_keys) - num_chunks
             self.stat_ns_hits[ns] += len(found)
@@ -493,40 +560,66 @@ class CacheService:
             raise RequestError("not_owner", f"RELEASE of leases this session does not hold "
                                f"({req.leases[:8]}{'...' if len(req.leases) > 8 else ''})")
         if blocks:
-            self.pool.free(blocks)
+            self.tiers.free(blocks)
         return None
 
     def _alloc(self, session: Session, req: Alloc) -> AllocReply:
         keys = self._chunk_keys(session, req.ns, req.hashes)
-        pool = self._require_pool()
+        self._require_pool()
         if len(req.num_bytes) != len(keys) or any(n < 1 for n in req.num_bytes):
             raise RequestError("bad_request", "ALLOC needs one positive num_bytes per hash")
+        device_pool = self._device_pool(session, req) if req.tier else None
+        tiers, readable = self.tiers, session.readable
         status, block_ids, span_lengths = [], [], []
         held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
         no_space = False
         for key, num_bytes in zip(keys, req.num_bytes):
-            span = pool.cached.get(key)
+            span = tiers.find(key, readable)
             if span is not None:
-                pool.touch(span)
+                tiers.touch(span)
                 held.extend(span)
                 status.append(EXISTS)
                 continue
-            blocks = None if no_space else self._allocate_value(session, key, num_bytes, False)
+            blocks = None if no_space else self._allocate_value(
+                session, key, num_bytes, False, device_pool)
             if blocks is None:
                 no_space = True
                 status.append(NOSPACE)
                 continue
             status.append(ALLOCATED)
-            block_ids.extend(b.block_id for b in blocks)
+            block_ids.extend(b.ref for b in blocks)
             span_lengths.append(len(blocks))
         if held:
-            pool.free(held)
+            tiers.free(held)
+        if device_pool is not None:
+            self.demoter.plan()
         return AllocReply(status, block_ids, span_lengths)
+
+    def _device_pool(self, session: Session, req: Alloc) -> BlockPool | None:
+        """The pool of ALLOC's preferred device tier, or None when its chunks go to the
+        host arena (a failed or unusable tier, or a format a device tier does not hold).
+
+        Raises:
+            RequestError: `bad_tier`, the tier is not one of the session's devices.
+        """
+        tier = self.tiers.device_tier(req.tier)
+        if tier is None or tier.device not in session.devices:
+            raise RequestError(
+                "bad_tier", f"ALLOC for tier {req.tier}, which is not a device tier of this "
+                f"session (HELLO devices {session.devices})"
+            )
+        layout = next(layout for layout, ns in self.namespaces.items() if ns == req.ns)
+        if tier.failed or tier.pool is None or layout.fmt not in DEVICE_TIER_FORMATS:
+            return None
+        return tier.pool
 
     def _commit(self, session: Session, req: Commit) -> Ok:
         values = session.take_pending(req.block_ids)
         if values is None:
             raise RequestError("not_owner", "COMMIT of blocks this session did not allocate")
+        if any(v.tier_id for v in values):
+            self._commit_device([v for v in values if v.tier_id])
+            values = [v for v in values if not v.tier_id]
         pool = self.pool
         for replace in (False, True):
             group = [v for v in values if v.replace == replace]
@@ -548,12 +641,25 @@ class CacheService:
                 pool.free(committed)  # the writer's reference; tail first
         return Ok()
 
+    def _commit_device(self, values: list[PendingValue]) -> None:
+        """COMMIT of chunks written to device tiers (first writer wins per tier)."""
+        pools = self.tiers.pools
+        for value in values:
+            pool = pools[value.tier_id]
+            if pool.commit_many([value.blocks], [value.key])[0]:
+                self.stat_stores += 1
+                self.stat_stored_bytes += sum(b.num_bytes for b in value.blocks)
+                pool.free(value.blocks)
+            else:
+                pool.abort(value.blocks)
+        self.demoter.plan()
+
     def _abort(self, session: Session, req: Abort) -> Ok:
         values = session.take_pending(req.block_ids)
         if values is None:
             raise RequestError("not_owner", "ABORT of blocks this session did not allocate")
         for value in values:
-            self.pool.abort(value.blocks)
+            self.tiers.abort(value.blocks)
         return Ok()
 
     def _put(self, session: Session, req: Put) -> AllocReply:
@@ -564,7 +670,7 @@ class CacheService:
         blocks = self._allocate_value(session, key, req.num_bytes, True)
         if blocks is None:
             return AllocReply([NOSPACE], [], [])
-        return AllocReply([ALLOCATED], [b.block_id for b in blocks], [len(blocks)])
+        return AllocReply([ALLOCATED], [b.ref for b in blocks], [len(blocks)])
 
     def _get(self, session: Session, req: Get) -> BlocksReply:
         key = self._string_key(session, req.ns, req.key)
@@ -608,13 +714,24 @@ class CacheService:
             return CountReply(0)
         if req.key is not None:
             named = keys.keys_named(self._ns_prefix, req.key)
-            return CountReply(sum(self.pool.evict(key) for key in named))
+            return CountReply(sum(self.tiers.evict(key) for key in named))
         if req.lru < 0:
             raise RequestError("bad_request", "EVICT needs lru >= 0")
         return CountReply(self.pool.evict_lru(req.lru))
 
     def _clear(self, session: Session, req: Clear) -> CountReply:
-        return CountReply(self.pool.clear() if self.pool is not None else 0)
+        return CountReply(self.tiers.clear() if self.pool is not None else 0)
+
+    def _open_tier(self, session: Session, req: OpenTier) -> TierHandle:
+        tier = self.tiers.device_tier(req.tier_id)
+        if tier is None or tier.device not in session.devices:
+            raise RequestError(
+                "bad_tier", f"OPEN_TIER of tier {req.tier_id}: not a device tier of this "
+                f"session (HELLO devices {session.devices}; the daemon has "
+                f"{[t.device for t in self.tiers.device_tiers]})"
+            )
+        return TierHandle(tier.tier_id, self.arena.generation, tier.kind, tier.device,
+                          tier.size_bytes)
 
     def _clients(self, session: Session, req: Clients) -> ClientsReply:
         return ClientsReply(client_rows(self.sessions.values()))

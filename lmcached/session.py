@@ -11,7 +11,8 @@ from lmcached.shm.free_queue import BlockHash, KVCacheBlock
 
 
 class PendingValue:
-    """A value this session is writing: its key, its WRITING blocks, PUT or chunk."""
+    """A value this session is writing: its key, its WRITING blocks (all in one tier),
+    PUT or chunk."""
 
     __slots__ = ("key", "blocks", "replace")
 
@@ -19,6 +20,11 @@ class PendingValue:
         self.key = key
         self.blocks = blocks
         self.replace = replace  # PUT replaces an existing key; a chunk never needs to
+
+    @property
+    def tier_id(self) -> int:
+        """The tier of the value's blocks (0: the host arena)."""
+        return self.blocks[0].ref >> 32
 
 
 class Session:
@@ -29,8 +35,11 @@ class Session:
         pid, uid, gid: peer credentials from SO_PEERCRED at accept.
         name: the client's self-description from HELLO.
         namespaces: namespace ids of HELLO's layouts, in order (empty: admin tools).
+        devices: HELLO's device UUIDs (tiers this session maps; "*": all, unmapped).
+        readable: tier ids whose blocks this session may be handed, in read preference
+            order (its own device tiers, then the host arena; (0,) for host-only).
         leases: lease id -> the blocks it pinned (one ref each), from ACQUIRE / GET.
-        writing: block id -> the PendingValue it belongs to (every block of it).
+        writing: block ref -> the PendingValue it belongs to (every block of it).
         num_requests: requests handled.
         created_at / last_request_at: time.monotonic() seconds.
     """
@@ -42,6 +51,8 @@ class Session:
         "gid",
         "name",
         "namespaces",
+        "devices",
+        "readable",
         "greeted",
         "leases",
         "writing",
@@ -57,6 +68,8 @@ class Session:
         self.gid = gid
         self.name = ""
         self.namespaces: list[int] = []
+        self.devices: list[str] = []
+        self.readable: tuple[int, ...] = (0,)
         self.greeted = False
         self.leases: dict[int, list[KVCacheBlock]] = {}
         self.writing: dict[int, PendingValue] = {}
@@ -95,22 +108,25 @@ class Session:
     def add_pending(self, value: PendingValue) -> None:
         """Record a value being written by this session."""
         for block in value.blocks:
-            self.writing[block.block_id] = value
+            self.writing[block.ref] = value
 
-    def take_pending(self, block_ids: list[int]) -> list[PendingValue] | None:
+    def take_pending(self, refs: list[int]) -> list[PendingValue] | None:
         """Remove and return the values any of whose blocks are listed, in order.
 
+        Args:
+            refs: block references (`tier << 32 | block id`) from this session's ALLOC.
+
         Returns:
-            None (nothing changed) when some id is not being written by this session.
+            None (nothing changed) when some ref is not being written by this session.
         """
         writing = self.writing
         values: dict[int, PendingValue] = {}
-        for block_id in block_ids:
-            value = writing.get(block_id)
+        for ref in refs:
+            value = writing.get(ref)
             if value is None:
                 return None
             values[id(value)] = value
         for value in values.values():
             for block in value.blocks:
-                del writing[block.block_id]
+                del writing[block.ref]
         return list(values.values())

@@ -37,6 +37,8 @@ class BlockPool:
 
     Args:
         num_blocks: number of blocks in the arena, > 0.
+        tier_id: the tier these blocks belong to (0: the host arena); each block's
+            `ref` is `tier_id << 32 | block_id` (lmcached/protocol.py, `block_ref`).
 
     Raises:
         ValueError: num_blocks < 1.
@@ -53,11 +55,13 @@ class BlockPool:
             hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.tier_id = tier_id
+        base = tier_id << 32
+        self.blocks = [KVCacheBlock(i, base | i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached: dict[BlockHash, list[KVCacheBlock]] = {}
         self.num_writing_blocks = 0
@@ -128,6 +132,51 @@ class BlockPool:
                 self._evict_popped(block)
         self.num_writing_blocks += num_blocks
         return out
+
+    def allocate_empty(self, num_blocks: int) -> list[KVCacheBlock] | None:
+        """`allocate` from empty blocks only: never evicts a cached value.
+
+        Empty blocks are always the front of the free queue, so these are the blocks
+        `allocate` would hand out first. A device tier places new chunks this way and
+        makes room by demotion instead (lmcached/demotion.py).
+
+        Returns:
+            The WRITING blocks, or None (nothing changed) when fewer than `num_blocks`
+            blocks are empty.
+
+        Raises:
+            ValueError: num_blocks < 1.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"allocate_empty needs num_blocks >= 1, got {num_blocks}")
+        if num_blocks > self.num_empty_blocks:
+            return None
+        blocks = self.allocate(num_blocks)
+        assert blocks is not None and all(b.block_hash is None for b in blocks), (
+            "allocate_empty evicted a cached value; this indicates a bug"
+        )
+        return blocks
+
+    def lru_values(self, limit: int) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
+        """Up to `limit` unpinned cached values in eviction order (least recently used
+        first), without evicting them. No side effects.
+
+        Every value returned has ref_cnt 0 (only unpinned blocks are in the free queue),
+        so a caller that pins them before it lets go of the loop never moves a pinned
+        value.
+
+        Returns:
+            (key, blocks) pairs, each value once.
+        """
+        found: dict[BlockHash, list[KVCacheBlock]] = {}
+        if limit <= 0:
+            return []
+        for block in self.free_block_queue:
+            if block.block_hash is not None and block.block_hash not in found:
+                found[block.block_hash] = block.span
+                if len(found) >= limit:
+                    break
+        return list(found.items())
 
     def _evict_popped(self, block: KVCacheBlock) -> None:
         """Evict the value of `block`, just popped from the free queue."""
@@ -372,13 +421,8 @@ class BlockPool:
         Returns:
             The number of values evicted.
         """
-        victims: dict[BlockHash, None] = {}  # ordered set
-        for block in self.free_block_queue:
-            if len(victims) >= num_values:
-                break
-            if block.block_hash is not None:
-                victims[block.block_hash] = None
-        for block_hash in victims:
+        victims = self.lru_values(num_values)
+        for block_hash, _ in victims:
             self.evict(block_hash)
         return len(victims)
 

@@ -39,7 +39,9 @@ class KVCacheBlock:
     """Metadata of one fixed-size block of the arena (after vLLM's `KVCacheBlock`).
 
     Attributes:
-        block_id: index of the block in the arena, 0 <= block_id < num_blocks.
+        block_id: index of the block in its tier's memory, 0 <= block_id < num_blocks.
+        ref: the block's reference on the wire, `tier << 32 | block_id`
+            (lmcached/protocol.py `block_ref`); the block id itself in the host arena.
         ref_cnt: number of holders (writers and readers). A block with ref_cnt > 0 is
             never handed out again.
         block_hash: key of the cached value this block belongs to, or None when the
@@ -56,6 +58,7 @@ class KVCacheBlock:
 
     __slots__ = (
         "block_id",
+        "ref",
         "ref_cnt",
         "block_hash",
         "state",
@@ -65,8 +68,9 @@ class KVCacheBlock:
         "next_free_block",
     )
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, block_id: int, ref: int | None = None) -> None:
         self.block_id = block_id
+        self.ref = block_id if ref is None else ref
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.state = BlockState.FREE

@@ -49,6 +49,7 @@ from lmcached.protocol import (
     Get,
     Hello,
     HelloReply,
+    TierInfo,
     Info,
     InfoReply,
     KeysReply,
@@ -181,7 +182,8 @@ def test_hello_without_layouts_opens_an_admin_session(make_service):
     service = make_service(capacity_bytes=8 << 20, block_bytes=0)
     session, reply = greet(service)
     assert reply == HelloReply(session.session_id, service.config.name,
-                               service.arena.generation, 0, 0, 8 << 20, [], os.getpid())
+                               service.arena.generation, 0, 0, 8 << 20, [], os.getpid(),
+                               [TierInfo(0, "host", "", 8 << 20, 0, 0)])
     assert session.greeted and session.namespaces == []
     assert service.pool is None  # no layout yet: the arena is not cut into blocks
     assert error_code(service.handle(session, Lookup([1], chunk_hashes([0])))) == "bad_namespace"
