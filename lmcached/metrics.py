@@ -269,6 +269,55 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
     yield errors
 
 
+# INFO stats field -> (metric, help) of the demotion counters (lmcached/demotion.py).
+DEMOTION_COUNTERS = {
+    "demotions": ("lmcached_demotions", "Chunks moved from a device tier to the host arena."),
+    "demoted_bytes": ("lmcached_demoted_bytes", "Bytes of the chunks demoted."),
+    "errors_demotion": ("lmcached_demotion_errors", "Demotion copies that failed (the tier "
+                        "is then marked failed)."),
+}
+
+
+def device_tier_families(memory: InfoFields, blocks: InfoFields,
+                         stats: InfoFields) -> Iterator[Metric]:
+    """The lmcached_tier_* and lmcached_demotion* families of INFO's device tier fields
+    (`tier<i>_*`); none without device tiers."""
+    num_tiers = memory.get("device_tiers", 0)
+    if not num_tiers:
+        return
+    labels = ["tier", "device"]
+    capacity = GaugeMetricFamily("lmcached_tier_capacity_bytes", "Size of a device tier.",
+                                 labels=labels)
+    cached = GaugeMetricFamily("lmcached_tier_cached_bytes", "Bytes of the values in a "
+                               "device tier's index now.", labels=labels)
+    up = GaugeMetricFamily("lmcached_tier_up", "1 while a device tier takes new chunks, 0 "
+                           "after a device error.", labels=labels)
+    by_state = GaugeMetricFamily("lmcached_tier_blocks", "Blocks of a device tier by state "
+                                 "(free, cached, pinned, writing, detached, demoting).",
+                                 labels=[*labels, "state"])
+    hits = CounterMetricFamily("lmcached_tier_hit_chunks", "Chunks a device tier served to "
+                               "ACQUIRE.", labels=labels)
+    for i in range(1, num_tiers + 1):
+        t = f"tier{i}_"
+        tier_labels = [str(i), str(memory[t + "device"])]
+        capacity.add_metric(tier_labels, memory[t + "capacity_bytes"])
+        cached.add_metric(tier_labels, memory[t + "stored_bytes"])
+        up.add_metric(tier_labels, 1 if memory[t + "state"] == "ok" else 0)
+        for state in ("free", "cached", "pinned", "writing", "detached", "demoting"):
+            by_state.add_metric([*tier_labels, state], blocks[f"{t}{state}_blocks"])
+        hits.add_metric(tier_labels, stats[t + "hits"])
+    yield from (capacity, cached, up, by_state, hits)
+    for field, (name, doc) in DEMOTION_COUNTERS.items():
+        yield _counter(name, doc, stats[field])
+    yield _counter("lmcached_demotion_busy_seconds", "Time the demotion thread spent copying.",
+                   stats["demotion_busy_us"] / 1e6)
+    skips = CounterMetricFamily("lmcached_demotion_skips", "LRU device chunks freed without "
+                                "a demotion, by reason.", labels=["reason"])
+    for reason in ("deduplicated", "dropped", "aborted"):
+        skips.add_metric([reason], stats["demotions_" + reason])
+    yield skips
+
+
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
     server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS[:5])
@@ -335,6 +384,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                  "stored_bytes).", memory["stored_bytes"])
     yield _gauge("lmcached_arena_fill_ratio", "Cached bytes / bytes of their blocks "
                  "(INFO fill_ratio).", memory["fill_ratio"])
+    yield from device_tier_families(memory, blocks, stats)
     yield from l2_families(snap.info["l2"])
     latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "
                                     "loop spent answering a request, by type.", labels=["type"])

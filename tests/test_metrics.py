@@ -31,9 +31,11 @@ from lmcached.metrics import (
     DaemonCollector,
     RequestLatency,
     SnapshotChannel,
+    device_tier_families,
     metric_families,
     take_snapshot,
 )
+from lmcached.demotion import DEMOTION_STATS
 from lmcached.protocol import (
     MAX_FRAME_BYTES,
     Acquire,
@@ -367,8 +369,14 @@ def exposed_names(service) -> set[str]:
              "l2_write_drops_queue_full": 0, "l2_write_drops_down": 0,
              "l2_write_drops_oversize": 0,
              **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
+    tier = {"tier1_device": "fake-0", "tier1_capacity_bytes": 0, "tier1_stored_bytes": 0,
+            "tier1_state": "ok"}
+    tier_blocks = {f"tier1_{state}_blocks": 0 for state in
+                   ("free", "cached", "pinned", "writing", "detached", "demoting")}
+    tier_stats = {"tier1_hits": 0, **dict.fromkeys(DEMOTION_STATS, 0)}
     families = [*metric_families(take_snapshot(service)), *DaemonCollector(
-        SnapshotChannel()).collect(), *l2_families(l2_on)]
+        SnapshotChannel()).collect(), *l2_families(l2_on),
+        *device_tier_families({"device_tiers": 1, **tier}, tier_blocks, tier_stats)]
     suffix = {"counter": "_total", "info": "_info"}
     return {family.name + suffix.get(family.type, "") for family in families}
 

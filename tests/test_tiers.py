@@ -11,6 +11,7 @@ import os
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from lmcached.config import ServerConfig
 from lmcached.demotion import DEMOTION_STATS, reserve_blocks
+from lmcached.metrics import metric_families, take_snapshot
 from lmcached.protocol import (
     ALLOCATED,
     EXISTS,
@@ -40,6 +42,7 @@ from lmcached.protocol import (
     TierInfo,
     block_ref,
     local_block,
+    request_decoder,
     tier_of,
 )
 from lmcached.service import CacheService
@@ -417,3 +420,76 @@ def test_info_lists_each_device_tier_and_the_demotion_counters(tiered):
     assert set(DEMOTION_STATS) <= set(stats) and stats["tier1_hits"] == 0
     clients = service._clients(gpu, None).clients
     assert {row["devices"] for row in clients} == {DEVICE}
+
+
+def test_device_tier_metrics_equal_info(tiered):
+    service, _ = tiered
+    gpu, _ = hello(service, [DEVICE])
+    write_and_commit(service, gpu, list(range(1, DEVICE_BLOCKS + 1)))
+    drain_demotions(service)
+    lease = service.handle(gpu, Acquire([1], hashes([8]))).lease
+    snap = take_snapshot(service)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in metric_families(snap) for s in family.samples}
+    info = snap.info
+
+    def sample(name, **labels):
+        if name.startswith("lmcached_tier"):
+            labels.update(tier="1", device=DEVICE)
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert sample("lmcached_tier_blocks", state="pinned") == 1
+    assert sample("lmcached_tier_blocks", state="cached") \
+        == info["blocks"]["tier1_cached_blocks"] == DEVICE_BLOCKS - 1
+    assert sample("lmcached_tier_hit_chunks_total") == 1
+    assert sample("lmcached_tier_up") == 1
+    assert sample("lmcached_demotions_total") == info["stats"]["demotions"] == 1
+    assert sample("lmcached_demoted_bytes_total") == RECORD_BYTES
+    service.handle(gpu, Release([lease]))
+
+
+# ------------------------------------------- clients from before tiers (still v2)
+class HelloBeforeTiers(msgspec.Struct, tag="hello", array_like=True):
+    version: int
+    pid: int
+    name: str
+    layouts: list[Layout] = []
+
+
+class HelloReplyBeforeTiers(msgspec.Struct, tag="hello_reply", array_like=True):
+    session_id: int
+    arena_name: str
+    generation: int
+    block_bytes: int
+    num_blocks: int
+    capacity_bytes: int
+    namespaces: list[int]
+    server_pid: int
+
+
+class AllocBeforeTiers(msgspec.Struct, tag="alloc", array_like=True):
+    ns: int
+    hashes: bytes
+    num_bytes: list[int]
+
+
+def test_a_client_from_before_tiers_is_served_host_blocks_only(tiered):
+    service, device = tiered
+    device.gate.clear()
+    gpu, _ = hello(service, [DEVICE])
+    write_and_commit(service, gpu, [1, 2])  # device copies an old client must not get
+    old = service.open_session(os.getpid(), os.geteuid(), 0)
+    frame = msgspec.msgpack.encode(HelloBeforeTiers(PROTOCOL_VERSION, 1, "old", [LAYOUT]))
+    reply = service.handle(old, request_decoder.decode(frame))
+    old_reply = msgspec.msgpack.Decoder(HelloReplyBeforeTiers).decode(
+        msgspec.msgpack.encode(reply))
+    assert old_reply.namespaces == [1] and old_reply.block_bytes == BLOCK_BYTES
+    assert old.readable == (0,)
+    alloc = service.handle(old, request_decoder.decode(msgspec.msgpack.encode(
+        AllocBeforeTiers(1, hashes([1, 2, 3]), [RECORD_BYTES] * 3))))
+    assert alloc.status == [ALLOCATED] * 3 and max(alloc.block_ids) < HOST_BLOCKS
+    service.handle(old, Commit(alloc.block_ids))
+    pinned = service.handle(old, Acquire([1], hashes([1, 2, 3])))
+    assert pinned.block_ids == alloc.block_ids
+    service.handle(old, Release([pinned.lease]))
+    service.tiers.check_invariants()
