@@ -512,11 +512,13 @@ class CacheService:
         if self.l2 is None or self._resuming or num_chunks * HASH_BYTES >= len(req.hashes):
             return None
         cached = self.pool.cached
+        # The host arena's part of the prefix is pinned while the rest is installed; a
+        # part on a device tier cannot be evicted by host allocations, and is not pinned.
         job = self.l2.start_fetch(
             self.pool, req.namespaces, [self._ns_prefix[ns] for ns in req.namespaces],
             req.hashes, num_chunks,
             lambda: [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
-                     for b in cached[key]])
+                     if key in cached for b in cached[key]])
         if job is None or not self.l2.fetch_wait_s:
             return None
         return Deferred(req, job, time.monotonic() + self.l2.fetch_wait_s)

@@ -17,6 +17,8 @@ from lmcached.l2.redis_store import L2Unavailable
 from lmcached.l2.tier import L2Tier
 from lmcached.l2.values import l2_key, namespace_fingerprint, verify_value
 from lmcached.protocol import (
+    local_block,
+    tier_of,
     ALLOCATED,
     PROTOCOL_VERSION,
     Acquire,
@@ -88,10 +90,12 @@ class FakeStore:
 class Node:
     """A CacheService with an L2 tier on its own arena, as the daemon wires them."""
 
-    def __init__(self, name: str, store: FakeStore, num_blocks: int = 32, **tier_args) -> None:
+    def __init__(self, name: str, store: FakeStore, num_blocks: int = 32,
+                 device_memories=(), devices=(), **tier_args) -> None:
         self.arena = Arena.create(name, HEADER_BYTES + num_blocks * BLOCK_BYTES, BLOCK_BYTES,
                                   prefault=False)
-        self.service = CacheService(ServerConfig(name=name, socket="/nonexistent"), self.arena)
+        self.service = CacheService(ServerConfig(name=name, socket="/nonexistent"), self.arena,
+                                    device_memories)
         self.woken = threading.Semaphore(0)
         args = dict(url="fake://", policy="write-through", ttl_s=0.0, queue_bytes=1 << 20,
                     fetch_wait_s=5.0, num_threads=2)
@@ -100,7 +104,7 @@ class Node:
         self.service.attach_l2(self.tier)
         self.session = self.service.open_session(os.getpid(), os.geteuid(), 0)
         reply = self.service.handle(self.session, Hello(PROTOCOL_VERSION, os.getpid(), "t",
-                                                        [LAYOUT]))
+                                                        [LAYOUT], list(devices)))
         self.ns = reply.namespaces[0]
 
     def settle(self, until) -> None:
@@ -133,6 +137,7 @@ class Node:
 
     def close(self) -> None:
         self.tier.close(self.service.pool)
+        self.service.close()
         self.service.pool.check_invariants()
         self.arena.close()
 
@@ -395,3 +400,37 @@ def test_lengths_are_asked_in_windows_up_to_the_first_gap(nodes):
     assert _answer(node, Lookup([node.ns], hashes)) == LookupReply(0)
     assert store.num_length_calls == 1, "a gap at the first window ends the search"
     assert node.tier.info()["l2_fetch_miss_chunks"] == 600
+
+
+def test_a_prefix_on_a_device_tier_is_served_and_only_the_rest_is_fetched(nodes, unique_name):
+    from test_tiers import DEVICE, GatedDeviceMemory
+
+    store = FakeStore()
+    writer = nodes(store)
+    prompt = make_prompt(0, 5)
+    writer.store(prompt)
+    writer.settle(lambda: writer.tier.info()["l2_writes"] == 5)
+    device = GatedDeviceMemory(unique_name + "-dev", 8)
+    device.gate.clear()  # no demotion: the prefix stays on the device
+    try:
+        reader = nodes(store, device_memories=[device], devices=[DEVICE])
+        hashes = b"".join(h for h, _ in prompt)
+        alloc = reader.service.handle(reader.session, Alloc(reader.ns, hashes[:32],
+                                                            [RECORD_BYTES] * 2, 1))
+        assert [tier_of(ref) for ref in alloc.block_ids] == [1, 1]
+        for (_, record), ref in zip(prompt, alloc.block_ids):
+            device.arena.numpy_view(device.arena.block_offset(local_block(ref)),
+                                    len(record))[:] = np.frombuffer(record, np.uint8)
+        reader.service.handle(reader.session, Commit(alloc.block_ids))
+        assert _answer(reader, Lookup([reader.ns], hashes)) == LookupReply(5)
+        assert reader.tier.info()["l2_fetch_hit_chunks"] == 3
+        blocks = _answer(reader, Acquire([reader.ns], hashes))
+        assert [tier_of(ref) for ref in blocks.block_ids] == [1, 1, 0, 0, 0]
+        for (_, record), ref in zip(prompt[2:], blocks.block_ids[2:]):
+            assert reader.read([ref], len(record)) == record
+        reader.service.handle(reader.session, Release([blocks.lease]))
+        reader.service.tiers.check_invariants()
+    finally:
+        device.gate.set()
+        reader.service.close()  # its demotion thread reads the device tier
+        device.close()
