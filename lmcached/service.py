@@ -732,6 +732,13 @@ class CacheService:
                 f"session (HELLO devices {session.devices}; the daemon has "
                 f"{[t.device for t in self.tiers.device_tiers]})"
             )
+        if tier.tier_id in session.opened_tiers:
+            # Once per session: every descriptor in flight on a Unix socket counts against
+            # the daemon's open-file limit until the peer reads it (unix(7), ETOOMANYREFS),
+            # so a client that asks again and again without reading cannot exhaust it.
+            raise RequestError("bad_request", f"tier {tier.tier_id} was already opened on "
+                               "this connection: map the descriptor you were sent")
+        session.opened_tiers.add(tier.tier_id)
         return TierHandle(tier.tier_id, self.arena.generation, tier.kind, tier.device,
                           tier.size_bytes)
 

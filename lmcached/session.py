@@ -38,6 +38,7 @@ class Session:
         devices: HELLO's device UUIDs (tiers this session maps; "*": all, unmapped).
         readable: tier ids whose blocks this session may be handed, in read preference
             order (its own device tiers, then the host arena; (0,) for host-only).
+        opened_tiers: device tiers whose file descriptor OPEN_TIER sent (once each).
         leases: lease id -> the blocks it pinned (one ref each), from ACQUIRE / GET.
         writing: block ref -> the PendingValue it belongs to (every block of it).
         num_requests: requests handled.
@@ -53,6 +54,7 @@ class Session:
         "namespaces",
         "devices",
         "readable",
+        "opened_tiers",
         "greeted",
         "leases",
         "writing",
@@ -70,6 +72,7 @@ class Session:
         self.namespaces: list[int] = []
         self.devices: list[str] = []
         self.readable: tuple[int, ...] = (0,)
+        self.opened_tiers: set[int] = set()
         self.greeted = False
         self.leases: dict[int, list[KVCacheBlock]] = {}
         self.writing: dict[int, PendingValue] = {}

@@ -186,6 +186,9 @@ def test_open_tier_is_only_for_the_sessions_own_devices(tiered):
     handle = service.handle(gpu, OpenTier(1))
     assert handle == TierHandle(1, service.arena.generation, "fake", DEVICE, device.size_bytes)
     assert service.reply_fds(handle) == [device.export_fd()]
+    again = service.handle(gpu, OpenTier(1))  # once per session: fds in flight are bounded
+    assert isinstance(again, Error) and again.code == "bad_request", again
+    assert service.reply_fds(again) == []
     for devices in ([], ["*"], ["GPU-other"]):
         session, _ = hello(service, devices)
         reply = service.handle(session, OpenTier(1))
