@@ -21,10 +21,13 @@ rules. Those rules live here, so that `service.py` never branches on a tier's ki
 
 from collections.abc import Callable
 
+from lmcached.logger import init_logger
 from lmcached.protocol import ANY_DEVICE, TierInfo
 from lmcached.shm.arena import Arena
 from lmcached.shm.block_pool import BlockPool
 from lmcached.shm.free_queue import BlockHash, KVCacheBlock
+
+logger = init_logger(__name__)
 
 
 class Tier:
@@ -97,14 +100,17 @@ class TierSet:
         """Cut every tier into blocks of the host arena's block size (set by the first
         layout) and give each a BlockPool; `on_evict` is the host pool's hook (L2).
 
-        A device tier smaller than one block gets no pool and stays unused (logged by
-        the caller through `info`).
+        A device tier smaller than one block gets no pool and stays unused (logged).
         """
         block_bytes = self.host.memory.block_bytes
         self.pools = []
         for tier in self.tiers:
             if tier.tier_id:
-                tier.memory.set_block_bytes(block_bytes)
+                try:
+                    tier.memory.set_block_bytes(block_bytes)
+                except ValueError as exc:  # smaller than one block: the tier stays unused
+                    logger.warning("device tier %d (%s) is not used: %s", tier.tier_id,
+                                   tier.device, exc)
             num_blocks = tier.memory.num_blocks
             tier.pool = BlockPool(num_blocks, tier.tier_id) if num_blocks else None
             self.pools.append(tier.pool)

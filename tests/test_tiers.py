@@ -62,9 +62,10 @@ class GatedDeviceMemory:
 
     kind = "fake"
 
-    def __init__(self, name: str, num_blocks: int) -> None:
+    def __init__(self, name: str, num_blocks: int, extra_bytes: int = 0) -> None:
         self.device = DEVICE
-        self.arena = Arena.create(name, HEADER_BYTES + num_blocks * BLOCK_BYTES, prefault=False)
+        self.arena = Arena.create(name, HEADER_BYTES + num_blocks * BLOCK_BYTES + extra_bytes,
+                                  prefault=False)
         self.size_bytes = self.arena.capacity_bytes
         self.gate = threading.Event()
         self.gate.set()
@@ -496,3 +497,21 @@ def test_a_client_from_before_tiers_is_served_host_blocks_only(tiered):
     assert pinned.block_ids == alloc.block_ids
     service.handle(old, Release([pinned.lease]))
     service.tiers.check_invariants()
+
+
+def test_a_device_tier_smaller_than_a_block_stays_unused(unique_name):
+    arena = Arena.create(unique_name, HEADER_BYTES + HOST_BLOCKS * BLOCK_BYTES, BLOCK_BYTES,
+                         prefault=False)
+    device = GatedDeviceMemory(unique_name + "-dev", 0, BLOCK_BYTES // 2)  # half a block
+    service = CacheService(ServerConfig(name=unique_name, socket="/nonexistent"), arena,
+                           [device])
+    try:
+        gpu, reply = hello(service, [DEVICE])
+        assert reply.tiers[1].num_blocks == 0 and service.tiers.pools[1] is None
+        refs = write_and_commit(service, gpu, [1, 2])
+        assert [tier_of(r) for r in refs] == [0, 0]
+        assert service.demoter is None
+    finally:
+        service.close()
+        device.close()
+        arena.close()
