@@ -572,13 +572,17 @@ class CacheService:
             raise RequestError("bad_request", "ALLOC needs one positive num_bytes per hash")
         device_pool = self._device_pool(session, req) if req.tier else None
         tiers, readable = self.tiers, session.readable
+        if readable == (0,):  # host only: the pool's own methods, no per-chunk dispatch
+            find, touch, free = self.pool.cached.get, self.pool.touch, self.pool.free
+        else:
+            find, touch, free = (lambda key: tiers.find(key, readable)), tiers.touch, tiers.free
         status, block_ids, span_lengths = [], [], []
         held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
         no_space = False
         for key, num_bytes in zip(keys, req.num_bytes):
-            span = tiers.find(key, readable)
+            span = find(key)
             if span is not None:
-                tiers.touch(span)
+                touch(span)
                 held.extend(span)
                 status.append(EXISTS)
                 continue
@@ -592,7 +596,7 @@ class CacheService:
             block_ids.extend(b.ref for b in blocks)
             span_lengths.append(len(blocks))
         if held:
-            tiers.free(held)
+            free(held)
         if device_pool is not None:
             self.demoter.plan()
         return AllocReply(status, block_ids, span_lengths)
@@ -619,7 +623,7 @@ class CacheService:
         values = session.take_pending(req.block_ids)
         if values is None:
             raise RequestError("not_owner", "COMMIT of blocks this session did not allocate")
-        if any(v.tier_id for v in values):
+        if len(self.tiers.tiers) > 1 and any(v.tier_id for v in values):
             self._commit_device([v for v in values if v.tier_id])
             values = [v for v in values if not v.tier_id]
         pool = self.pool
