@@ -85,6 +85,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     l2_queue: Size | None = None
     l2_fetch_wait: Annotated[float, msgspec.Meta(ge=0, le=60)] | None = None  # seconds
     l2_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    gpu_capacity: Size | None = None
+    gpu_device: str | int | None = None  # "0,1", or an integer in TOML
+    gpu_backend: Literal["cuda", "fake"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class SettingSpec:
     help: str
     default: Any = None
     default_text: str | None = None
+    hidden: bool = False
 
 
 def _parse_name(value: str) -> str:
@@ -170,6 +174,30 @@ def _parse_l2_queue(value: Size) -> int:
     if queue_bytes < 1 << 20:
         raise ValueError(f"L2 queue {echo_size(value, queue_bytes)} is less than 1MiB")
     return queue_bytes
+
+
+def _parse_gpu_capacity(value: Size) -> int:
+    capacity_bytes = parse_size(value)
+    if capacity_bytes < 1 << 20:
+        raise ValueError(f"GPU tier {echo_size(value, capacity_bytes)} is less than 1MiB")
+    return capacity_bytes
+
+
+MAX_GPU_DEVICES = 16
+
+
+def _parse_gpu_devices(value: str | int) -> tuple[int, ...]:
+    parts = [value] if isinstance(value, int) else [p.strip() for p in value.split(",")]
+    try:
+        devices = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"GPU devices {value!r} must be device numbers such as 0 or 0,1") \
+            from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"GPU devices {value!r} must be distinct numbers >= 0")
+    if len(devices) > MAX_GPU_DEVICES:
+        raise ValueError(f"GPU devices {value!r}: at most {MAX_GPU_DEVICES}")
+    return devices
 
 
 def _parse_buffer_budget(value: Size) -> int:
@@ -268,6 +296,22 @@ SETTINGS: dict[str, SettingSpec] = {
         int, "a whole number of threads, 1-64", "N",
         "Threads that write chunks to L2, and as many that fetch them.",
         2),
+    "gpu_capacity": SettingSpec(
+        _parse_gpu_capacity, 'a size such as "8GiB"', "SIZE",
+        "GPU tier: this much device memory per --gpu-device, owned by the daemon and "
+        "shared with clients by CUDA VMM file descriptors; chunks stored from a GPU go "
+        "there first and are demoted to the arena when it fills (docs/architecture.md, "
+        "\"Tiers\"). Needs `pip install 'lmcached[gpu]'`.",
+        None, "off"),
+    "gpu_device": SettingSpec(
+        _parse_gpu_devices, 'device numbers, e.g. "0" or "0,1"', "N[,N...]",
+        "The CUDA devices that get a GPU tier (with --gpu-capacity), as numbered inside "
+        "the daemon's CUDA_VISIBLE_DEVICES.",
+        None, "0"),
+    "gpu_backend": SettingSpec(
+        str, '"cuda" or "fake"', "BACKEND",
+        "cuda, or fake: memfd tiers that stand in for GPUs (tests and CI without one).",
+        "cuda", hidden=True),
 }
 assert list(SETTINGS) == list(Settings.__struct_fields__), "SETTINGS must mirror Settings"
 _FILE_KEYS = frozenset(SETTINGS)
@@ -397,7 +441,7 @@ def serve_params() -> list[click.Parameter]:
         params.append(click.Option(
             [option_name(key), key], type=SettingType(key), metavar=spec.metavar,
             default=spec.default, show_default=spec.default_text or spec.default is not None,
-            envvar=envvar_name(key), show_envvar=True, help=spec.help,
+            envvar=envvar_name(key), show_envvar=True, help=spec.help, hidden=spec.hidden,
         ))
     return params
 
@@ -430,6 +474,9 @@ class ServerConfig:
         l2_queue_bytes: bytes of L2 writes that may wait.
         l2_fetch_wait_s: how long a LOOKUP / ACQUIRE waits for an L2 fetch, in seconds.
         l2_threads: L2 writer threads (and as many fetch threads).
+        gpu_capacity_bytes: bytes of each GPU tier; 0 = no GPU tier.
+        gpu_devices: the CUDA devices with a GPU tier, in tier order (tier 1, 2, ...).
+        gpu_backend: "cuda", or "fake" (memfd tiers, devices "fake-<i>": tests).
         size_texts: each size setting as its source typed it (`"10TB"`), so that
             messages echo it in the user's units (`echo_size`).
         cli_options: the command-line options it was resolved from, as given (SIGHUP
@@ -456,6 +503,9 @@ class ServerConfig:
     l2_queue_bytes: int = DEFAULT_L2_QUEUE_BYTES
     l2_fetch_wait_s: float = 0.1
     l2_threads: int = 2
+    gpu_capacity_bytes: int = 0
+    gpu_devices: tuple[int, ...] = ()
+    gpu_backend: str = "cuda"
     size_texts: dict = dataclasses.field(default_factory=dict, repr=False)
     cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -468,6 +518,8 @@ class ServerConfig:
             value = getattr(self, field.name)
             if field.name == "shm_mode":
                 value = f"0{value:o}"
+            elif field.name == "gpu_devices":
+                value = ",".join(map(str, value))
             elif isinstance(value, bool):
                 value = int(value)  # the wire's INFO values are int | float | str
             out[field.name] = "" if value is None else value
@@ -514,12 +566,21 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
         l2_queue_bytes=params["l2_queue"],
         l2_fetch_wait_s=params["l2_fetch_wait"],
         l2_threads=params["l2_threads"],
+        gpu_capacity_bytes=params["gpu_capacity"] or 0,
+        gpu_devices=params["gpu_device"] or ((0,) if params["gpu_capacity"] else ()),
+        gpu_backend=params["gpu_backend"],
         cli_options=dict(ctx.meta.get(_CLI_OPTIONS_META, {})),
     )
     typed = ctx.meta.get(_TYPED_META, {})
     cfg.size_texts = {key: typed[key] for key in ("capacity", "block_size", "buffer_budget",
-                                                   "l2_queue")
+                                                   "l2_queue", "gpu_capacity")
                       if key in typed}
+    if params["gpu_device"] and not params["gpu_capacity"]:
+        raise ConfigError(
+            f"GPU devices {typed.get('gpu_device', params['gpu_device'])} "
+            f"({_source_label(ctx, 'gpu_device')}) without a GPU tier size: add "
+            "--gpu-capacity SIZE"
+        )
     capacity = echo_size(typed.get("capacity"), cfg.capacity_bytes)
     style = size_style(typed.get("capacity"))
     if cfg.block_bytes:

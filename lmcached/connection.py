@@ -54,8 +54,8 @@ class ClientConnection:
     from a memoryview and the served prefix is dropped once per loop pass.
     """
 
-    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "closed", "eof", "events",
-                 "connected_at", "partial_since", "served_frames", "parked")
+    __slots__ = ("sock", "session", "inbuf", "inpos", "outbuf", "fd_marks", "closed", "eof",
+                 "events", "connected_at", "partial_since", "served_frames", "parked")
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock = sock
@@ -63,6 +63,9 @@ class ClientConnection:
         self.inbuf = bytearray()
         self.inpos = 0
         self.outbuf = bytearray()
+        # [offset in outbuf, fds]: a reply whose first byte must carry these descriptors
+        # (SCM_RIGHTS; OPEN_TIER). Offsets move down as outbuf is sent.
+        self.fd_marks: list[list] = []
         self.closed = False
         self.eof = False  # the client shut down its side: serve what it sent, then close
         self.events = selectors.EVENT_READ  # what the selector watches for it now

@@ -31,6 +31,9 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_L2_QUEUE": "bytes of L2 writes that may wait before writes are dropped (256MiB)",
     "LMCACHED_L2_FETCH_WAIT": "seconds a lookup waits for an L2 fetch (default 0.1)",
     "LMCACHED_L2_THREADS": "L2 writer threads, and as many fetch threads (default 2)",
+    "LMCACHED_GPU_CAPACITY": "GPU tier size per device, e.g. 8GiB (default: no GPU tier)",
+    "LMCACHED_GPU_DEVICE": "CUDA devices with a GPU tier, e.g. 0 or 0,1 (default 0)",
+    "LMCACHED_GPU_BACKEND": "cuda, or fake: memfd tiers standing in for GPUs (tests)",
     "LMCACHED_DATA_TIMEOUT_MS": "clients: timeout of a serving-path request (LOOKUP, ACQUIRE, "
     "ALLOC, COMMIT, ...) and of a reconnect, in milliseconds (default 200); a daemon that "
     "does not answer in time is skipped for a back-off window (misses, skipped stores)",

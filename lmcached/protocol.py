@@ -509,6 +509,25 @@ class Connection:
                 answered with a frame that does not decode or is not this request's
                 reply type, or an earlier request on this connection failed half-way.
         """
+        return self._exchange(message, timeout_s, 0)[0]
+
+    def request_with_fds(self, message: msgspec.Struct, max_fds: int = 1,
+                         timeout_s: float | None = None) -> tuple[msgspec.Struct, list[int]]:
+        """`request` for a reply that carries file descriptors (OPEN_TIER's TierHandle):
+        they arrive as SCM_RIGHTS ancillary data with the reply's first bytes.
+
+        Returns:
+            (reply, fds): the caller owns the descriptors and closes them.
+
+        Raises:
+            As `request`; ConnectionError also when the daemon sent more than `max_fds`
+            descriptors (MSG_CTRUNC; the connection is then unusable). No descriptor is
+            left open when it raises.
+        """
+        return self._exchange(message, timeout_s, max_fds)
+
+    def _exchange(self, message: msgspec.Struct, timeout_s: float | None,
+                  max_fds: int) -> tuple[msgspec.Struct, list[int]]:
         if self._broken is not None:
             raise ConnectionError(
                 f"connection to {self.socket_path} is out of step after an earlier failure "
@@ -518,9 +537,13 @@ class Connection:
             raise ValueError(f"{type(message).__name__} has no reply: use send()")
         frame = encode_frame(message)
         self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        fds: list[int] = []
         try:
             self._sock.sendall(frame)
-            self._recv_exactly(self._header)
+            if max_fds:
+                fds = self._recv_header_with_fds(max_fds)
+            else:
+                self._recv_exactly(self._header)
             (length,) = _LENGTH.unpack(self._header)
             if length > MAX_FRAME_BYTES:
                 raise ConnectionError(f"reply frame of {length} bytes exceeds the limit")
@@ -540,12 +563,35 @@ class Connection:
                     f"the daemon answered {type(message).__name__} with "
                     f"{type(reply).__name__}, expected {expected.__name__}"
                 )
-        except DaemonError:
-            raise
         except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
+            for fd in fds:
+                os.close(fd)
+            if not isinstance(exc, DaemonError):
+                self._broken = f"{type(exc).__name__}: {exc}"
             raise
-        return reply
+        return reply, fds
+
+    def _recv_header_with_fds(self, max_fds: int) -> list[int]:
+        """Receive the reply's length prefix and the descriptors sent with it."""
+        data, fds, flags, _ = socket.recv_fds(self._sock, _LENGTH.size, max_fds)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError(f"the daemon sent more than {max_fds} file descriptors")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the daemon closed the connection")
+        self._header[: len(data)] = data
+        if len(data) < _LENGTH.size:
+            try:
+                with memoryview(self._header) as view:
+                    self._recv_exactly(view[len(data):])
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        return fds
 
     def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
         """Send a request the daemon does not answer (NO_REPLY_REQUESTS), without waiting.

@@ -150,7 +150,7 @@ class Server:
     def _open_device_tiers(self) -> list:
         """Allocate and export the device tiers of `--gpu-capacity` (CUDA libraries are
         imported only then); [] without it."""
-        if not getattr(self.config, "gpu_capacity_bytes", 0):
+        if not self.config.gpu_capacity_bytes:
             return []
         from lmcached.device_memory import open_device_tiers
 
@@ -435,7 +435,10 @@ class Server:
                     conn.parked = frame
                     self._parked[conn] = None
                     break
-                if frame is not None:
+                if session.reply_fds:  # OPEN_TIER: the descriptor goes with this reply
+                    replies.append((frame, session.reply_fds))
+                    session.reply_fds = []
+                elif frame is not None:
                     replies.append(frame)
         if conn.served_frames:
             self._silent.pop(conn, None)
@@ -444,7 +447,7 @@ class Server:
             self._buffered_bytes -= conn.inpos
             conn.inpos = 0
         if replies:
-            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+            self._send_replies(conn, replies)
             if conn.closed:
                 return
         has_frame = conn.next_frame_end() != 0
@@ -504,10 +507,26 @@ class Server:
             self._selector.modify(conn.sock, events, conn)
         conn.events = events
 
-    def _send(self, conn: ClientConnection, data: bytes) -> None:
+    def _send_replies(self, conn: ClientConnection, replies: list) -> None:
+        """Send reply frames in order; a (frame, fds) entry sends its descriptors with
+        the frame's first byte."""
+        if all(type(r) is bytes for r in replies):
+            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+            return
+        for reply in replies:
+            if type(reply) is tuple:
+                self._send(conn, *reply)
+            else:
+                self._send(conn, reply)
+            if conn.closed:
+                return
+
+    def _send(self, conn: ClientConnection, data: bytes, fds: list[int] | None = None) -> None:
+        """Send `data` now as far as the socket takes it, and buffer the rest; `fds` go
+        with its first byte (the daemon keeps its own copies)."""
         if not conn.outbuf:
             try:
-                sent = conn.sock.send(data)
+                sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
             except BlockingIOError:
                 sent = 0
             except OSError:
@@ -515,7 +534,11 @@ class Server:
                 return
             if sent == len(data):
                 return
+            if sent:
+                fds = None  # they went with the first bytes
             data = memoryview(data)[sent:]
+        if fds:
+            conn.fd_marks.append([len(conn.outbuf), fds])
         conn.outbuf += data
         self._buffered_bytes += len(data)
         if len(conn.outbuf) > MAX_OUTBUF_BYTES:
@@ -524,13 +547,24 @@ class Server:
             self._enforce_buffer_budget()
 
     def _flush(self, conn: ClientConnection) -> None:
+        marks = conn.fd_marks
         try:
-            sent = conn.sock.send(conn.outbuf)
+            if not marks:
+                sent = conn.sock.send(conn.outbuf)
+            elif marks[0][0]:  # send up to the reply that carries descriptors
+                sent = conn.sock.send(conn.outbuf[: marks[0][0]])
+            else:  # that reply, with its descriptors, up to the next such reply
+                end = marks[1][0] if len(marks) > 1 else len(conn.outbuf)
+                sent = socket.send_fds(conn.sock, [conn.outbuf[:end]], marks[0][1])
+                if sent:
+                    marks.pop(0)
         except BlockingIOError:
             return
         except OSError:
             self._close(conn)
             return
+        for mark in marks:
+            mark[0] -= sent
         del conn.outbuf[:sent]
         self._buffered_bytes -= sent
         has_frame = conn.next_frame_end() != 0

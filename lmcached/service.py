@@ -227,13 +227,6 @@ class CacheService:
             self.demoter.close()
             self.demoter = None
 
-    def reply_fds(self, reply) -> list[int]:
-        """File descriptors to send with `reply` as SCM_RIGHTS ancillary data (the
-        daemon keeps them open): a device tier's memory for OPEN_TIER's TierHandle."""
-        if isinstance(reply, TierHandle):
-            return [self.tiers.tiers[reply.tier_id].memory.export_fd()]
-        return []
-
     # ---------------------------------------------------------------- sessions
     def open_session(self, pid: int, uid: int, gid: int) -> Session:
         """Register a new connection's session."""
@@ -743,6 +736,7 @@ class CacheService:
             raise RequestError("bad_request", f"tier {tier.tier_id} was already opened on "
                                "this connection: map the descriptor you were sent")
         session.opened_tiers.add(tier.tier_id)
+        session.reply_fds = [tier.memory.export_fd()]  # the server sends it with the reply
         return TierHandle(tier.tier_id, self.arena.generation, tier.kind, tier.device,
                           tier.size_bytes)
 

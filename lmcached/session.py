@@ -39,6 +39,8 @@ class Session:
         readable: tier ids whose blocks this session may be handed, in read preference
             order (its own device tiers, then the host arena; (0,) for host-only).
         opened_tiers: device tiers whose file descriptor OPEN_TIER sent (once each).
+        reply_fds: descriptors the server sends with the reply being encoded (SCM_RIGHTS),
+            set by the handler and taken by the server; the daemon keeps them open.
         leases: lease id -> the blocks it pinned (one ref each), from ACQUIRE / GET.
         writing: block ref -> the PendingValue it belongs to (every block of it).
         num_requests: requests handled.
@@ -55,6 +57,7 @@ class Session:
         "devices",
         "readable",
         "opened_tiers",
+        "reply_fds",
         "greeted",
         "leases",
         "writing",
@@ -73,6 +76,7 @@ class Session:
         self.devices: list[str] = []
         self.readable: tuple[int, ...] = (0,)
         self.opened_tiers: set[int] = set()
+        self.reply_fds: list[int] = []
         self.greeted = False
         self.leases: dict[int, list[KVCacheBlock]] = {}
         self.writing: dict[int, PendingValue] = {}

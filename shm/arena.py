@@ -103,6 +103,7 @@ class Arena:
         self.capacity_bytes = capacity_bytes
         self.is_owner = is_owner
         self._mmap: mmap.mmap | None = mapping
+        self._memfd: int | None = None  # an anonymous (memfd) arena's descriptor, owner only
         # One flat uint8 alias of the whole segment, made on first use; every view is a
         # slice of it. [capacity_bytes], uint8, cpu
         self._u8_tensor: "torch.Tensor | None" = None
@@ -189,6 +190,93 @@ class Arena:
             "created arena %s: %d bytes, block_bytes=%d", shm_name, capacity_bytes, block_bytes
         )
         return arena
+
+    @classmethod
+    def create_memfd(
+        cls,
+        name: str,
+        generation: int,
+        capacity_bytes: int,
+        block_bytes: int = 0,
+        prefault: bool = True,
+        progress: ProgressCallback | None = None,
+    ) -> "Arena":
+        """Create an anonymous arena (memfd_create), with the segment header of `create`,
+        that other processes map only through its file descriptor (`export_fd`, sent over
+        the daemon's socket): the memory of a "fake" device tier in tests and CI, which
+        stands in for a CUDA allocation exported the same way (lmcached/device_memory.py).
+
+        It has no name in /dev/shm: the kernel frees it when the owner's descriptor and
+        every mapping are gone, so nothing is left behind by a crash.
+
+        Args:
+            name: daemon name (1-64 of [A-Za-z0-9_-]); names the memfd for /proc.
+            generation: the daemon's generation (written in the header).
+            capacity_bytes, block_bytes, prefault, progress: as `create`.
+
+        Raises:
+            ValueError: bad name, capacity or block size.
+            OSError: the memory cannot be created, sized or mapped.
+        """
+        if capacity_bytes <= HEADER_BYTES:
+            raise ValueError(
+                f"capacity_bytes must exceed the {HEADER_BYTES}-byte header, got {capacity_bytes}"
+            )
+        fd = os.memfd_create(segment_name(name, generation)[1:], os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            mapping = mmap.mmap(fd, capacity_bytes)
+            pid = os.getpid()
+            SEGMENT_HEADER.pack_into(mapping, 0, ARENA_MAGIC, generation, pid,
+                                     psutil.Process(pid).create_time(), capacity_bytes,
+                                     block_bytes)
+            arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
+            arena._memfd = fd
+            if prefault:
+                arena.prefault(progress)
+        except BaseException:
+            os.close(fd)
+            raise
+        return arena
+
+    @classmethod
+    def from_fd(cls, fd: int, generation: int, block_bytes: int,
+                populate: bool = True) -> "Arena":
+        """Map an arena received as a file descriptor (an anonymous arena's
+        `export_fd`), read-write. The caller keeps and closes `fd`.
+
+        Raises:
+            ValueError: the memory's header is not an arena of `generation`, or it is
+                smaller than its header says.
+            OSError: `fd` cannot be mapped.
+        """
+        size = os.fstat(fd).st_size
+        if size <= HEADER_BYTES:
+            raise ValueError(f"descriptor {fd} holds {size} bytes: not an lmcached arena")
+        mapping = mmap.mmap(fd, size)
+        magic, header_generation, _, _, capacity_bytes, _ = SEGMENT_HEADER.unpack_from(mapping, 0)
+        if magic != ARENA_MAGIC or header_generation != generation or capacity_bytes > size:
+            mapping.close()
+            raise ValueError(
+                f"descriptor {fd} is not an lmcached arena of generation {generation} "
+                f"(magic {magic!r}, generation {header_generation}, {size} bytes)"
+            )
+        if populate:
+            _populate(mapping, 0, capacity_bytes)
+        name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").split(".")[1]
+        return cls(name, generation, mapping, capacity_bytes, block_bytes, False)
+
+    def export_fd(self) -> int:
+        """The descriptor of an anonymous arena (owner only): sent to clients by
+        OPEN_TIER. It stays the arena's: do not close it.
+
+        Raises:
+            ValueError: a named (POSIX shared memory) arena, or a closed one.
+        """
+        if self._memfd is None:
+            raise ValueError(f"arena {self.segment_name} has no descriptor to export: "
+                             "only an anonymous arena (create_memfd) has one")
+        return self._memfd
 
     @classmethod
     def attach(
@@ -359,7 +447,10 @@ class Arena:
         """
         if self._mmap is None:
             return
-        if self.is_owner:
+        if self._memfd is not None:  # anonymous: freed with the last descriptor and mapping
+            os.close(self._memfd)
+            self._memfd = None
+        elif self.is_owner:
             try:
                 posix_ipc.unlink_shared_memory(self.segment_name)
             except posix_ipc.ExistentialError:

@@ -345,7 +345,9 @@ def test_serve_help_shows_each_option_with_its_environment_variable():
                           timeout=60, env={**os.environ, "COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
     options = ["--config", *(f"--{key.replace('_', '-')}"
-                             for key in config.Settings.__struct_fields__)]
+                             for key in config.Settings.__struct_fields__
+                             if not config.SETTINGS[key].hidden)]
+    assert "--gpu-backend" not in proc.stdout  # hidden: for tests
     help_text = " ".join(proc.stdout.split())  # undo click's wrapping
     for i, option in enumerate(options):
         # this option's entry: from its name to the next option's

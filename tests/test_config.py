@@ -490,7 +490,12 @@ ENV_SETTINGS = {
     "l2_queue": ("64MiB", "l2_queue_bytes", 64 * MiB),
     "l2_fetch_wait": ("0.05", "l2_fetch_wait_s", 0.05),
     "l2_threads": ("4", "l2_threads", 4),
+    "gpu_capacity": ("2GiB", "gpu_capacity_bytes", 2 << 30),
+    "gpu_device": ("1,2", "gpu_devices", (1, 2)),
+    "gpu_backend": ("fake", "gpu_backend", "fake"),
 }
+# Settings that are refused without another one: that one is set for each invocation.
+ENV_REQUIRES = {"gpu_device": ["--gpu-capacity", "1GiB"]}
 
 
 @pytest.fixture
@@ -510,13 +515,15 @@ def test_every_setting_is_read_from_its_env_variable_and_its_serve_option(served
     env_value, field, expected = ENV_SETTINGS[key]  # a KeyError: add the new setting above
     variable = f"LMCACHED_{key.upper()}"
     assert variable in envs.ENV_VARS, f"document {variable} in lmcached/envs.py"
-    result = CliRunner().invoke(main, ["serve"])
+    required = ENV_REQUIRES.get(key, [])
+    result = CliRunner().invoke(main, ["serve", *required])
     assert result.exit_code == 0, result.output
     assert getattr(served.pop(), field) != expected  # the value is not the default
-    result = CliRunner(env={variable: env_value}).invoke(main, ["serve"])
+    result = CliRunner(env={variable: env_value}).invoke(main, ["serve", *required])
     assert result.exit_code == 0, result.output
     assert getattr(served.pop(), field) == expected
-    result = CliRunner().invoke(main, ["serve", f"--{key.replace('_', '-')}", env_value])
+    result = CliRunner().invoke(main, ["serve", *required, f"--{key.replace('_', '-')}",
+                                       env_value])
     assert result.exit_code == 0, result.output
     assert getattr(served.pop(), field) == expected
 

@@ -186,15 +186,16 @@ def test_open_tier_is_only_for_the_sessions_own_devices(tiered):
     gpu, _ = hello(service, [DEVICE])
     handle = service.handle(gpu, OpenTier(1))
     assert handle == TierHandle(1, service.arena.generation, "fake", DEVICE, device.size_bytes)
-    assert service.reply_fds(handle) == [device.export_fd()]
+    assert gpu.reply_fds == [device.export_fd()]
+    gpu.reply_fds = []  # as the server takes them
     again = service.handle(gpu, OpenTier(1))  # once per session: fds in flight are bounded
     assert isinstance(again, Error) and again.code == "bad_request", again
-    assert service.reply_fds(again) == []
+    assert gpu.reply_fds == []
     for devices in ([], ["*"], ["GPU-other"]):
         session, _ = hello(service, devices)
         reply = service.handle(session, OpenTier(1))
         assert isinstance(reply, Error) and reply.code == "bad_tier", reply
-        assert service.reply_fds(reply) == []
+        assert session.reply_fds == []
 
 
 def test_alloc_for_a_tier_the_session_did_not_ask_for_is_refused(tiered):
