@@ -572,9 +572,19 @@ class Connection:
         return reply, fds
 
     def _recv_header_with_fds(self, max_fds: int) -> list[int]:
-        """Receive the reply's length prefix and the descriptors sent with it."""
-        data, fds, flags, _ = socket.recv_fds(self._sock, _LENGTH.size, max_fds)
-        if flags & socket.MSG_CTRUNC:
+        """Receive the reply's length prefix and the descriptors sent with it, made
+        close-on-exec by the kernel as every descriptor Python opens is (a child the
+        client spawns gets none). Not `socket.recv_fds`: it drops its `flags` argument
+        (CPython gh-107898)."""
+        fd_bytes = struct.calcsize("i")
+        data, ancdata, flags, _ = self._sock.recvmsg(
+            _LENGTH.size, socket.CMSG_LEN(max_fds * fd_bytes), socket.MSG_CMSG_CLOEXEC)
+        fds: list[int] = []
+        for level, kind, cmsg_data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += struct.unpack(f"{len(cmsg_data) // fd_bytes}i",
+                                     cmsg_data[: len(cmsg_data) // fd_bytes * fd_bytes])
+        if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
             for fd in fds:
                 os.close(fd)
             raise ConnectionError(f"the daemon sent more than {max_fds} file descriptors")
@@ -646,7 +656,9 @@ class Connection:
         self.close()
 
 
-def hello(conn: Connection, name: str, layouts: list[Layout] | tuple[Layout, ...] = ()
-          ) -> HelloReply:
-    """Open a session on `conn` with one namespace per layout (see `Hello`)."""
-    return conn.request(Hello(PROTOCOL_VERSION, os.getpid(), name, list(layouts)))
+def hello(conn: Connection, name: str, layouts: list[Layout] | tuple[Layout, ...] = (),
+          devices: list[str] | tuple[str, ...] = ()) -> HelloReply:
+    """Open a session on `conn` with one namespace per layout and the device tiers of
+    `devices` (see `Hello`)."""
+    return conn.request(Hello(PROTOCOL_VERSION, os.getpid(), name, list(layouts),
+                              list(devices)))

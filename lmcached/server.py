@@ -414,6 +414,7 @@ class Server:
             return
         service, session = self.service, conn.session
         replies = []
+        with_fds = False  # some reply carries descriptors: (frame, fds) among the frames
         budget = PASS_BUDGET
         with memoryview(conn.inbuf) as view:
             while budget > 0 and len(conn.outbuf) < OUTBUF_PAUSE_BYTES:
@@ -438,6 +439,7 @@ class Server:
                 if session.reply_fds:  # OPEN_TIER: the descriptor goes with this reply
                     replies.append((frame, session.reply_fds))
                     session.reply_fds = []
+                    with_fds = True
                 elif frame is not None:
                     replies.append(frame)
         if conn.served_frames:
@@ -447,7 +449,10 @@ class Server:
             self._buffered_bytes -= conn.inpos
             conn.inpos = 0
         if replies:
-            self._send_replies(conn, replies)
+            if with_fds:
+                self._send_replies(conn, replies)
+            else:  # the hot path: one send of every reply of this pass
+                self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
             if conn.closed:
                 return
         has_frame = conn.next_frame_end() != 0
@@ -508,11 +513,8 @@ class Server:
         conn.events = events
 
     def _send_replies(self, conn: ClientConnection, replies: list) -> None:
-        """Send reply frames in order; a (frame, fds) entry sends its descriptors with
-        the frame's first byte."""
-        if all(type(r) is bytes for r in replies):
-            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
-            return
+        """Send reply frames in order, one `_send` each; a (frame, fds) entry sends its
+        descriptors with the frame's first byte."""
         for reply in replies:
             if type(reply) is tuple:
                 self._send(conn, *reply)
@@ -547,16 +549,22 @@ class Server:
             self._enforce_buffer_budget()
 
     def _flush(self, conn: ClientConnection) -> None:
+        """Send buffered replies as far as the socket takes them. Descriptors go with
+        the first byte of their reply: a sendmsg that carries them starts there and ends
+        before the next reply with descriptors, so a client that reads reply by reply
+        receives them with that reply's first read, never with an earlier one's."""
         marks = conn.fd_marks
         try:
             if not marks:
                 sent = conn.sock.send(conn.outbuf)
             elif marks[0][0]:  # send up to the reply that carries descriptors
-                sent = conn.sock.send(conn.outbuf[: marks[0][0]])
+                with memoryview(conn.outbuf)[: marks[0][0]] as chunk:
+                    sent = conn.sock.send(chunk)
             else:  # that reply, with its descriptors, up to the next such reply
                 end = marks[1][0] if len(marks) > 1 else len(conn.outbuf)
-                sent = socket.send_fds(conn.sock, [conn.outbuf[:end]], marks[0][1])
-                if sent:
+                with memoryview(conn.outbuf)[:end] as chunk:
+                    sent = socket.send_fds(conn.sock, [chunk], marks[0][1])
+                if sent:  # any byte sent took the descriptors with it
                     marks.pop(0)
         except BlockingIOError:
             return

@@ -22,6 +22,10 @@ janitor (`janitor.py`) can find and unlink the segments of a daemon that died.
 Writes into untouched shared memory pay a page fault per page and run several times
 slower than writes into touched memory (docs/architecture.md, "Prefault"), so `create`
 prefaults every page.
+
+An anonymous arena (`create_memfd`, the memory of a "fake" device tier) has the same
+layout in a memfd instead of a named segment: clients get its descriptor over the
+daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev/shm.
 """
 
 import mmap
@@ -50,6 +54,8 @@ SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PREFAULT_STEP_BYTES = 64 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
+_MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.")
 _PAGE_BYTES = mmap.PAGESIZE
 
 # Dtypes a block view may have (KV caches are fp16/bf16/fp32/fp8; ints for headers).
@@ -237,13 +243,25 @@ class Arena:
         except BaseException:
             os.close(fd)
             raise
+        logger.info("created anonymous arena %s: %d bytes, block_bytes=%d", arena.segment_name,
+                    capacity_bytes, block_bytes)
         return arena
 
     @classmethod
     def from_fd(cls, fd: int, generation: int, block_bytes: int,
                 populate: bool = True) -> "Arena":
         """Map an arena received as a file descriptor (an anonymous arena's
-        `export_fd`), read-write. The caller keeps and closes `fd`.
+        `export_fd`), read-write, checking its header as `attach` does. The caller keeps
+        and closes `fd` (the mapping stays valid after it does).
+
+        Args:
+            fd: the descriptor (OPEN_TIER's SCM_RIGHTS data).
+            generation: the generation the daemon announced; other memory is refused.
+            block_bytes: block size the daemon announced.
+            populate: map every page now, as `attach`.
+
+        Returns:
+            A client arena (`is_owner` False): `close()` only unmaps it.
 
         Raises:
             ValueError: the memory's header is not an arena of `generation`, or it is
@@ -254,16 +272,22 @@ class Arena:
         if size <= HEADER_BYTES:
             raise ValueError(f"descriptor {fd} holds {size} bytes: not an lmcached arena")
         mapping = mmap.mmap(fd, size)
-        magic, header_generation, _, _, capacity_bytes, _ = SEGMENT_HEADER.unpack_from(mapping, 0)
-        if magic != ARENA_MAGIC or header_generation != generation or capacity_bytes > size:
+        try:
+            magic, header_generation, _, _, capacity_bytes, _ = \
+                SEGMENT_HEADER.unpack_from(mapping, 0)
+            if magic != ARENA_MAGIC or header_generation != generation or capacity_bytes > size:
+                raise ValueError(
+                    f"descriptor {fd} is not an lmcached arena of generation {generation} "
+                    f"(magic {magic!r}, generation {header_generation}, {size} bytes)"
+                )
+            if populate:
+                _populate(mapping, 0, capacity_bytes)
+        except BaseException:
             mapping.close()
-            raise ValueError(
-                f"descriptor {fd} is not an lmcached arena of generation {generation} "
-                f"(magic {magic!r}, generation {header_generation}, {size} bytes)"
-            )
-        if populate:
-            _populate(mapping, 0, capacity_bytes)
-        name = os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").split(".")[1]
+            raise
+        # The daemon's name, for messages; memory passed another way is "anonymous".
+        match = _MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
+        name = match.group(1) if match else "anonymous"
         return cls(name, generation, mapping, capacity_bytes, block_bytes, False)
 
     def export_fd(self) -> int:
@@ -273,6 +297,8 @@ class Arena:
         Raises:
             ValueError: a named (POSIX shared memory) arena, or a closed one.
         """
+        if self._mmap is None:
+            raise ValueError(f"arena {self.segment_name} is closed: its descriptor is gone")
         if self._memfd is None:
             raise ValueError(f"arena {self.segment_name} has no descriptor to export: "
                              "only an anonymous arena (create_memfd) has one")
@@ -440,7 +466,9 @@ class Arena:
 
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Unmap (and, in the owner, unlink) the segment. Safe to call twice.
+        """Unmap the arena; the owner of a named segment also unlinks it, the owner of
+        an anonymous one closes its descriptor (the kernel frees the memory once no
+        process maps it). Safe to call twice.
 
         Views handed out earlier keep the mapping alive until they are garbage; their
         contents are undefined after the owner's close.

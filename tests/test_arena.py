@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.shm.arena import ARENA_MAGIC, HEADER_BYTES, SEGMENT_HEADER, Arena
 from lmcached.shm.janitor import list_segments
 
 MiB = 1 << 20
@@ -132,3 +132,77 @@ def test_create_gives_the_segment_to_a_group(unique_name):
     with Arena.create(unique_name, 4 * MiB, MiB, mode=0o660, gid=gid) as arena:
         st = os.stat(f"/dev/shm/{arena.segment_name.lstrip('/')}")
         assert (st.st_mode & 0o777, st.st_gid) == (0o660, gid)
+
+
+# ------------------------------------------------------- anonymous (memfd) arenas
+def test_memfd_arena_header_and_close_release_its_descriptor(unique_name):
+    arena = Arena.create_memfd(unique_name, 1234, 4 * MiB)
+    fd = arena.export_fd()
+    assert os.fstat(fd).st_size == 4 * MiB
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:lmcached.{unique_name}.1234")
+    assert not os.get_inheritable(fd)  # MFD_CLOEXEC: no child gets it by accident
+    arena.set_block_bytes(MiB)  # the owner writes it into the header
+    header = SEGMENT_HEADER.unpack(os.pread(fd, SEGMENT_HEADER.size, 0))
+    assert header[:3] == (ARENA_MAGIC, 1234, os.getpid()) and header[4:] == (4 * MiB, MiB)
+    assert not [n for n in os.listdir("/dev/shm") if unique_name in n]  # it has no name
+    arena.close()
+    arena.close()  # idempotent
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with pytest.raises(ValueError, match="closed"):
+        arena.export_fd()
+
+
+def test_from_fd_shares_bytes_with_a_child_both_ways(unique_name):
+    arena = Arena.create_memfd(unique_name, 77, 8 * MiB, MiB)
+    try:
+        fd = arena.export_fd()
+        arena.numpy_view(arena.block_offset(2), 4096)[:] = 0x5A
+        code = f"""
+            import os, sys
+            from lmcached.shm.arena import Arena
+            fd = int(sys.argv[1])
+            arena = Arena.from_fd(fd, 77, {MiB})
+            os.close(fd)  # the mapping outlives the descriptor
+            assert not arena.is_owner and arena.num_blocks == 7 and arena.name == {unique_name!r}
+            print(int(arena.numpy_view(arena.block_offset(2), 4096).sum()))
+            arena.numpy_view(arena.block_offset(6), 4096)[:] = 0xA5
+            arena.close()
+            """
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(fd)],
+                                pass_fds=[fd], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == [str(0x5A * 4096)]
+        assert (arena.numpy_view(arena.block_offset(6), 4096) == 0xA5).all()
+        os.fstat(fd)  # the child's close was its own copy: ours is open
+    finally:
+        arena.close()
+
+
+def test_from_fd_refuses_other_memory_and_leaves_the_descriptor_to_the_caller(unique_name):
+    arena = Arena.create_memfd(unique_name, 5, 2 * MiB, MiB, prefault=False)
+    zeros = os.memfd_create("not-an-arena")
+    try:
+        with pytest.raises(ValueError, match="generation 6"):
+            Arena.from_fd(arena.export_fd(), 6, MiB)
+        os.ftruncate(zeros, 2 * MiB)
+        with pytest.raises(ValueError, match="not an lmcached arena"):
+            Arena.from_fd(zeros, 5, MiB)
+        os.ftruncate(zeros, HEADER_BYTES)
+        with pytest.raises(ValueError, match="4096 bytes"):
+            Arena.from_fd(zeros, 5, MiB)
+        client = Arena.from_fd(arena.export_fd(), 5, MiB)
+        assert client.name == unique_name
+        client.close()  # unmaps only
+        os.ftruncate(zeros, 2 * MiB)  # a copy of the header in memory of another name
+        os.pwrite(zeros, os.pread(arena.export_fd(), HEADER_BYTES, 0), 0)
+        copy = Arena.from_fd(zeros, 5, MiB)
+        assert (copy.name, copy.num_blocks) == ("anonymous", 1)
+        copy.close()
+        os.fstat(arena.export_fd())
+        with Arena.create(unique_name + "-named", 2 * MiB, prefault=False) as named:
+            with pytest.raises(ValueError, match="only an anonymous arena"):
+                named.export_fd()
+    finally:
+        os.close(zeros)
+        arena.close()
