@@ -24,6 +24,7 @@ not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 
 import dataclasses
 import math
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
@@ -47,9 +48,11 @@ from lmcached.protocol import (
     HelloReply,
     Layout,
     Lookup,
+    OpenTier,
     Put,
     Release,
     Scan,
+    TierInfo,
     hello,
 )
 from lmcached.shm.arena import Arena
@@ -100,7 +103,7 @@ _FRAME_OVERHEAD_BYTES = 256
 # Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
 # or a span length).
 _INT_BYTES = 9
-_BLOCK_ID_BYTES = 5
+_BLOCK_ID_BYTES = 9  # a block reference: tier << 32 | block id, a msgpack uint64
 
 
 def chunks_per_request(layout: "KVLayout", block_bytes: int, num_namespaces: int = 1) -> int:
@@ -131,6 +134,37 @@ class CacheUnavailable(Exception):
     """The daemon cannot be reached now; the caller degrades to a miss."""
 
 
+class _TierUnusable(Exception):
+    """A device tier this session asked for cannot be mapped in this process."""
+
+    def __init__(self, device: str, reason: str) -> None:
+        super().__init__(f"{device}: {reason}")
+        self.device = device
+        self.reason = reason
+
+
+_WARNED_DEVICES: set[str] = set()  # devices whose unusable tier was warned about
+
+
+def map_tier(info: TierInfo, handle, fd: int):
+    """Map a device tier's memory from the descriptor OPEN_TIER sent.
+
+    A "fake" tier is an anonymous arena (`Arena.from_fd`); a "cuda" tier is imported
+    with CUDA VMM (client/tier_map.py).
+
+    Raises:
+        ValueError: another generation's memory, or a kind this client cannot map.
+        Whatever the CUDA import raises (ImportError without cuda-bindings, CudaError).
+    """
+    if handle.kind == "fake":
+        return Arena.from_fd(fd, handle.generation, info.block_bytes)
+    if handle.kind == "cuda":
+        from lmcached.client.tier_map import CudaTierMap
+
+        return CudaTierMap(info, handle, fd)
+    raise ValueError(f"a device tier of kind {handle.kind!r} cannot be mapped by this client")
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One session's state, fixed for the duration of one `DaemonLink.call`.
@@ -145,12 +179,18 @@ class Snapshot:
         arena: the arena of that generation, mapped.
         leases: leases taken through `acquire` in this snapshot (released by
             `DaemonLink.call` if the call fails).
+        tiers: the device tiers of that generation this session mapped, by tier id
+            (block references `tier << 32 | block` of these tiers are readable here).
+        home_tier: the tier id of the link's first device, 0 (the host arena) when
+            none is mapped: where ALLOC asks for new chunks to go.
     """
 
     link: "DaemonLink"
     hello: HelloReply
     arena: Arena
     leases: list[int] = dataclasses.field(default_factory=list)
+    tiers: dict = dataclasses.field(default_factory=dict)
+    home_tier: int = 0
 
     @property
     def generation(self) -> int:
@@ -253,6 +293,10 @@ class DaemonLink:
         data_timeout_s: timeout of DATA_PATH_REQUESTS and of the reconnects
             `ensure_connected` makes, seconds (None: $LMCACHED_DATA_TIMEOUT_MS, else
             DATA_TIMEOUT_S).
+        devices: device UUIDs whose tiers this session maps (docs/architecture.md,
+            "Tiers"); the first one is the home tier that stores go to. A tier that
+            cannot be mapped here is dropped from the list (one warning per device per
+            process) and the session runs on the host arena.
 
     Raises:
         ValueError: a timeout that is not positive.
@@ -261,6 +305,8 @@ class DaemonLink:
         hello_reply: the last HELLO reply (arena, generation, namespace ids), or None
             while disconnected.
         arena: the mapped arena of the current generation, or None.
+        tiers: the mapped device tiers of the current generation, by tier id.
+        failed_devices: devices whose tier could not be mapped (not asked for again).
         num_reconnects: outages ended by an answered request after a reconnect.
     """
 
@@ -272,6 +318,7 @@ class DaemonLink:
         timeout_s: float = ADMIN_TIMEOUT_S,
         client_name: str = "lmcached-client",
         data_timeout_s: float | None = None,
+        devices: Sequence[str] = (),
     ) -> None:
         if data_timeout_s is None:
             data_timeout_s = default_data_timeout_s()
@@ -285,6 +332,10 @@ class DaemonLink:
         self.client_name = client_name
         self.hello_reply: HelloReply | None = None
         self.arena: Arena | None = None
+        self.devices = tuple(devices)
+        self.failed_devices: set[str] = set()
+        self.tiers: dict[int, object] = {}
+        self.home_tier = 0
         self.num_reconnects = 0
         self.lock = threading.RLock()
         self._conn: Connection | None = None
@@ -318,10 +369,21 @@ class DaemonLink:
             Whatever `on_attach` raises.
         """
         with self.lock:
+            while True:
+                try:
+                    return self._connect(timeout_s)
+                except _TierUnusable as exc:  # again, without that device
+                    self._tier_failed(exc.device, exc.reason)
+
+    def _connect(self, timeout_s: float | None) -> None:
+        with self.lock:
             check_client_socket_directory(self.socket_path)
             conn = Connection(self.socket_path, self.timeout_s if timeout_s is None else timeout_s)
+            devices = [d for d in self.devices if d not in self.failed_devices]
+            tiers = {}
             try:
-                reply = hello(conn, self.client_name, self.layouts)
+                reply = hello(conn, self.client_name, self.layouts, devices)
+                tiers = self._map_tiers(conn, reply, devices)
                 arena = self.arena
                 if arena is None or arena.generation != reply.generation:
                     new_arena = Arena.attach(reply.arena_name, reply.generation, reply.block_bytes)
@@ -336,8 +398,72 @@ class DaemonLink:
                     arena = new_arena
             except BaseException:
                 conn.close()
+                for tier_id, mapping in tiers.items():  # mapped by this attempt only
+                    if self.tiers.get(tier_id) is not mapping:
+                        mapping.close()
                 raise
             self._conn, self.hello_reply, self.arena = conn, reply, arena
+            self._replace_tiers(tiers)
+            home = [t for t in reply.tiers if devices and t.device == devices[0]]
+            self.home_tier = home[0].tier_id if home and home[0].tier_id in tiers else 0
+
+    def _map_tiers(self, conn: Connection, reply: HelloReply, devices: list[str]) -> dict:
+        """The device tiers of `devices` in `reply`, mapped (the ones already mapped in
+        this generation are kept).
+
+        Raises:
+            _TierUnusable: a tier cannot be opened or mapped here (the session asked for
+                it, so the daemon may hand it blocks of it: reconnect without it).
+        """
+        tiers: dict = {}
+        try:
+            self._open_tiers(conn, reply, devices, tiers)
+        except BaseException:
+            for tier_id, mapping in tiers.items():
+                if self.tiers.get(tier_id) is not mapping:
+                    mapping.close()
+            raise
+        return tiers
+
+    def _open_tiers(self, conn: Connection, reply: HelloReply, devices: list[str],
+                    tiers: dict) -> None:
+        for info in reply.tiers:
+            if not info.tier_id or info.device not in devices:
+                continue
+            current = self.tiers.get(info.tier_id)
+            if current is not None and current.generation == reply.generation:
+                tiers[info.tier_id] = current
+                continue
+            try:
+                handle, fds = conn.request_with_fds(OpenTier(info.tier_id))
+            except (DaemonError, ConnectionError) as exc:
+                raise _TierUnusable(info.device, _describe(exc)) from None
+            try:
+                if len(fds) != 1:
+                    raise _TierUnusable(info.device, f"OPEN_TIER sent {len(fds)} descriptors")
+                tiers[info.tier_id] = map_tier(info, handle, fds[0])
+            except _TierUnusable:
+                raise
+            except Exception as exc:  # no CUDA here, another device, a stale generation...
+                raise _TierUnusable(info.device, _describe(exc)) from None
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def _replace_tiers(self, tiers: dict) -> None:
+        """Make `tiers` current and unmap the ones no longer in it (another generation)."""
+        for tier_id, mapping in self.tiers.items():
+            if tiers.get(tier_id) is not mapping:
+                mapping.close()
+        self.tiers = tiers
+
+    def _tier_failed(self, device: str, reason: str) -> None:
+        """Never ask for `device` again; warn once per device per process."""
+        self.failed_devices.add(device)
+        if device not in _WARNED_DEVICES:
+            _WARNED_DEVICES.add(device)
+            logger.warning("the device tier of %s is not usable here (%s): using the host "
+                           "tier", device, reason)
 
     def try_connect(self, strict: bool = False) -> bool:
         """`connect()` now (timeout `timeout_s`); on any failure start disconnected.
@@ -456,7 +582,8 @@ class DaemonLink:
         is none now. For readers that need the arena but send nothing."""
         with self.lock:
             try:
-                return Snapshot(self, self.ensure_connected(), self.arena)
+                return Snapshot(self, self.ensure_connected(), self.arena, [], self.tiers,
+                                self.home_tier)
             except CacheUnavailable:
                 return None
 
@@ -556,10 +683,12 @@ class DaemonLink:
         return True
 
     def close(self) -> None:
-        """End the session (the daemon releases its pins) and unmap the arena."""
+        """End the session (the daemon releases its pins) and unmap the arena and the
+        device tiers."""
         with self.lock:
             self._closed = True
             self._drop_session()
+            self._replace_tiers({})
             if self.arena is not None:
                 self._unmap(self.arena)
                 self.arena = None

@@ -36,7 +36,7 @@ from lmcached.client.daemon_link import DaemonLink, chunks_per_request
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, KVSource
 from lmcached.client.layout import KVLayout
-from lmcached.client.records import RecordIO
+from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_out
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
@@ -82,6 +82,7 @@ class CacheEngine:
         self.num_checksum_failures = 0
         self._fingerprint = layout.fingerprint
         self._records: RecordIO | None = None
+        self._tiered: TieredRecords | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         self._pending_lock = threading.Lock()
@@ -101,6 +102,7 @@ class CacheEngine:
         cuda_register: bool = False,
         data_timeout_s: float | None = None,
         verify: str = "tokens",
+        tier_device: str | None = None,
     ) -> "CacheEngine":
         """Open a session with the daemon and map its arena once.
 
@@ -130,6 +132,12 @@ class CacheEngine:
                 every record it stores; a record without one, or with a wrong one, is a
                 miss counted in `num_checksum_failures` (README, "Trust model"; the
                 cost is measured by benchmarks/bench_engine.py).
+            tier_device: the UUID of a device whose tier the daemon has (`lmcached serve
+                --gpu-capacity`; "fake-0" with `--gpu-backend fake`): its memory is
+                mapped once, new chunks are stored there while it has empty blocks (else
+                in the host arena), and reads come from it first (docs/architecture.md,
+                "Tiers"). A tier that cannot be mapped here is warned about once and
+                the engine uses the host arena. None: the host arena only.
 
         Raises:
             ValueError: verify is not "tokens" or "checksum"; a timeout that is not
@@ -140,7 +148,7 @@ class CacheEngine:
         _check_verify(verify)
         link = DaemonLink(socket, name or "default", [layout.to_wire()], timeout_s,
                           f"CacheEngine({layout.model_name}, rank {layout.worker_id})",
-                          data_timeout_s)
+                          data_timeout_s, [tier_device] if tier_device else ())
         if cuda_register:
             from lmcached.client.cuda import register_arena, unregister_arena
 
@@ -155,10 +163,19 @@ class CacheEngine:
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
-    def _record_io(self, arena: Arena) -> RecordIO:
-        """Record reader/writer for `arena` (re-made after a restart)."""
-        self._records = RecordIO.for_arena(self._records, arena, self.layout)
-        return self._records
+    def _record_io(self, snapshot) -> RecordIO | TieredRecords:
+        """Record reader/writer for the snapshot's arena and device tiers (re-made after a
+        restart): a `TieredRecords` when the session maps device tiers."""
+        self._records = RecordIO.for_arena(self._records, snapshot.arena, self.layout)
+        if not snapshot.tiers:
+            return self._records
+        tiered = self._tiered
+        if tiered is None or tiered.arena is not snapshot.arena or any(
+                tiered.by_tier.get(t) is None or tiered.by_tier[t].arena is not m
+                for t, m in snapshot.tiers.items()):
+            by_tier = {t: RecordIO(m, self.layout) for t, m in snapshot.tiers.items()}
+            self._tiered = tiered = TieredRecords({0: self._records, **by_tier})
+        return tiered
 
     def _skip_tokens(self, num_tokens: int, mask, chunk_aligned: bool) -> int:
         """Leading tokens a suffix mask leaves out (a multiple of chunk_size if
@@ -328,8 +345,9 @@ class CacheEngine:
         def alloc(snapshot):
             end = min(len(hashes), pos + chunks_per_request(layout, snapshot.block_bytes))
             num_bytes = [layout.record_bytes(e - s) for s, e in chunks[pos:end]]
-            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes[pos:end]), num_bytes))
-            return reply, end, snapshot.generation, self._record_io(snapshot.arena)
+            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes[pos:end]), num_bytes,
+                                           snapshot.home_tier))
+            return reply, end, snapshot.generation, self._record_io(snapshot)
 
         allocated = link.call("ALLOC", alloc, None)
         if allocated is None:
@@ -387,7 +405,7 @@ class CacheEngine:
             (spans,) = snapshot.acquire_chain(hashes, layout)
             return PinnedChunks(self.link, token_array, first_chunk, spans,
                                 self._chunks(len(token_array), first_chunk)[: len(spans)],
-                                self._record_io(snapshot.arena), snapshot.session_id,
+                                self._record_io(snapshot), snapshot.session_id,
                                 list(snapshot.leases))
 
         run = self.link.call("ACQUIRE", acquire, None)
@@ -573,7 +591,7 @@ class CacheEngine:
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self.copier.close()
-            self._records = None
+            self._records = self._tiered = None
             self.link.close()
 
     def __enter__(self) -> "CacheEngine":

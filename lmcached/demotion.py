@@ -103,10 +103,16 @@ class Demoter:
         self._thread.start()
 
     # ------------------------------------------------------------ loop thread
-    def plan(self) -> int:
+    def plan(self, overflow: dict[int, int] | None = None) -> int:
         """Start demotions until every device tier has its reserve of empty blocks
         (counting those being emptied), within MAX_VALUES_PER_PASS values and
         MAX_INFLIGHT_DEMOTION_BYTES. Loop thread only.
+
+        Args:
+            overflow: per tier id, the size in chunks of an ALLOC that found the tier
+                full (some of its chunks went to the host arena): that many blocks (at
+                most half the tier) are emptied for the next store of that size, so
+                that the tier keeps the newest chunks rather than the oldest.
 
         Returns:
             How many values were started, freed or dropped.
@@ -117,8 +123,10 @@ class Demoter:
             pool = tier.pool
             if pool is None or tier.failed:
                 continue
-            missing = reserve_blocks(pool.num_blocks) - pool.num_empty_blocks \
-                - self.demoting_blocks[tier.tier_id]
+            wanted = reserve_blocks(pool.num_blocks)
+            if overflow:
+                wanted = max(wanted, min(overflow.get(tier.tier_id, 0), pool.num_blocks // 2))
+            missing = wanted - pool.num_empty_blocks - self.demoting_blocks[tier.tier_id]
             if missing <= 0:
                 continue
             for key, span in pool.lru_values(min(missing, MAX_VALUES_PER_PASS - started)):

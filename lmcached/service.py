@@ -591,8 +591,20 @@ class CacheService:
         if held:
             free(held)
         if device_pool is not None:
-            self.demoter.plan()
+            self._make_room(device_pool, block_ids, span_lengths)
         return AllocReply(status, block_ids, span_lengths)
+
+    def _make_room(self, device_pool: BlockPool, refs: list[int], span_lengths: list[int]) -> None:
+        """After an ALLOC for a device tier: when some of its one-block chunks found no
+        empty device block (and went to the host arena), demote enough for a store of
+        this size, so that the tier keeps the newest chunks."""
+        one_block, overflow, pos = 0, 0, 0
+        for length in span_lengths:
+            if length == 1:
+                one_block += 1
+                overflow += not refs[pos] >> 32
+            pos += length
+        self.demoter.plan({device_pool.tier_id: one_block} if overflow else None)
 
     def _device_pool(self, session: Session, req: Alloc) -> BlockPool | None:
         """The pool of ALLOC's preferred device tier, or None when its chunks go to the

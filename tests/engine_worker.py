@@ -217,22 +217,54 @@ def restart_client(socket: str, seed: int, stop_file: str) -> dict:
     return stats
 
 
+def tier_views(engine: CacheEngine, layout: KVLayout, tokens: list[int]) -> dict:
+    """retrieve_views of `tokens`: hits, mismatches, and how many views alias the
+    engine's device tier mapping (zero copy from the tier) rather than the host arena."""
+    tiers = engine.link.tiers
+    ranges = [(t.numpy_view(0, 1).ctypes.data, t.capacity_bytes) for t in tiers.values()]
+    with engine.retrieve_views(tokens) as views:
+        n = views.num_tokens
+        kv = torch.cat(views.chunks, dim=layout.token_dim) if n else None
+        in_tier = sum(any(base <= v.data_ptr() < base + size for base, size in ranges)
+                      for v in views.chunks)
+        mismatches = count_mismatches(layout, tokens, kv, n)
+    return {"hit": n, "mismatches": mismatches, "views_in_tier": in_tier}
+
+
 def main() -> None:
     mode, socket = sys.argv[1], sys.argv[2]
+    # A device tier to map (`lmcached serve --gpu-backend fake`: "fake-0"), or none.
+    tier_device = os.environ.get("LMCACHED_TEST_TIER_DEVICE") or None
     if mode == "store":
         start, length, worker_id, world = map(int, sys.argv[3:7])
         layout = small_layout(worker_id, world)
         tokens = list(range(start, start + length))
-        with CacheEngine.connect(layout, socket=socket, strict=True) as engine:
+        with CacheEngine.connect(layout, socket=socket, strict=True,
+                                 tier_device=tier_device) as engine:
             print(json.dumps({"stored": engine.store(tokens, prompt_kv(layout, tokens))}))
     elif mode == "retrieve":
         start, length, worker_id, world = map(int, sys.argv[3:7])
         layout = small_layout(worker_id, world)
         tokens = list(range(start, start + length))
-        with CacheEngine.connect(layout, socket=socket, strict=True) as engine:
+        with CacheEngine.connect(layout, socket=socket, strict=True,
+                                 tier_device=tier_device) as engine:
             kv, ret_mask = engine.retrieve(tokens, return_tuple=False)
             n = int(ret_mask.sum())
             print(json.dumps({"hit": n, "mismatches": count_mismatches(layout, tokens, kv, n)}))
+    elif mode == "views":
+        start, length = map(int, sys.argv[3:5])
+        layout = small_layout()
+        tokens = list(range(start, start + length))
+        with CacheEngine.connect(layout, socket=socket, strict=True,
+                                 tier_device=tier_device) as engine:
+            print(json.dumps(tier_views(engine, layout, tokens)))
+    elif mode == "hold":  # pin a prompt, say so, and wait to be killed
+        start, length = map(int, sys.argv[3:5])
+        engine = CacheEngine.connect(small_layout(), socket=socket, strict=True,
+                                     tier_device=tier_device)
+        run = engine.acquire(list(range(start, start + length)))
+        print(json.dumps({"pinned_chunks": len(run.spans)}), flush=True)
+        time.sleep(600)
     elif mode == "stress":
         print(json.dumps(stress(socket, int(sys.argv[3]), float(sys.argv[4]))))
     elif mode == "step":

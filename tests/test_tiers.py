@@ -516,3 +516,17 @@ def test_a_device_tier_smaller_than_a_block_stays_unused(unique_name):
         service.close()
         device.close()
         arena.close()
+
+
+def test_a_store_that_finds_the_tier_full_makes_room_for_the_next_one(tiered):
+    service, _ = tiered
+    gpu, _ = hello(service, [DEVICE])
+    write_and_commit(service, gpu, list(range(1, DEVICE_BLOCKS + 1)))  # fills the tier
+    drain_demotions(service)
+    refs = write_and_commit(service, gpu, [20, 21, 22, 23])  # 1 empty block: 3 overflow
+    assert [tier_of(r) for r in refs].count(0) == 3
+    drain_demotions(service)
+    assert service.tiers.pools[1].num_empty_blocks >= 4  # room for a store of that size
+    refs = write_and_commit(service, gpu, [30, 31, 32, 33])
+    assert [tier_of(r) for r in refs] == [1, 1, 1, 1]  # the newest chunks are on the device
+    service.tiers.check_invariants()

@@ -1,0 +1,136 @@
+"""CacheEngine over a device tier, in real processes against a real daemon whose device
+tier is a memfd (`--gpu-backend fake`, device "fake-0"): what CI can run of the GPU tier.
+Stores land in the tier, other processes read them in place from their own mapping of
+it, host-only processes never see them, a full tier demotes to the host arena without
+a wrong byte, a killed reader's device pins come back, and a tier that cannot be mapped
+is one warning and the host arena."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_worker import prompt_kv, small_layout
+from lmcached.client import CacheEngine
+from lmcached.client import daemon_link
+from lmcached.protocol import tier_of
+
+WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
+DEVICE = "fake-0"
+CHUNK = 16
+
+
+def run_worker(*args, device: str | None = DEVICE, timeout_s: float = 120) -> dict:
+    env = {**os.environ, "LMCACHED_TEST_TIER_DEVICE": device or ""}
+    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout_s, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def tiered_daemon(daemon_factory):
+    """A 16 MiB arena and a 1 MiB fake device tier, both of 64 KiB blocks: the tier holds
+    15 chunks, and keeps 1 block empty (an eighth) by demotion."""
+    return daemon_factory("--capacity", "16MiB", "--block-size", "64KiB",
+                          "--gpu-capacity", "1MiB", "--gpu-backend", "fake")
+
+
+def test_stores_land_in_the_tier_and_other_processes_read_them_in_place(tiered_daemon):
+    assert run_worker("store", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1) == {"stored": 8}
+    info = tiered_daemon.info()
+    assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (8, 0)
+    # Another process with the tier: bit-exact, and its views are its own mapping of it.
+    assert run_worker("views", tiered_daemon.socket, 0, 8 * CHUNK) == \
+        {"hit": 8 * CHUNK, "mismatches": 0, "views_in_tier": 8}
+    assert run_worker("retrieve", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1) == \
+        {"hit": 8 * CHUNK, "mismatches": 0}
+    assert tiered_daemon.info()["tier1_hits"] == 16
+    # A host-only process does not see device chunks; it stores and reads its own copy.
+    host = dict(device=None)
+    assert run_worker("retrieve", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1, **host)["hit"] == 0
+    assert run_worker("store", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1, **host) == {"stored": 8}
+    assert run_worker("retrieve", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1, **host) == \
+        {"hit": 8 * CHUNK, "mismatches": 0}
+    info = tiered_daemon.info()
+    assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (8, 8)
+    assert info["tier1_pinned_blocks"] == info["pinned_blocks"] == 0
+
+
+def test_a_full_tier_demotes_to_the_host_arena_and_every_byte_reads_back(tiered_daemon):
+    prompts = [(p * 1000, 6 * CHUNK) for p in range(6)]  # 36 chunks for a 15-chunk tier
+    for start, length in prompts:
+        assert run_worker("store", tiered_daemon.socket, start, length, 0, 1) == {"stored": 6}
+    info = tiered_daemon.info()
+    assert info["demotions"] > 0 and info["errors_demotion"] == 0
+    assert info["tier1_cached_blocks"] + info["cached_blocks"] == 36
+    for start, length in prompts:  # from the tier or from the host arena: the same bytes
+        assert run_worker("retrieve", tiered_daemon.socket, start, length, 0, 1) == \
+            {"hit": length, "mismatches": 0}
+    # The first prompt was demoted (least recently used): a host-only process has it.
+    assert run_worker("retrieve", tiered_daemon.socket, 0, 6 * CHUNK, 0, 1,
+                      device=None) == {"hit": 6 * CHUNK, "mismatches": 0}
+    assert tiered_daemon.info()["tier1_pinned_blocks"] == 0
+
+
+def test_a_killed_reader_gives_its_device_pins_back(tiered_daemon):
+    run_worker("store", tiered_daemon.socket, 0, 4 * CHUNK, 0, 1)
+    env = {**os.environ, "LMCACHED_TEST_TIER_DEVICE": DEVICE}
+    holder = subprocess.Popen([sys.executable, WORKER, "hold", tiered_daemon.socket, "0",
+                               str(4 * CHUNK)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert json.loads(holder.stdout.readline()) == {"pinned_chunks": 4}
+        assert tiered_daemon.info()["tier1_pinned_blocks"] == 4
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.stdout.close()
+    for _ in range(100):  # the daemon sees the EOF on its next loop pass
+        if tiered_daemon.info()["tier1_pinned_blocks"] == 0:
+            break
+    assert tiered_daemon.info()["tier1_pinned_blocks"] == 0
+
+
+def test_a_tier_that_cannot_be_mapped_is_one_warning_and_the_host_arena(
+        tiered_daemon, monkeypatch, caplog):
+    def cannot_map(info, handle, fd):
+        raise OSError("mapping refused (test)")
+
+    monkeypatch.setattr(daemon_link, "map_tier", cannot_map)
+    monkeypatch.setattr(daemon_link, "_WARNED_DEVICES", set())
+    layout = small_layout()
+    tokens = list(range(4 * CHUNK))
+    with caplog.at_level(logging.WARNING, logger="lmcached.client.daemon_link"):
+        for _ in range(2):
+            with CacheEngine.connect(layout, socket=tiered_daemon.socket, strict=True,
+                                     tier_device=DEVICE) as engine:
+                assert engine.link.tiers == {} and engine.link.failed_devices == {DEVICE}
+                engine.store(tokens, prompt_kv(layout, tokens))
+                kv, mask = engine.retrieve(tokens, return_tuple=False)
+                assert int(mask.sum()) == len(tokens)
+                assert torch.equal(kv, prompt_kv(layout, tokens))
+    warnings = [r for r in caplog.records if "not usable here" in r.getMessage()]
+    assert len(warnings) == 1 and "mapping refused (test)" in warnings[0].getMessage()
+    info = tiered_daemon.info()
+    assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (0, 4)
+
+
+def test_the_engine_writes_device_blocks_through_its_mapping(tiered_daemon):
+    layout = small_layout()
+    tokens = list(range(3 * CHUNK))
+    with CacheEngine.connect(layout, socket=tiered_daemon.socket, strict=True,
+                             tier_device=DEVICE) as engine:
+        assert engine.link.home_tier == 1 and set(engine.link.tiers) == {1}
+        assert engine.store(tokens, prompt_kv(layout, tokens)) == 3
+        run = engine.acquire(tokens)
+        try:
+            assert [tier_of(span[0]) for span in run.spans] == [1, 1, 1]
+        finally:
+            run.release()
