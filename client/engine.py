@@ -38,6 +38,7 @@ from lmcached.client.kv_io import ChunkCopier, KVSource
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_out
+from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
 from lmcached.logger import init_logger
@@ -146,6 +147,9 @@ class CacheEngine:
                 lmcached.protocol.DaemonError, posix_ipc.Error, ...).
         """
         _check_verify(verify)
+        if tier_device and verify == "checksum":
+            raise ValueError("verify='checksum' reads every record on the CPU: it cannot be "
+                             "combined with tier_device (use verify='tokens')")
         link = DaemonLink(socket, name or "default", [layout.to_wire()], timeout_s,
                           f"CacheEngine({layout.model_name}, rank {layout.worker_id})",
                           data_timeout_s, [tier_device] if tier_device else ())
@@ -163,7 +167,7 @@ class CacheEngine:
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
-    def _record_io(self, snapshot) -> RecordIO | TieredRecords:
+    def _record_io(self, snapshot) -> "RecordIO | TieredRecords":
         """Record reader/writer for the snapshot's arena and device tiers (re-made after a
         restart): a `TieredRecords` when the session maps device tiers."""
         self._records = RecordIO.for_arena(self._records, snapshot.arena, self.layout)
@@ -173,7 +177,8 @@ class CacheEngine:
         if tiered is None or tiered.arena is not snapshot.arena or any(
                 tiered.by_tier.get(t) is None or tiered.by_tier[t].arena is not m
                 for t, m in snapshot.tiers.items()):
-            by_tier = {t: RecordIO(m, self.layout) for t, m in snapshot.tiers.items()}
+            by_tier = {t: RecordIO(m, self.layout) if isinstance(m, Arena)
+                       else DeviceRecordIO(m, self.layout) for t, m in snapshot.tiers.items()}
             self._tiered = tiered = TieredRecords({0: self._records, **by_tier})
         return tiered
 
@@ -524,6 +529,7 @@ class CacheEngine:
             num_hit = chunks[-1][1] - skip if chunks else 0
             kv = copy_records_out(run.records, self.copier, spans, chunks, skip, num_hit,
                                   return_tuple, out) if num_hit else ()
+            run.records.synchronize()  # copies out of a GPU tier end before its RELEASE
         finally:
             run.release()
         self.hit_tokens += num_hit
@@ -577,8 +583,13 @@ class CacheEngine:
         num_hit = chunks[-1][1] - skip if chunks else 0
         self.hit_tokens += num_hit
         self.miss_tokens += len(token_array) - skip - num_hit
+        release = run.release
+        if isinstance(records, TieredRecords):  # views of a GPU tier: queued reads first
+            def release() -> None:
+                records.synchronize()
+                run.release()
         return RetrievedViews(views, [b for span in spans for b in span], skip, num_hit,
-                              run.release, layout.token_dim, self.copier)
+                              release, layout.token_dim, self.copier)
 
     # -------------------------------------------------------------------- close
     def close(self) -> None:

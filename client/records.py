@@ -114,12 +114,11 @@ class RecordIO:
         scatter(self.arena, span, [record])
 
     def _write_header(self, header: np.ndarray, chunk_hash: bytes, chunk_tokens: np.ndarray) -> None:
-        t = len(chunk_tokens)
-        # Every header byte is written (checksum kind CHECKSUM_NONE until `seal`): nothing
-        # of the block's previous record survives into this one.
-        header[:RECORD_HEADER_BYTES] = 0
-        RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, self.fingerprint, chunk_hash)
-        header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].view(np.int64)[:] = chunk_tokens
+        write_header(header, self.fingerprint, chunk_hash, chunk_tokens)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: host records are written and read synchronously (the
+        counterpart of `DeviceRecordIO.synchronize`)."""
 
     # -------------------------------------------------------------- integrity
     def seal(self, span: list[int], num_tokens: int) -> None:
@@ -189,16 +188,7 @@ class RecordIO:
             header = self._u8[base : base + RECORD_HEADER_BYTES + 8 * t]
         else:
             header = gather(self.arena, span, RECORD_HEADER_BYTES + 8 * t)
-        magic, num_tokens, record_fingerprint, record_hash = RECORD_HEADER.unpack_from(header, 0)
-        if (
-            magic != RECORD_MAGIC
-            or num_tokens != t
-            or record_fingerprint != fingerprint
-            or record_hash != chunk_hash
-        ):
-            return False
-        # A byte comparison in C: ~1 us for 256 tokens, 4x faster than np.array_equal.
-        return header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].tobytes() == chunk_tokens.tobytes()
+        return record_matches(header, chunk_hash, chunk_tokens, fingerprint)
 
     def verify_prefix(
         self,
@@ -301,6 +291,45 @@ class RecordIO:
 _BLOCK_MASK = (1 << TIER_SHIFT) - 1
 
 
+def write_header(header: np.ndarray, fingerprint: int, chunk_hash: bytes,
+                 chunk_tokens: np.ndarray) -> None:
+    """Write a record's header and token ids into `header` (uint8, at least
+    RECORD_HEADER_BYTES + 8 * len(chunk_tokens) bytes). Every header byte is written
+    (checksum kind CHECKSUM_NONE until `seal`): nothing of a block's previous record
+    survives into this one."""
+    t = len(chunk_tokens)
+    header[:RECORD_HEADER_BYTES] = 0
+    RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, fingerprint, chunk_hash)
+    header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].view(np.int64)[:] = chunk_tokens
+
+
+def record_matches(header: np.ndarray, chunk_hash: bytes, chunk_tokens: np.ndarray,
+                   fingerprint: int) -> bool:
+    """True when a record's header bytes (uint8, header and token ids) name exactly this
+    chunk: magic, token count, layout fingerprint, chunk hash and token ids."""
+    t = len(chunk_tokens)
+    magic, num_tokens, record_fingerprint, record_hash = RECORD_HEADER.unpack_from(header, 0)
+    if (
+        magic != RECORD_MAGIC
+        or num_tokens != t
+        or record_fingerprint != fingerprint
+        or record_hash != chunk_hash
+    ):
+        return False
+    # A byte comparison in C: ~1 us for 256 tokens, 4x faster than np.array_equal.
+    return header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].tobytes() == chunk_tokens.tobytes()
+
+
+def check_headers(headers: np.ndarray, chunk_hashes: list[bytes], token_array: np.ndarray,
+                  chunks: list[tuple[int, int]], fingerprint: int) -> int:
+    """How many leading records, given as header rows `[n, >= RECORD_HEADER_BYTES + 8 *
+    tokens]` uint8 (gathered from a device tier), name exactly their chunk."""
+    for i, (start, end) in enumerate(chunks):
+        if not record_matches(headers[i], chunk_hashes[i], token_array[start:end], fingerprint):
+            return i
+    return len(chunks)
+
+
 class TieredRecords:
     """`RecordIO` over the host arena and the device tiers a session mapped: the same
     methods, taking block references (`tier << 32 | block`, lmcached/protocol.py) and
@@ -387,6 +416,11 @@ class TieredRecords:
                 return start + num_ok
             start = end
         return len(spans)
+
+    def synchronize(self) -> None:
+        """Wait for the copies queued on every device tier (before a release)."""
+        for records in self.by_tier.values():
+            records.synchronize()
 
     def kv_view(self, ref: int, num_tokens: int) -> torch.Tensor:
         """`RecordIO.kv_view` of a one-block record in its tier (zero copy)."""
