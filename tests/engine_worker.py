@@ -107,7 +107,7 @@ def run_to_step(socket: str, step: str) -> None:
     if step == "alloc":
         engine.link.fill_and_commit = lambda *args: stop_at(step)
     elif step == "copy":
-        records = engine._record_io(engine.link.arena)
+        records = engine._record_io(engine.link.snapshot())
         write = records.write
 
         def half_write(span, chunk_hash, chunk_tokens, source, start, end):
