@@ -221,27 +221,32 @@ def tier_views(engine: CacheEngine, layout: KVLayout, tokens: list[int]) -> dict
     """retrieve_views of `tokens`: hits, mismatches, and how many views alias the
     engine's device tier mapping (zero copy from the tier) rather than the host arena."""
     tiers = engine.link.tiers
-    ranges = [(t.numpy_view(0, 1).ctypes.data, t.capacity_bytes) for t in tiers.values()]
+    ranges = [(t.u8.data_ptr() if hasattr(t, "u8") else t.numpy_view(0, 1).ctypes.data,
+               t.capacity_bytes) for t in tiers.values()]
     with engine.retrieve_views(tokens) as views:
         n = views.num_tokens
-        kv = torch.cat(views.chunks, dim=layout.token_dim) if n else None
+        kv = torch.cat([v.cpu() for v in views.chunks], dim=layout.token_dim) if n else None
         in_tier = sum(any(base <= v.data_ptr() < base + size for base, size in ranges)
                       for v in views.chunks)
+        devices = sorted({v.device.type for v in views.chunks})
         mismatches = count_mismatches(layout, tokens, kv, n)
-    return {"hit": n, "mismatches": mismatches, "views_in_tier": in_tier}
+    return {"hit": n, "mismatches": mismatches, "views_in_tier": in_tier, "devices": devices}
 
 
 def main() -> None:
     mode, socket = sys.argv[1], sys.argv[2]
-    # A device tier to map (`lmcached serve --gpu-backend fake`: "fake-0"), or none.
+    # A device tier to map (`lmcached serve --gpu-backend fake`: "fake-0"), or none; the
+    # device the stored KV lives on ("cuda" for the GPU tier tests).
     tier_device = os.environ.get("LMCACHED_TEST_TIER_DEVICE") or None
+    kv_device = os.environ.get("LMCACHED_TEST_KV_DEVICE", "cpu")
     if mode == "store":
         start, length, worker_id, world = map(int, sys.argv[3:7])
         layout = small_layout(worker_id, world)
         tokens = list(range(start, start + length))
         with CacheEngine.connect(layout, socket=socket, strict=True,
                                  tier_device=tier_device) as engine:
-            print(json.dumps({"stored": engine.store(tokens, prompt_kv(layout, tokens))}))
+            kv = prompt_kv(layout, tokens).to(kv_device)
+            print(json.dumps({"stored": engine.store(tokens, kv)}))
     elif mode == "retrieve":
         start, length, worker_id, world = map(int, sys.argv[3:7])
         layout = small_layout(worker_id, world)
@@ -250,6 +255,7 @@ def main() -> None:
                                  tier_device=tier_device) as engine:
             kv, ret_mask = engine.retrieve(tokens, return_tuple=False)
             n = int(ret_mask.sum())
+            kv = kv.cpu() if n else kv
             print(json.dumps({"hit": n, "mismatches": count_mismatches(layout, tokens, kv, n)}))
     elif mode == "views":
         start, length = map(int, sys.argv[3:5])

@@ -47,7 +47,7 @@ def test_stores_land_in_the_tier_and_other_processes_read_them_in_place(tiered_d
     assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (8, 0)
     # Another process with the tier: bit-exact, and its views are its own mapping of it.
     assert run_worker("views", tiered_daemon.socket, 0, 8 * CHUNK) == \
-        {"hit": 8 * CHUNK, "mismatches": 0, "views_in_tier": 8}
+        {"hit": 8 * CHUNK, "mismatches": 0, "views_in_tier": 8, "devices": ["cpu"]}
     assert run_worker("retrieve", tiered_daemon.socket, 0, 8 * CHUNK, 0, 1) == \
         {"hit": 8 * CHUNK, "mismatches": 0}
     assert tiered_daemon.info()["tier1_hits"] == 16
