@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on these machines' disk; a plain `torch` pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-fast test-vllm bench-vllm demo bench bench-quick clean install-test install-hf
+.PHONY: gpu-wheels test test-fast test-vllm bench-vllm demo bench bench-quick clean install-test install-hf
 
 # Each install step says what it does, then lets pip report its progress (no --quiet).
 # pip prints nothing while it unpacks a large wheel (torch: the longest step), so the
@@ -90,5 +90,15 @@ bench-quick: $(VENV)/.installed-bench
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run.py
 
+## make gpu-wheels: what the GPU machine (device tool: Python 3.12, torch and cuda-bindings
+## installed, no network) lacks, as wheels in .whl/ for `run(carry=[".whl"])`:
+## msgspec and posix_ipc for cp312, and lmcached itself. Then benchmarks/gpu_window.sh.
+gpu-wheels: $(VENV)/.installed-test
+	rm -rf .whl
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --implementation cp --no-deps -d .whl msgspec posix_ipc
+	$(PY) -m pip wheel --quiet --no-deps -w .whl .
+	du -sh .whl
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .whl
