@@ -11,10 +11,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine
 from lmcached.client import daemon_link
@@ -134,3 +136,48 @@ def test_the_engine_writes_device_blocks_through_its_mapping(tiered_daemon):
             assert [tier_of(span[0]) for span in run.spans] == [1, 1, 1]
         finally:
             run.release()
+
+
+def test_views_outlive_a_killed_daemon_and_the_engine_maps_the_next_generation(
+        tiered_daemon, short_tmp):
+    layout = small_layout()
+    tokens = list(range(4 * CHUNK))
+    expected = prompt_kv(layout, tokens)
+    engine = CacheEngine.connect(layout, socket=tiered_daemon.socket, strict=True,
+                                 tier_device=DEVICE)
+    restarted = None
+    try:
+        engine.store(tokens, expected)
+        old_generation = engine.link.generation
+        views = engine.retrieve_views(tokens)
+        chunks = views.chunks
+        tiered_daemon.proc.kill()
+        tiered_daemon.proc.wait(30)
+        # The daemon is gone; the memory it owned stays mapped while views hold it.
+        assert torch.equal(torch.cat(chunks, dim=layout.token_dim), expected)
+        views.release()  # its RELEASE goes nowhere: no error
+        del chunks
+        restarted = start_daemon(tiered_daemon.name, tiered_daemon.socket,
+                                 os.path.join(short_tmp, "restarted.log"),
+                                 "--capacity", "16MiB", "--block-size", "64KiB",
+                                 "--gpu-capacity", "1MiB", "--gpu-backend", "fake")
+        kv, mask = engine.retrieve(tokens, return_tuple=False)  # reconnects: a cold cache
+        assert int(mask.sum()) == 0
+        deadline = time.monotonic() + 10
+        while True:  # past the link's back-off
+            try:
+                engine.link.ensure_connected()
+                break
+            except daemon_link.CacheUnavailable:
+                assert time.monotonic() < deadline, "the engine did not reconnect"
+                time.sleep(0.05)
+        assert engine.link.generation != old_generation
+        assert engine.link.tiers[1].generation == engine.link.generation
+        assert engine.store(tokens, expected) == 4
+        kv, mask = engine.retrieve(tokens, return_tuple=False)
+        assert int(mask.sum()) == len(tokens) and torch.equal(kv, expected)
+        assert restarted.info()["tier1_cached_blocks"] == 4
+    finally:
+        engine.close()
+        if restarted is not None:
+            restarted.stop()
