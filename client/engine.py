@@ -583,11 +583,12 @@ class CacheEngine:
         num_hit = chunks[-1][1] - skip if chunks else 0
         self.hit_tokens += num_hit
         self.miss_tokens += len(token_array) - skip - num_hit
-        release = run.release
         if isinstance(records, TieredRecords):  # views of a GPU tier: queued reads first
             def release() -> None:
                 records.synchronize()
                 run.release()
+        else:
+            release = run.release
         return RetrievedViews(views, [b for span in spans for b in span], skip, num_hit,
                               release, layout.token_dim, self.copier)
 

@@ -518,7 +518,7 @@ class CacheService:
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
-        pool = self._require_pool()
+        self._require_pool()
         if not self._resuming:
             self.stat_lookups += 1
         num_chunks = len(per_namespace[0])

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -114,3 +115,51 @@ def test_g7_a_process_that_cannot_see_the_gpu_uses_the_host_arena(gpu_daemon):
     assert got["stderr"].count("not usable here") == 1
     info = gpu_daemon.info()
     assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (0, 4)
+
+
+def test_g6_views_outlive_a_killed_daemon_and_the_next_generation_is_mapped(
+        gpu_daemon, short_tmp):
+    from conftest import start_daemon
+    from engine_worker import prompt_kv, small_layout
+    from lmcached.client import CacheEngine
+    from lmcached.client.daemon_link import CacheUnavailable
+
+    uuid = gpu_uuid(gpu_daemon.socket)
+    layout = small_layout()
+    tokens = list(range(4 * CHUNK))
+    expected = prompt_kv(layout, tokens).cuda()
+    engine = CacheEngine.connect(layout, socket=gpu_daemon.socket, strict=True,
+                                 tier_device=uuid)
+    restarted = None
+    try:
+        assert engine.store(tokens, expected) == 4
+        old_generation = engine.link.generation
+        views = engine.retrieve_views(tokens)
+        chunks = views.chunks
+        assert all(c.device.type == "cuda" for c in chunks)
+        gpu_daemon.proc.kill()
+        gpu_daemon.proc.wait(30)
+        # VMM memory lives while a mapping does: the views still read, no CUDA error.
+        assert torch.equal(torch.cat(chunks, dim=layout.token_dim), expected)
+        torch.cuda.synchronize()
+        views.release()
+        del chunks, views
+        restarted = start_daemon(gpu_daemon.name, gpu_daemon.socket,
+                                 os.path.join(short_tmp, "restarted.log"), "--capacity",
+                                 "64MiB", "--block-size", "64KiB", "--gpu-capacity", "2MiB",
+                                 "--gpu-backend", "cuda")
+        for _ in range(200):  # past the link's back-off
+            try:
+                engine.link.ensure_connected()
+                break
+            except CacheUnavailable:
+                time.sleep(0.05)
+        assert engine.link.generation != old_generation
+        assert engine.link.tiers[1].generation == engine.link.generation
+        assert engine.store(tokens, expected) == 4
+        kv, mask = engine.retrieve(tokens, return_tuple=False)
+        assert int(mask.sum()) == len(tokens) and torch.equal(kv.cuda(), expected)
+    finally:
+        engine.close()
+        if restarted is not None:
+            restarted.stop()
