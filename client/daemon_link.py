@@ -369,11 +369,15 @@ class DaemonLink:
             Whatever `on_attach` raises.
         """
         with self.lock:
-            while True:
+            for _ in range(len(self.devices)):  # each failure drops one device
                 try:
                     return self._connect(timeout_s)
                 except _TierUnusable as exc:  # again, without that device
                     self._tier_failed(exc.device, exc.reason)
+            try:
+                return self._connect(timeout_s)
+            except _TierUnusable as exc:  # never loop: a daemon out of protocol
+                raise ConnectionError(f"device tier {exc}") from None
 
     def _connect(self, timeout_s: float | None) -> None:
         with self.lock:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import DaemonLink, chunks_per_request
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, chunks_per_request
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, KVSource
 from lmcached.client.layout import KVLayout
@@ -42,7 +42,7 @@ from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
 from lmcached.logger import init_logger
-from lmcached.protocol import NOSPACE, Alloc, Lookup
+from lmcached.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
 
 logger = init_logger(__name__)
 
@@ -89,6 +89,7 @@ class CacheEngine:
         self._pending_lock = threading.Lock()
         self._warned_mismatch = False
         self._warned_checksum = False
+        self._warned_unmapped = False
         self._pinned_lookups = PinnedLookups()
 
     @classmethod
@@ -358,6 +359,9 @@ class CacheEngine:
         if allocated is None:
             return 0
         reply, end, generation, records = allocated
+        if not records.maps(reply.block_ids):
+            self._abort_unmapped(reply.block_ids, generation)
+            return 0
         writes, seals = [], []
         for span, chunk_hash, (start, stop) in zip(reply.spans(), hashes[pos:end],
                                                    chunks[pos:end]):
@@ -388,6 +392,21 @@ class CacheEngine:
         self.num_stored_chunks += written
         self.num_nospace_chunks += num_nospace
         return written + num_later
+
+    def _abort_unmapped(self, block_ids: list[int], generation: int) -> None:
+        """ABORT an ALLOC reply that holds a block of a tier this engine has not mapped
+        (the daemon places chunks only in the tier the session asked for, or in the host
+        arena, so this indicates a bug): nothing is written, one warning."""
+        if not self._warned_unmapped:
+            self._warned_unmapped = True
+            logger.warning("ALLOC answered blocks of tiers %s, but this process maps tiers "
+                           "%s: chunks not stored; further cases are not logged",
+                           sorted({tier_of(ref) for ref in block_ids}),
+                           sorted({0, *self.link.tiers}))
+        try:
+            self.link.request(Abort(block_ids), generation)
+        except (CacheUnavailable, DaemonError):
+            pass  # the session's end aborts them anyway
 
     # ----------------------------------------------------------------- retrieve
     def _acquire(self, token_array: np.ndarray, first_chunk: int) -> PinnedChunks | None:
@@ -437,8 +456,9 @@ class CacheEngine:
         if not self._warned_mismatch:
             self._warned_mismatch = True
             logger.warning(
-                "block %s does not hold the requested tokens (hash collision or corrupted "
-                "index): treated as a miss; further mismatches are only counted", span,
+                "block %s does not hold the requested tokens (hash collision, corrupted "
+                "index, or a tier this process has not mapped): treated as a miss; further "
+                "mismatches are only counted", span,
             )
 
     def _verify_checksums(self, records: RecordIO, spans: list[list[int]],

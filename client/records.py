@@ -181,7 +181,11 @@ class RecordIO:
     def verify(
         self, span: list[int], chunk_hash: bytes, chunk_tokens: np.ndarray, fingerprint: int
     ) -> bool:
-        """True when the record in `span` holds exactly this chunk (hash, layout, tokens)."""
+        """True when the record in `span` holds exactly this chunk (hash, layout, tokens).
+        False too for a block this arena does not have (a device tier's reference, which
+        the daemon never hands a session that did not map the tier)."""
+        if not 0 <= span[0] < self.arena.num_blocks:
+            return False
         t = len(chunk_tokens)
         if len(span) == 1:
             base = self.arena.block_offset(span[0])
@@ -217,7 +221,11 @@ class RecordIO:
                 break
             num_fast += 1
         if num_fast > 1:
-            headers = self._all_headers()[[span[0] for span in spans[:num_fast]]]
+            try:
+                headers = self._all_headers()[[span[0] for span in spans[:num_fast]]]
+            except IndexError:  # a block this arena does not have: `verify` stops there
+                return self._verify_from(0, spans, chunk_hashes, token_array, chunks,
+                                         fingerprint)
             expected = np.frombuffer(
                 b"".join(RECORD_HEADER.pack(RECORD_MAGIC, chunk_size, fingerprint, h)
                          for h in chunk_hashes[:num_fast]),
@@ -231,11 +239,23 @@ class RecordIO:
                 return int(ok.argmin())
         else:
             num_fast = 0
-        for i in range(num_fast, len(spans)):
+        return self._verify_from(num_fast, spans, chunk_hashes, token_array, chunks,
+                                 fingerprint)
+
+    def _verify_from(self, first: int, spans: list[list[int]], chunk_hashes: list[bytes],
+                     token_array: np.ndarray, chunks: list[tuple[int, int]],
+                     fingerprint: int) -> int:
+        """`verify_prefix` one record at a time from record `first` on."""
+        for i in range(first, len(spans)):
             start, end = chunks[i]
             if not self.verify(spans[i], chunk_hashes[i], token_array[start:end], fingerprint):
                 return i
         return len(spans)
+
+    def maps(self, block_ids: list[int]) -> bool:
+        """True when every id in `block_ids` is a block of this arena (an ALLOC reply
+        holding another tier's reference must not be written here)."""
+        return not block_ids or max(block_ids) < self.arena.num_blocks
 
     def _all_headers(self) -> np.ndarray:
         """Header and token ids of every block's record: `[num_blocks, RECORD_HEADER_BYTES + 8*chunk_size]` uint8."""
@@ -359,6 +379,10 @@ class TieredRecords:
         if not tier:
             return self.by_tier[0], span
         return self.by_tier[tier], [ref & _BLOCK_MASK for ref in span]
+
+    def maps(self, block_ids: list[int]) -> bool:
+        """True when every reference in `block_ids` is of a tier mapped here."""
+        return {ref >> TIER_SHIFT for ref in block_ids} <= self.by_tier.keys()
 
     def write(self, span: list[int], *args) -> None:
         """`RecordIO.write` into the tier of `span`."""

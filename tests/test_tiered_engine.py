@@ -3,7 +3,9 @@ tier is a memfd (`--gpu-backend fake`, device "fake-0"): what CI can run of the 
 Stores land in the tier, other processes read them in place from their own mapping of
 it, host-only processes never see them, a full tier demotes to the host arena without
 a wrong byte, a killed reader's device pins come back, and a tier that cannot be mapped
-is one warning and the host arena."""
+is one warning and the host arena. A block ref of a tier the engine has not mapped is a
+miss or a skipped store, never an error. Last, without a daemon: `TieredRecords` over
+two arenas writes and reads each record in the tier of its ref."""
 
 import json
 import logging
@@ -13,14 +15,18 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
-from lmcached.client import CacheEngine
+from lmcached.client import CacheEngine, hash_request_tokens
 from lmcached.client import daemon_link
-from lmcached.protocol import tier_of
+from lmcached.client.kv_io import KVSource
+from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.protocol import block_ref, tier_of
+from lmcached.shm.arena import Arena
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
 DEVICE = "fake-0"
@@ -181,3 +187,128 @@ def test_views_outlive_a_killed_daemon_and_the_engine_maps_the_next_generation(
         engine.close()
         if restarted is not None:
             restarted.stop()
+
+
+def test_refs_of_a_tier_the_engine_has_not_mapped_are_misses_and_skipped_stores(
+        tiered_daemon, caplog):
+    layout = small_layout()
+    tokens = list(range(4 * CHUNK))
+    kv = prompt_kv(layout, tokens)
+    with CacheEngine.connect(layout, socket=tiered_daemon.socket, strict=True,
+                             tier_device=DEVICE) as engine:
+        assert engine.store(tokens, kv) == 4
+        # A broken daemon would hand this session refs of tier 1 after the engine lost
+        # its mapping of it: simulated by hiding the mapping from the engine's reads.
+        mapping, engine.link.tiers = engine.link.tiers, {}
+        try:
+            with caplog.at_level(logging.WARNING, logger="lmcached.client.engine"):
+                _, mask = engine.retrieve(tokens, return_tuple=False)
+                assert int(mask.sum()) == 0 and engine.num_verify_failures == 1
+                with engine.retrieve_views(tokens) as views:
+                    assert views.num_tokens == 0
+                assert engine.lookup(tokens, pin=True) == 0
+                assert engine.lookup_unpin(tokens) == 1
+                other = list(range(1000, 1000 + 3 * CHUNK))
+                assert engine.store(other, prompt_kv(layout, other)) == 0
+                assert engine.store(other, prompt_kv(layout, other)) == 0
+            info = tiered_daemon.info()
+            assert info["tier1_pinned_blocks"] == info["tier1_writing_blocks"] == 0
+            assert (info["tier1_cached_blocks"], info["cached_blocks"]) == (4, 0)
+            messages = [r.getMessage() for r in caplog.records]
+            assert sum("but this process maps tiers [0]" in m for m in messages) == 1
+            assert sum("does not hold the requested tokens" in m for m in messages) == 1
+        finally:
+            engine.link.tiers = mapping
+        kv_out, mask = engine.retrieve(tokens, return_tuple=False)  # mapped again: hits
+        assert int(mask.sum()) == len(tokens) and torch.equal(kv_out, kv)
+        run = engine.acquire(tokens)
+        assert [tier_of(span[0]) for span in run.spans] == [1] * 4
+        run.release()
+
+
+# ------------------------------------------------ records of two tiers (no daemon)
+@pytest.fixture
+def two_tiers(unique_name):
+    """A host arena and a "fake" device tier (anonymous arenas of 64 KiB blocks) with
+    their readers, as an engine holds them for a session that mapped tier 1."""
+    host = Arena.create_memfd(unique_name, 7, 1 << 20, 64 * 1024)
+    device = Arena.create_memfd(unique_name, 7, 1 << 20, 64 * 1024)
+    layout = small_layout()
+    yield TieredRecords({0: RecordIO(host, layout), 1: RecordIO(device, layout)}), layout
+    host.close()
+    device.close()
+
+
+def write_prompt(records, layout, spans: list[list[int]]) -> tuple:
+    """Write the records of a `len(spans)`-chunk prompt into `spans`; returns what a
+    reader passes to verify_prefix."""
+    tokens = np.arange(len(spans) * CHUNK, dtype=np.int64)
+    hashes = hash_request_tokens(CHUNK, tokens)
+    chunks = [(i * CHUNK, (i + 1) * CHUNK) for i in range(len(spans))]
+    source = KVSource(prompt_kv(layout, tokens.tolist()), layout)
+    for span, chunk_hash, (start, end) in zip(spans, hashes, chunks):
+        records.write(span, chunk_hash, tokens[start:end], source, start, end)
+    return tokens, hashes, chunks
+
+
+def test_tiered_records_write_each_chunk_in_the_tier_of_its_ref(two_tiers):
+    records, layout = two_tiers
+    # Chunks 0-1 in host blocks 3, 4; chunks 2-3 in device blocks 3, 4 (the same local ids).
+    spans = [[3], [4], [block_ref(1, 3)], [block_ref(1, 4)]]
+    tokens, hashes, chunks = write_prompt(records, layout, spans)
+    fp = layout.fingerprint
+    assert records.verify_prefix(spans, hashes, tokens, chunks, fp) == 4
+    host, device = records.by_tier[0], records.by_tier[1]
+    # Each record is in its own tier only: the other tier's block with that id is empty.
+    assert host.verify([3], hashes[0], tokens[:CHUNK], fp)
+    assert not device.verify([3], hashes[0], tokens[:CHUNK], fp)
+    assert device.verify([3], hashes[2], tokens[2 * CHUNK : 3 * CHUNK], fp)
+    assert not host.verify([3], hashes[2], tokens[2 * CHUNK : 3 * CHUNK], fp)
+    expected = prompt_kv(layout, tokens.tolist())
+    views = [records.kv_view(span[0], CHUNK) for span in spans]
+    assert torch.equal(torch.cat(views, dim=layout.token_dim), expected)
+    device_base = device.arena.numpy_view(0, 1).ctypes.data
+    assert [device_base <= v.data_ptr() < device_base + device.arena.capacity_bytes
+            for v in views] == [False, False, True, True]  # zero copy, from its tier
+
+
+def test_verify_prefix_over_mixed_tiers_stops_at_the_first_bad_record(two_tiers):
+    records, layout = two_tiers
+    spans = [[block_ref(1, 0)], [block_ref(1, 1)], [5], [6], [block_ref(1, 2)],
+             [block_ref(1, 3)]]
+    tokens, hashes, chunks = write_prompt(records, layout, spans)
+    fp = layout.fingerprint
+    assert records.verify_prefix(spans, hashes, tokens, chunks, fp) == 6
+    other = tokens.copy()
+    other[5 * CHUNK + 3] += 1  # chunk 5 (device block 3) holds other tokens
+    assert records.verify_prefix(spans, hashes, other, chunks, fp) == 5
+    other = tokens.copy()
+    other[3 * CHUNK] += 1  # chunk 3 (host block 6)
+    assert records.verify_prefix(spans, hashes, other, chunks, fp) == 3
+    # A partial last chunk on the device tier goes through the one-by-one path.
+    short = tokens[: 5 * CHUNK + 7]
+    spans[5] = [block_ref(1, 9)]
+    write_prompt(records, layout, spans[:5])
+    source = KVSource(prompt_kv(layout, short.tolist()), layout)
+    short_hashes = hash_request_tokens(CHUNK, short)
+    records.write(spans[5], short_hashes[5], short[5 * CHUNK :], source, 5 * CHUNK, len(short))
+    short_chunks = chunks[:5] + [(5 * CHUNK, len(short))]
+    assert records.verify_prefix(spans, short_hashes, short, short_chunks, fp) == 6
+    assert torch.equal(records.kv_view(spans[5][0], 7),
+                       prompt_kv(layout, short.tolist()).narrow(layout.token_dim, 5 * CHUNK, 7))
+
+
+def test_a_ref_of_a_tier_not_mapped_here_is_a_miss_not_an_error(two_tiers):
+    records, layout = two_tiers
+    spans = [[1], [2], [block_ref(1, 1)]]
+    tokens, hashes, chunks = write_prompt(records, layout, spans)
+    fp = layout.fingerprint
+    foreign = spans[:2] + [[block_ref(2, 1)]]  # tier 2: never mapped
+    assert records.verify_prefix(foreign, hashes, tokens, chunks, fp) == 2
+    assert not records.verify(foreign[2], hashes[2], tokens[2 * CHUNK :], fp)
+    # A host-only reader (an engine without tiers) given a device ref: a miss too.
+    host = records.by_tier[0]
+    assert host.verify_prefix(spans, hashes, tokens, chunks, fp) == 2
+    assert host.verify_prefix(spans[2:], hashes[2:], tokens, chunks[2:], fp) == 0
+    assert not host.maps([1, block_ref(1, 1)]) and host.maps([1, 2])
+    assert records.maps([1, block_ref(1, 1)]) and not records.maps([1, block_ref(2, 1)])
