@@ -92,7 +92,8 @@ QUOTED_MESSAGES = [
     "this daemon speaks",
     "KV dtype is",
     "zero-copy views need one block per chunk",
-    "does not hold the requested tokens (hash collision or corrupted index): treated as a miss",
+    "does not hold the requested tokens (hash collision, corrupted index, or a tier this "
+    "process has not mapped): treated as a miss",
     "pinned lookups were never retrieved: unpinning the oldest",
     "copies stay staged; raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity) to page-lock it",
     "CUDA is not available: arena not registered",
