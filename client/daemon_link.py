@@ -143,7 +143,14 @@ class _TierUnusable(Exception):
         self.reason = reason
 
 
-_WARNED_DEVICES: set[str] = set()  # devices whose unusable tier was warned about
+_WARNED_DEVICES: set[str] = set()
+
+
+def _close_other(tiers: dict, kept: dict) -> None:
+    """Unmap each tier mapping of `tiers` that `kept` does not hold (the same object)."""
+    for tier_id, mapping in tiers.items():
+        if kept.get(tier_id) is not mapping:
+            mapping.close()  # devices whose unusable tier was warned about
 
 
 def map_tier(info: TierInfo, handle, fd: int):
@@ -402,9 +409,7 @@ class DaemonLink:
                     arena = new_arena
             except BaseException:
                 conn.close()
-                for tier_id, mapping in tiers.items():  # mapped by this attempt only
-                    if self.tiers.get(tier_id) is not mapping:
-                        mapping.close()
+                _close_other(tiers, self.tiers)  # mapped by this attempt only
                 raise
             self._conn, self.hello_reply, self.arena = conn, reply, arena
             self._replace_tiers(tiers)
@@ -423,9 +428,7 @@ class DaemonLink:
         try:
             self._open_tiers(conn, reply, devices, tiers)
         except BaseException:
-            for tier_id, mapping in tiers.items():
-                if self.tiers.get(tier_id) is not mapping:
-                    mapping.close()
+            _close_other(tiers, self.tiers)
             raise
         return tiers
 
@@ -456,9 +459,7 @@ class DaemonLink:
 
     def _replace_tiers(self, tiers: dict) -> None:
         """Make `tiers` current and unmap the ones no longer in it (another generation)."""
-        for tier_id, mapping in self.tiers.items():
-            if tiers.get(tier_id) is not mapping:
-                mapping.close()
+        _close_other(self.tiers, tiers)
         self.tiers = tiers
 
     def _tier_failed(self, device: str, reason: str) -> None:
