@@ -48,13 +48,14 @@ from lmcached.client.daemon_link import CacheUnavailable
 from lmcached.client.engine import CacheEngine
 from lmcached.client.hashing import hash_block_tokens, hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.views import RetrievedViews
+from lmcached.client.views import PinsLost, RetrievedViews
 
 __all__ = [
     "CacheEngine",
     "CacheEngineBuilder",
     "CacheUnavailable",
     "KVLayout",
+    "PinsLost",
     "RetrievedViews",
     "hash_block_tokens",
     "hash_request_tokens",

@@ -630,6 +630,25 @@ class DaemonLink:
                 snapshot.release()
                 raise
 
+    def holds(self, session_id: int, generation: int) -> bool:
+        """Whether session `session_id` of arena generation `generation` is still this
+        link's open session, so that the pins it took still hold.
+
+        Pins live as long as their session: a reconnect (after a timeout, a restart, a
+        closed engine) or the daemon closing the connection (`--idle-timeout`, a
+        dropped client) releases them all, and their blocks may then hold another
+        chunk. A caller that read pinned blocks asks this after reading: True means
+        nothing could have rewritten them meanwhile (the daemon closes a session's
+        socket before it releases its pins, `Connection.peer_closed`). No request is
+        sent (one poll(2)); a closed connection is noticed here, before any request
+        would fail on it.
+        """
+        with self.lock:
+            reply, conn = self.hello_reply, self._conn
+            return (reply is not None and conn is not None
+                    and reply.session_id == session_id and reply.generation == generation
+                    and not conn.peer_closed())
+
     def release(self, leases: list[int], session_id: int) -> None:
         """RELEASE `leases` taken in session `session_id` (fire-and-forget: no reply is
         awaited). Never raises.

@@ -65,6 +65,9 @@ class CacheEngine:
             (treated as misses).
         num_checksum_failures: chunks whose record held the requested tokens but no
             payload checksum, or a wrong one (verify="checksum" only; treated as misses).
+        num_stale_pins: pinned runs given up because their pins no longer held when
+            they were read (their daemon session ended: a timeout, --idle-timeout, a
+            restart); read again from the daemon, or a miss.
         verify: "tokens" or "checksum" (see `connect`).
     """
 
@@ -81,6 +84,7 @@ class CacheEngine:
         self.num_nospace_chunks = 0
         self.num_verify_failures = 0
         self.num_checksum_failures = 0
+        self.num_stale_pins = 0
         self._fingerprint = layout.fingerprint
         self._records: RecordIO | None = None
         self._tiered: TieredRecords | None = None
@@ -90,6 +94,7 @@ class CacheEngine:
         self._warned_mismatch = False
         self._warned_checksum = False
         self._warned_unmapped = False
+        self._warned_stale = False
         self._pinned_lookups = PinnedLookups()
 
     @classmethod
@@ -430,26 +435,47 @@ class CacheEngine:
             return PinnedChunks(self.link, token_array, first_chunk, spans,
                                 self._chunks(len(token_array), first_chunk)[: len(spans)],
                                 self._record_io(snapshot), snapshot.session_id,
-                                list(snapshot.leases))
+                                snapshot.generation, list(snapshot.leases),
+                                hashes[: len(spans)])
 
         run = self.link.call("ACQUIRE", acquire, None)
         if run is None or not run.spans:
             return run
-        num_ok = run.records.verify_prefix(run.spans, hashes, token_array, run.chunks,
+        num_ok = run.records.verify_prefix(run.spans, run.hashes, token_array, run.chunks,
                                            self._fingerprint)
         if num_ok < len(run.spans):
             self._count_mismatch(run.spans[num_ok])
         if self.verify == "checksum" and num_ok:
             num_ok = self._verify_checksums(run.records, run.spans[:num_ok], run.chunks[:num_ok])
-        del run.spans[num_ok:], run.chunks[num_ok:]
+        run.truncate(num_ok)
         return run
 
     def _pinned(self, token_array: np.ndarray, skip: int) -> PinnedChunks | None:
-        """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE."""
+        """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE.
+
+        A pinned lookup is used only while its pins still hold (its session is the
+        link's open one) and its records still hold its chunks; otherwise it is dropped
+        (counted in `num_stale_pins`) and the chunks are ACQUIREd again: its blocks may
+        have been reused for another prompt since the lookup.
+        """
         run = self._pinned_lookups.take(token_array) if len(self._pinned_lookups) else None
         if run is not None:
-            return run
+            if run.holds_pins() and run.records_match():
+                return run
+            self._drop_stale(run)
         return self._acquire(token_array, skip // self.layout.chunk_size)
+
+    def _drop_stale(self, run: PinnedChunks) -> None:
+        """Give up a pinned run whose pins no longer hold (counted, warned once)."""
+        run.release()
+        self.num_stale_pins += 1
+        if not self._warned_stale:
+            self._warned_stale = True
+            logger.warning(
+                "chunks pinned in daemon session %d were released before they were read "
+                "(the session ended: a timeout, --idle-timeout, or a restart): read again "
+                "from the daemon; further cases are only counted", run.session_id,
+            )
 
     def _count_mismatch(self, span: list[int]) -> None:
         self.num_verify_failures += 1
@@ -550,6 +576,9 @@ class CacheEngine:
             kv = copy_records_out(run.records, self.copier, spans, chunks, skip, num_hit,
                                   return_tuple, out) if num_hit else ()
             run.records.synchronize()  # copies out of a GPU tier end before its RELEASE
+            if num_hit and not run.holds_pins():  # the blocks may have been reused meanwhile
+                self._drop_stale(run)
+                kv, num_hit = (), 0
         finally:
             run.release()
         self.hit_tokens += num_hit
@@ -610,7 +639,7 @@ class CacheEngine:
         else:
             release = run.release
         return RetrievedViews(views, [b for span in spans for b in span], skip, num_hit,
-                              release, layout.token_dim, self.copier)
+                              release, layout.token_dim, self.copier, run.holds_pins)
 
     # -------------------------------------------------------------------- close
     def close(self) -> None:

@@ -35,6 +35,10 @@ from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.engine import CacheEngine
 from lmcached.client.hf_blend import check_blend_supported, run_blended_layers
 from lmcached.client.layout import KVLayout
+from lmcached.client.views import PinsLost
+from lmcached.logger import init_logger
+
+logger = init_logger(__name__)
 
 BLEND_STRATEGIES = ("cacheblend", "legolink")
 
@@ -333,14 +337,26 @@ def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.
     _check_engine(model, engine)
     check_blend_supported(model)
     rotary = LlamaRotary.from_model(model)
-    if strategy == "cacheblend":
-        executor = CacheBlendImpl(recompute_ratio)
-    else:
-        executor = LegoLinkImpl(legolink_k)
-    executor.set_positional_encoder(rotary.encoder)
+
+    def new_executor():  # one per attempt: an executor keeps per-prompt state
+        executor = (CacheBlendImpl(recompute_ratio) if strategy == "cacheblend"
+                    else LegoLinkImpl(legolink_k))
+        executor.set_positional_encoder(rotary.encoder)
+        return executor
+
     retriever = SPTBlendRetriever(spt_token_id, engine, device=model.device)
-    with retriever.new_request(ids.cpu(), torch.tensor([0, ids.numel()])) as task:
-        run = run_blended_layers(model, ids, task, executor)
+    query_start_loc = torch.tensor([0, ids.numel()])
+    try:
+        with retriever.new_request(ids.cpu(), query_start_loc) as task:
+            run = run_blended_layers(model, ids, task, new_executor())
+    except PinsLost as exc:  # the pins went with their daemon session: pin again, once
+        logger.warning("blend_prefill: %s", exc)
+        try:
+            with retriever.new_request(ids.cpu(), query_start_loc) as task:
+                run = run_blended_layers(model, ids, task, new_executor())
+        except PinsLost:  # the session keeps ending: a full prefill, reusing nothing
+            with retriever.empty_request(ids.numel()) as task:
+                run = run_blended_layers(model, ids, task, new_executor())
     logits = model.lm_head(model.model.norm(run.last_hidden)).float()
     ttft_s = time.perf_counter() - started
     return BlendPrefill(

@@ -44,8 +44,14 @@ class PinnedChunks:
         chunks: `[start, end)` token range (in the request) of each verified chunk.
         records: reader of the arena generation the blocks belong to.
         session_id: the daemon session that holds the leases.
+        generation: the arena generation of that session.
         leases: the daemon leases pinning the blocks (also those of chunks that failed
             verification, which are not in `spans`).
+        hashes: the prefix hash of each verified chunk, aligned with `spans`.
+
+    The pins hold only while their session does: `holds_pins()` says whether they still
+    do, and readers ask it after reading (a reconnect or the daemon closing the
+    connection releases them, and the blocks may then hold another prompt's KV).
     """
 
     link: DaemonLink
@@ -55,7 +61,9 @@ class PinnedChunks:
     chunks: list[tuple[int, int]]
     records: RecordIO
     session_id: int
+    generation: int
     leases: list[int]
+    hashes: list[bytes]
     released: bool = False
 
     @property
@@ -66,6 +74,33 @@ class PinnedChunks:
     def holds(self, tokens: np.ndarray) -> bool:
         """Whether this run was pinned for exactly these tokens."""
         return len(self.tokens) == len(tokens) and np.array_equal(self.tokens, tokens)
+
+    def holds_pins(self) -> bool:
+        """Whether the blocks still hold what was pinned (no request is sent).
+
+        True while the leases' session is the link's open session (`DaemonLink.holds`).
+        Once the link is on a newer arena generation, the daemon that pinned the blocks
+        is gone and hands none of them out again; the only writers left are those it
+        gave a block before it stopped, and a writer writes a record's header first, so
+        the records are checked (`records_match`). Otherwise (the session ended but its
+        daemon may still run: a timeout, `--idle-timeout`, or no session now) False.
+        """
+        if self.released:
+            return False
+        if self.link.holds(self.session_id, self.generation):
+            return True
+        current = self.link.generation
+        return current is not None and current != self.generation and self.records_match()
+
+    def records_match(self) -> bool:
+        """Whether every verified record still holds exactly its chunk (header, hash
+        and token ids: `RecordIO.verify_prefix`, about 1 us a chunk)."""
+        return self.records.verify_prefix(self.spans, self.hashes, self.tokens, self.chunks,
+                                          self.records.fingerprint) == len(self.spans)
+
+    def truncate(self, num_chunks: int) -> None:
+        """Keep only the first `num_chunks` verified chunks (the leases stay as they are)."""
+        del self.spans[num_chunks:], self.chunks[num_chunks:], self.hashes[num_chunks:]
 
     def from_chunk(self, first_chunk: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """(spans, chunks) of the verified chunks from request chunk `first_chunk` on."""

@@ -12,12 +12,20 @@ from lmcached.logger import init_logger
 logger = init_logger(__name__)
 
 
+class PinsLost(RuntimeError):
+    """The daemon session that pinned these blocks ended while they were read (a
+    timeout, `--idle-timeout`, a restart): the bytes read may be another prompt's KV and
+    must not be used. Recompute them, or retrieve again."""
+
+
 class RetrievedViews:
     """The cached prefix of a request as views of the arena, pinned until `release()`.
 
-    Use as a context manager. While it is open, its blocks are never evicted or
-    reused, so the views are stable; after exit `.chunks` raises, and tensors taken from
-    it earlier must not be used (the daemon may hand their blocks to a writer).
+    Use as a context manager. While it is open and its pins hold, its blocks are never
+    evicted or reused, so the views are stable; after exit `.chunks` raises, and tensors
+    taken from it earlier must not be used (the daemon may hand their blocks to a
+    writer). The pins hold as long as the engine's daemon session: a caller that reads
+    the views directly asks `pins_held()` after reading (`copy_to` does).
 
     Attributes:
         num_tokens: tokens covered by the views (0 on a miss).
@@ -34,6 +42,7 @@ class RetrievedViews:
         release_fn: Callable[[], None] | None,
         token_dim: int = 2,
         copier: ChunkCopier | None = None,
+        holds_fn: Callable[[], bool] | None = None,
     ) -> None:
         self._chunks = chunks
         self._token_dim = token_dim
@@ -42,7 +51,14 @@ class RetrievedViews:
         self.start_token = start_token
         self.num_tokens = num_tokens
         self._release_fn = release_fn
+        self._holds_fn = holds_fn
         self._released = False
+
+    def pins_held(self) -> bool:
+        """Whether the blocks are still pinned: not released, and the daemon session that
+        pinned them is still open (no request is sent). True after reading the views
+        means what was read was the cached KV; False means it may not have been."""
+        return not self._released and (self._holds_fn is None or self._holds_fn())
 
     @property
     def chunks(self) -> list[torch.Tensor]:
@@ -68,6 +84,7 @@ class RetrievedViews:
         Raises:
             ValueError: `out` holds fewer tokens than the views, or another shape.
             RuntimeError: the views were released.
+            PinsLost: the pins were lost while copying (`out` holds no usable KV).
         """
         chunks = self.chunks
         if out.dim() != 5 or out.shape[self._token_dim] < self.num_tokens:
@@ -79,6 +96,8 @@ class RetrievedViews:
             start += n
         self._copier.run(tasks)
         synchronize_if_cuda(out)
+        if not self.pins_held():
+            raise PinsLost("the daemon session that pinned these views ended during the copy")
         return out.narrow(self._token_dim, 0, self.num_tokens)
 
     def release(self) -> None:

@@ -26,6 +26,7 @@ socket round trip itself (docs/architecture.md, "Performance rules").
 """
 
 import os
+import select
 import socket
 import struct
 from typing import Annotated, Literal
@@ -37,6 +38,8 @@ MAX_FRAME_BYTES = 1 << 20
 HASH_BYTES = 16
 MAX_CHUNKS_PER_REQUEST = 1 << 16  # 16M tokens at chunk_size 256
 _LENGTH = struct.Struct("<I")
+# poll(2) events of a connection the peer closed (or that broke).
+_PEER_GONE_EVENTS = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
 # Per-chunk status in an ALLOC reply.
 ALLOCATED = 0  # blocks handed out in WRITING for this session: write, then COMMIT
@@ -648,6 +651,22 @@ class Connection:
     def close(self) -> None:
         """Close the socket (the daemon then releases this session's pins)."""
         self._sock.close()
+
+    def peer_closed(self) -> bool:
+        """Whether this connection is over: closed here, or by the daemon, with no wait.
+
+        One poll(2) with a zero timeout for POLLHUP / POLLRDHUP / POLLERR, so it never
+        reads a byte (a reply another thread waits for stays where it is). The daemon
+        closes a session's socket before it releases that session's pins, in one loop
+        pass (lmcached/server.py `_close`), so False after reading pinned blocks means
+        the pins held while they were read.
+        """
+        fd = self._sock.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)
+        return any(events & _PEER_GONE_EVENTS for _, events in poller.poll(0))
 
     def __enter__(self) -> "Connection":
         return self

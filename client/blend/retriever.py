@@ -47,6 +47,7 @@ from lmcached.client.hashing import as_token_array
 from lmcached.client.kv_io import copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.client.retrieve import PinnedChunks
+from lmcached.client.views import PinsLost
 from lmcached.logger import init_logger
 
 logger = init_logger(__name__)
@@ -176,6 +177,9 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
             TypeError: layer_id is not an int.
             IndexError: layer_id out of range.
             RuntimeError: the task was released (its blocks may hold other KV now).
+            PinsLost: the daemon session that pinned the blocks ended (a timeout,
+                `--idle-timeout`, a restart) before this layer was read: its bytes may be
+                another prompt's KV. Make a new task (`new_request`), or recompute.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this retriever task was released: its blocks may be reused; "
@@ -199,6 +203,9 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
         self._engine.copier.run([functools.partial(_copy_layer, k, v, chunk, layer_id)
                                  for chunk in self._chunks])
         synchronize_if_cuda(k)
+        if not all(run.holds_pins() for run in self._runs):  # blocks may have been reused
+            raise PinsLost(f"the daemon session that pinned this task's blocks ended before "
+                           f"layer {layer_id} was read: retrieve again or recompute")
         return BlendRetrieverResult(k, v, self.valid_mask, self.original_positions)
 
     def release(self) -> None:
@@ -338,3 +345,14 @@ class SPTBlendRetriever(BlendRetriever):
             raise
         return SPTBlendRetrieverTask(self.cache_engine, runs, chunks, valid_mask,
                                      original_positions, segments, self.device)
+
+    def empty_request(self, num_tokens: int) -> SPTBlendRetrieverTask:
+        """A task of one request of `num_tokens` tokens that reuses nothing (every token
+        is recomputed; nothing is pinned): the fall-back when pinned KV was lost.
+
+        Args:
+            num_tokens: the request's length, >= 1.
+        """
+        return SPTBlendRetrieverTask(
+            self.cache_engine, [], [], torch.zeros(num_tokens, dtype=torch.bool),
+            torch.zeros(num_tokens, dtype=torch.int64), [(0, num_tokens)], self.device)
