@@ -95,6 +95,8 @@ QUOTED_MESSAGES = [
     "does not hold the requested tokens (hash collision, corrupted index, or a tier this "
     "process has not mapped): treated as a miss",
     "pinned lookups were never retrieved: unpinning the oldest",
+    "were released before they were read (the session ended: a timeout, --idle-timeout, "
+    "or a restart): read again from the daemon",
     "copies stay staged; raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity) to page-lock it",
     "CUDA is not available: arena not registered",
     "max number of clients reached",

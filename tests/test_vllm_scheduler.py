@@ -7,6 +7,7 @@ request whatever the TP size (one ACQUIRE over every rank's namespace), pins hel
 lookup to load and always given back, and misses (not exceptions) without a daemon.
 """
 
+import time
 import types
 
 import numpy as np
@@ -149,3 +150,39 @@ def test_without_a_daemon_every_lookup_is_a_miss(short_tmp):
         scheduler.request_finished(request)
     finally:
         scheduler.shutdown()
+
+
+def wait_for_pins(daemon, expected: int, deadline_s: float = 10.0) -> int:
+    deadline = time.monotonic() + deadline_s
+    while (held := daemon.pins_held()) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held
+
+
+@pytest.mark.parametrize("lost", ["before_alloc", "before_step"])
+def test_a_load_sent_to_the_workers_names_only_blocks_pinned_now(scheduler, daemon, lost):
+    # The scheduler's session ends (a timed-out request drops it) between the lookup and
+    # the allocation, or between the allocation and the step: the daemon releases its
+    # pins, so the blocks the plan names may be handed to another writer. The load the
+    # workers get must name blocks pinned in the scheduler's open session.
+    tokens = np.arange(3 * CHUNK + 1)
+    store_in_ranks(daemon.socket, tokens, range(TP))
+    request = fake_request("r", tokens)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == 3 * CHUNK
+    if lost == "before_alloc":
+        scheduler._link.mark_down("test: a request timed out")
+        assert wait_for_pins(daemon, 0) == 0
+        time.sleep(0.1)  # past the link's first back-off: it may reconnect
+    scheduler.update_state_after_alloc(request, fake_blocks(range(7)), 3 * CHUNK)
+    if lost == "before_step":
+        scheduler._link.mark_down("test: a request timed out")
+        assert wait_for_pins(daemon, 0) == 0
+        time.sleep(0.1)  # past the link's first back-off: it may reconnect
+    step, (load,), _ = scheduler.build_step(step_output(request))
+    assert scheduler.num_stale_pins == 1
+    session = scheduler._link.hello_reply
+    assert load.generations == [session.generation] * TP
+    assert [len(spans) for spans in load.spans] == [3] * TP
+    assert daemon.pins_held() == 3 * TP  # every block of the plan, pinned now
+    scheduler.on_worker_report({step: TP}, {})
+    assert wait_for_pins(daemon, 0) == 0

@@ -15,6 +15,7 @@ from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
 from lmcached.protocol import Acquire
+from lmcached.record_format import RECORD_HEADER_BYTES
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 16, 2, 32
 LAYERS = ["layer.0", "layer.1", "layer.2"]
@@ -189,3 +190,41 @@ def test_a_worker_without_a_daemon_saves_nothing_and_fails_its_loads(short_tmp):
     assert worker.num_saved_chunks == 0
     assert worker.take_load_errors() == {2, 3}  # vLLM recomputes them
     worker.shutdown()
+
+
+def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_factory):
+    # The scheduler's pins were lost while this worker copied (its session ended): the
+    # daemon gave the block to a writer, which wrote its own record's header first. The
+    # check after the copies turns the chunk, and the rest of its request, into load
+    # errors, so vLLM recomputes blocks that may hold another prompt's KV.
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+    caches_a = {name: cpu_layout_cache("cpu") for name in LAYERS}
+    caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
+    settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
+    tokens = np.arange(100, 100 + 2 * CHUNK, dtype=np.int64)
+    hashes = hash_request_tokens(CHUNK, tokens)
+    first, second = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
+    pins = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()])
+    try:
+        first.save([SaveSpec("a", 0, tokens, hashes, block_ids=[3, 5, 7, 9])])
+        acquired = pins.request(Acquire(pins.ensure_connected().namespaces, b"".join(hashes)))
+        spans = acquired.spans()
+        load = LoadSpec("b", 0, 0, tokens, hashes, [spans], [pins.hello_reply.generation],
+                        [[0, 1], [0, 1]], [[1, 2], [4, 6]])
+        scatter = second._paged.scatter
+
+        def scatter_then_a_writer_takes_the_first_block(*args):
+            scatter(*args)
+            records = second._records
+            header = records._u8[records.arena.block_offset(spans[0][0]):]
+            header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8] = 0xFF  # another token
+
+        second._paged.scatter = scatter_then_a_writer_takes_the_first_block
+        second.load([load])
+        assert second.take_load_errors() == {1, 2, 4, 6}
+        assert second.take_failed_chunks() == {"b": 0} and second.num_recheck_failures == 1
+        pins.release([acquired.lease], pins.hello_reply.session_id)
+    finally:
+        pins.close()
+        first.shutdown()
+        second.shutdown()

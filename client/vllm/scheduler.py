@@ -28,6 +28,7 @@ logger = init_logger(__name__)
 @dataclasses.dataclass
 class _Pins:
     session_id: int  # the daemon session that holds the leases
+    generation: int  # the arena generation of that session
     leases: list[int]
 
 
@@ -64,11 +65,14 @@ class LMCachedConnectorScheduler:
 
     Attributes:
         num_matched_tokens: tokens vLLM accepted from lmcached (update_state_after_alloc).
+        num_stale_pins: pinned lookups or loads whose daemon session ended before the
+            workers read them (their chunks were ACQUIREd again).
     """
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.num_matched_tokens = 0
+        self.num_stale_pins = 0
         self._world_size = len(settings.layouts)
         self._link = settings.open_link(list(range(self._world_size)),
                                         f"vllm-scheduler(tp {self._world_size})")
@@ -151,6 +155,10 @@ class LMCachedConnectorScheduler:
         first_chunk = start // chunk_size
         end_chunk = min(-(-end // chunk_size), len(state.hashes))
         hashes = state.hashes[first_chunk:end_chunk]
+        if lookup is not None and not self._pins_hold(lookup.pins):
+            self._release(lookup.pins)  # its session ended: the blocks may hold other KV
+            self.num_stale_pins += 1
+            lookup = None
         if lookup is not None and lookup.first_chunk == first_chunk:
             spans = [rank_spans[: len(hashes)] for rank_spans in lookup.spans]
             generations, pins = lookup.generations, lookup.pins
@@ -191,7 +199,8 @@ class LMCachedConnectorScheduler:
 
         def acquire(snapshot):
             rank_spans = snapshot.acquire_chain(hashes, layout)
-            pins = [_Pins(snapshot.session_id, list(snapshot.leases))] if snapshot.leases else []
+            pins = ([_Pins(snapshot.session_id, snapshot.generation, list(snapshot.leases))]
+                    if snapshot.leases else [])
             return rank_spans, [snapshot.generation] * world_size, pins
 
         acquired = self._link.call("ACQUIRE", acquire, None)
@@ -199,10 +208,26 @@ class LMCachedConnectorScheduler:
             return [[] for _ in range(world_size)], [-1] * world_size, []
         return acquired
 
+    def _pins_hold(self, pins: list[_Pins]) -> bool:
+        """Whether every lease of `pins` still pins its blocks: their session is still
+        the link's open one (`DaemonLink.holds`, no request sent). A session that ended
+        (a timeout, --idle-timeout, a restart) took its pins with it, and the daemon may
+        have handed their blocks to another writer since."""
+        return all(self._link.holds(pin.session_id, pin.generation) for pin in pins)
+
     def _release(self, pins: list[_Pins]) -> None:
         """RELEASE the leases (fire-and-forget: no wait on the daemon)."""
         for pin in pins:
             self._link.release(pin.leases, pin.session_id)
+
+    def _repin(self, state: _RequestState) -> None:
+        """ACQUIRE a planned load's chunks again after its pins were lost; the chunks no
+        longer cached become the workers' load errors (vLLM recomputes them)."""
+        self._release(state.pins)
+        self.num_stale_pins += 1
+        load = state.load
+        load.spans, load.generations, state.pins = self._acquire(load.hashes)
+        load.spans = [rank_spans[: len(load.hashes)] for rank_spans in load.spans]
 
     def _drop_lookup(self, state: _RequestState) -> None:
         """Unpin what the request's last lookup pinned and no allocation used."""
@@ -231,6 +256,8 @@ class LMCachedConnectorScheduler:
             if state is None:
                 continue
             if state.load is not None:
+                if not self._pins_hold(state.pins):  # pinned in a session that ended
+                    self._repin(state)
                 loads.append(state.load)
                 self._step_pins.setdefault(self._step, []).extend(state.pins)
                 state.load, state.pins = None, []

@@ -148,6 +148,8 @@ class LMCachedConnectorWorker:
         num_loaded_tokens / num_saved_chunks / num_load_errors: counters of loads
             (tokens copied into vLLM blocks), stores (chunks committed) and failed loads
             (chunks reported to vLLM for recompute).
+        num_recheck_failures: loads whose records changed while they were copied (their
+            pins were lost: the changed chunks became load errors).
     """
 
     def __init__(self, settings: ConnectorSettings, rank: int) -> None:
@@ -156,6 +158,7 @@ class LMCachedConnectorWorker:
         self.num_loaded_tokens = 0
         self.num_saved_chunks = 0
         self.num_load_errors = 0
+        self.num_recheck_failures = 0
         self._link: DaemonLink | None = None
         self._paged: PagedBlocks | None = None
         self._records: RecordIO | None = None
@@ -200,17 +203,23 @@ class LMCachedConnectorWorker:
              agree: Callable[[list[int]], list[int]] | None = None) -> None:
         """Copy this step's planned chunks into their vLLM blocks (before the forward).
 
-        Every chunk's record header (hash, token ids, fingerprint) is checked first; a
-        chunk that fails, and every later chunk of its request, become load errors.
+        Every chunk's record header (hash, token ids, fingerprint) is checked before it
+        is copied, and again once every copy is done: the scheduler's pins hold only
+        while its daemon session does, and a writer given a block after they were lost
+        writes the record's header first, so a record read while it was being replaced
+        fails the second check. A chunk that fails, and every later chunk of its
+        request, become load errors (vLLM recomputes them).
 
         Args:
             loads: the step's loads.
             agree: maps this rank's first failed chunk per load (-1: none) to the first
                 failed on any rank (a TP collective); None with a single rank.
         """
-        failed = [self._load(load) for load in loads]
+        loaded = [self._load(load) for load in loads]
         if self._paged is not None:
             self._paged.wait()  # every scatter done before the scheduler releases the pins
+        failed = [self._recheck(load, first_failed, records)
+                  for load, (first_failed, records) in zip(loads, loaded)]
         if agree is not None:
             failed = agree(failed)
         for load, first_failed in zip(loads, failed):
@@ -222,25 +231,42 @@ class LMCachedConnectorWorker:
             self._failed_chunks[load.req_id] = load.first_chunk + first_failed
             self._failed_epochs[load.req_id] = load.epoch
 
-    def _load(self, load: LoadSpec) -> int:
-        """Load one request's chunks; the index of the first that failed, or -1."""
+    def _load(self, load: LoadSpec) -> tuple[int, RecordIO | None]:
+        """Load one request's chunks: (index of the first that failed, or -1; the reader
+        of the records copied, None when nothing was)."""
         snapshot = self._link.snapshot() if self._paged is not None else None
         if snapshot is None:
-            return 0
+            return 0, None
         records = self._record_io(snapshot)
         spans = load.spans[self.rank]
         if load.generations[self.rank] != snapshot.generation:
-            return 0  # pinned in another arena generation: those ids mean nothing now
+            return 0, None  # pinned in another arena generation: those ids mean nothing now
         chunk = self.settings.chunk_size
         for i, chunk_hash in enumerate(load.hashes):
             tokens = load.tokens[i * chunk : (i + 1) * chunk]
             if i >= len(spans) or not records.verify(spans[i], chunk_hash, tokens,
                                                      self._fingerprint):
-                return i
+                return i, records
             self._paged.scatter(records.read_kv(spans[i], chunk), load.block_offsets[i],
                                 load.block_ids[i])
             self.num_loaded_tokens += len(load.block_ids[i]) * self.settings.block_size
-        return -1
+        return -1, records
+
+    def _recheck(self, load: LoadSpec, first_failed: int, records: RecordIO | None) -> int:
+        """The first failed chunk of `load` once the records it copied are checked again
+        after the copies (see `load`), or -1."""
+        num_copied = len(load.hashes) if first_failed < 0 else first_failed
+        if records is None or not num_copied:
+            return first_failed
+        chunk = self.settings.chunk_size
+        num_ok = records.verify_prefix(load.spans[self.rank][:num_copied],
+                                       load.hashes[:num_copied], load.tokens,
+                                       [(i * chunk, (i + 1) * chunk) for i in range(num_copied)],
+                                       self._fingerprint)
+        if num_ok == num_copied:
+            return first_failed
+        self.num_recheck_failures += 1
+        return num_ok
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
