@@ -274,3 +274,35 @@ def test_ratio_one_equals_full_prefill_on_cuda(daemon):
     assert torch.allclose(prefill.logits, logits, atol=LOGITS_ATOL, rtol=0)
     assert_cache_close(prefill.past_key_values, cache)
     assert torch.isfinite(blended.logits).all()
+
+
+@pytest.mark.parametrize("losses", [1, 2])
+def test_pins_lost_mid_prefill_retry_once_then_prefill_in_full(model, daemon, monkeypatch,
+                                                                losses):
+    # The task's daemon session ends between two layers (PinsLost): blend_prefill pins
+    # again once; if that is lost too, it reuses nothing. Either way the prefill is right.
+    from lmcached.client.blend.retriever import SPTBlendRetrieverTask
+    from lmcached.client.views import PinsLost
+
+    prompt = torch.cat([DOCS[0], QUESTION])
+    result = SPTBlendRetrieverTask.result
+    calls = {"lost": 0}
+
+    def result_losing_pins(task, layer_id):
+        if layer_id == 2 and task._runs and calls["lost"] < losses:
+            calls["lost"] += 1
+            raise PinsLost("test: the session ended")
+        return result(task, layer_id)
+
+    monkeypatch.setattr(SPTBlendRetrieverTask, "result", result_losing_pins)
+    with connect(model, daemon) as engine:
+        store_segments(model, engine, DOCS[0], SPT)
+        prefill = blend_prefill(model, engine, prompt, SPT, recompute_ratio=0.0)
+        assert engine.link.hello_reply is not None
+    logits, cache = full_prefill(model, prompt)
+    assert calls["lost"] == losses
+    assert prefill.num_reused_tokens == (len(DOCS[0]) if losses == 1 else 0)
+    assert prefill.num_recomputed_tokens == (len(QUESTION) if losses == 1 else len(prompt))
+    assert torch.allclose(prefill.logits, logits, atol=LOGITS_ATOL, rtol=0)
+    assert_cache_close(prefill.past_key_values, cache)
+    assert daemon.pins_held() == 0
