@@ -11,6 +11,10 @@ typed and states the other sizes in the same style (`capacity 10TB ... /dev/shm 
 free 25.28GB`, `capacity 10GiB ... 23.54GiB`): `size_style` tells the style,
 `format_size` writes it, `echo_size` names the typed value. `format_bytes` is the
 Redis-style form of INFO's `*_human` fields (`1.50G`).
+
+The floor of an arena's size lives here too, because the settings (`--capacity`) and
+the daemon (the block size a first layout sets) both apply it: an arena holds at least
+one `MIN_BLOCK_BYTES` block after its header (docs/architecture.md, "Block size").
 """
 
 import re
@@ -25,6 +29,8 @@ _UNITS = {
 }
 _DECIMAL_UNITS = frozenset({"k", "kb", "m", "mb", "g", "gb", "t", "tb"})
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+MIN_BLOCK_BYTES = 4096  # one page: the smallest block a size derived from a layout takes
 
 
 def parse_size(text: str | int, total_bytes: int | None = None) -> int:
