@@ -30,9 +30,11 @@ from click.core import ParameterSource
 
 from lmcached.protocol import MAX_FRAME_BYTES
 from lmcached.sizes import (
+    MAX_NUM_BLOCKS,
     MIN_BLOCK_BYTES,
     echo_size,
     format_size,
+    min_block_bytes,
     parse_size,
     size_style,
 )
@@ -242,7 +244,8 @@ SETTINGS: dict[str, SettingSpec] = {
         None, "the smaller of 4GiB and 25% of RAM"),
     "block_size": SettingSpec(
         _parse_block_size, 'a size such as "2MiB" or whole bytes', "SIZE",
-        "Block size in bytes or units, a multiple of 64.",
+        "Block size in bytes or units, a multiple of 64, at least capacity / "
+        f"{MAX_NUM_BLOCKS} (at most {MAX_NUM_BLOCKS} blocks).",
         None, "the chunk size of the first layout that attaches"),
     "shm_mode": SettingSpec(
         _parse_mode, 'octal permission bits as a string, e.g. "0660" (0o660 in TOML)', "MODE",
@@ -552,8 +555,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
             a running daemon re-reads its file (its own arena already uses that space).
 
     Raises:
-        ConfigError: a block size that does not fit in the arena, or a capacity larger
-            than /dev/shm's free space.
+        ConfigError: a block size that does not fit in the arena or cuts it into more
+            than MAX_NUM_BLOCKS blocks, or a capacity larger than /dev/shm's free space.
     """
     params = ctx.params
     shm_mode = params["shm_mode"]
@@ -605,6 +608,14 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
                 f"({_source_label(ctx, 'block_size')}) does not fit in capacity {capacity} "
                 f"({_source_label(ctx, 'capacity')}) with the arena's {HEADER_BYTES}-byte "
                 "header; use a smaller block size or a larger capacity"
+            )
+        floor_bytes = min_block_bytes(cfg.capacity_bytes)
+        if cfg.block_bytes < floor_bytes:
+            raise ConfigError(
+                f"block size {echo_size(typed.get('block_size'), cfg.block_bytes)} "
+                f"({_source_label(ctx, 'block_size')}) cuts capacity {capacity} "
+                f"({_source_label(ctx, 'capacity')}) into more than {MAX_NUM_BLOCKS} blocks; "
+                f"use a block size of at least {floor_bytes} bytes, or a smaller capacity"
             )
     if check_shm_free:
         free = shm_free_bytes()

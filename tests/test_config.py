@@ -13,10 +13,12 @@ from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
 from lmcached.protocol import InfoReply, encode_frame, reply_decoder
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.sizes import (
+    MAX_NUM_BLOCKS,
     MIN_BLOCK_BYTES,
     echo_size,
     format_bytes,
     format_size,
+    min_block_bytes,
     parse_size,
     size_style,
 )
@@ -364,6 +366,22 @@ def test_block_size_multiple_of_64_is_accepted(clean_env, block_size):
     assert cfg.block_bytes == parse_size(block_size) and cfg.block_bytes % 64 == 0
 
 
+@pytest.mark.parametrize(("capacity", "block_size", "floor_bytes"), [
+    ("1GiB", "2048 bytes", 4096), ("64GiB", "128KiB", 256 << 10), ("17MiB", "64 bytes", 128),
+])
+def test_a_block_size_that_cuts_the_arena_into_too_many_blocks_is_refused(
+        clean_env, capacity, block_size, floor_bytes):
+    clean_env.setattr(config, "shm_free_bytes", lambda: 1 << 40)
+    assert min_block_bytes(parse_size(capacity)) == floor_bytes
+    with pytest.raises(ValueError, match=rf"^block size {block_size} \(--block-size\) cuts "
+                       rf"capacity {capacity} \(--capacity\) into more than {MAX_NUM_BLOCKS} "
+                       rf"blocks; use a block size of at least {floor_bytes} bytes, or a "
+                       r"smaller capacity$"):
+        load_config({"capacity": capacity, "block_size": block_size.removesuffix(" bytes")})
+    cfg = load_config({"capacity": capacity, "block_size": floor_bytes})
+    assert (cfg.capacity_bytes - HEADER_BYTES) // cfg.block_bytes <= MAX_NUM_BLOCKS
+
+
 @pytest.mark.parametrize(
     ("source", "value", "expected"),
     [
@@ -521,7 +539,7 @@ ENV_SETTINGS = {
     "name": ("from-env", "name", "from-env"),
     "socket": ("/run/from-env/d.sock", "socket", "/run/from-env/d.sock"),
     "capacity": ("16MiB", "capacity_bytes", 16 * MiB),
-    "block_size": ("8KiB", "block_bytes", 8192),
+    "block_size": ("64KiB", "block_bytes", 65536),
     "shm_mode": ("0640", "shm_mode", 0o640),
     "log_level": ("error", "log_level", "ERROR"),
     "allow_group": ("staff", "allow_group", "staff"),
