@@ -28,6 +28,7 @@ layout in a memfd instead of a named segment: clients get its descriptor over th
 daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev/shm.
 """
 
+import errno
 import mmap
 import os
 import re
@@ -498,10 +499,23 @@ class Arena:
 
 
 def _populate(mapping: mmap.mmap, start: int, length: int) -> None:
-    """Map pages [start, start+length) for writing, allocating them where needed."""
+    """Map pages [start, start+length) for writing, allocating them where needed.
+
+    Only EINVAL, the answer of a kernel older than 5.14 that does not know
+    MADV_POPULATE_WRITE, falls back to reading one byte per page, which faults it in
+    (and allocates it in a tmpfs); writing it back could undo another process's store
+    into the page meanwhile. Any other failure is an error: touching a page the kernel
+    cannot back would be SIGBUS.
+
+    Raises:
+        OSError: EFAULT (a page cannot be backed: a full tmpfs; touching it would be
+            SIGBUS), ENOMEM (a memory limit), or another errno of madvise(2).
+    """
     try:
         mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-    except OSError:  # kernel < 5.14: touch one byte per page instead
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
         pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
-        pages[::_PAGE_BYTES] = pages[::_PAGE_BYTES]
+        pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
         del pages
