@@ -29,7 +29,15 @@ import psutil
 from click.core import ParameterSource
 
 from lmcached.protocol import MAX_FRAME_BYTES
-from lmcached.sizes import echo_size, format_size, parse_size, size_style
+from lmcached.sizes import (
+    MAX_NUM_BLOCKS,
+    MIN_BLOCK_BYTES,
+    echo_size,
+    format_size,
+    min_block_bytes,
+    parse_size,
+    size_style,
+)
 from lmcached.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
 
 DEFAULT_CAPACITY_BYTES = 4 << 30  # and at most 25% of RAM
@@ -125,10 +133,11 @@ def _parse_capacity(value: Size) -> int:
     from lmcached.shm.arena import HEADER_BYTES  # the arena owns its layout
 
     capacity_bytes = parse_size(value)
-    if capacity_bytes <= HEADER_BYTES:
+    if capacity_bytes < HEADER_BYTES + MIN_BLOCK_BYTES:
         raise ValueError(
-            f"capacity {echo_size(value, capacity_bytes)} leaves no room for blocks: the "
-            f"arena's header alone takes {HEADER_BYTES} bytes"
+            f"capacity {echo_size(value, capacity_bytes)} leaves no room for a block: the "
+            f"arena needs at least {HEADER_BYTES + MIN_BLOCK_BYTES} bytes (its "
+            f"{HEADER_BYTES}-byte header and one {MIN_BLOCK_BYTES}-byte block)"
         )
     return capacity_bytes
 
@@ -146,9 +155,15 @@ def _parse_mode(value: str | int) -> int:
         mode = int(value, 8) if isinstance(value, str) else value
     except ValueError:
         raise ValueError(f"shm mode {value!r} is not octal (e.g. 0600)") from None
+    hint = ' (a TOML integer is decimal: write "0660" or 0o660)' * isinstance(value, int)
     if not 0 <= mode <= 0o777:
-        hint = ' (a TOML integer is decimal: write "0660" or 0o660)' * isinstance(value, int)
         raise ValueError(f"shm mode {value!r} is out of range{hint}")
+    if mode & 0o007:
+        raise ValueError(
+            f"shm mode {value!r} (0{mode:03o}) gives other users access to the arena, and "
+            f"so to every cached prompt{hint}: use 0600, or 0660 with --allow-group to share "
+            "it with a group"
+        )
     return mode
 
 
@@ -229,11 +244,12 @@ SETTINGS: dict[str, SettingSpec] = {
         None, "the smaller of 4GiB and 25% of RAM"),
     "block_size": SettingSpec(
         _parse_block_size, 'a size such as "2MiB" or whole bytes', "SIZE",
-        "Block size in bytes or units, a multiple of 64.",
+        "Block size in bytes or units, a multiple of 64, at least capacity / "
+        f"{MAX_NUM_BLOCKS} (at most {MAX_NUM_BLOCKS} blocks).",
         None, "the chunk size of the first layout that attaches"),
     "shm_mode": SettingSpec(
         _parse_mode, 'octal permission bits as a string, e.g. "0660" (0o660 in TOML)', "MODE",
-        "Octal permissions of the arena segment.",
+        "Octal permissions of the arena segment; bits for others are refused.",
         None, "0600; 0660 with --allow-group"),
     "log_level": SettingSpec(
         _parse_log_level, "DEBUG, INFO, WARNING or ERROR", "LEVEL",
@@ -539,8 +555,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
             a running daemon re-reads its file (its own arena already uses that space).
 
     Raises:
-        ConfigError: a block size that does not fit in the arena, or a capacity larger
-            than /dev/shm's free space.
+        ConfigError: a block size that does not fit in the arena or cuts it into more
+            than MAX_NUM_BLOCKS blocks, or a capacity larger than /dev/shm's free space.
     """
     params = ctx.params
     shm_mode = params["shm_mode"]
@@ -592,6 +608,14 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
                 f"({_source_label(ctx, 'block_size')}) does not fit in capacity {capacity} "
                 f"({_source_label(ctx, 'capacity')}) with the arena's {HEADER_BYTES}-byte "
                 "header; use a smaller block size or a larger capacity"
+            )
+        floor_bytes = min_block_bytes(cfg.capacity_bytes)
+        if cfg.block_bytes < floor_bytes:
+            raise ConfigError(
+                f"block size {echo_size(typed.get('block_size'), cfg.block_bytes)} "
+                f"({_source_label(ctx, 'block_size')}) cuts capacity {capacity} "
+                f"({_source_label(ctx, 'capacity')}) into more than {MAX_NUM_BLOCKS} blocks; "
+                f"use a block size of at least {floor_bytes} bytes, or a smaller capacity"
             )
     if check_shm_free:
         free = shm_free_bytes()

@@ -645,8 +645,9 @@ class Server:
 
     # ----------------------------------------------------------------- teardown
     def _teardown(self) -> None:
-        """Stop the metrics endpoint, close clients, unlink the socket and the arena.
-        Idempotent."""
+        """Stop the metrics endpoint, close clients, unlink the socket and the arena,
+        then restore the signal handlers: a second SIGTERM or SIGINT during the stop is
+        caught (recorded) until the arena is unlinked. Idempotent."""
         self.notifier.notify("STOPPING=1", "STATUS=stopping")
         if self._metrics is not None:
             self._metrics.close()
@@ -662,15 +663,6 @@ class Server:
                 os.unlink(self.config.socket)
             except FileNotFoundError:
                 pass
-        if self._wakeup_r is not None:
-            signal.set_wakeup_fd(-1)
-            for signum, handler in self._old_handlers.items():
-                signal.signal(signum, handler)
-            self._old_handlers.clear()
-            self._selector.unregister(self._wakeup_r)
-            self._wakeup_r.close()
-            self._wakeup_w.close()
-            self._wakeup_r = self._wakeup_w = None
         if self.service is not None and self.service.l2 is not None:
             self.service.l2.close(self.service.pool)  # its threads read the arena
         if self.service is not None:
@@ -681,6 +673,17 @@ class Server:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        # Only now: a stop signal that came during the stop (the L2 drain, the demoter's
+        # join) would otherwise kill the process with the arena still in /dev/shm.
+        if self._wakeup_r is not None:
+            signal.set_wakeup_fd(-1)
+            for signum, handler in self._old_handlers.items():
+                signal.signal(signum, handler)
+            self._old_handlers.clear()
+            self._selector.unregister(self._wakeup_r)
+            self._wakeup_r.close()
+            self._wakeup_w.close()
+            self._wakeup_r = self._wakeup_w = None
         self.notifier.close()
 
 

@@ -63,6 +63,7 @@ from lmcached.session import PendingValue, Session
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.block_pool import BlockPool
 from lmcached.shm.free_queue import KVCacheBlock
+from lmcached.sizes import MIN_BLOCK_BYTES
 from lmcached.tiers import TierSet
 
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
@@ -73,6 +74,7 @@ logger = init_logger(__name__)
 
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
 MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
+MAX_DERIVED_BLOCKS = 1 << 16  # ... and at most this many (a client may not choose more)
 _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 # Chunk formats a device tier may hold: records of one block whose KV a GPU reader uses
 # in place (the key-value adapters' values and multi-block records stay on the host).
@@ -490,11 +492,15 @@ class CacheService:
         """Block size derived from the first layout when `--block-size` is unset: its
         record size rounded up to BLOCK_ALIGN_BYTES, but never so large that the arena
         has fewer than MIN_DERIVED_BLOCKS blocks (a larger record then spans several
-        blocks), so that no client can shrink the usable arena for the others."""
+        blocks), so that no client can shrink the usable arena for the others, and never
+        so small that it has more than MAX_DERIVED_BLOCKS blocks or blocks below
+        MIN_BLOCK_BYTES (a smaller record then leaves the rest of its block unused), so
+        that no client can make every walk over the cached values long."""
         wanted = -(-layout.record_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
         usable = self.arena.capacity_bytes - HEADER_BYTES
         ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
-        return max(BLOCK_ALIGN_BYTES, min(wanted, ceiling))
+        floor = -(-usable // (MAX_DERIVED_BLOCKS * BLOCK_ALIGN_BYTES)) * BLOCK_ALIGN_BYTES
+        return max(MIN_BLOCK_BYTES, floor, min(wanted, ceiling))
 
     def _fetch_rest(self, req: Lookup | Acquire, per_namespace: list[list[bytes]],
                     num_chunks: int) -> Deferred | None:

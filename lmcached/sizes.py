@@ -11,6 +11,13 @@ typed and states the other sizes in the same style (`capacity 10TB ... /dev/shm 
 free 25.28GB`, `capacity 10GiB ... 23.54GiB`): `size_style` tells the style,
 `format_size` writes it, `echo_size` names the typed value. `format_bytes` is the
 Redis-style form of INFO's `*_human` fields (`1.50G`).
+
+The floor of an arena's sizes lives here too, because the settings (`--capacity`,
+`--block-size`) and the daemon (the block size a first layout sets) both apply it: an
+arena holds at least one `MIN_BLOCK_BYTES` block after its header, and is never cut into
+more than `MAX_NUM_BLOCKS` blocks (`min_block_bytes`), so that whatever a client or an
+operator chooses, the daemon's per-block metadata and every request that walks the
+cached values stay bounded (docs/architecture.md, "Block size").
 """
 
 import re
@@ -25,6 +32,9 @@ _UNITS = {
 }
 _DECIMAL_UNITS = frozenset({"k", "kb", "m", "mb", "g", "gb", "t", "tb"})
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+MIN_BLOCK_BYTES = 4096  # one page: the smallest block a size derived from a layout takes
+MAX_NUM_BLOCKS = 1 << 18  # most blocks in one arena: 4x MAX_CHUNKS_PER_REQUEST
 
 
 def parse_size(text: str | int, total_bytes: int | None = None) -> int:
@@ -109,3 +119,10 @@ def echo_size(text: str | int | None, num_bytes: int) -> str:
     if isinstance(text, str) and not text.strip().isdigit():
         return text.strip()
     return format_size(num_bytes) if text is None else f"{num_bytes} bytes"
+
+
+def min_block_bytes(capacity_bytes: int) -> int:
+    """The smallest block size (a multiple of 64 bytes) that cuts an arena of
+    `capacity_bytes` into at most MAX_NUM_BLOCKS blocks: 64 bytes up to a 16 MiB arena,
+    4 KiB for 1 GiB, 256 KiB for 64 GiB."""
+    return max(64, -(-capacity_bytes // (MAX_NUM_BLOCKS * 64)) * 64)

@@ -8,8 +8,8 @@ here leaves `server.py` the loop. The order::
 
     resolve --allow-group -> check the socket's directory -> refuse if a daemon answers
     on the socket -> raise the file descriptor limit -> bind the metrics port
-    (--metrics-port) -> sweep orphans of <name> -> create and prefault the arena ->
-    start the L2 tier's threads (--l2)
+    (--metrics-port) -> sweep orphans of <name> -> create, reserve and prefault the
+    arena -> start the L2 tier's threads (--l2)
 
 The metrics port is bound before the arena is made, so that a port in use stops the
 start-up at once and not after minutes of prefault. A stop signal during the prefault
@@ -23,8 +23,8 @@ import resource
 import time
 from collections.abc import Callable
 
-from lmcached.config import ServerConfig
-from lmcached.sizes import echo_size, format_bytes
+from lmcached.config import ServerConfig, shm_free_bytes
+from lmcached.sizes import echo_size, format_bytes, format_size, size_style
 from lmcached.logger import init_logger
 from lmcached.metrics import MetricsExporter
 from lmcached.notify import SystemdNotifier
@@ -169,8 +169,8 @@ def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNo
             prefault step.
 
     Raises:
-        StartupError: the segment cannot be created or mapped (the message says which
-            limit to raise).
+        StartupError: the segment cannot be created, mapped or reserved (the message says
+            which limit to raise, or how much /dev/shm has free).
         StartupInterrupted: a stop signal arrived during the prefault; the segment is
             unlinked (`Arena.create` undoes a half-built arena).
     """
@@ -188,10 +188,15 @@ def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNo
         arena = Arena.create(cfg.name, cfg.capacity_bytes, cfg.block_bytes, mode=cfg.shm_mode,
                              prefault=cfg.prefault, progress=progress, gid=allowed_gid)
     except OSError as exc:
-        capacity = echo_size(cfg.size_texts.get("capacity"), cfg.capacity_bytes)
+        typed = cfg.size_texts.get("capacity")
+        capacity = echo_size(typed, cfg.capacity_bytes)
+        free = format_size(shm_free_bytes(), size_style(typed))
+        no_room = (f"/dev/shm has {free} free (other arenas or files take the rest): free "
+                   "space there, or lower --capacity")
         hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
                 "cgroup's MemoryMax=): raise the limit or lower --capacity",
-                errno.ENOSPC: "/dev/shm is full: free it or lower --capacity"}
+                errno.ENOSPC: no_room,
+                errno.EFAULT: "the kernel cannot back its pages: " + no_room}
         raise StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
                            f"{hint.get(exc.errno, 'see the daemon log')}") from exc
     elapsed = time.monotonic() - started

@@ -21,19 +21,28 @@ janitor (`janitor.py`) can find and unlink the segments of a daemon that died.
 
 Writes into untouched shared memory pay a page fault per page and run several times
 slower than writes into touched memory (docs/architecture.md, "Prefault"), so `create`
-prefaults every page.
+prefaults every page. It first reserves them (`posix_fallocate` on the segment): /dev/shm
+is a tmpfs that may not have room for every page a segment's size promises, and a page
+the kernel cannot back kills whoever touches it (SIGBUS), a worker storing into the
+arena as well as the daemon. Reserved, a full /dev/shm fails the start-up with ENOSPC
+instead. Daemons reserve one at a time (an flock on /dev/shm), so that two daemons
+racing for the last space never both get part of it and both fail: one starts, the
+other refuses.
 
 An anonymous arena (`create_memfd`, the memory of a "fake" device tier) has the same
 layout in a memfd instead of a named segment: clients get its descriptor over the
 daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev/shm.
 """
 
+import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import re
 import struct
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import posix_ipc
@@ -53,6 +62,8 @@ ARENA_MAGIC = b"LMCACHD1"
 SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PREFAULT_STEP_BYTES = 64 << 20
+_SHM_DIR = "/dev/shm"  # where posix_ipc's segments live on Linux; flocked while reserving
+_LOCK_POLL_S = 0.05
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
 _MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.")
@@ -138,9 +149,13 @@ class Arena:
             block_bytes: block size in bytes (multiple of 64), or 0 to set it later with
                 `set_block_bytes` (the daemon does so when the first layout attaches).
             mode: permission bits of the segment (0600: only the daemon's user).
-            prefault: populate every page now (MADV_POPULATE_WRITE, else touch a byte per
-                page), so that no store pays first-touch page faults later.
-            progress: called as progress(done_bytes, capacity_bytes) while prefaulting.
+            prefault: reserve every page (posix_fallocate, one daemon at a time) and
+                populate it (MADV_POPULATE_WRITE, else read a byte per page) now, so that
+                no store pays first-touch page faults later, nor finds /dev/shm full. Off
+                only in tests that want a sparse arena.
+            progress: called as progress(done_bytes, capacity_bytes) while prefaulting,
+                and as progress(0, capacity_bytes) while another process reserves (it
+                may raise to give up).
             gid: group owning the segment (the daemon's `--allow-group`, whose members
                 then map it with mode 0660), or None for the creator's group.
 
@@ -150,8 +165,10 @@ class Arena:
         Raises:
             ValueError: bad name, capacity or block size.
             posix_ipc.ExistentialError: a segment of that name exists (O_EXCL).
-            OSError: the segment cannot be sized or mapped (e.g. /dev/shm is full), or
-                given to group `gid` (PermissionError: the creator is not a member).
+            OSError: the segment cannot be sized, mapped or reserved (ENOSPC: /dev/shm
+                has no room for it; ENOMEM: a memory limit), or given to group `gid`
+                (PermissionError: the creator is not a member). Nothing is left in
+                /dev/shm.
         """
         if capacity_bytes <= HEADER_BYTES:
             raise ValueError(
@@ -172,7 +189,6 @@ class Arena:
             shm.close_fd()
             shm.unlink()
             raise
-        shm.close_fd()
         try:
             pid = os.getpid()
             SEGMENT_HEADER.pack_into(
@@ -187,11 +203,16 @@ class Arena:
             )
             arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
             if prefault:
-                arena.prefault(progress)
+                waiting = None if progress is None else lambda: progress(0, capacity_bytes)
+                with _reservation_lock(waiting):
+                    arena.prefault(progress, reserve_fd=shm.fd)
         except BaseException:
-            # Undo the half-built segment, then re-raise.
+            # Undo the half-built segment (and free its reserved pages), then re-raise.
             posix_ipc.unlink_shared_memory(shm_name)
+            mapping.close()
             raise
+        finally:
+            shm.close_fd()
         logger.info(
             "created arena %s: %d bytes, block_bytes=%d", shm_name, capacity_bytes, block_bytes
         )
@@ -239,7 +260,7 @@ class Arena:
             arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
             arena._memfd = fd
             if prefault:
-                arena.prefault(progress)
+                arena.prefault(progress, reserve_fd=fd)
         except BaseException:
             os.close(fd)
             raise
@@ -369,13 +390,27 @@ class Arena:
         if self.is_owner:
             struct.pack_into("<Q", self._mmap, SEGMENT_HEADER.size - 8, block_bytes)
 
-    def prefault(self, progress: ProgressCallback | None = None) -> None:
-        """Populate every page of the segment for writing, reporting progress."""
+    def prefault(self, progress: ProgressCallback | None = None,
+                 reserve_fd: int | None = None) -> None:
+        """Populate every page of the segment for writing, in steps, reporting progress.
+
+        Args:
+            progress: called as progress(done_bytes, capacity_bytes) after each step.
+            reserve_fd: the segment's file: each step's pages are first allocated in it
+                (posix_fallocate), so that a tmpfs without room fails here with ENOSPC,
+                not a later store with SIGBUS. None: populate only.
+
+        Raises:
+            OSError: the pages cannot be reserved (ENOSPC) or populated (`_populate`).
+        """
         total = self.capacity_bytes
         for start in range(0, total, _PREFAULT_STEP_BYTES):
-            _populate(self._mmap, start, min(_PREFAULT_STEP_BYTES, total - start))
+            length = min(_PREFAULT_STEP_BYTES, total - start)
+            if reserve_fd is not None:
+                os.posix_fallocate(reserve_fd, start, length)
+            _populate(self._mmap, start, length)
             if progress is not None:
-                progress(min(start + _PREFAULT_STEP_BYTES, total), total)
+                progress(start + length, total)
 
     # ------------------------------------------------------------------- views
     @property
@@ -498,10 +533,56 @@ class Arena:
 
 
 def _populate(mapping: mmap.mmap, start: int, length: int) -> None:
-    """Map pages [start, start+length) for writing, allocating them where needed."""
+    """Map pages [start, start+length) for writing, allocating them where needed.
+
+    Only EINVAL, the answer of a kernel older than 5.14 that does not know
+    MADV_POPULATE_WRITE, falls back to reading one byte per page, which faults it in
+    (and allocates it in a tmpfs); writing it back could undo another process's store
+    into the page meanwhile. Any other failure is an error: touching a page the kernel
+    cannot back would be SIGBUS.
+
+    Raises:
+        OSError: EFAULT (a page cannot be backed: a full tmpfs; touching it would be
+            SIGBUS), ENOMEM (a memory limit), or another errno of madvise(2).
+    """
     try:
         mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-    except OSError:  # kernel < 5.14: touch one byte per page instead
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
         pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
-        pages[::_PAGE_BYTES] = pages[::_PAGE_BYTES]
+        pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
         del pages
+
+
+@contextlib.contextmanager
+def _reservation_lock(waiting: Callable[[], None] | None) -> Iterator[None]:
+    """Hold an exclusive flock on /dev/shm: daemons reserve their arenas one at a time.
+
+    Two daemons reserving at once on a tmpfs with room for only one would each get part
+    of it, and both fail; in turn, the first gets its arena and the second ENOSPC.
+    Whoever could hold this lock for long could as well fill /dev/shm: it gives no
+    process more power over a start-up than it has.
+
+    Args:
+        waiting: called every _LOCK_POLL_S while another process holds the lock (it may
+            raise to give up, e.g. on a stop signal); None: wait.
+    """
+    fd = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        logged = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not logged:
+                    logger.info("waiting for another process to reserve its memory in %s",
+                                _SHM_DIR)
+                    logged = True
+                if waiting is not None:
+                    waiting()
+                time.sleep(_LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -523,14 +523,21 @@ def test_serve_on_the_socket_of_a_running_daemon_is_one_error_line(daemon, uniqu
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--capacity", "1KiB"], "Error: --capacity: capacity 1KiB leaves no room for blocks: "
-     "the arena's header alone takes 4096 bytes"),
+    (["--capacity", "1KiB"], "Error: --capacity: capacity 1KiB leaves no room for a block: "
+     "the arena needs at least 8192 bytes (its 4096-byte header and one 4096-byte block)"),
     (["--capacity", "8MB", "--block-size", "16MiB"], "Error: block size 16MiB (--block-size) "
      "does not fit in capacity 8MB (--capacity) with the arena's 4096-byte header; use a "
      "smaller block size or a larger capacity"),
     (["--allow-group", "no-such-group-lmc"],
      "Error: --allow-group: no group named 'no-such-group-lmc'"),
-], ids=["capacity-too-small", "block-larger-than-arena", "unknown-group"])
+    (["--capacity", "1GiB", "--block-size", "2KiB"], "Error: block size 2KiB (--block-size) "
+     "cuts capacity 1GiB (--capacity) into more than 262144 blocks; use a block size of at "
+     "least 4096 bytes, or a smaller capacity"),
+    (["--shm-mode", "0777"], "Error: --shm-mode: shm mode '0777' (0777) gives other users "
+     "access to the arena, and so to every cached prompt: use 0600, or 0660 with "
+     "--allow-group to share it with a group"),
+], ids=["capacity-too-small", "block-larger-than-arena", "unknown-group", "too-many-blocks",
+        "shm-mode-for-others"])
 def test_serve_with_sizes_or_a_group_that_cannot_work_is_one_error_line(
         unique_name, short_tmp, args, message):
     assert serve_and_fail(unique_name, os.path.join(short_tmp, "d.sock"), *args) == message

@@ -1,6 +1,7 @@
 """lmcached.config: sizes, byte formatting, socket path resolution, option precedence."""
 
 import os
+import re
 import types
 
 import psutil
@@ -10,7 +11,17 @@ from click.testing import CliRunner
 from lmcached import config, envs
 from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
 from lmcached.protocol import InfoReply, encode_frame, reply_decoder
-from lmcached.sizes import echo_size, format_bytes, format_size, parse_size, size_style
+from lmcached.shm.arena import HEADER_BYTES
+from lmcached.sizes import (
+    MAX_NUM_BLOCKS,
+    MIN_BLOCK_BYTES,
+    echo_size,
+    format_bytes,
+    format_size,
+    min_block_bytes,
+    parse_size,
+    size_style,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -168,11 +179,16 @@ def test_capacity_beyond_dev_shm_is_refused_in_the_units_typed(clean_env, tmp_pa
         load_config(options, path)
 
 
-def test_a_capacity_that_holds_no_block_is_refused(clean_env, tmp_path):
-    with pytest.raises(ValueError, match=r"^--capacity: capacity 4KB leaves no room for blocks: "
-                       r"the arena's header alone takes 4096 bytes$"):
-        load_config({"capacity": "4KB"})
-    assert load_config({"capacity": "4097"}).capacity_bytes == 4097
+@pytest.mark.parametrize(("capacity", "echo"), [("4KB", "4KB"), ("4097", "4097 bytes"),
+                                                ("8191", "8191 bytes")])
+def test_a_capacity_that_holds_no_block_is_refused(clean_env, tmp_path, capacity, echo):
+    """The header and one smallest block: `--capacity 4097` (1 usable byte) used to be
+    accepted while `--capacity 1` was refused."""
+    with pytest.raises(ValueError, match=rf"^--capacity: capacity {echo} leaves no room for a "
+                       r"block: the arena needs at least 8192 bytes \(its 4096-byte header "
+                       r"and one 4096-byte block\)$"):
+        load_config({"capacity": capacity})
+    assert load_config({"capacity": "8192"}).capacity_bytes == HEADER_BYTES + MIN_BLOCK_BYTES
     path = write_toml(tmp_path / "c.toml", 'capacity = "1MiB"\nblock_size = "2MiB"\n')
     with pytest.raises(ValueError, match=r"^block size 2MiB \(block_size in \S+/c.toml\) does "
                        r"not fit in capacity 1MiB \(capacity in \S+/c.toml\) with the arena's "
@@ -350,6 +366,22 @@ def test_block_size_multiple_of_64_is_accepted(clean_env, block_size):
     assert cfg.block_bytes == parse_size(block_size) and cfg.block_bytes % 64 == 0
 
 
+@pytest.mark.parametrize(("capacity", "block_size", "floor_bytes"), [
+    ("1GiB", "2048 bytes", 4096), ("64GiB", "128KiB", 256 << 10), ("17MiB", "64 bytes", 128),
+])
+def test_a_block_size_that_cuts_the_arena_into_too_many_blocks_is_refused(
+        clean_env, capacity, block_size, floor_bytes):
+    clean_env.setattr(config, "shm_free_bytes", lambda: 1 << 40)
+    assert min_block_bytes(parse_size(capacity)) == floor_bytes
+    with pytest.raises(ValueError, match=rf"^block size {block_size} \(--block-size\) cuts "
+                       rf"capacity {capacity} \(--capacity\) into more than {MAX_NUM_BLOCKS} "
+                       rf"blocks; use a block size of at least {floor_bytes} bytes, or a "
+                       r"smaller capacity$"):
+        load_config({"capacity": capacity, "block_size": block_size.removesuffix(" bytes")})
+    cfg = load_config({"capacity": capacity, "block_size": floor_bytes})
+    assert (cfg.capacity_bytes - HEADER_BYTES) // cfg.block_bytes <= MAX_NUM_BLOCKS
+
+
 @pytest.mark.parametrize(
     ("source", "value", "expected"),
     [
@@ -372,6 +404,38 @@ def test_shm_mode_is_octal(clean_env, tmp_path, source, value, expected):
     cfg = load_config(options, path)
     assert cfg.shm_mode == expected
     assert cfg.as_dict()["shm_mode"] == f"0{expected:o}"
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "label", "shown"),
+    [
+        ("option", "0777", "--shm-mode", "'0777' (0777)"),
+        ("option", "0604", "--shm-mode", "'0604' (0604)"),
+        ("env", "0777", "LMCACHED_SHM_MODE", "'0777' (0777)"),
+        ("env", "0661", "LMCACHED_SHM_MODE", "'0661' (0661)"),
+        ("file", "511", r"shm_mode in \S+/m.toml", "511 (0777)"),
+        ("file", '"0666"', r"shm_mode in \S+/m.toml", "'0666' (0666)"),
+        ("file", "0o640", None, None),  # no bits for others: accepted
+    ],
+)
+def test_shm_mode_with_bits_for_others_is_refused_naming_its_source(
+        clean_env, tmp_path, source, value, label, shown):
+    """A world-readable or -writable arena exposes every cached prompt to every user:
+    `LMCACHED_SHM_MODE=0777` and TOML `shm_mode = 511` used to be accepted silently."""
+    options, path = {"capacity": "1MiB", "allow_group": "staff"}, None
+    if source == "option":
+        options["shm_mode"] = value
+    elif source == "env":
+        clean_env.setenv("LMCACHED_SHM_MODE", value)
+    else:
+        path = write_toml(tmp_path / "m.toml", f"shm_mode = {value}\n")
+    if label is None:
+        assert load_config(options, path).shm_mode == 0o640
+        return
+    with pytest.raises(ValueError, match=rf"^{label}: shm mode {re.escape(shown)} gives other "
+                       r"users access to the arena, and so to every cached prompt.*: use 0600, "
+                       r"or 0660 with --allow-group to share it with a group$"):
+        load_config(options, path)
 
 
 def test_as_dict_is_flat_with_empty_strings_for_unset_values(clean_env):
@@ -475,7 +539,7 @@ ENV_SETTINGS = {
     "name": ("from-env", "name", "from-env"),
     "socket": ("/run/from-env/d.sock", "socket", "/run/from-env/d.sock"),
     "capacity": ("16MiB", "capacity_bytes", 16 * MiB),
-    "block_size": ("8KiB", "block_bytes", 8192),
+    "block_size": ("64KiB", "block_bytes", 65536),
     "shm_mode": ("0640", "shm_mode", 0o640),
     "log_level": ("error", "log_level", "ERROR"),
     "allow_group": ("staff", "allow_group", "staff"),

@@ -553,6 +553,30 @@ def test_sigterm_leaves_no_segment_and_no_socket(daemon):
     conn.close()
 
 
+def test_a_second_stop_signal_during_a_slow_stop_leaves_no_segment(daemon_factory):
+    """SIGTERM, then SIGTERM (or SIGINT) again while the graceful stop drains a write to an
+    L2 that never answers (a listener that accepts nothing: each Redis call waits out its
+    2 s timeout): the stop signals stay caught until the arena is unlinked."""
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(16)
+    try:
+        for second in (signal.SIGTERM, signal.SIGINT):
+            node = daemon_factory("--capacity", "8MiB", "--block-size", "64KiB",
+                                  "--l2", f"redis://127.0.0.1:{blackhole.getsockname()[1]}")
+            conn, reply = connect(node)
+            store_chunks(conn, reply.namespaces[0], [1])  # write-through: an L2 write waits
+            conn.close()
+            node.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "received SIGTERM: stopping" in node.log(), what="the first stop")
+            node.proc.send_signal(second)
+            assert node.proc.wait(timeout=30) == 0, node.log()
+            assert list_segments(node.name) == [], node.log()
+            assert not os.path.exists(node.socket)
+    finally:
+        blackhole.close()
+
+
 def test_shutdown_request_stops_gracefully(daemon):
     with Connection(daemon.socket) as conn:
         conn.request(Shutdown())

@@ -87,6 +87,7 @@ QUOTED_MESSAGES = [
     "not a socket: refusing to remove it",
     "another lmcached daemon is listening on",
     "is more than /dev/shm has free",
+    "free space there, or lower --capacity",
     "cannot parse size",
     "does not fit in the arena",
     "this daemon speaks",

@@ -65,7 +65,12 @@ from lmcached.protocol import (
     encode_frame,
     reply_decoder,
 )
-from lmcached.service import MAX_LAYOUTS_PER_SESSION, MIN_DERIVED_BLOCKS, CacheService
+from lmcached.service import (
+    MAX_DERIVED_BLOCKS,
+    MAX_LAYOUTS_PER_SESSION,
+    MIN_DERIVED_BLOCKS,
+    CacheService,
+)
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.free_queue import BlockState
 
@@ -259,6 +264,20 @@ def test_a_record_larger_than_the_derived_block_spans_several_blocks(make_servic
     alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [300_000]))
     assert alloc.status == [ALLOCATED] and alloc.span_lengths == [3]
     assert_everything_returned(service)
+
+
+@pytest.mark.parametrize("record_bytes", [1, 1000, 4096])
+def test_a_tiny_first_layout_cannot_cut_a_large_arena_into_tiny_blocks(make_service,
+                                                                        record_bytes):
+    """Without --block-size, a first HELLO with a tiny record used to cut a 1 GiB arena
+    into 262,143 blocks of 4 KiB (every walk over the cached values that long); now the
+    arena has at most MAX_DERIVED_BLOCKS blocks (sparse: the arena is not prefaulted)."""
+    service = make_service(capacity_bytes=1 << 30, block_bytes=0)
+    session, reply = greet(service, layout(model_name="tiny", record_bytes=record_bytes))
+    assert isinstance(reply, HelloReply), reply
+    assert reply.block_bytes == 16 << 10  # (1 GiB - 4 KiB header) / 2**16, in whole pages
+    assert reply.num_blocks == len(service.pool.blocks) <= MAX_DERIVED_BLOCKS
+    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
 
 
 def test_operator_block_size_wins_over_the_layout(make_service):
