@@ -64,6 +64,9 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PREFAULT_STEP_BYTES = 64 << 20
 _SHM_DIR = "/dev/shm"  # where posix_ipc's segments live on Linux; flocked while reserving
 _LOCK_POLL_S = 0.05
+# Longest wait for the reservation lock; then the arena is reserved without it (see
+# `_reservation_lock`): anyone may flock /dev/shm, and must not hold a start-up forever.
+_LOCK_WAIT_MAX_S = 10.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
 _MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.")
@@ -561,8 +564,10 @@ def _reservation_lock(waiting: Callable[[], None] | None) -> Iterator[None]:
 
     Two daemons reserving at once on a tmpfs with room for only one would each get part
     of it, and both fail; in turn, the first gets its arena and the second ENOSPC.
-    Whoever could hold this lock for long could as well fill /dev/shm: it gives no
-    process more power over a start-up than it has.
+    Any local process may flock /dev/shm, so the wait is bounded (_LOCK_WAIT_MAX_S):
+    past it the arena is reserved without the lock, with a warning. Reservation still
+    protects that start-up (a full tmpfs is ENOSPC, never SIGBUS); only a race with
+    another daemon may then refuse both.
 
     Args:
         waiting: called every _LOCK_POLL_S while another process holds the lock (it may
@@ -571,11 +576,17 @@ def _reservation_lock(waiting: Callable[[], None] | None) -> Iterator[None]:
     fd = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         logged = False
+        deadline = time.monotonic() + _LOCK_WAIT_MAX_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("another process has held the lock on %s for %g s: "
+                                   "reserving this arena without it", _SHM_DIR,
+                                   _LOCK_WAIT_MAX_S)
+                    break
                 if not logged:
                     logger.info("waiting for another process to reserve its memory in %s",
                                 _SHM_DIR)

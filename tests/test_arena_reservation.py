@@ -147,3 +147,19 @@ def test_create_waits_its_turn_to_reserve_and_a_stop_while_waiting_leaves_nothin
     with Arena.create(unique_name, 4 * MiB, MiB, progress=progress) as arena:
         assert calls == [4 * MiB]  # the lock is free: no wait
         assert os.stat(f"/dev/shm{arena.segment_name}").st_blocks * 512 == 4 * MiB
+
+
+def test_a_lock_held_for_ever_delays_a_start_only_for_a_bounded_time(unique_name, tmp_path,
+                                                                      monkeypatch, caplog):
+    """Any local process may flock /dev/shm: past _LOCK_WAIT_MAX_S the arena is reserved
+    without the lock (with a warning), so a held lock never stalls a start-up for ever."""
+    monkeypatch.setattr(arena_module, "_SHM_DIR", str(tmp_path))  # a lock of this test only
+    monkeypatch.setattr(arena_module, "_LOCK_WAIT_MAX_S", 0.3)
+    holder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with Arena.create(unique_name, 4 * MiB, MiB) as arena:
+            assert os.stat(f"/dev/shm{arena.segment_name}").st_blocks * 512 == 4 * MiB
+    finally:
+        os.close(holder)
+    assert any("reserving this arena without it" in r.getMessage() for r in caplog.records)
