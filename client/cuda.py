@@ -11,7 +11,7 @@ LimitMEMLOCK=infinity; workers need the same).
 import torch
 
 from lmcached.logger import init_logger
-from lmcached.shm.arena import Arena
+from lmcached.shm.arena import HEADER_BYTES, Arena
 
 logger = init_logger(__name__)
 
@@ -19,7 +19,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
 
 
 def register_arena(arena: Arena) -> bool:
-    """Page-lock `arena`'s mapping for CUDA (cudaHostRegister).
+    """Page-lock `arena`'s blocks for CUDA (cudaHostRegister): the mapping after its
+    header, which a client maps read-only (shm/arena.py) and never copies.
 
     Returns:
         True when registered; False (with a warning) when CUDA is unavailable or the
@@ -29,7 +30,8 @@ def register_arena(arena: Arena) -> bool:
         logger.warning("cuda_register=True but CUDA is not available: arena not registered")
         return False
     status = torch.cuda.cudart().cudaHostRegister(
-        arena.base_ptr, arena.capacity_bytes, _CUDA_HOST_REGISTER_PORTABLE
+        arena.base_ptr + HEADER_BYTES, arena.capacity_bytes - HEADER_BYTES,
+        _CUDA_HOST_REGISTER_PORTABLE,
     )
     if int(status) != 0:
         logger.warning(
@@ -42,7 +44,7 @@ def register_arena(arena: Arena) -> bool:
 
 def unregister_arena(arena: Arena) -> None:
     """Undo `register_arena` (before the mapping goes away)."""
-    torch.cuda.cudart().cudaHostUnregister(arena.base_ptr)
+    torch.cuda.cudart().cudaHostUnregister(arena.base_ptr + HEADER_BYTES)
 
 
 def synchronize_if_cuda(*tensors: torch.Tensor | None) -> None:

@@ -164,7 +164,7 @@ def map_tier(info: TierInfo, handle, fd: int):
         Whatever the CUDA import raises (ImportError without cuda-bindings, CudaError).
     """
     if handle.kind == "fake":
-        return Arena.from_fd(fd, handle.generation, info.block_bytes)
+        return Arena.from_fd(fd, handle.generation, info.block_bytes, handle.size_bytes)
     if handle.kind == "cuda":
         from lmcached.client.tier_map import CudaTierMap
 
@@ -370,7 +370,7 @@ class DaemonLink:
             DaemonError: the daemon refused the HELLO (code "version": another protocol
                 version; or a layout that does not fit).
             posix_ipc.Error (e.g. PermissionsError): the arena segment cannot be opened.
-            ValueError: the segment is not the announced arena generation, or
+            ValueError: the segment is smaller than the announced arena, or
                 (UnsafeSocketPathError) the socket's directory could have been placed
                 by another user (see lmcached.socket_path).
             Whatever `on_attach` raises.
@@ -397,7 +397,8 @@ class DaemonLink:
                 tiers = self._map_tiers(conn, reply, devices)
                 arena = self.arena
                 if arena is None or arena.generation != reply.generation:
-                    new_arena = Arena.attach(reply.arena_name, reply.generation, reply.block_bytes)
+                    new_arena = Arena.attach(reply.arena_name, reply.generation,
+                                             reply.block_bytes, reply.capacity_bytes)
                     try:
                         if self.on_attach is not None:
                             self.on_attach(new_arena)

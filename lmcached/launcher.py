@@ -89,5 +89,5 @@ def temporary_daemon(*serve_args: str, name: str | None = None) -> Iterator[str]
     finally:
         if proc is not None:
             stop_daemon(proc)
-        sweep_orphans(name, min_age_s=0)
+        sweep_orphans(name)
         shutil.rmtree(tmp, ignore_errors=True)

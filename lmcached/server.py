@@ -8,9 +8,9 @@ faster than asyncio (docs/architecture.md, "Performance rules").
 Life cycle::
 
     catch SIGTERM/SIGINT/SIGHUP -> start-up steps (startup.py: socket directory, metrics
-    port, sweep, create and prefault the arena) -> listen -> READY=1 -> serve ->
-    SIGTERM/SIGINT or SHUTDOWN -> STOPPING=1 -> close clients, unlink socket and arena
-    -> exit 0
+    port, the name's lock, sweep, create and prefault the arena) -> listen -> READY=1 ->
+    serve -> SIGTERM/SIGINT or SHUTDOWN -> STOPPING=1 -> close clients, unlink socket
+    and arena, drop the name's lock -> exit 0
 
 Whatever stops the start-up is one `StartupError` whose message says why and what to do;
 the CLI prints it as one `Error: ...` line and exits with status 1. A stop signal during
@@ -49,10 +49,12 @@ from lmcached.metrics import MetricsExporter, take_snapshot
 from lmcached.protocol import MAX_FRAME_BYTES, encode_frame
 from lmcached.service import CacheService, Deferred
 from lmcached.shm.arena import Arena
+from lmcached.shm.janitor import NameLock
 from lmcached.sizes import format_bytes
 from lmcached.startup import (
     StartupError,
     StartupInterrupted,
+    claim_name,
     create_arena,
     create_l2_tier,
     prepare_socket,
@@ -95,6 +97,7 @@ class Server:
         self._reload_requested = False
         self._allowed_gid: int | None = None
         self._old_handlers: dict[int, object] = {}
+        self._name_lock: NameLock | None = None  # held until the arena is unlinked
         # One receive buffer for every connection: sock.recv(RECV_BYTES) would allocate
         # (mmap, mremap, munmap: 3 syscalls) a fresh 256 KiB bytes object per request.
         self._recv_buf = bytearray(RECV_BYTES)
@@ -135,7 +138,8 @@ class Server:
         raise_fd_limit(cfg)
         if cfg.metrics_port is not None:
             self._metrics = start_metrics(cfg.metrics_host, cfg.metrics_port)
-        sweep(cfg.name)
+        self._name_lock = claim_name(cfg.name)
+        sweep(self._name_lock)
         self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
                                   lambda: self._stop_signal)
         self._device_memories = self._open_device_tiers()
@@ -646,8 +650,9 @@ class Server:
     # ----------------------------------------------------------------- teardown
     def _teardown(self) -> None:
         """Stop the metrics endpoint, close clients, unlink the socket and the arena,
-        then restore the signal handlers: a second SIGTERM or SIGINT during the stop is
-        caught (recorded) until the arena is unlinked. Idempotent."""
+        then drop the name's lock (another daemon of the name may start and sweep), then
+        restore the signal handlers: a second SIGTERM or SIGINT during the stop is caught
+        (recorded) until the arena is unlinked. Idempotent."""
         self.notifier.notify("STOPPING=1", "STATUS=stopping")
         if self._metrics is not None:
             self._metrics.close()
@@ -673,6 +678,9 @@ class Server:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if self._name_lock is not None:
+            self._name_lock.release()
+            self._name_lock = None
         # Only now: a stop signal that came during the stop (the L2 drain, the demoter's
         # join) would otherwise kill the process with the arena still in /dev/shm.
         if self._wakeup_r is not None:

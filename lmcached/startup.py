@@ -8,8 +8,9 @@ here leaves `server.py` the loop. The order::
 
     resolve --allow-group -> check the socket's directory -> refuse if a daemon answers
     on the socket -> raise the file descriptor limit -> bind the metrics port
-    (--metrics-port) -> sweep orphans of <name> -> create, reserve and prefault the
-    arena -> start the L2 tier's threads (--l2)
+    (--metrics-port) -> take the lock of <name> (refuse if a daemon of that name runs)
+    -> sweep orphans of <name> -> create, reserve and prefault the arena -> start the L2
+    tier's threads (--l2)
 
 The metrics port is bound before the arena is made, so that a port in use stops the
 start-up at once and not after minutes of prefault. A stop signal during the prefault
@@ -30,7 +31,7 @@ from lmcached.metrics import MetricsExporter
 from lmcached.notify import SystemdNotifier
 from lmcached.progress import PrefaultProgress
 from lmcached.shm.arena import Arena
-from lmcached.shm.janitor import sweep_orphans
+from lmcached.shm.janitor import NameLock, unlink_orphans
 from lmcached.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
 
 logger = init_logger(__name__)
@@ -150,9 +151,25 @@ def start_metrics(host: str, port: int) -> MetricsExporter:
                            f"{exc.strerror or exc}; check --metrics-host") from exc
 
 
-def sweep(name: str) -> None:
-    """Unlink the segments of dead daemons named `name` (`shm/janitor.py`)."""
-    removed = sweep_orphans(name)
+def claim_name(name: str) -> NameLock:
+    """Take the lock of daemon `name` for the daemon's life (`shm/janitor.py`): it says
+    which daemon owns the segments of that name, whatever their bytes say.
+
+    Raises:
+        StartupError: another daemon of that name and user runs, or the lock directory
+            is not this user's (the message says what to do).
+        OSError: the lock file cannot be created.
+    """
+    try:
+        return NameLock.acquire(name)
+    except RuntimeError as exc:  # DaemonRunningError, UnsafeLockDirectoryError
+        raise StartupError(str(exc)) from None
+
+
+def sweep(lock: NameLock) -> None:
+    """Unlink the segments of dead daemons of `lock`'s name (`shm/janitor.py`): with the
+    name's lock held, every one there is an orphan."""
+    removed = unlink_orphans(lock)
     if removed:
         logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
 

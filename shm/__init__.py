@@ -4,7 +4,8 @@ sockets.
 What lives here, one concept per module:
     arena.py       the POSIX shared-memory segment: create, attach, prefault, unlink, and
                    zero-copy views of its blocks (the daemon and the clients).
-    janitor.py     finds and unlinks the segments of dead daemons (the daemon's start-up
+    janitor.py     the lock of a daemon name, which says who owns its segments, and the
+                   unlinking of the segments of dead daemons (the daemon's start-up
                    sweep), as CPython's resource_tracker cleans up after shared_memory.
     free_queue.py  `KVCacheBlock` metadata and the LRU `FreeKVCacheBlockQueue`.
     block_pool.py  `BlockPool`: allocation, commit, pins, free, eviction (daemon only).

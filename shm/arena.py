@@ -16,8 +16,11 @@ Segment layout::
 
 Segment names are `/lmcached.<name>.<generation>`: the generation (nanoseconds since the
 epoch at creation) changes on every daemon start, so a client of a restarted daemon can
-never map a stale segment. The header records the owner (pid, create time), so that the
-janitor (`janitor.py`) can find and unlink the segments of a daemon that died.
+never map a stale segment. The header (magic, generation, owner pid and create time,
+capacity, block size) is written by the owner for whoever inspects a segment by hand;
+nothing trusts it, since every client can write it: clients take the generation, block
+size and capacity from the daemon's HELLO and map the header read-only, and the janitor
+(`janitor.py`) decides which segments are orphans from a lock the daemon holds.
 
 Writes into untouched shared memory pay a page fault per page and run several times
 slower than writes into touched memory (docs/architecture.md, "Prefault"), so `create`
@@ -35,6 +38,7 @@ daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev
 """
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -69,8 +73,9 @@ _LOCK_POLL_S = 0.05
 _LOCK_WAIT_MAX_S = 10.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
-_MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.")
+_MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.([0-9]+)(?: |$)")
 _PAGE_BYTES = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
 
 # Dtypes a block view may have (KV caches are fp16/bf16/fp32/fp8; ints for headers).
 SUPPORTED_DTYPE_NAMES = (
@@ -272,47 +277,52 @@ class Arena:
         return arena
 
     @classmethod
-    def from_fd(cls, fd: int, generation: int, block_bytes: int,
+    def from_fd(cls, fd: int, generation: int, block_bytes: int, size_bytes: int,
                 populate: bool = True) -> "Arena":
-        """Map an arena received as a file descriptor (an anonymous arena's
-        `export_fd`), read-write, checking its header as `attach` does. The caller keeps
-        and closes `fd` (the mapping stays valid after it does).
+        """Map an arena received as a file descriptor (an anonymous arena's `export_fd`),
+        read-write, its header read-only. The caller keeps and closes `fd` (the mapping
+        stays valid after it does).
+
+        As `attach`, nothing comes from the memory's bytes, which every client mapping it
+        can write: the size comes from the daemon, the generation from the memfd's name
+        (set by the daemon's `memfd_create`; no client can change it).
 
         Args:
             fd: the descriptor (OPEN_TIER's SCM_RIGHTS data).
-            generation: the generation the daemon announced; other memory is refused.
+            generation: the generation the daemon announced; a memfd of lmcached named
+                for another generation is refused.
             block_bytes: block size the daemon announced.
+            size_bytes: bytes of the memory the daemon announced (OPEN_TIER's
+                `size_bytes`); this many bytes are mapped.
             populate: map every page now, as `attach`.
 
         Returns:
             A client arena (`is_owner` False): `close()` only unmaps it.
 
         Raises:
-            ValueError: the memory's header is not an arena of `generation`, or it is
-                smaller than its header says.
+            ValueError: the memory is an arena of another generation, or smaller than
+                `size_bytes`.
             OSError: `fd` cannot be mapped.
         """
         size = os.fstat(fd).st_size
-        if size <= HEADER_BYTES:
-            raise ValueError(f"descriptor {fd} holds {size} bytes: not an lmcached arena")
-        mapping = mmap.mmap(fd, size)
+        if size < size_bytes or size_bytes <= HEADER_BYTES:
+            raise ValueError(f"descriptor {fd} holds {size} bytes, but the daemon announced "
+                             f"an arena of {size_bytes} bytes")
+        # The daemon's name, for messages; memory passed another way is "anonymous".
+        match = _MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
+        if match and match.group(2) != str(generation):
+            raise ValueError(f"descriptor {fd} is an arena of generation {match.group(2)}, "
+                             f"not of generation {generation}")
+        mapping = mmap.mmap(fd, size_bytes)
         try:
-            magic, header_generation, _, _, capacity_bytes, _ = \
-                SEGMENT_HEADER.unpack_from(mapping, 0)
-            if magic != ARENA_MAGIC or header_generation != generation or capacity_bytes > size:
-                raise ValueError(
-                    f"descriptor {fd} is not an lmcached arena of generation {generation} "
-                    f"(magic {magic!r}, generation {header_generation}, {size} bytes)"
-                )
             if populate:
-                _populate(mapping, 0, capacity_bytes)
+                _populate(mapping, 0, size_bytes)
+            _protect_header(mapping)
         except BaseException:
             mapping.close()
             raise
-        # The daemon's name, for messages; memory passed another way is "anonymous".
-        match = _MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
         name = match.group(1) if match else "anonymous"
-        return cls(name, generation, mapping, capacity_bytes, block_bytes, False)
+        return cls(name, generation, mapping, size_bytes, block_bytes, False)
 
     def export_fd(self) -> int:
         """The descriptor of an anonymous arena (owner only): sent to clients by
@@ -330,24 +340,31 @@ class Arena:
 
     @classmethod
     def attach(
-        cls, name: str, generation: int, block_bytes: int, populate: bool = True
+        cls, name: str, generation: int, block_bytes: int, capacity_bytes: int,
+        populate: bool = True,
     ) -> "Arena":
-        """Map an existing arena read-write (clients).
+        """Map an existing arena read-write (clients), its header read-only.
+
+        Everything comes from the daemon's HELLO, nothing from the segment's bytes: every
+        client can write those, so a header that decided who may attach would let one
+        client lock the others out. The generation is part of the segment's name, so a
+        segment of another generation is never opened.
 
         The segment is not registered with Python's resource_tracker, so this process
         exiting never unlinks it.
 
         Args:
-            name: daemon name.
-            generation: the generation the daemon announced; a segment of another
-                generation is refused.
-            block_bytes: block size the daemon announced.
+            name: daemon name (HELLO's `arena_name`).
+            generation: the generation the daemon announced (HELLO).
+            block_bytes: block size the daemon announced (HELLO).
+            capacity_bytes: segment size the daemon announced (HELLO); this many bytes
+                are mapped.
             populate: map every page now (~40 ms per GiB here), so that the first read
                 does not pay soft page faults.
 
         Raises:
             FileNotFoundError: no such segment (the daemon is gone or restarted).
-            ValueError: the segment's header does not match (`generation`, magic).
+            ValueError: the segment is smaller than `capacity_bytes`.
         """
         shm_name = segment_name(name, generation)
         try:
@@ -355,18 +372,21 @@ class Arena:
         except posix_ipc.ExistentialError as exc:
             raise FileNotFoundError(f"arena segment {shm_name} does not exist") from exc
         try:
-            mapping = mmap.mmap(shm.fd, shm.size)
+            if shm.size < capacity_bytes or capacity_bytes <= HEADER_BYTES:
+                raise ValueError(
+                    f"segment {shm_name} holds {shm.size} bytes, but the daemon announced "
+                    f"an arena of {capacity_bytes} bytes"
+                )
+            mapping = mmap.mmap(shm.fd, capacity_bytes)
         finally:
             shm.close_fd()
-        magic, header_generation, _, _, capacity_bytes, _ = SEGMENT_HEADER.unpack_from(mapping, 0)
-        if magic != ARENA_MAGIC or header_generation != generation:
+        try:
+            if populate:
+                _populate(mapping, 0, capacity_bytes)
+            _protect_header(mapping)
+        except BaseException:
             mapping.close()
-            raise ValueError(
-                f"segment {shm_name} is not an lmcached arena of generation {generation} "
-                f"(magic {magic!r}, generation {header_generation})"
-            )
-        if populate:
-            _populate(mapping, 0, capacity_bytes)
+            raise
         return cls(name, generation, mapping, capacity_bytes, block_bytes, False)
 
     def set_block_bytes(self, block_bytes: int) -> None:
@@ -533,6 +553,18 @@ class Arena:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _protect_header(mapping: mmap.mmap) -> None:
+    """Make a client's mapping of the header read-only (mprotect), where the header is
+    whole pages. Defence in depth: a client can still map the segment itself read-write,
+    which is why nothing trusts the header's bytes."""
+    if HEADER_BYTES % _PAGE_BYTES:
+        return  # pages larger than the header: blocks share its page
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export ends here
+    if _libc.mprotect(ctypes.c_void_p(address), HEADER_BYTES, mmap.PROT_READ):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mprotect of the arena header: {os.strerror(err)}")
 
 
 def _populate(mapping: mmap.mmap, start: int, length: int) -> None:

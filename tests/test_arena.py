@@ -89,11 +89,37 @@ def test_block_bytes_is_set_once(unique_name):
 def test_attach_checks_the_generation(unique_name):
     with Arena.create(unique_name, 4 * MiB, MiB) as arena:
         with pytest.raises(FileNotFoundError):
-            Arena.attach(unique_name, arena.generation + 1, MiB)
-        client = Arena.attach(unique_name, arena.generation, MiB)
+            Arena.attach(unique_name, arena.generation + 1, MiB, 4 * MiB)
+        with pytest.raises(ValueError, match=f"holds {4 * MiB} bytes, but the daemon announced"):
+            Arena.attach(unique_name, arena.generation, MiB, 8 * MiB)
+        client = Arena.attach(unique_name, arena.generation, MiB, 4 * MiB)
         assert client.capacity_bytes == 4 * MiB and not client.is_owner
         client.close()
         assert arena.segment_name.lstrip("/") in list_segments(unique_name)
+
+
+def test_attach_trusts_the_daemons_word_not_the_header_and_maps_it_read_only(unique_name):
+    """Every client can write the header: a forged one changes nothing for the next
+    client, and a client's own mapping of it is read-only (a write there faults)."""
+    with Arena.create(unique_name, 4 * MiB, MiB) as arena:
+        arena.numpy_view(arena.block_offset(1), 4096)[:] = 7
+        arena.numpy_view(0, SEGMENT_HEADER.size)[:] = 0xFF  # magic, generation, sizes...
+        client = Arena.attach(unique_name, arena.generation, MiB, 4 * MiB)
+        assert (client.capacity_bytes, client.num_blocks) == (4 * MiB, 3)
+        assert (client.numpy_view(client.block_offset(1), 4096) == 7).all()
+        client.close()
+        result = run_child(f"""
+            from lmcached.shm.arena import Arena
+            client = Arena.attach({unique_name!r}, {arena.generation}, {MiB}, {4 * MiB})
+            client.numpy_view(client.block_offset(0), 8)[:] = 1  # a block: writable
+            print("block written", flush=True)
+            client.numpy_view(0, 8)[:] = 0  # the header: SIGSEGV
+            print("header written", flush=True)
+            """)
+        assert result.stdout.split("\n")[0] == "block written"
+        assert result.returncode == -11 and "header written" not in result.stdout
+        assert (arena.numpy_view(0, SEGMENT_HEADER.size) == 0xFF).all()
+        assert (arena.numpy_view(arena.block_offset(0), 8) == 1).all()
 
 
 def test_child_writes_block_parent_reads_and_segment_outlives_child(unique_name):
@@ -103,7 +129,7 @@ def test_child_writes_block_parent_reads_and_segment_outlives_child(unique_name)
             f"""
             import torch
             from lmcached.shm.arena import Arena
-            arena = Arena.attach({unique_name!r}, {arena.generation}, {MiB})
+            arena = Arena.attach({unique_name!r}, {arena.generation}, {MiB}, {16 * MiB})
             view = arena.view(7, torch.int32, ({MiB} // 4,))
             view.copy_(torch.arange({MiB} // 4, dtype=torch.int32) * 3)
             print("wrote")
@@ -162,7 +188,7 @@ def test_from_fd_shares_bytes_with_a_child_both_ways(unique_name):
             import os, sys
             from lmcached.shm.arena import Arena
             fd = int(sys.argv[1])
-            arena = Arena.from_fd(fd, 77, {MiB})
+            arena = Arena.from_fd(fd, 77, {MiB}, {8 * MiB})
             os.close(fd)  # the mapping outlives the descriptor
             assert not arena.is_owner and arena.num_blocks == 7 and arena.name == {unique_name!r}
             print(int(arena.numpy_view(arena.block_offset(2), 4096).sum()))
@@ -183,20 +209,16 @@ def test_from_fd_refuses_other_memory_and_leaves_the_descriptor_to_the_caller(un
     arena = Arena.create_memfd(unique_name, 5, 2 * MiB, MiB, prefault=False)
     zeros = os.memfd_create("not-an-arena")
     try:
-        with pytest.raises(ValueError, match="generation 6"):
-            Arena.from_fd(arena.export_fd(), 6, MiB)
-        os.ftruncate(zeros, 2 * MiB)
-        with pytest.raises(ValueError, match="not an lmcached arena"):
-            Arena.from_fd(zeros, 5, MiB)
-        os.ftruncate(zeros, HEADER_BYTES)
-        with pytest.raises(ValueError, match="4096 bytes"):
-            Arena.from_fd(zeros, 5, MiB)
-        client = Arena.from_fd(arena.export_fd(), 5, MiB)
-        assert client.name == unique_name
+        with pytest.raises(ValueError, match="generation 5, not of generation 6"):
+            Arena.from_fd(arena.export_fd(), 6, MiB, 2 * MiB)
+        with pytest.raises(ValueError, match=f"holds {2 * MiB} bytes, but the daemon announced"):
+            Arena.from_fd(arena.export_fd(), 5, MiB, 4 * MiB)
+        os.pwrite(arena.export_fd(), bytes(SEGMENT_HEADER.size), 0)  # a client's forgery
+        client = Arena.from_fd(arena.export_fd(), 5, MiB, 2 * MiB)
+        assert (client.name, client.num_blocks) == (unique_name, 1)
         client.close()  # unmaps only
-        os.ftruncate(zeros, 2 * MiB)  # a copy of the header in memory of another name
-        os.pwrite(zeros, os.pread(arena.export_fd(), HEADER_BYTES, 0), 0)
-        copy = Arena.from_fd(zeros, 5, MiB)
+        os.ftruncate(zeros, 2 * MiB)  # memory of another name: the daemon's word is enough
+        copy = Arena.from_fd(zeros, 5, MiB, 2 * MiB)
         assert (copy.name, copy.num_blocks) == ("anonymous", 1)
         copy.close()
         os.fstat(arena.export_fd())

@@ -149,8 +149,8 @@ def test_a_link_maps_no_tier_it_did_not_ask_for(fake_tier_daemon, monkeypatch, d
 REAL_FROM_FD = Arena.from_fd
 
 
-def from_fd_of_another_generation(cls, fd, generation, block_bytes, populate=True):
-    return REAL_FROM_FD(fd, generation + 1, block_bytes, populate)  # the real header check
+def from_fd_of_another_generation(cls, fd, generation, block_bytes, size_bytes, populate=True):
+    return REAL_FROM_FD(fd, generation + 1, block_bytes, size_bytes, populate)  # the real check
 
 
 def ctrunc(conn: Connection, message, max_fds=1, timeout_s=None):
@@ -159,7 +159,7 @@ def ctrunc(conn: Connection, message, max_fds=1, timeout_s=None):
 
 
 @pytest.mark.parametrize("attr, broken, reason", [
-    ((Arena, "from_fd"), classmethod(from_fd_of_another_generation), "not an lmcached arena"),
+    ((Arena, "from_fd"), classmethod(from_fd_of_another_generation), "not of generation"),
     ((Connection, "request_with_fds"), ctrunc, "MSG_CTRUNC"),
 ])
 def test_a_tier_that_cannot_be_mapped_is_warned_once_and_left_out_of_the_session(

@@ -56,7 +56,7 @@ def test_a_fake_tier_is_an_anonymous_arena_shared_by_descriptor(unique_name):
         assert memory.num_blocks == 8
         # Another process maps the descriptor and writes block 5.
         code = ("import os, sys; from lmcached.shm.arena import Arena; "
-                "a = Arena.from_fd(int(sys.argv[1]), 42, 4096); "
+                f"a = Arena.from_fd(int(sys.argv[1]), 42, 4096, {HEADER_BYTES + 8 * 4096}); "
                 "a.numpy_view(a.block_offset(5), 100)[:] = 7; a.close()")
         fd = memory.export_fd()
         subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=[fd], check=True)
@@ -136,7 +136,7 @@ def test_an_arena_from_a_descriptor_refuses_another_generation(unique_name):
     arena = Arena.create_memfd(unique_name, 5, HEADER_BYTES + 4096, 4096)
     try:
         with pytest.raises(ValueError, match="generation 6"):
-            Arena.from_fd(arena.export_fd(), 6, 4096)
+            Arena.from_fd(arena.export_fd(), 6, 4096, HEADER_BYTES + 4096)
         named = Arena.create(unique_name + "-named", HEADER_BYTES + 4096, prefault=False)
         with pytest.raises(ValueError, match="no descriptor to export"):
             named.export_fd()

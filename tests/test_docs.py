@@ -86,6 +86,7 @@ QUOTED_MESSAGES = [
     "a member could replace the socket",
     "not a socket: refusing to remove it",
     "another lmcached daemon is listening on",
+    "stop it first, or start this one with another --name",
     "is more than /dev/shm has free",
     "free space there, or lower --capacity",
     "cannot parse size",

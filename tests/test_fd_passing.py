@@ -81,8 +81,8 @@ def test_the_tier_descriptor_maps_the_daemons_memory(fake_tier_daemon):
         assert handle == TierHandle(1, hello.generation, "fake", "fake-0", 8 << 20)
         assert len(fds) == 1
         with pytest.raises(ValueError, match="generation"):  # a stale generation's memory
-            Arena.from_fd(fds[0], hello.generation + 1, hello.block_bytes)
-        tier = Arena.from_fd(fds[0], hello.generation, hello.block_bytes)
+            Arena.from_fd(fds[0], hello.generation + 1, hello.block_bytes, handle.size_bytes)
+        tier = Arena.from_fd(fds[0], hello.generation, hello.block_bytes, handle.size_bytes)
         os.close(fds[0])
         try:
             assert tier.num_blocks == hello.tiers[1].num_blocks == 127

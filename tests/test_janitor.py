@@ -1,106 +1,136 @@
-"""The janitor: orphaned arena segments are found and unlinked, live ones never."""
+"""The janitor: a daemon name's lock decides who owns its segments; orphans are found and
+unlinked, live ones never, whatever their header bytes say."""
 
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import posix_ipc
-import psutil
+import pytest
 
-from lmcached.shm.arena import ARENA_MAGIC, Arena
+from lmcached.shm import janitor
+from lmcached.shm.arena import SEGMENT_HEADER, Arena
 from lmcached.shm.janitor import (
-    SHM_DIR,
-    _owner_alive,
+    DaemonRunningError,
+    NameLock,
+    UnsafeLockDirectoryError,
     list_segments,
-    read_segment_owner,
+    lock_directory,
     sweep_orphans,
+    unlink_orphans,
 )
 
 MiB = 1 << 20
 
+# Holds the name's lock and owns an arena, as a daemon does; prints the segment's name.
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from lmcached.shm.arena import Arena
+    from lmcached.shm.janitor import NameLock
+    lock = NameLock.acquire(sys.argv[1])
+    arena = Arena.create(sys.argv[1], 4 << 20, 1 << 20, prefault=False)
+    print(arena.segment_name, flush=True)
+    time.sleep(120)
+""")
 
-def test_sweep_removes_segments_of_dead_daemons_only(unique_name):
-    live = Arena.create(unique_name, 4 * MiB, MiB)
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                from lmcached.shm.arena import Arena
-                arena = Arena.create({unique_name!r}, {4 * MiB}, {MiB})
-                print(arena.segment_name, flush=True)
-                time.sleep(60)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+
+@pytest.fixture
+def holder(unique_name):
+    """A process holding `unique_name`'s lock and arena: (Popen, segment entry)."""
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, unique_name],
+                             stdout=subprocess.PIPE, text=True)
     try:
-        dead_name = child.stdout.readline().strip().lstrip("/")
-        assert dead_name in list_segments(unique_name)
-        assert sweep_orphans(unique_name) == []  # its owner is alive
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
-        assert dead_name in list_segments(unique_name)  # SIGKILL cannot unlink
-        assert sweep_orphans(unique_name) == [dead_name]
-        assert list_segments(unique_name) == [live.segment_name.lstrip("/")]
+        entry = child.stdout.readline().strip().lstrip("/")
+        assert entry in list_segments(unique_name), child.poll()
+        yield child, entry
     finally:
         if child.poll() is None:
             child.kill()
-            child.wait()
-        live.close()
-
-
-def test_owner_is_dead_when_its_pid_was_reused_or_is_a_zombie():
-    me = psutil.Process()
-    assert _owner_alive(me.pid, me.create_time())
-    assert not _owner_alive(me.pid, me.create_time() - 5.0)  # same pid, another process
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    created = psutil.Process(child.pid).create_time()
-    deadline = time.monotonic() + 10
-    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    try:
-        assert not _owner_alive(child.pid, created)
-    finally:
         child.wait()
-    assert not _owner_alive(child.pid, created)  # reaped: gone
+        child.stdout.close()
 
 
-def test_read_segment_owner_returns_the_header_of_an_arena_only(unique_name):
-    with Arena.create(unique_name, 4 * MiB, MiB, prefault=False) as arena:
-        path = os.path.join(SHM_DIR, arena.segment_name.lstrip("/"))
-        me = psutil.Process()
-        assert read_segment_owner(path) == (arena.generation, me.pid, me.create_time())
-    foreign = posix_ipc.SharedMemory(f"/lmcached.{unique_name}.1", posix_ipc.O_CREX, size=4096)
+def test_a_held_name_is_refused_with_its_pid_and_freed_when_its_holder_dies(holder, unique_name):
+    child, entry = holder
+    assert NameLock.try_acquire(unique_name) is None
+    with pytest.raises(DaemonRunningError, match=rf"named {unique_name} is already running "
+                                                 rf"\(pid {child.pid}, it holds"):
+        NameLock.acquire(unique_name)
+    child.send_signal(signal.SIGKILL)  # the kernel drops the lock with the process
+    child.wait(timeout=10)
+    with NameLock.acquire(unique_name) as lock:
+        assert lock.path == os.path.join(lock_directory(), f"{unique_name}.lock")
+        with open(lock.path) as f:
+            assert f.read() == f"{os.getpid()}\n"
+        assert NameLock.try_acquire(unique_name) is None  # another open file, same process
+        assert unlink_orphans(lock) == [entry]
+    assert not os.path.exists(lock.path)  # release unlinks it
+    lock.release()  # idempotent
+
+
+def test_sweep_spares_a_live_daemons_segment_whatever_its_header_says(holder, unique_name):
+    """A client can write the header (a dead owner pid, no magic): nothing changes."""
+    child, entry = holder
+    shm = posix_ipc.SharedMemory("/" + entry)
     try:
-        foreign.close_fd()
-        path = os.path.join(SHM_DIR, f"lmcached.{unique_name}.1")
-        assert read_segment_owner(path) is None  # zeros: no ARENA_MAGIC
-        with open(path, "r+b") as f:
-            f.write(ARENA_MAGIC)
-        assert read_segment_owner(path) is not None
-        assert read_segment_owner(os.path.join(SHM_DIR, "no-such-segment")) is None
+        os.pwrite(shm.fd, SEGMENT_HEADER.pack(b"FORGED!!", 1, 999_999, 0.0, 0, 0), 0)
     finally:
-        foreign.unlink()
+        shm.close_fd()
+    assert sweep_orphans(unique_name) == []
+    assert list_segments(unique_name) == [entry]
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=10)
+    assert entry in list_segments(unique_name)  # SIGKILL cannot unlink
+    assert sweep_orphans(unique_name) == [entry]
+    assert list_segments(unique_name) == []
+    assert not os.path.exists(os.path.join(lock_directory(), f"{unique_name}.lock"))
 
 
-def test_sweep_removes_a_headerless_segment_only_once_it_is_old(unique_name):
-    """A segment without a header may be one being created right now: spared while young."""
-    entry = f"lmcached.{unique_name}.1"
-    posix_ipc.SharedMemory("/" + entry, posix_ipc.O_CREX, size=4096).close_fd()
-    try:
-        assert sweep_orphans(unique_name, min_age_s=60) == []
-        assert list_segments(unique_name) == [entry]
-        assert sweep_orphans(unique_name, min_age_s=0) == [entry]
-        assert list_segments(unique_name) == []
-    finally:
-        if list_segments(unique_name):
-            posix_ipc.unlink_shared_memory("/" + entry)
+def test_the_lock_holder_unlinks_every_older_segment_of_its_name(unique_name):
+    """Headerless or not: while the name is held, nobody else may have made one."""
+    headerless = f"lmcached.{unique_name}.1"
+    posix_ipc.SharedMemory("/" + headerless, posix_ipc.O_CREX, size=4096).close_fd()
+    dead = Arena.create(unique_name, 4 * MiB, MiB, prefault=False)
+    dead_entry = dead.segment_name.lstrip("/")
+    dead.is_owner = False  # as if its daemon died: close() only unmaps
+    dead.close()
+    with NameLock.acquire(unique_name) as lock:
+        assert unlink_orphans(lock) == sorted([headerless, dead_entry])
+        with Arena.create(unique_name, 4 * MiB, MiB, prefault=False) as mine:
+            assert list_segments(unique_name) == [mine.segment_name.lstrip("/")]
+    assert list_segments(unique_name) == []
+
+
+@pytest.fixture
+def private_shm_dir(tmp_path, monkeypatch):
+    """The janitor's /dev/shm is a temporary directory (the real lock directory is shared
+    with every daemon of this user)."""
+    monkeypatch.setattr(janitor, "SHM_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_a_lock_directory_that_is_a_symlink_is_refused(private_shm_dir, unique_name):
+    target = private_shm_dir / "elsewhere"
+    target.mkdir()
+    os.symlink(target, lock_directory())
+    with pytest.raises(UnsafeLockDirectoryError, match="is not a directory"):
+        NameLock.acquire(unique_name)
+    assert os.listdir(target) == []
+
+
+def test_a_lock_directory_of_ours_is_made_private(private_shm_dir, unique_name):
+    os.mkdir(lock_directory(), 0o755)
+    os.chmod(lock_directory(), 0o777)
+    with NameLock.acquire(unique_name):
+        assert os.stat(lock_directory()).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_lock_directory_of_another_user_is_refused(private_shm_dir, unique_name):
+    os.mkdir(lock_directory(), 0o700)
+    os.chown(lock_directory(), 12345, 12345)
+    with pytest.raises(UnsafeLockDirectoryError, match="belongs to uid 12345"):
+        NameLock.acquire(unique_name)
+    assert os.listdir(lock_directory()) == []

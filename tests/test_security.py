@@ -25,8 +25,9 @@ import pytest
 
 from conftest import start_daemon
 from lmcached.protocol import Clear, ConfigGet, Connection, Ping, hello
-from lmcached.shm.arena import Arena
+from lmcached.shm.arena import SEGMENT_HEADER, Arena
 from lmcached.shm.janitor import list_segments
+from test_engine_multiprocess import run_worker
 from lmcached.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,
@@ -339,6 +340,10 @@ CLIENT_AS_OTHER_USER = textwrap.dedent("""
     os.setgid(gid)
     os.setuid(uid)
     out = {"uid": os.getuid(), "euid": os.geteuid(), "groups": sorted(os.getgroups())}
+    if mode.startswith("forge:"):  # overwrite the arena's header (magic, generation...), then use
+        with open(mode.removeprefix("forge:"), "r+b") as f:
+            f.write(bytes([255]) * 48)
+        mode = "use"
     if mode == "use":
         with CacheEngine.connect(layout, socket=sock, strict=True) as engine:
             out["stored"] = engine.store(tokens, kv)
@@ -403,7 +408,8 @@ def test_allow_group_member_uses_the_cache_but_may_not_administer_it(
         seg_st = os.stat(f"/dev/shm/{segment}")
         assert (stat.S_IMODE(seg_st.st_mode), seg_st.st_gid) == (0o660, group_gid)
 
-        out = run_as(second_user, sock, "use", [group_gid])
+        # A member who overwrites the arena's header first locks nobody out.
+        out = run_as(second_user, sock, f"forge:/dev/shm/{segment}", [group_gid])
         assert out["uid"] == out["euid"] == second_user["uid"] != 0
         assert out["stored"] == 4 and out["hit_tokens"] == 64 and out["bytes_equal"]
         assert out["info_ok"] and out["ping_after"]
@@ -415,6 +421,7 @@ def test_allow_group_member_uses_the_cache_but_may_not_administer_it(
             assert conn.request(Clear()).count == 4
         assert daemon.info()["errors_forbidden"] == 3
         assert daemon.proc.poll() is None
+        assert list_segments(unique_name) == [segment]
     finally:
         assert daemon.stop() == 0
 
@@ -453,7 +460,7 @@ SWEEP_AS_OTHER_USER = textwrap.dedent("""
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
-    print(json.dumps({"removed": sweep_orphans(name, min_age_s=0),
+    print(json.dumps({"removed": sweep_orphans(name),
                       "left": list_segments(name)}))
 """)
 
@@ -471,9 +478,43 @@ def test_sweep_leaves_another_users_unreadable_segment_alone(second_user, unique
         assert out == {"removed": [], "left": [arena.segment_name.lstrip("/")]}
 
 
+def forge_owner(segment: str, pid: int, create_time: float) -> None:
+    """Overwrite a segment's header as any client can: magic, generation, owner, sizes."""
+    with open(f"/dev/shm/{segment}", "r+b") as f:
+        f.write(SEGMENT_HEADER.pack(b"FORGED!!", 1, pid, create_time, 1 << 40, 64))
+
+
+@pytest.mark.slow
+def test_a_client_writing_the_arena_header_changes_nothing_for_others_or_the_daemon(
+        unique_name, short_tmp):
+    """A forged header (a dead owner pid among others) neither locks a new engine out nor
+    lets a second daemon of the name take the live segment for an orphan."""
+    sock = os.path.join(short_tmp, "d.sock")
+    daemon = start_daemon(unique_name, sock, os.path.join(short_tmp, "d.log"),
+                          "--capacity", "16MiB")
+    try:
+        assert run_worker("store", sock, 0, 64, 0, 1) == {"stored": 4}
+        (segment,) = list_segments(unique_name)
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()  # reaped: its pid names no process
+        forge_owner(segment, gone.pid, 0.0)
+        assert run_worker("retrieve", sock, 0, 64, 0, 1) == {"hit": 64, "mismatches": 0}
+        proc = serve_expecting_failure(unique_name, os.path.join(short_tmp, "other.sock"))
+        assert (f"Error: another lmcached daemon named {unique_name} is already running "
+                f"(pid {daemon.proc.pid}, it holds") in proc.stderr
+        assert list_segments(unique_name) == [segment]
+        assert run_worker("retrieve", sock, 0, 64, 0, 1) == {"hit": 64, "mismatches": 0}
+        fields = daemon.info()
+        assert (fields["hits"], fields["errors"]) == (8, 0)
+    finally:
+        assert daemon.stop() == 0
+    assert list_segments(unique_name) == []
+
+
 def test_restart_right_after_kill_9_removes_the_zombie_daemons_segment(unique_name, short_tmp):
     """The killed daemon is not reaped (this test is its parent): psutil still lists it,
-    as a zombie. A new daemon of the same name, started at once, removes its segment."""
+    as a zombie. A new daemon of the same name, started at once, removes its segment,
+    even when a client made its header name a live owner (this process)."""
     sock = os.path.join(short_tmp, "d.sock")
     first = start_daemon(unique_name, sock, os.path.join(short_tmp, "1.log"),
                          "--capacity", "16MiB")
@@ -483,6 +524,8 @@ def test_restart_right_after_kill_9_removes_the_zombie_daemons_segment(unique_na
         os.kill(first.proc.pid, signal.SIGKILL)  # no wait(): it stays a zombie
         wait_for(lambda: psutil.Process(first.proc.pid).status() == psutil.STATUS_ZOMBIE,
                  "the killed daemon to become a zombie")
+        me = psutil.Process()
+        forge_owner(old_segment, me.pid, me.create_time())
         assert old_segment in list_segments(unique_name)
         second = start_daemon(unique_name, sock, os.path.join(short_tmp, "2.log"),
                               "--capacity", "16MiB")
