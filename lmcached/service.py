@@ -46,6 +46,7 @@ from lmcached.protocol import (
     HelloReply,
     Info,
     InfoReply,
+    Invalidate,
     KeysReply,
     Layout,
     Lookup,
@@ -158,6 +159,7 @@ class CacheService:
         self.stat_stored_bytes = 0  # bytes of the values committed, since start
         self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
         self.stat_writing_expired = 0  # values aborted after --writing-timeout
+        self.stat_invalidated = 0  # chunks dropped by INVALIDATE
         self.stat_ns_hits = [0]
         self.stat_ns_misses = [0]
         self._handlers = {
@@ -180,6 +182,7 @@ class CacheService:
             Shutdown: self._shutdown,
             ConfigGet: self._config_get,
             OpenTier: self._open_tier,
+            Invalidate: self._invalidate,
         }
         self.latency = RequestLatency(self._handlers) if config.metrics_port else None
         if arena.block_bytes:
@@ -832,6 +835,25 @@ class CacheService:
         self.stat_ns_hits[req.ns] += len(spans)
         self.stat_ns_misses[req.ns] += 1 - len(spans)
         return self._blocks_reply(self._lease(session, spans), spans)
+
+    def _invalidate(self, session: Session, req: Invalidate) -> None:
+        """Drop the chunks a reader found corrupt, each only while the index still maps
+        it to the block the reader read (counted: INFO invalidated_chunks). Any session
+        may: any session can already overwrite those bytes. Pinned blocks keep their
+        bytes for their readers (detached) until released."""
+        chunk_keys = self._chunk_keys(session, req.ns, req.hashes)
+        if len(req.block_ids) != len(chunk_keys):
+            raise RequestError("bad_request", f"INVALIDATE of {len(chunk_keys)} hashes needs "
+                               f"as many block ids, got {len(req.block_ids)}")
+        self._require_pool()
+        pools = self.tiers.pools
+        for key, ref in zip(chunk_keys, req.block_ids):
+            tier_id = ref >> 32
+            pool = pools[tier_id] if 0 <= tier_id < len(pools) else None
+            span = pool.cached.get(key) if pool is not None else None
+            if span is not None and span[0].ref == ref and pool.evict(key):
+                self.stat_invalidated += 1
+        return None
 
     def _delete(self, session: Session, req: Delete) -> CountReply:
         key = self._string_key(session, req.ns, req.key)

@@ -1,8 +1,8 @@
-"""No session can empty or hold the arena for the others.
+"""No session can empty or hold the arena for the others, and a corrupt chunk is repaired.
 
 In process (`CacheService.handle`, as tests/test_service.py): ALLOC sizes bounded by the
 layout's record, the per-session share of the arena (`--max-session-share`) for WRITING
-and pinned blocks, WRITING blocks aborted after `--writing-timeout`. Then
+and pinned blocks, WRITING blocks aborted after `--writing-timeout`, and INVALIDATE. Then
 real daemon processes: a giant ALLOC evicts nothing, a hog session does not make another
 session's store NOSPACE, an uncommitted allocation expires and its late COMMIT is a
 skipped store.
@@ -11,6 +11,7 @@ skipped store.
 import logging
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -30,6 +31,7 @@ from lmcached.protocol import (
     Connection,
     DaemonError,
     Get,
+    Invalidate,
     Layout,
     Lookup,
     Ok,
@@ -43,6 +45,7 @@ from test_service import (  # noqa: F401 (make_service and service are fixtures)
     LAYOUT,
     NUM_BLOCKS,
     RECORD_BYTES,
+    answer,
     assert_everything_returned,
     chunk_hashes,
     error_code,
@@ -218,6 +221,58 @@ def test_housekeeping_expires_only_with_a_writing_timeout(make_service):
     service.config.writing_timeout_s = 60.0
     service.housekeeping()
     assert service.pool.num_writing_blocks == 0 and service.stat_writing_expired == 1
+    assert_everything_returned(service)
+
+
+# -------------------------------------------------------------------- INVALIDATE
+def test_invalidate_drops_the_chunk_still_at_the_block_read_and_counts_it(service):
+    writer, reader = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    blocks = store(service, writer, 1, range(3))
+    # A stale report (another block than the one indexed) and an unknown tier: ignored.
+    assert service.handle(reader, Invalidate(1, chunk_hashes([1, 2]),
+                                             [blocks[2], (7 << 32) | blocks[2]])) is None
+    assert lookup(service, reader, [1], range(3)) == 3 and service.stat_invalidated == 0
+    assert service.handle(reader, Invalidate(1, chunk_hashes([1]), [blocks[1]])) is None
+    assert lookup(service, reader, [1], range(3)) == 1 and service.stat_invalidated == 1
+    # Dropped once; a repeat changes nothing. The next store writes the chunk again.
+    service.handle(reader, Invalidate(1, chunk_hashes([1]), [blocks[1]]))
+    assert service.stat_invalidated == 1
+    reply = service.handle(writer, Alloc(1, chunk_hashes(range(3)), [RECORD_BYTES] * 3))
+    assert reply.status == [EXISTS, ALLOCATED, EXISTS]
+    service.handle(writer, Commit(reply.block_ids))
+    assert lookup(service, reader, [1], range(3)) == 3
+    assert_everything_returned(service)
+
+
+def test_an_invalidated_chunk_stays_readable_to_its_pin_holders_until_released(service):
+    writer, holder = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    (block,) = store(service, writer, 1, [0])
+    pinned = service.handle(holder, Acquire([1], chunk_hashes([0])))
+    service.handle(writer, Invalidate(1, chunk_hashes([0]), [block]))
+    assert lookup(service, writer, [1], [0]) == 0  # out of the index
+    assert service.pool.blocks[block].state == BlockState.READY  # detached, bytes kept
+    assert service.pool.num_detached_blocks == 1
+    # Every other block can be allocated, never the pinned one.
+    reply = service.handle(writer, Alloc(1, chunk_hashes(range(100, 116)), [RECORD_BYTES] * 16))
+    assert reply.status == [ALLOCATED] * 15 + [NOSPACE] and block not in reply.block_ids
+    service.handle(writer, Abort(reply.block_ids))
+    service.handle(holder, Release([pinned.lease]))
+    assert service.pool.blocks[block].state == BlockState.FREE
+    assert_everything_returned(service)
+
+
+def test_invalidate_is_validated_and_unanswered(service):
+    session = greeted(service, LAYOUT)
+    blocks = store(service, session, 1, [0])
+    for request in (Invalidate(1, chunk_hashes([0]), []), Invalidate(2, chunk_hashes([0]), blocks),
+                    Invalidate(1, b"short", blocks)):
+        assert service.handle(session, request) is None  # counted, never answered
+    assert service.stat_errors == {"bad_request": 2, "bad_namespace": 1}
+    # A frame tagged INVALIDATE that does not decode gets no reply either: its sender
+    # reads none.
+    assert answer(service, session, msgspec.msgpack.encode(["invalidate", "x"])) == (None, 1)
+    assert service.stat_errors["bad_request"] == 3
+    assert lookup(service, session, [1], [0]) == 1
     assert_everything_returned(service)
 
 
