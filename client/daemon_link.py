@@ -46,6 +46,7 @@ from lmcached.protocol import (
     Delete,
     Get,
     HelloReply,
+    Invalidate,
     Layout,
     Lookup,
     OpenTier,
@@ -72,7 +73,7 @@ DATA_TIMEOUT_S = 0.2  # serving-path requests and their reconnects ($LMCACHED_DA
 
 # Requests a serving step waits for: a stalled daemon must cost them milliseconds.
 DATA_PATH_REQUESTS = frozenset({Lookup, Acquire, Alloc, Commit, Abort, Release, Put, Get,
-                                Delete, Scan})
+                                Delete, Scan, Invalidate})
 
 
 def default_data_timeout_s() -> float:
@@ -668,6 +669,32 @@ class DaemonLink:
                 self.request(Release(leases), reply.generation)
             except CacheUnavailable:
                 pass
+
+    def invalidate(self, chunk_hashes: list[bytes], block_ids: list[int],
+                   session_id: int) -> None:
+        """Tell the daemon that the records of these chunks of the link's first namespace
+        are corrupt (INVALIDATE, fire-and-forget: no reply is awaited), so that the next
+        store replaces them. Never raises.
+
+        Args:
+            chunk_hashes: the chunks' hashes.
+            block_ids: the first block of each chunk's value, as read.
+            session_id: the session whose pins hold those blocks. Sent only while it is
+                the current one, and before those pins are released: then the daemon
+                sees the blocks as they were read (a block is never reused while
+                pinned).
+        """
+        if not block_ids:
+            return
+        with self.lock:
+            reply = self.hello_reply
+            if reply is None or reply.session_id != session_id:
+                return
+            try:
+                self.request(Invalidate(reply.namespaces[0], b"".join(chunk_hashes),
+                                        list(block_ids)), reply.generation)
+            except (CacheUnavailable, DaemonError):
+                pass  # a chunk not dropped is only read as a miss again
 
     def fill_and_commit(self, block_ids: list[int], generation: int,
                         fill: Callable[[], None]) -> bool:

@@ -444,9 +444,9 @@ class CacheEngine:
         num_ok = run.records.verify_prefix(run.spans, run.hashes, token_array, run.chunks,
                                            self._fingerprint)
         if num_ok < len(run.spans):
-            self._count_mismatch(run.spans[num_ok])
+            self._count_mismatch(run, hashes, num_ok)
         if self.verify == "checksum" and num_ok:
-            num_ok = self._verify_checksums(run.records, run.spans[:num_ok], run.chunks[:num_ok])
+            num_ok = self._verify_checksums(run, hashes, num_ok)
         run.truncate(num_ok)
         return run
 
@@ -477,7 +477,11 @@ class CacheEngine:
                 "from the daemon; further cases are only counted", run.session_id,
             )
 
-    def _count_mismatch(self, span: list[int]) -> None:
+    def _count_mismatch(self, run: PinnedChunks, hashes: list[bytes], index: int) -> None:
+        """Count chunk `index` of `run`, whose record does not hold its tokens (a miss,
+        warned about once), and INVALIDATE it while still pinned, so that the next store
+        replaces it; not a block of a tier this process has not mapped (others read it)."""
+        span = run.spans[index]
         self.num_verify_failures += 1
         if not self._warned_mismatch:
             self._warned_mismatch = True
@@ -486,14 +490,19 @@ class CacheEngine:
                 "index, or a tier this process has not mapped): treated as a miss; further "
                 "mismatches are only counted", span,
             )
+        if run.records.maps(span):
+            self.link.invalidate([hashes[index]], [span[0]], run.session_id)
 
-    def _verify_checksums(self, records: RecordIO, spans: list[list[int]],
-                          chunks: list[tuple[int, int]]) -> int:
-        """How many leading records carry a matching payload checksum (copy threads).
+    def _verify_checksums(self, run: PinnedChunks, hashes: list[bytes], num_chunks: int) -> int:
+        """How many of the first `num_chunks` records of `run` (`hashes`: their chunk
+        hashes) lead with a matching payload checksum (checked on copy threads).
 
         A failure is counted and warned about once; the records after it are not
-        served (a retrieve returns a prefix).
+        served (a retrieve returns a prefix). Every record that failed is INVALIDATEd
+        while still pinned, so that the next store replaces it with a sealed one.
         """
+        records, spans = run.records, run.spans[:num_chunks]
+        chunks = run.chunks[:num_chunks]
         ok = [False] * len(spans)
 
         def check(i: int, span: list[int], num_tokens: int) -> None:
@@ -505,6 +514,9 @@ class CacheEngine:
             return len(spans)
         num_ok = ok.index(False)
         self.num_checksum_failures += 1
+        failed = [i for i, good in enumerate(ok) if not good]
+        self.link.invalidate([hashes[i] for i in failed], [spans[i][0] for i in failed],
+                             run.session_id)
         if not self._warned_checksum:
             self._warned_checksum = True
             logger.warning(

@@ -45,6 +45,10 @@ DEFAULT_RAM_FRACTION = 0.25
 DEFAULT_SHM_MODE = 0o600
 DEFAULT_GROUP_SHM_MODE = 0o660  # with --allow-group: members map the arena read-write
 DEFAULT_MAX_CLIENTS = 1024
+# One session may hold (WRITING + pinned) at most this share of the arena's blocks: the
+# rest stays free or evictable for every other session (docs/architecture.md, "Limits").
+DEFAULT_MAX_SESSION_SHARE = 50.0  # percent
+DEFAULT_WRITING_TIMEOUT_S = 60.0  # an allocation not committed by then is aborted
 DEFAULT_BUFFER_BUDGET_BYTES = 128 << 20
 DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are for this node's Prometheus agent
 DEFAULT_L2_QUEUE_BYTES = 256 << 20
@@ -84,6 +88,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_group: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     max_clients: Annotated[int, msgspec.Meta(ge=1)] | None = None
     idle_timeout: Annotated[float, msgspec.Meta(ge=0, le=1e9)] | None = None  # seconds
+    max_session_share: Annotated[float, msgspec.Meta(gt=0, le=100)] | None = None  # percent
+    writing_timeout: Annotated[float, msgspec.Meta(ge=0, le=1e9)] | None = None  # seconds
     buffer_budget: Size | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
     metrics_host: Annotated[str, msgspec.Meta(min_length=1)] | None = None
@@ -268,6 +274,19 @@ SETTINGS: dict[str, SettingSpec] = {
         float, "seconds, e.g. 300 or 0.5; 0 = off", "SECONDS",
         "Disconnect a client that sent no request for this long, like Redis `timeout`.",
         0.0, "0 = never"),
+    "max_session_share": SettingSpec(
+        float, "a percentage of the arena's blocks, more than 0 and at most 100, e.g. 50",
+        "PERCENT",
+        "Most of the arena one client session may hold at once, in blocks being written "
+        "and blocks pinned for reading (percent); beyond it that session's stores get "
+        "NOSPACE and its reads a shorter prefix, never the other sessions'. Also the "
+        "largest value a PUT may store.",
+        DEFAULT_MAX_SESSION_SHARE),
+    "writing_timeout": SettingSpec(
+        float, "seconds, e.g. 60; 0 = never", "SECONDS",
+        "Abort a store's blocks that were allocated this long ago and not yet committed "
+        "(counted: INFO writing_expired); its late COMMIT is refused (`expired`).",
+        DEFAULT_WRITING_TIMEOUT_S, "60; 0 = never"),
     "buffer_budget": SettingSpec(
         _parse_buffer_budget, 'a size such as "128MiB" or whole bytes', "SIZE",
         "Input and output buffers of all clients together; beyond it the clients holding "
@@ -481,6 +500,10 @@ class ServerConfig:
             at start when its file descriptor limit cannot hold that many.
         idle_timeout_s: a client without a request for this long is disconnected, in
             seconds; 0 = never (Redis `timeout`).
+        max_session_share: percent of the host arena's blocks one session may hold,
+            WRITING and pinned together; also bounds a PUT value's size.
+        writing_timeout_s: WRITING blocks allocated longer ago than this, in seconds,
+            are aborted by the daemon's housekeeping; 0 = never.
         buffer_budget_bytes: input and output buffers of all clients together, in bytes.
         metrics_port: TCP port of the Prometheus endpoint; None = no endpoint.
         metrics_host: address the endpoint listens on.
@@ -510,6 +533,8 @@ class ServerConfig:
     prefault: bool = True
     max_clients: int = DEFAULT_MAX_CLIENTS
     idle_timeout_s: float = 0.0
+    max_session_share: float = DEFAULT_MAX_SESSION_SHARE
+    writing_timeout_s: float = DEFAULT_WRITING_TIMEOUT_S
     buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
@@ -573,6 +598,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
         config_file=params["config_file"],
         max_clients=params["max_clients"],
         idle_timeout_s=params["idle_timeout"],
+        max_session_share=params["max_session_share"],
+        writing_timeout_s=params["writing_timeout"],
         buffer_budget_bytes=params["buffer_budget"],
         metrics_port=params["metrics_port"],
         metrics_host=params["metrics_host"],

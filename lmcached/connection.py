@@ -3,7 +3,7 @@
 Why this file exists: it is the part of the event loop (`server.py`) that every byte a
 client sends goes through, so that its rules can be read and tested in one place:
 frames are parsed in place from the connection's buffer, any payload becomes exactly one
-reply, or none for a RELEASE (`answer_frame` never raises), and the limits after Redis
+reply, or none for a RELEASE or INVALIDATE (`answer_frame` never raises), and the limits after Redis
 (`client-query-buffer-limit`, `client-output-buffer-limit`, `timeout`, `maxclients`)
 are constants here.
 """
@@ -17,6 +17,7 @@ import msgspec
 from lmcached.logger import init_logger
 from lmcached.protocol import (
     MAX_FRAME_BYTES,
+    NO_REPLY_REQUESTS,
     PROTOCOL_VERSION,
     Clients,
     Info,
@@ -103,7 +104,7 @@ def answer_frame(service: CacheService, session: Session,
 
     Returns:
         (reply frame, cost of the request in PASS_BUDGET units). The reply is the
-        handler's, None for a request that has no reply (RELEASE), `version` for a
+        handler's, None for a request that has no reply (RELEASE, INVALIDATE), `version` for a
         HELLO of another protocol version, `bad_request` for a payload that does not
         decode to a valid request (any exception of the decoder: msgspec's errors, but
         also e.g. UnicodeDecodeError for a str of invalid UTF-8), `internal` when a
@@ -138,16 +139,21 @@ def encode_reply(service: CacheService, session: Session, reply) -> bytes:
         return encode_frame(service.error("internal", "internal error in the daemon (see its log)"))
 
 
+# Tags of the requests that get no reply (RELEASE, INVALIDATE), even when malformed.
+_NO_REPLY_TAGS = frozenset(request.__struct_config__.tag for request in NO_REPLY_REQUESTS)
+
+
 def _undecodable(service: CacheService, payload, exc: Exception):
     """The Error for a payload that is not a valid request: `version` when it is a HELLO
     of another protocol version (whose fields may differ), None (counted, no reply: its
-    sender reads none) for a malformed RELEASE, else `bad_request`."""
+    sender reads none) for a malformed RELEASE or INVALIDATE, else `bad_request`."""
     try:
         message = msgspec.msgpack.decode(payload)
     except Exception:  # noqa: BLE001 - not even msgpack
         message = None
-    if isinstance(message, list) and message and message[0] == "release":
-        service.error("bad_request", f"undecodable RELEASE: {exc!r}")
+    if (isinstance(message, list) and message and isinstance(message[0], str)
+            and message[0] in _NO_REPLY_TAGS):
+        service.error("bad_request", f"undecodable {message[0].upper()}: {exc!r}")
         return None
     if (isinstance(message, list) and len(message) > 1 and message[0] == "hello"
             and isinstance(message[1], int) and message[1] != PROTOCOL_VERSION):

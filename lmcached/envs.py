@@ -21,6 +21,10 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_MAX_CLIENTS": "most clients connected at once (default 1024)",
     "LMCACHED_IDLE_TIMEOUT": "seconds without a request before a client is disconnected "
     "(default 0 = never)",
+    "LMCACHED_MAX_SESSION_SHARE": "percent of the arena one client session may hold, blocks "
+    "being written and pinned together (default 50)",
+    "LMCACHED_WRITING_TIMEOUT": "seconds after which blocks allocated and not committed are "
+    "aborted (default 60; 0 = never)",
     "LMCACHED_BUFFER_BUDGET": "input and output buffers of all clients together (default 128MiB)",
     "LMCACHED_METRICS_PORT": "TCP port of the Prometheus metrics endpoint of `lmcached serve` "
     "(default: none, metrics off; docs/metrics.md)",

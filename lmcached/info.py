@@ -72,6 +72,8 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "total_stored_human": format_bytes(service.stat_stored_bytes),
         "total_served_bytes": service.stat_served_bytes,
         "total_served_human": format_bytes(service.stat_served_bytes),
+        "writing_expired": service.stat_writing_expired,
+        "invalidated_chunks": service.stat_invalidated,
         "errors": sum(service.stat_errors.values()),
     }
     for code in sorted(service.stat_errors):

@@ -338,6 +338,12 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                    stats["stores"])
     yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",
                    stats["evictions"])
+    yield _counter("lmcached_writing_expired", "Values allocated and not committed within "
+                   "--writing-timeout, aborted by the daemon (INFO writing_expired).",
+                   stats["writing_expired"])
+    yield _counter("lmcached_invalidated_chunks", "Chunks a reader found corrupt and "
+                   "dropped from the index by INVALIDATE (INFO invalidated_chunks).",
+                   stats["invalidated_chunks"])
     yield _counter("lmcached_stored_bytes", "Bytes of the values committed (INFO "
                    "total_stored_bytes).", stats["total_stored_bytes"])
     yield _counter("lmcached_served_bytes", "Bytes of the values pinned for readers by "

@@ -2,9 +2,9 @@
 
 Why this file exists: it is the only contract between worker processes and the daemon.
 Every request batches all chunks of a request (never one message per chunk or per layer)
-and is one round trip, except RELEASE, which has no reply: a client sends it and goes on,
-so a retrieve costs one synchronous round trip (ACQUIRE). Bulk KV bytes never cross the
-socket, only block ids.
+and is one round trip, except RELEASE and INVALIDATE, which have no reply: a client sends
+them and goes on, so a retrieve costs one synchronous round trip (ACQUIRE). Bulk KV bytes
+never cross the socket, only block ids.
 
 Version 2 (this one) against version 1: ACQUIRE and GET answer a lease id and RELEASE
 takes leases (no reply, no block ids sent back); LOOKUP and ACQUIRE carry a list of
@@ -256,9 +256,26 @@ class ConfigGet(msgspec.Struct, tag="config_get", array_like=True):
     """The daemon's effective configuration."""
 
 
+class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
+    """Chunks a reader found corrupt (their record does not hold their tokens, or fails
+    its payload checksum): drop each from the index so that the next store replaces it.
+
+    Chunk i is `hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES]` of namespace `ns`, read in
+    the value whose first block is `block_ids[i]`; the daemon drops it only while the
+    index still maps that chunk to that block (a chunk evicted and stored again since
+    is left alone). Pinned blocks keep their bytes for their readers until released.
+    No reply, as RELEASE (a reader never waits for it); any session may send it.
+    """
+
+    ns: int
+    hashes: bytes
+    block_ids: list[int]
+
+
 Request = (
     Hello | Lookup | Acquire | Release | Alloc | Commit | Abort | Put | Get | Delete
     | Scan | Info | Clients | Evict | Clear | Ping | Shutdown | ConfigGet | OpenTier
+    | Invalidate
 )
 
 
@@ -399,7 +416,7 @@ Reply = (
 )
 
 # Requests the daemon never answers (the client does not wait): see `Connection.send`.
-NO_REPLY_REQUESTS = frozenset({Release})
+NO_REPLY_REQUESTS = frozenset({Release, Invalidate})
 
 
 def split_spans(block_ids: list[int], span_lengths: list[int]) -> list[list[int]]:

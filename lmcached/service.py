@@ -46,6 +46,7 @@ from lmcached.protocol import (
     HelloReply,
     Info,
     InfoReply,
+    Invalidate,
     KeysReply,
     Layout,
     Lookup,
@@ -159,6 +160,8 @@ class CacheService:
         self.stat_errors: dict[str, int] = {}
         self.stat_stored_bytes = 0  # bytes of the values committed, since start
         self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
+        self.stat_writing_expired = 0  # values aborted after --writing-timeout
+        self.stat_invalidated = 0  # chunks dropped by INVALIDATE
         self.stat_ns_hits = [0]
         self.stat_ns_misses = [0]
         self._handlers = {
@@ -181,6 +184,7 @@ class CacheService:
             Shutdown: self._shutdown,
             ConfigGet: self._config_get,
             OpenTier: self._open_tier,
+            Invalidate: self._invalidate,
         }
         self.latency = RequestLatency(self._handlers) if config.metrics_port else None
         if arena.block_bytes:
@@ -218,9 +222,43 @@ class CacheService:
             self.demoter.finish()
 
     def housekeeping(self) -> None:
-        """Periodic work of the loop thread: start demotions a device tier needs."""
+        """Periodic work of the loop thread: start demotions a device tier needs, and
+        abort the values that stayed WRITING longer than `--writing-timeout`."""
         if self.demoter is not None:
             self.demoter.plan()
+        if self.config.writing_timeout_s and self.pool is not None:
+            self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
+
+    def expire_writing(self, allocated_before: float) -> int:
+        """Abort every value allocated before `allocated_before` (time.monotonic()
+        seconds) and not yet committed, in every session (counted: INFO
+        writing_expired). A later COMMIT of them is refused with `expired`.
+
+        Each session is walked from its oldest allocation, so a pass costs the values it
+        aborts plus one per session.
+
+        Returns:
+            How many values were aborted.
+        """
+        num_expired, pids = 0, []
+        for session in self.sessions.values():
+            if not session.writing:
+                continue
+            values = session.expire_pending(allocated_before)
+            if not values:
+                continue
+            for value in values:
+                self.tiers.abort(value.blocks)
+            num_expired += len(values)
+            pids.append(session.pid)
+        if num_expired:  # one line per pass, however many sessions
+            self.stat_writing_expired += num_expired
+            logger.warning(
+                "aborted %d values left WRITING for more than %g s (--writing-timeout) by "
+                "%d sessions (pids %s); their COMMIT will be refused", num_expired,
+                self.config.writing_timeout_s, len(pids), pids[:8],
+            )
+        return num_expired
 
     def close(self) -> None:
         """Stop the daemon's worker threads that read tier memory (before it is
@@ -256,8 +294,7 @@ class CacheService:
                 "session %d (pid %d) ended holding %d pins and %d pending values: released",
                 session.session_id, session.pid, len(pinned), len(pending),
             )
-        session.leases.clear()
-        session.writing.clear()
+        session.clear()
 
     # ---------------------------------------------------------------- dispatch
     def handle(self, session: Session, request) -> object:
@@ -384,21 +421,91 @@ class CacheService:
                         device_pool: BlockPool | None = None):
         """Allocate WRITING blocks for one value of `num_bytes`: in `device_pool` when it
         has an empty block for a one-block value, else in the host arena (which may
-        evict); None when nothing is evictable."""
+        evict); None when nothing is evictable, or when the session would then hold
+        more than its share of the host arena (`_session_room`): nothing is evicted."""
         block_bytes = self.arena.block_bytes
         num_blocks = -(-num_bytes // block_bytes)
         blocks = None
         if device_pool is not None and num_blocks == 1:
             blocks = device_pool.allocate_empty(1)
         if blocks is None:
+            if num_blocks > self._session_room(session):
+                return None
             blocks = self.pool.allocate(num_blocks)
         if blocks is None:
             return None
         for block in blocks:
             block.num_bytes = block_bytes
         blocks[-1].num_bytes = num_bytes - (num_blocks - 1) * block_bytes
-        session.add_pending(PendingValue(key, blocks, replace))
+        session.add_pending(PendingValue(key, blocks, replace, session.last_request_at))
         return blocks
+
+    def _session_cap_blocks(self) -> int:
+        """Host arena blocks one session may hold, WRITING and pinned together:
+        `--max-session-share` percent of them, at least one."""
+        return max(1, int(self.pool.num_blocks * self.config.max_session_share / 100))
+
+    def _session_room(self, session: Session) -> int:
+        """Host arena blocks `session` may still allocate or pin (its share, less what it
+        holds), so that one session never keeps the rest of the arena from the others."""
+        return self._session_cap_blocks() - session.num_host_blocks_held
+
+    def _max_value_bytes(self) -> int:
+        """The largest value a PUT (or an ALLOC in a key-value namespace) may ask for:
+        the blocks of one session's share."""
+        return self._session_cap_blocks() * self.arena.block_bytes
+
+    def _check_value_sizes(self, session: Session, ns: int, num_bytes: list[int]) -> None:
+        """Refuse an ALLOC's record sizes beyond the namespace's full chunk record (or, in
+        a key-value namespace, beyond `_max_value_bytes`), before anything is allocated
+        or evicted.
+
+        Raises:
+            RequestError: `bad_request`, naming the size asked for and the limit.
+        """
+        limit = session.record_bytes.get(ns)
+        largest = max(num_bytes)
+        if limit is not None and largest > limit:
+            raise RequestError(
+                "bad_request", f"ALLOC of a {largest}-byte record in namespace {ns}, whose "
+                f"layout's full chunk record is {limit} bytes: num_bytes is at most that"
+            )
+        if limit is None and largest > self._max_value_bytes():
+            raise RequestError(
+                "bad_request", f"ALLOC of a {largest}-byte value in key-value namespace "
+                f"{ns}: a value is at most {self._max_value_bytes()} bytes "
+                f"(--max-session-share {self.config.max_session_share:g}% of the arena)"
+            )
+
+    def _pinnable_prefix(self, session: Session, namespaces: list[int],
+                         per_namespace: list[list[bytes]], num_chunks: int) -> int:
+        """How many of the first `num_chunks` chunks (in every namespace) `session` may
+        pin without holding more than its share of the host arena (`_session_room`);
+        fewer where a chunk is not READY.
+
+        A block the session already pins takes no more room. The chunks' spans are
+        walked only when the room may be too small for them: a chunk takes at most the
+        blocks of its namespace's full record (ALLOC refuses larger ones), a value of a
+        key-value namespace at most a share.
+        """
+        room = self._session_room(session)
+        block_bytes, cap = self.arena.block_bytes, self._session_cap_blocks()
+        record_bytes = session.record_bytes
+        most = sum(-(-record_bytes[ns] // block_bytes) if ns in record_bytes else cap
+                   for ns in namespaces)
+        if num_chunks * most <= room:
+            return num_chunks
+        find, readable, pins = self.tiers.find, session.readable, session.pins
+        taken: set[int] = set()  # host blocks the chunks so far would newly pin
+        for i in range(num_chunks):
+            for chunk_keys in per_namespace:
+                span = find(chunk_keys[i], readable)
+                if span is None:
+                    return i
+                taken.update(b.ref for b in span if not b.ref >> 32 and b.ref not in pins)
+            if len(taken) > room:
+                return i
+        return num_chunks
 
     def _lease(self, session: Session, spans: list[list[KVCacheBlock]]) -> int:
         """A new lease holding the pins of `spans` (0, and no lease, when empty)."""
@@ -443,6 +550,8 @@ class CacheService:
         session.greeted = True
         session.name = req.name[:128]
         session.namespaces = namespaces
+        session.record_bytes = {ns: layout.record_bytes for ns, layout in
+                                zip(namespaces, req.layouts) if layout.fmt != "kv"}
         session.devices = list(req.devices)
         session.readable = self.tiers.readable_for(session.devices)
         return HelloReply(
@@ -546,6 +655,7 @@ class CacheService:
             deferred = self._fetch_rest(req, per_namespace, num_chunks)
             if deferred is not None:
                 return deferred
+        num_chunks = self._pinnable_prefix(session, req.namespaces, per_namespace, num_chunks)
         spans = []
         for ns, chunk_keys in zip(req.namespaces, per_namespace):
             found = tiers.acquire_prefix(chunk_keys[:num_chunks], readable)
@@ -569,6 +679,8 @@ class CacheService:
         self._require_pool()
         if len(req.num_bytes) != len(keys) or any(n < 1 for n in req.num_bytes):
             raise RequestError("bad_request", "ALLOC needs one positive num_bytes per hash")
+        if keys:
+            self._check_value_sizes(session, req.ns, req.num_bytes)
         device_pool = self._device_pool(session, req) if req.tier else None
         tiers, readable = self.tiers, session.readable
         if readable == (0,):  # host only: the pool's own methods, no per-chunk dispatch
@@ -633,6 +745,12 @@ class CacheService:
     def _commit(self, session: Session, req: Commit) -> Ok:
         values = session.take_pending(req.block_ids)
         if values is None:
+            if self._forget_expired(session, req.block_ids):
+                raise RequestError(
+                    "expired", f"COMMIT of blocks allocated more than "
+                    f"{self.config.writing_timeout_s:g} s ago: the daemon aborted them "
+                    "(--writing-timeout); these chunks were not stored"
+                )
             raise RequestError("not_owner", "COMMIT of blocks this session did not allocate")
         if len(self.tiers.tiers) > 1 and any(v.tier_id for v in values):
             self._commit_device([v for v in values if v.tier_id])
@@ -674,16 +792,38 @@ class CacheService:
     def _abort(self, session: Session, req: Abort) -> Ok:
         values = session.take_pending(req.block_ids)
         if values is None:
+            if self._forget_expired(session, req.block_ids):
+                return Ok()  # what the timeout left is aborted now: as asked
             raise RequestError("not_owner", "ABORT of blocks this session did not allocate")
         for value in values:
             self.tiers.abort(value.blocks)
         return Ok()
+
+    def _forget_expired(self, session: Session, refs: list[int]) -> bool:
+        """For a COMMIT or ABORT that names blocks `expire_writing` aborted: abort the
+        values it names that are still WRITING (their writer gave them up with the
+        rest), forget the expired refs, and return True. False (nothing changed) when it
+        names no expired block and some block the session is not writing: `not_owner`."""
+        expired = session.expired
+        if not expired or not any(ref in expired for ref in refs):
+            return False
+        pending = [ref for ref in refs if ref in session.writing]
+        for value in session.take_pending(pending) or ():
+            self.tiers.abort(value.blocks)
+        expired.difference_update(refs)
+        return True
 
     def _put(self, session: Session, req: Put) -> AllocReply:
         key = self._string_key(session, req.ns, req.key)
         if req.num_bytes < 1:
             raise RequestError("bad_request", "PUT needs num_bytes >= 1")
         self._require_pool()
+        if req.num_bytes > self._max_value_bytes():
+            raise RequestError(
+                "bad_request", f"PUT of a {req.num_bytes}-byte value: a value is at most "
+                f"{self._max_value_bytes()} bytes (--max-session-share "
+                f"{self.config.max_session_share:g}% of the arena)"
+            )
         blocks = self._allocate_value(session, key, req.num_bytes, True)
         if blocks is None:
             return AllocReply([NOSPACE], [], [])
@@ -691,10 +831,35 @@ class CacheService:
 
     def _get(self, session: Session, req: Get) -> BlocksReply:
         key = self._string_key(session, req.ns, req.key)
-        spans = self._require_pool().acquire_prefix([key])
+        pool = self._require_pool()
+        span = pool.cached.get(key)
+        if span is not None and session.num_new_host_blocks(span) > self._session_room(session):
+            pool.stat_misses += 1  # this session holds its share: a miss for it alone
+            spans = []
+        else:
+            spans = pool.acquire_prefix([key])
         self.stat_ns_hits[req.ns] += len(spans)
         self.stat_ns_misses[req.ns] += 1 - len(spans)
         return self._blocks_reply(self._lease(session, spans), spans)
+
+    def _invalidate(self, session: Session, req: Invalidate) -> None:
+        """Drop the chunks a reader found corrupt, each only while the index still maps
+        it to the block the reader read (counted: INFO invalidated_chunks). Any session
+        may: any session can already overwrite those bytes. Pinned blocks keep their
+        bytes for their readers (detached) until released."""
+        chunk_keys = self._chunk_keys(session, req.ns, req.hashes)
+        if len(req.block_ids) != len(chunk_keys):
+            raise RequestError("bad_request", f"INVALIDATE of {len(chunk_keys)} hashes needs "
+                               f"as many block ids, got {len(req.block_ids)}")
+        self._require_pool()
+        pools = self.tiers.pools
+        for key, ref in zip(chunk_keys, req.block_ids):
+            tier_id = ref >> 32
+            pool = pools[tier_id] if 0 <= tier_id < len(pools) else None
+            span = pool.cached.get(key) if pool is not None else None
+            if span is not None and span[0].ref == ref and pool.evict(key):
+                self.stat_invalidated += 1
+        return None
 
     def _delete(self, session: Session, req: Delete) -> CountReply:
         key = self._string_key(session, req.ns, req.key)

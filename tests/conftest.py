@@ -13,7 +13,7 @@ import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
-from lmcached.protocol import Clients, Connection, Info, Release, request_decoder
+from lmcached.protocol import Clients, Connection, Info, Invalidate, Release, request_decoder
 from lmcached.shm.janitor import list_segments
 from redis_servers import redis_cluster, redis_server  # noqa: F401
 
@@ -142,15 +142,16 @@ def daemon(daemon_factory) -> DaemonProcess:
 
 
 def is_release_frame(payload) -> bool:
-    """Whether the daemon leaves `payload` unanswered: it decodes to a RELEASE, or it is a
-    msgpack array tagged "release" that does not (its sender, `Connection.send`, reads no
-    reply either way)."""
+    """Whether the daemon leaves `payload` unanswered: it decodes to a RELEASE or an
+    INVALIDATE, or it is a msgpack array tagged "release" or "invalidate" that does not
+    (its sender, `Connection.send`, reads no reply either way)."""
     try:
-        return isinstance(request_decoder.decode(payload), Release)
+        return isinstance(request_decoder.decode(payload), (Release, Invalidate))
     except Exception:  # noqa: BLE001 - not a valid request
         pass
     try:
         message = msgspec.msgpack.decode(payload)
     except Exception:  # noqa: BLE001 - not msgpack: answered with an Error
         return False
-    return isinstance(message, list) and bool(message) and message[0] == "release"
+    return (isinstance(message, list) and bool(message)
+            and message[0] in ("release", "invalidate"))

@@ -92,26 +92,60 @@ def test_a_kv_byte_changed_after_commit_is_a_counted_miss_only_with_checksums(
             return
         assert ret_mask.tolist() == [True] * 16 + [False] * 32
         assert torch.equal(got, kv[:, :, :16])
+        # The reader invalidated chunk 1: the next read does not even find it.
         with reader.retrieve_views(TOKENS) as views:
             assert views.num_tokens == 16
-        assert reader.num_checksum_failures == 2 and reader.num_verify_failures == 0
+        assert reader.num_checksum_failures == 1 and reader.num_verify_failures == 0
         assert (reader.hit_tokens, reader.miss_tokens) == (32, 64)
-    assert daemon.info()["pinned_blocks"] == 0
+    fields = daemon.info()
+    assert fields["pinned_blocks"] == 0 and fields["invalidated_chunks"] == 1
 
 
 def test_a_record_written_without_checksum_is_a_miss_for_a_checksum_reader(daemon, caplog):
     kv = prompt_kv(LAYOUT, TOKENS)
+    other = list(range(1000, 1048))
     with connect(daemon, "tokens") as writer, connect(daemon, "checksum") as reader:
         writer.store(TOKENS, kv)
+        writer.store(other, kv)
         with caplog.at_level(logging.WARNING, logger="lmcached"):
-            for _ in range(3):
-                got, ret_mask = reader.retrieve(TOKENS)
+            for tokens in (TOKENS, other, TOKENS):
+                got, ret_mask = reader.retrieve(tokens)
                 assert got == () and not ret_mask.any()
-        assert reader.num_checksum_failures == 3
+        assert reader.num_checksum_failures == 2  # the third read found nothing to check
         assert sum("no payload checksum" in r.getMessage() for r in caplog.records) == 1
-        tokens_reader_kv, ret_mask = writer.retrieve(TOKENS, return_tuple=False)
-        assert bool(ret_mask.all()) and torch.equal(tokens_reader_kv, kv)
-    assert daemon.info()["pinned_blocks"] == 0
+        # The checksum reader invalidated the unsealed records; its own store seals them,
+        # and both kinds of readers read those.
+        assert reader.store(TOKENS, kv) == 3
+        for engine in (writer, reader):
+            got, ret_mask = engine.retrieve(TOKENS, return_tuple=False)
+            assert bool(ret_mask.all()) and torch.equal(got, kv)
+    fields = daemon.info()
+    assert fields["pinned_blocks"] == 0 and fields["invalidated_chunks"] == 6
+
+
+@pytest.mark.parametrize("reader_verify", ["checksum", "tokens"])
+def test_a_corrupt_hot_chunk_is_a_miss_once_and_hits_again_after_one_store(daemon,
+                                                                            reader_verify):
+    # One stray write into the first chunk of a hot prompt: a KV bit (found by the
+    # checksum) or a token id (found by any reader). Without INVALIDATE each re-store's
+    # ALLOC answers EXISTS and the prompt would miss for every client for ever.
+    tokens = list(range(64))  # 4 chunks
+    kv = prompt_kv(LAYOUT, tokens)
+    with connect(daemon, "checksum") as writer, connect(daemon, reader_verify) as reader:
+        assert writer.store(tokens, kv) == 4
+        first = stored_blocks(writer, tokens)[0]
+        offset = LAYOUT.kv_offset + 100 if reader_verify == "checksum" else RECORD_HEADER_BYTES
+        record_bytes(writer, first, 16)[offset] ^= 0x01
+        got, ret_mask = reader.retrieve(tokens)
+        assert got == () and not ret_mask.any()  # a miss, once
+        assert reader.store(tokens, kv) == 1  # the next store replaces that chunk only
+        for _ in range(128):
+            got, ret_mask = reader.retrieve(tokens, return_tuple=False)
+            assert bool(ret_mask.all())
+        assert torch.equal(got, kv)
+        assert reader.num_checksum_failures + reader.num_verify_failures == 1
+    fields = daemon.info()
+    assert fields["invalidated_chunks"] == 1 and fields["pinned_blocks"] == 0
 
 
 def test_the_checksum_binds_the_kv_to_its_chunk(daemon):

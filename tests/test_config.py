@@ -533,6 +533,21 @@ def test_limits_come_from_file_env_and_options_with_their_defaults(clean_env, tm
         11, 30.0, GiB)
 
 
+def test_session_limits_default_to_half_the_arena_and_60_s_and_refuse_out_of_range(
+        clean_env, tmp_path):
+    cfg = load_config({"capacity": "1MiB"})
+    assert (cfg.max_session_share, cfg.writing_timeout_s) == (50.0, 60.0)
+    path = write_toml(tmp_path / "s.toml", "max_session_share = 100\nwriting_timeout = 0\n")
+    cfg = load_config({"capacity": "1MiB"}, path)
+    assert (cfg.max_session_share, cfg.writing_timeout_s) == (100.0, 0.0)
+    for value in ("0", "101", "-5"):
+        with pytest.raises(ValueError, match=r"^--max-session-share: invalid value .*"
+                           "expected a percentage of the arena's blocks"):
+            load_config({"capacity": "1MiB", "max_session_share": value})
+    with pytest.raises(ValueError, match=r"^--writing-timeout: invalid value '-1'"):
+        load_config({"capacity": "1MiB", "writing_timeout": "-1"})
+
+
 # For each setting: a valid value of its LMCACHED_* variable that is not the default, the
 # ServerConfig field it sets, and the effective value expected there.
 ENV_SETTINGS = {
@@ -545,6 +560,8 @@ ENV_SETTINGS = {
     "allow_group": ("staff", "allow_group", "staff"),
     "max_clients": ("9", "max_clients", 9),
     "idle_timeout": ("2.5", "idle_timeout_s", 2.5),
+    "max_session_share": ("25", "max_session_share", 25.0),
+    "writing_timeout": ("5.5", "writing_timeout_s", 5.5),
     "buffer_budget": ("2MiB", "buffer_budget_bytes", 2 * MiB),
     "metrics_port": ("9464", "metrics_port", 9464),
     "metrics_host": ("::1", "metrics_host", "::1"),

@@ -57,6 +57,8 @@ LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
 # The two tensor parallel ranks of one model: one namespace each.
 RANK0 = Layout("tiny-llama", 2, 0, "vllm", "bfloat16", 2, 1, 4, 16, 1000)
 RANK1 = Layout("tiny-llama", 2, 1, "vllm", "bfloat16", 2, 1, 4, 16, 1000)
+# Chunk records of up to 4 MiB: ALLOC refuses a record larger than its layout's.
+MIB_LAYOUT = Layout("tiny-llama-mib", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 4 * MiB)
 
 
 def hashes(*ids: int) -> bytes:
@@ -157,7 +159,7 @@ def test_hello_sets_block_size_from_first_layout(daemon_factory):
 
 
 def test_chunk_life_cycle_alloc_commit_lookup_acquire_release(daemon):
-    conn, hello_reply = connect(daemon)
+    conn, hello_reply = connect(daemon, [MIB_LAYOUT])
     (ns,) = hello_reply.namespaces
     reply = conn.request(Alloc(ns, hashes(1, 2, 3), [MiB, MiB, 5]))
     assert reply.status == [ALLOCATED] * 3 and reply.span_lengths == [1, 1, 1]
@@ -233,8 +235,9 @@ def test_a_session_cannot_touch_another_sessions_blocks(daemon):
 
 
 def test_alloc_evicts_lru_then_answers_nospace(daemon_factory):
-    daemon = daemon_factory("--capacity", "8MiB", "--block-size", "1MiB")
-    conn, hello_reply = connect(daemon)
+    daemon = daemon_factory("--capacity", "8MiB", "--block-size", "1MiB",
+                            "--max-session-share", "100")
+    conn, hello_reply = connect(daemon, [MIB_LAYOUT])
     (ns,), num_blocks = hello_reply.namespaces, hello_reply.num_blocks
     assert num_blocks == 7
     store_chunks(conn, ns, range(7), MiB)
@@ -256,7 +259,7 @@ def test_alloc_evicts_lru_then_answers_nospace(daemon_factory):
 
 
 def test_multi_block_values_span_blocks(daemon):
-    conn, hello_reply = connect(daemon)
+    conn, hello_reply = connect(daemon, [MIB_LAYOUT])
     (ns,) = hello_reply.namespaces
     reply = conn.request(Alloc(ns, hashes(1), [3 * MiB + 1]))
     assert reply.span_lengths == [4] and len(set(reply.block_ids)) == 4
@@ -513,7 +516,9 @@ time.sleep(120)
 
 
 @pytest.mark.slow
-def test_sigkilled_client_releases_its_pins_and_writing_blocks(daemon):
+def test_sigkilled_client_releases_its_pins_and_writing_blocks(daemon_factory):
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB",
+                            "--max-session-share", "100")
     conn, hello_reply = connect(daemon)
     (ns,) = hello_reply.namespaces
     store_chunks(conn, ns, range(3))
@@ -532,7 +537,7 @@ def test_sigkilled_client_releases_its_pins_and_writing_blocks(daemon):
         assert fields["pinned_blocks"] == 0 and fields["writing_blocks"] == 0
         # Every block is reusable again: the whole arena can be allocated.
         total = hello_reply.num_blocks
-        reply = conn.request(Alloc(ns, hashes(*range(100, 100 + total)), [MiB] * total))
+        reply = conn.request(Alloc(ns, hashes(*range(100, 100 + total)), [1000] * total))
         assert reply.status == [ALLOCATED] * total
         conn.request(Abort(reply.block_ids))
     finally:

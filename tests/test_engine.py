@@ -255,7 +255,9 @@ def test_store_when_full_stores_what_fits_and_stops_at_the_first_refusal(
     if max_chunks is not None:
         monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", max_chunks)
     layout = make_layout()
-    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB")  # 15 blocks
+    # 15 blocks, all of which this engine, the daemon's only client, may hold.
+    daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB",
+                            "--max-session-share", "100")
     with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as eng:
         assert eng.store(torch.arange(160), make_kv(layout, 160)) == 10  # 1 or 3 requests
         kv = make_kv(layout, 160, seed=1)
@@ -281,7 +283,7 @@ def test_requests_beyond_one_frame_are_split(daemon_factory):
     block_bytes = -(-layout.record_bytes(1) // 64) * 64
     assert chunks_per_request(layout, block_bytes) < num_tokens  # split in two
     daemon = daemon_factory("--capacity", str((num_tokens + 64) * block_bytes + (1 << 20)),
-                            "--block-size", str(block_bytes))
+                            "--block-size", str(block_bytes), "--max-session-share", "100")
     # A request of ~40k chunks can take the daemon longer than the default data timeout.
     with CacheEngine.connect(layout, socket=daemon.socket, strict=True, data_timeout_s=60) as eng:
         tokens = torch.arange(num_tokens)

@@ -26,6 +26,7 @@ from lmcached.protocol import (
     AllocReply,
     BlocksReply,
     Commit,
+    Error,
     Hello,
     Layout,
     Lookup,
@@ -94,8 +95,10 @@ class Node:
                  device_memories=(), devices=(), **tier_args) -> None:
         self.arena = Arena.create(name, HEADER_BYTES + num_blocks * BLOCK_BYTES, BLOCK_BYTES,
                                   prefault=False)
-        self.service = CacheService(ServerConfig(name=name, socket="/nonexistent"), self.arena,
-                                    device_memories)
+        # One session stands for every client of the node: it may hold the whole arena.
+        self.service = CacheService(ServerConfig(name=name, socket="/nonexistent",
+                                                 max_session_share=100.0),
+                                    self.arena, device_memories)
         self.woken = threading.Semaphore(0)
         args = dict(url="fake://", policy="write-through", ttl_s=0.0, queue_bytes=1 << 20,
                     fetch_wait_s=5.0, num_threads=2)
@@ -379,11 +382,12 @@ def test_values_longer_than_the_record_are_neither_written_nor_fetched(nodes):
     store = FakeStore()
     writer, reader = nodes(store), nodes(store)
     prompt = make_prompt(0, 3)
-    # ALLOC does not bound a chunk value by its layout's record: a hostile client's 3x value.
-    huge = [(prompt[0][0], prompt[0][1] * 3)] + prompt[1:]
-    writer.store(huge)
-    writer.settle(lambda: writer.tier.info()["l2_queue_values"] == 0)
-    assert writer.tier.info()["l2_write_drops_oversize"] == 1
+    # A hostile client's 3x value: ALLOC refuses a chunk larger than its layout's record,
+    # so nothing of it is written, to the arena or to L2.
+    huge = writer.service.handle(writer.session, Alloc(writer.ns, prompt[0][0],
+                                                       [3 * len(prompt[0][1])]))
+    assert isinstance(huge, Error) and huge.code == "bad_request"
+    assert writer.tier.info()["l2_write_drops_oversize"] == 0
     assert l2_key(FP, prompt[0][0]) not in store.data
     # Planted straight into Redis: STRLEN sees it, no GET ever reads it.
     store.data[l2_key(FP, prompt[0][0])] = b"\0" * (RECORD_BYTES + 65)

@@ -97,17 +97,20 @@ def chunk_hashes(ids) -> bytes:
 
 @pytest.fixture
 def make_service(unique_name):
-    """`make(capacity_bytes, block_bytes, config_block_bytes)` -> a CacheService on a new
-    arena (not prefaulted); every arena is closed (unlinked) after the test."""
+    """`make(capacity_bytes, block_bytes, config_block_bytes, max_session_share)` -> a
+    CacheService on a new arena (not prefaulted); every arena is closed (unlinked) after
+    the test. Sessions may hold the whole arena unless `max_session_share` says less:
+    most tests fill the 16 blocks from one session; the share has tests of its own."""
     arenas = []
 
     def make(capacity_bytes: int = SMALL_ARENA_BYTES, block_bytes: int = BLOCK_BYTES,
-             config_block_bytes: int = 0) -> CacheService:
+             config_block_bytes: int = 0, max_session_share: float = 100.0) -> CacheService:
         arena = Arena.create(f"{unique_name}-{len(arenas)}", capacity_bytes, block_bytes,
                              prefault=False)
         arenas.append(arena)
         config = ServerConfig(name=arena.name, socket="/nonexistent",
-                              block_bytes=config_block_bytes)
+                              block_bytes=config_block_bytes,
+                              max_session_share=max_session_share)
         return CacheService(config, arena)
 
     yield make
@@ -533,10 +536,11 @@ def test_an_acquire_whose_reply_exceeds_the_frame_limit_keeps_no_pins(make_servi
     # answer_frame withdraws the lease of a reply it cannot send: the client never
     # learns its id, so its pins would otherwise last until the session ends.
     service = make_service(capacity_bytes=HEADER_BYTES + 32 * 4096, block_bytes=4096)
-    session = greeted(service, LAYOUT)
+    session = greeted(service, layout(record_bytes=16 * 4096))
     alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [16 * 4096]))
     service.handle(session, Commit(alloc.block_ids))
-    # 60,000 times one 16-block value: a legal request frame, a reply of ~1.3 MB.
+    # 60,000 times one 16-block value: a legal request frame, a reply of ~1.3 MB. The
+    # session's share counts those 16 blocks once, however often it pins them.
     reply, _ = answer(service, session, Acquire([1], chunk_hashes([1]) * 60_000))
     assert isinstance(reply, Error)  # too_large
     assert service.pool.num_pinned_blocks == 0  # scalars only: a repr of the pins is huge
@@ -609,7 +613,7 @@ def test_alloc_answers_nospace_while_every_block_is_pinned(service):
 
 
 def test_alloc_of_records_larger_than_a_block_reports_span_lengths(service):
-    session = greeted(service, LAYOUT)
+    session = greeted(service, layout(record_bytes=150_000))
     sizes = [150_000, RECORD_BYTES, BLOCK_BYTES]
     alloc = service.handle(session, Alloc(1, chunk_hashes(range(3)), sizes))
     assert alloc.status == [ALLOCATED] * 3 and alloc.span_lengths == [3, 1, 1]
@@ -739,7 +743,13 @@ def test_put_refuses_bad_values_and_answers_nospace(service):
     assert error_code(reply) == "bad_request" and "num_bytes" in reply.message
     assert error_code(service.handle(session, Put(2, "key", 10))) == "bad_namespace"
     too_big = service.handle(session, Put(1, "key", NUM_BLOCKS * BLOCK_BYTES + 1))
-    assert too_big == AllocReply([NOSPACE], [], [])
+    assert error_code(too_big) == "bad_request"
+    assert f"{NUM_BLOCKS * BLOCK_BYTES + 1}-byte value" in too_big.message
+    assert f"at most {NUM_BLOCKS * BLOCK_BYTES} bytes" in too_big.message
+    held = service.handle(session, Put(1, "held", NUM_BLOCKS * BLOCK_BYTES - 1))
+    assert held.status == [ALLOCATED]  # every block WRITING: nothing left for another
+    assert service.handle(session, Put(1, "key", 1)) == AllocReply([NOSPACE], [], [])
+    assert service.handle(session, Abort(held.block_ids)) == Ok()
     assert service.pool.num_writing_blocks == 0
 
 
@@ -959,6 +969,9 @@ HASH_IDS = st.one_of(st.integers(1, 4).map(lambda n: list(range(n))),
 NAMESPACES = st.sampled_from([[1], [2], [1, 2], [2, 1]])
 SPAN_LENGTHS = st.lists(st.sampled_from([1, 1, 1, 2, 3]), min_size=4, max_size=4)
 MACHINE_BLOCKS = 24
+# Values of up to 4 blocks: each layout's full chunk record is that large.
+MACHINE_TP2 = [layout(0, 2, record_bytes=4 * 4096), layout(1, 2, record_bytes=4 * 4096)]
+MACHINE_SHARE_BLOCKS = MACHINE_BLOCKS // 2  # --max-session-share 50
 
 
 class TwoSessionsMachine(RuleBasedStateMachine):
@@ -968,17 +981,19 @@ class TwoSessionsMachine(RuleBasedStateMachine):
     its leases' block ids and its pending values. After every step, each block's
     ref_cnt equals the pins of the model's leases on it plus one if it is being
     written, so no pin is lost, doubled or negative; the pool's own invariants hold;
-    every lease id ever handed out is new. At the end, closing both sessions returns
-    every pin and every WRITING block.
+    every lease id ever handed out is new; no session holds more than its share of the
+    arena (pins and WRITING blocks), and an ACQUIRE pins the longest READY prefix that
+    fits in what is left of it. At the end, closing both sessions returns every pin and
+    every WRITING block.
     """
 
     def __init__(self, arena_name: str):
         super().__init__()
         arena = Arena.create(arena_name, HEADER_BYTES + MACHINE_BLOCKS * 4096, 4096,
                              prefault=False)
-        self.service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent"),
-                                    arena)
-        self.sessions = [greeted(self.service, *TP2) for _ in range(2)]
+        self.service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
+                                                 max_session_share=50.0), arena)
+        self.sessions = [greeted(self.service, *MACHINE_TP2) for _ in range(2)]
         self.leases = [{}, {}]  # per session: lease -> block ids (one per pin)
         self.pending = [[], []]  # per session: block-id lists of uncommitted values
         self.seen_leases: set[int] = set()
@@ -995,9 +1010,19 @@ class TwoSessionsMachine(RuleBasedStateMachine):
     def acquire(self, who, namespaces, data):
         ids = data.draw(st.one_of(st.sampled_from(self.stored), HASH_IDS) if self.stored
                         else HASH_IDS)
+        room = MACHINE_SHARE_BLOCKS - self.held(who)
+        pinned = {b for block_ids in self.leases[who].values() for b in block_ids}
+        fits, taken = 0, set()
+        for chunk in ids[: lookup(self.service, self.sessions[who], namespaces, ids)]:
+            for ns in namespaces:
+                span = self.service.pool.cached[keys.chunk_prefix(ns) + chunk_hashes([chunk])]
+                taken.update(b.block_id for b in span if b.block_id not in pinned)
+            if len(taken) > room:
+                break
+            fits += 1
         reply = self.service.handle(self.sessions[who], Acquire(namespaces, chunk_hashes(ids)))
         num_chunks = len(reply.span_lengths) // len(namespaces)
-        assert num_chunks == lookup(self.service, self.sessions[who], namespaces, ids)
+        assert num_chunks == fits
         for i, span in enumerate(reply.spans()):  # namespace-major, the request's order
             ns, chunk = namespaces[i // num_chunks], ids[i % num_chunks]
             key = keys.chunk_prefix(ns) + chunk_hashes([chunk])
@@ -1028,6 +1053,12 @@ class TwoSessionsMachine(RuleBasedStateMachine):
         else:
             self.num_not_owner += 1
         assert self.service.stat_errors.get("not_owner", 0) == self.num_not_owner
+
+    def held(self, who) -> int:
+        """Blocks session `who` holds in the model: the blocks it pins (each once),
+        plus the blocks it writes."""
+        return (len({b for block_ids in self.leases[who].values() for b in block_ids})
+                + sum(map(len, self.pending[who])))
 
     def _alloc(self, who, ns, ids, num_blocks) -> tuple[list[int], list[list[int]]]:
         """ALLOC; returns (status per chunk, block ids of each ALLOCATED value)."""
@@ -1086,7 +1117,7 @@ class TwoSessionsMachine(RuleBasedStateMachine):
         self.service.close_session(self.sessions[who])
         self.leases[who].clear()
         self.pending[who].clear()
-        self.sessions[who] = greeted(self.service, *TP2)
+        self.sessions[who] = greeted(self.service, *MACHINE_TP2)
 
     @invariant()
     def every_pin_is_accounted_for(self):
@@ -1103,8 +1134,9 @@ class TwoSessionsMachine(RuleBasedStateMachine):
                     assert pool.blocks[block_id].state == BlockState.WRITING
                     expected[block_id] += 1
         assert [b.ref_cnt for b in pool.blocks] == expected
-        for session, held in zip(self.sessions, self.leases):
+        for who, (session, held) in enumerate(zip(self.sessions, self.leases)):
             assert session.num_pinned_blocks == sum(map(len, held.values()))
+            assert session.num_host_blocks_held == self.held(who) <= MACHINE_SHARE_BLOCKS
 
 
 def test_random_requests_of_two_sessions_keep_every_pin_accounted_for(unique_name):
