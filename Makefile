@@ -73,7 +73,7 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_PY) -m pytest -m vllm tests/test_vllm_connector.py
+	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm

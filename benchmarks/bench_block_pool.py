@@ -11,7 +11,7 @@ import argparse
 import statistics
 import time
 
-from lmcached.shm.block_pool import BlockPool
+from lmcached.daemon.block_pool import BlockPool
 
 TARGET_US_64 = 100.0
 

@@ -61,8 +61,8 @@ from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.launcher import temporary_daemon
-from lmcached.metrics import RequestLatency
-from lmcached.protocol import Clear, Connection, Lookup, hello
+from lmcached.daemon.metrics import RequestLatency
+from lmcached.wire.protocol import Clear, Connection, Lookup, hello
 
 LAYOUT = LLAMA_8B
 CROSS_PROCESS_STORE = """
@@ -271,7 +271,7 @@ def observe_cost_ns(n: int = 200_000) -> tuple[float, float]:
     child .observe with the same buckets), median of 5 runs of n each."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from lmcached.metrics import LATENCY_BUCKETS_S
+    from lmcached.daemon.metrics import LATENCY_BUCKETS_S
 
     ours = RequestLatency([Lookup])
     theirs = Histogram("bench_seconds", "bench", ["type"], registry=CollectorRegistry(),
@@ -288,9 +288,9 @@ def snapshot_cost_us(num_namespaces: int = 8, n: int = 200) -> tuple[float, floa
     from prometheus_client import CollectorRegistry, generate_latest
 
     from lmcached.config import ServerConfig
-    from lmcached.metrics import DaemonCollector, take_snapshot
-    from lmcached.protocol import PROTOCOL_VERSION, Hello, Request
-    from lmcached.service import CacheService
+    from lmcached.daemon.metrics import DaemonCollector, take_snapshot
+    from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Request
+    from lmcached.daemon.service import CacheService
     from lmcached.shm.arena import Arena
 
     name = f"bench-snapshot-{os.getpid()}"

@@ -37,9 +37,9 @@ from common import GB, machine_info, median, record_block_size  # noqa: E402
 from peers.redis_peer import running_redis  # noqa: E402
 from lmcached.client import CacheEngine, KVLayout  # noqa: E402
 from lmcached.client.hashing import hash_request_tokens  # noqa: E402
-from lmcached.l2.values import l2_key, namespace_fingerprint  # noqa: E402
+from lmcached.daemon.l2.values import l2_key, namespace_fingerprint  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
-from lmcached.protocol import Connection, Info  # noqa: E402
+from lmcached.wire.protocol import Connection, Info  # noqa: E402
 
 MiB = 1 << 20
 CLIENT_TIMEOUT_S = 120.0  # the benchmark waits for whole fetches (serving uses 200 ms)
@@ -67,7 +67,7 @@ def wait_drained(socket: str, timeout_s: float = 600) -> dict:
 
 
 # Arenas are 6x the prompt: write-through pins at most a quarter of the arena while its
-# chunks wait for Redis (lmcached/l2/tier.py, PINNED_SHARE), and a prompt must fit whole.
+# chunks wait for Redis (lmcached/daemon/l2/tier.py, PINNED_SHARE), and a prompt must fit whole.
 def daemon_args(layout: KVLayout, url: str | None, capacity: str, fetch_wait: str = "60") -> list[str]:
     args = ["--capacity", capacity, "--block-size", record_block_size(layout),
             "--log-level", "WARNING"]
@@ -102,7 +102,7 @@ def raw_get(client, keys: list[bytes], dest: np.ndarray, batch_bytes: int) -> in
 
 def bench_fetch(url: str, client, chunk_size: int, num_tokens: int, repeat: int) -> dict:
     """Fetch GB/s through a daemon against raw pipelined GETs, at one chunk size."""
-    from lmcached.l2.fetch import FETCH_BATCH_BYTES
+    from lmcached.daemon.l2.fetch import FETCH_BATCH_BYTES
 
     layout = llama_1b(chunk_size)
     fp = namespace_fingerprint(layout.to_wire())

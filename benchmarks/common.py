@@ -16,7 +16,7 @@ import torch
 
 from lmcached.client.layout import KVLayout
 from lmcached.launcher import temporary_daemon
-from lmcached.protocol import Connection, Info, hello
+from lmcached.wire.protocol import Connection, Info, hello
 
 GB = 1e9
 

@@ -14,7 +14,7 @@ import socket
 import struct
 import sys
 
-FRAME_LENGTH = struct.Struct("<I")  # a frame's length prefix, as lmcached.protocol's
+FRAME_LENGTH = struct.Struct("<I")  # a frame's length prefix, as lmcached.wire.protocol's
 ECHO_SCRIPT = os.path.abspath(__file__)  # run as `python ECHO_SCRIPT PATH`
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from lmcached.protocol import Connection, Info, hello
+from lmcached.wire.protocol import Connection, Info, hello
 from protocol_echo import FRAME_LENGTH, EchoClient
 from protocol_harness import HASH_BYTES, place, placements, private_servers, summarize
 
@@ -262,7 +262,7 @@ def run_round_trips(args, engine: bool, scheduler: bool, leftovers: list[str]) -
         The figures, as written by --json.
     """
     import lmcached
-    from lmcached.protocol import PROTOCOL_VERSION
+    from lmcached.wire.protocol import PROTOCOL_VERSION
 
     from common import record_block_size
 

@@ -1,7 +1,7 @@
 """The wire section of bench_protocol.py: the protocol's own round trips, one client and N.
 
 Why this file exists: it measures what the daemon's protocol costs without the client
-engine: a blocking `lmcached.protocol.Connection` on a 256 MiB arena of 1 MiB blocks
+engine: a blocking `lmcached.wire.protocol.Connection` on a 256 MiB arena of 1 MiB blocks
 times PING, LOOKUP, ACQUIRE+RELEASE and ALLOC+COMMIT of 64 chunks (median / p99 in
 microseconds, round trips per second). Then N concurrent client processes
 (multiprocessing 'spawn'; each its own HELLO) run a LOOKUP-64 loop and an
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from lmcached.protocol import (
+from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
     Acquire,

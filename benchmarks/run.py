@@ -52,7 +52,7 @@ from common import (
     time_it,
 )
 from lmcached.client import CacheEngine
-from lmcached.protocol import Clear, Connection, hello
+from lmcached.wire.protocol import Clear, Connection, hello
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("engine", "redis", "scaling", "memory")

@@ -10,7 +10,7 @@ LimitMEMLOCK=infinity; workers need the same).
 
 import torch
 
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 from lmcached.shm.arena import HEADER_BYTES, Arena
 
 logger = init_logger(__name__)

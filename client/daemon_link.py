@@ -29,9 +29,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
-from lmcached import envs
-from lmcached.logger import init_logger
-from lmcached.protocol import (
+from lmcached.wire import envs
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import (
     HASH_BYTES,
     MAX_CHUNKS_PER_REQUEST,
     MAX_FRAME_BYTES,
@@ -57,7 +57,7 @@ from lmcached.protocol import (
     hello,
 )
 from lmcached.shm.arena import Arena
-from lmcached.socket_path import check_client_socket_directory, default_socket_path
+from lmcached.wire.socket_path import check_client_socket_directory, default_socket_path
 
 if TYPE_CHECKING:
     from lmcached.client.layout import KVLayout
@@ -373,7 +373,7 @@ class DaemonLink:
             posix_ipc.Error (e.g. PermissionsError): the arena segment cannot be opened.
             ValueError: the segment is smaller than the announced arena, or
                 (UnsafeSocketPathError) the socket's directory could have been placed
-                by another user (see lmcached.socket_path).
+                by another user (see lmcached.wire.socket_path).
             Whatever `on_attach` raises.
         """
         with self.lock:

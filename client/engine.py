@@ -41,8 +41,8 @@ from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_o
 from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
-from lmcached.logger import init_logger
-from lmcached.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
 
 logger = init_logger(__name__)
 
@@ -150,7 +150,7 @@ class CacheEngine:
             ValueError: verify is not "tokens" or "checksum"; a timeout that is not
                 positive (or a bad $LMCACHED_DATA_TIMEOUT_MS).
             With strict=True only: whatever `DaemonLink.connect` raises (OSError,
-                lmcached.protocol.DaemonError, posix_ipc.Error, ...).
+                lmcached.wire.protocol.DaemonError, posix_ipc.Error, ...).
         """
         _check_verify(verify)
         if tier_device and verify == "checksum":

@@ -19,8 +19,8 @@ from typing import NewType, Sequence
 import numpy as np
 import torch
 
-from lmcached.record_format import FIXED_SEED, hash_block_tokens  # noqa: F401 (re-export)
-from lmcached.record_format import ROOT_HASH as _ROOT_HASH
+from lmcached.wire.record_format import FIXED_SEED, hash_block_tokens  # noqa: F401 (re-export)
+from lmcached.wire.record_format import ROOT_HASH as _ROOT_HASH
 
 ChunkHash = NewType("ChunkHash", bytes)  # 16 bytes
 

@@ -36,7 +36,7 @@ from lmcached.client.engine import CacheEngine
 from lmcached.client.hf_blend import check_blend_supported, run_blended_layers
 from lmcached.client.layout import KVLayout
 from lmcached.client.views import PinsLost
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import xxhash
 
-from lmcached.protocol import Layout
-from lmcached.record_format import (  # noqa: F401 (re-exported for the client)
+from lmcached.wire.protocol import Layout
+from lmcached.wire.record_format import (  # noqa: F401 (re-exported for the client)
     CHECKSUM_NONE,
     CHECKSUM_XXH3_64,
     RECORD_CHECKSUM,

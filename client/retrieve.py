@@ -26,7 +26,7 @@ from lmcached.client.kv_io import (
     new_kv_buffer,
 )
 from lmcached.client.records import RecordIO
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -12,7 +12,7 @@ tensor viewing it is gone, so a daemon restart never pulls memory from under a v
 
 The only client module that imports cuda-bindings (lazily, when a CUDA tier is mapped).
 
-NOT RUN YET: written without a GPU; tests/test_gpu_tier.py and
+NOT RUN YET: written without a GPU; tests/system/test_gpu_tier.py and
 benchmarks/gpu_window.sh are the checks still owed.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from lmcached.client.layout import RECORD_HEADER_BYTES, KVLayout
 from lmcached.client.records import check_headers, write_header
-from lmcached.protocol import TierHandle, TierInfo
+from lmcached.wire.protocol import TierHandle, TierInfo
 
 
 def local_device(uuid: str) -> int:
@@ -73,7 +73,7 @@ class CudaTierMap:
     Raises:
         ImportError: cuda-bindings is missing (`pip install 'lmcached[gpu]'`).
         ValueError: the device is not visible here.
-        lmcached.cuda_driver.CudaError: an import or mapping call failed (e.g.
+        lmcached.shm.cuda_driver.CudaError: an import or mapping call failed (e.g.
             CUDA_ERROR_NOT_SUPPORTED from another container's device).
     """
 
@@ -82,7 +82,7 @@ class CudaTierMap:
     def __init__(self, info: TierInfo, handle: TierHandle, fd: int) -> None:
         from cuda.bindings import driver as cu
 
-        from lmcached.cuda_driver import check
+        from lmcached.shm.cuda_driver import check
 
         self.generation = handle.generation
         self.device = info.device

@@ -7,7 +7,7 @@ import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.kv_io import ChunkCopier, copy_tensor
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

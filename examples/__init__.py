@@ -5,7 +5,7 @@ transformer share prompt prefixes). It sits outside the library core (`lmcached.
 but is installed with the package, so `lmcached demo` works after `pip install lmcached[hf]`.
 
 What it may import: anything, `lmcached.client` (engine and hf), `lmcached.launcher`,
-`lmcached.protocol`, transformers and tokenizers. Nothing imports it but the CLI's `demo`
+`lmcached.wire.protocol`, transformers and tokenizers. Nothing imports it but the CLI's `demo`
 command, and that only inside the command, so `lmcached` runs without torch or
 transformers for every other command.
 """

@@ -31,7 +31,7 @@ import time
 from typing import Callable, Iterator
 
 from lmcached.launcher import temporary_daemon
-from lmcached.protocol import Connection, Info, Ping, hello
+from lmcached.wire.protocol import Connection, Info, Ping, hello
 
 _MISSING = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
 if _MISSING:

@@ -16,8 +16,8 @@ import sys
 import click
 
 from lmcached.config import config_from_context, serve_params
-from lmcached.logger import configure_logging
-from lmcached.protocol import (
+from lmcached.wire.logger import configure_logging
+from lmcached.wire.protocol import (
     Clear,
     Clients,
     ConfigGet,
@@ -29,12 +29,12 @@ from lmcached.protocol import (
     Shutdown,
     hello,
 )
-from lmcached.socket_path import (
+from lmcached.wire.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,
     default_socket_path,
 )
-from lmcached.stats import blocks_note, render_clients, render_info
+from lmcached.info_text import blocks_note, render_clients, render_info
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,7 +60,7 @@ def serve(ctx: click.Context, **_settings) -> None:
     (`max_clients = 512`; no file is read when neither is given), its default. It has
     the same type in each.
     """
-    from lmcached.server import StartupError, run_server
+    from lmcached.daemon.server import StartupError, run_server
 
     try:
         config = config_from_context(ctx)

@@ -28,7 +28,7 @@ import msgspec
 import psutil
 from click.core import ParameterSource
 
-from lmcached.protocol import MAX_FRAME_BYTES
+from lmcached.wire.protocol import MAX_FRAME_BYTES
 from lmcached.sizes import (
     MAX_NUM_BLOCKS,
     MIN_BLOCK_BYTES,
@@ -38,7 +38,7 @@ from lmcached.sizes import (
     parse_size,
     size_style,
 )
-from lmcached.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
+from lmcached.wire.socket_path import DEFAULT_NAME, default_socket_path  # noqa: F401 (re-export)
 
 DEFAULT_CAPACITY_BYTES = 4 << 30  # and at most 25% of RAM
 DEFAULT_RAM_FRACTION = 0.25
@@ -182,7 +182,7 @@ def _parse_log_level(value: str) -> str:
 
 def _parse_l2_url(value: str) -> str:
     try:  # the L2 tier owns the URL's syntax; redis-py is imported only with --l2
-        from lmcached.l2.redis_store import parse_l2_url
+        from lmcached.daemon.l2.redis_store import parse_l2_url
     except ImportError as exc:
         raise ValueError(f"the L2 tier needs redis-py ({exc}): pip install 'lmcached[l2]'") \
             from None

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from lmcached.protocol import Connection, Ping
+from lmcached.wire.protocol import Connection, Ping
 from lmcached.shm.janitor import sweep_orphans
 
 

@@ -11,22 +11,15 @@ What lives here, one concept per module:
     block_pool.py  `BlockPool`: allocation, commit, pins, free, eviction (daemon only).
 
 What it may import: the standard library, numpy, posix_ipc, psutil, torch (lazily, for
-views) and `lmcached.logger`. Never `lmcached.client`, the protocol or the daemon: both
+views) and `lmcached.wire.logger`. Never `lmcached.client`, the protocol or the daemon: both
 the daemon (`lmcached`) and the clients (`lmcached.client`) import this package.
 """
 
 from .arena import Arena, segment_name
-from .block_pool import BlockPool
-from .free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
 from .janitor import list_segments, sweep_orphans
 
 __all__ = [
     "Arena",
-    "BlockHash",
-    "BlockPool",
-    "BlockState",
-    "FreeKVCacheBlockQueue",
-    "KVCacheBlock",
     "list_segments",
     "segment_name",
     "sweep_orphans",

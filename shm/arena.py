@@ -52,7 +52,7 @@ import numpy as np
 import posix_ipc
 import psutil
 
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
     import torch
@@ -239,7 +239,7 @@ class Arena:
         """Create an anonymous arena (memfd_create), with the segment header of `create`,
         that other processes map only through its file descriptor (`export_fd`, sent over
         the daemon's socket): the memory of a "fake" device tier in tests and CI, which
-        stands in for a CUDA allocation exported the same way (lmcached/device_memory.py).
+        stands in for a CUDA allocation exported the same way (shm/device_memory.py).
 
         It has no name in /dev/shm: the kernel frees it when the owner's descriptor and
         every mapping are gone, so nothing is left behind by a crash.

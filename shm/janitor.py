@@ -32,7 +32,7 @@ import stat
 
 import posix_ipc
 
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 from .arena import SEGMENT_PREFIX
 

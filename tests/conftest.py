@@ -13,7 +13,7 @@ import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
-from lmcached.protocol import Clients, Connection, Info, Invalidate, Release, request_decoder
+from lmcached.wire.protocol import Clients, Connection, Info, Invalidate, Release, request_decoder
 from lmcached.shm.janitor import list_segments
 from redis_servers import redis_cluster, redis_server  # noqa: F401
 
@@ -25,7 +25,7 @@ SEGMENT_LEAK_DEADLINE_S = 10.0
 TEST_NAME_PREFIX = f"t{os.getpid()}-"
 
 
-VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/test_vllm_connector.py)
+VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/vllm_connector/test_vllm_connector.py)
 
 
 def our_segments() -> set[str]:

@@ -3,7 +3,7 @@
 Every chunk's KV is a deterministic function of its prefix hash (`chunk_kv`), so any
 process can check every byte it retrieves without talking to the writer.
 
-The chaos modes (tests/test_chaos.py): `step` stops a client at one protocol step and
+The chaos modes (tests/system/test_chaos.py): `step` stops a client at one protocol step and
 prints `{"stopped": step}` before it waits to be SIGKILLed there; `torn_writer` /
 `torn_reader` store and check prompts of a pool against a small arena; `restart_client`
 keeps storing and checking through a daemon restart until a stop file appears.

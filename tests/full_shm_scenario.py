@@ -1,6 +1,6 @@
 """Two daemons racing for a small /dev/shm: `python tests/full_shm_scenario.py NAME DIR`.
 
-Run by tests/test_arena_reservation.py inside a private mount namespace whose /dev/shm
+Run by tests/shm/test_arena_reservation.py inside a private mount namespace whose /dev/shm
 is a 64 MiB tmpfs (`unshare --mount`), so that filling it touches nothing outside. Two
 daemons of 40 MiB start together: this script holds the reservation lock (an flock on
 /dev/shm, shm/arena.py) until both have passed the start-up's free-space check and wait

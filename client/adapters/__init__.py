@@ -10,6 +10,6 @@ unchanged, with values in the daemon's shared memory.
   and vLLM's abstract bases for them, defined here under vLLM's names.
 
 What it may import: the engine core of `lmcached.client` (daemon_link, records, hashing),
-`lmcached.protocol` and `lmcached.logger`. Never vllm or transformers, and never
+`lmcached.wire.protocol` and `lmcached.wire.logger`. Never vllm or transformers, and never
 `lmcached.client.vllm`: the adapters run in any process.
 """

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 
 from lmcached.client.adapters.tensor_store import TensorStore, kv_namespace
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import gather, scatter
-from lmcached.logger import init_logger
-from lmcached.protocol import NOSPACE, DaemonError, Delete, Layout, Put, Scan
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import NOSPACE, DaemonError, Delete, Layout, Put, Scan
 
 VALUE_MAGIC = 0x42564D4C  # "LMVB"
 VALUE_HEADER_BYTES = 128

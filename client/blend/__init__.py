@@ -17,7 +17,7 @@ What lives here:
     rope.py         LlamaRotary (RoPE re-rotation by a position delta, in fp32)
 
 What it may import: torch, numpy and lmcached.client's core (engine, records, kv_io,
-cuda, hashing) and lmcached.logger; never transformers (the Hugging Face layer loop
+cuda, hashing) and lmcached.wire.logger; never transformers (the Hugging Face layer loop
 that drives these is `lmcached.client.hf_blend`, behind `lmcached.client.hf`) nor vllm.
 """
 

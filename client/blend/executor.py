@@ -30,7 +30,7 @@ import math
 import torch
 
 from lmcached.client.blend.interfaces import BlendExecutor, BlendOutput, PositionalEncoder
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -48,7 +48,7 @@ from lmcached.client.kv_io import copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.client.retrieve import PinnedChunks
 from lmcached.client.views import PinsLost
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

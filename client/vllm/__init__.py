@@ -9,7 +9,7 @@ What lives here, after vLLM's NixlConnector split into roles:
 - `specs.py`: what the scheduler sends its workers, and their shared settings.
 
 What it may import: the engine core of `lmcached.client` (daemon_link, records, layout,
-hashing, cuda), `lmcached.protocol`, `lmcached.shm`, and vllm. Only `connector.py` imports
+hashing, cuda), `lmcached.wire.protocol`, `lmcached.shm`, and vllm. Only `connector.py` imports
 vllm (absolute imports: `import vllm` here is the real vLLM, never this package), so the
 scheduler and worker roles import and test without vllm installed. This `__init__`
 imports nothing, for the same reason.

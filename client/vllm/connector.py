@@ -79,7 +79,7 @@ from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 

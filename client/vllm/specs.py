@@ -13,7 +13,7 @@ import numpy as np
 
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
-from lmcached.logger import init_logger
+from lmcached.wire.logger import init_logger
 from lmcached.shm.arena import Arena
 
 logger = init_logger(__name__)

@@ -19,8 +19,8 @@ from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister
 from lmcached.client.daemon_link import DaemonLink, chunks_per_request
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.logger import init_logger
-from lmcached.protocol import Alloc
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import Alloc
 
 logger = init_logger(__name__)
 

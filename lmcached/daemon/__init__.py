@@ -1,0 +1,1 @@
+"""The daemon (import name `lmcached.daemon`)."""

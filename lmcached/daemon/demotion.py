@@ -1,0 +1,243 @@
+"""Demotion: least recently used chunks of a device tier move to the host arena in the
+background, so that the device tier always has empty blocks for new chunks.
+
+Why this file exists: a device tier (GPU memory) is small and fast; a chunk stored
+there that is not read again should leave room for the next one without being lost.
+Placement never evicts on a device synchronously (`TierSet`); instead this planner,
+run on the daemon's loop thread, keeps a reserve of empty device blocks by copying the
+LRU values to the host arena, where they stay readable, and then freeing them on the
+device. This is the device-to-host spill of vLLM's CPU offloading and of LMCache's
+tiered storage (GPU hot tier, CPU below), done by the daemon that owns both tiers.
+
+Rules (each one has a test, tests/test_demotion.py):
+- Only the loop thread changes block metadata. The copy runs on a worker thread, never
+  in the loop (a copy of a 2 GiB tier takes tens of milliseconds even at PCIe speed).
+- A value is chosen only while nobody pins it (`BlockPool.lru_values`), and the planner
+  pins it for the copy: readers may still pin and read it, nobody can reuse its blocks.
+- A value evicted or cleared while its copy runs is not committed on the host (an EVICT
+  is never undone by a demotion); a key that is already READY on the host is freed on
+  the device without a copy.
+- The host blocks are allocated WRITING (invisible to readers) and committed only after
+  the copy completed, so a reader never sees a half-copied value.
+- A copy error aborts the host blocks, marks the device tier failed (no new placements)
+  and leaves its values readable where they are.
+"""
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from lmcached.wire.logger import init_logger
+from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
+from lmcached.daemon.tiers import Tier, TierSet
+
+logger = init_logger(__name__)
+
+MAX_VALUES_PER_PASS = 64  # values one planning pass may start (bounded loop work)
+MAX_INFLIGHT_DEMOTION_BYTES = 256 << 20  # ~5 ms of device-to-host copy at 50 GB/s
+DEMOTION_STATS = (
+    "demotions", "demoted_bytes", "demotion_busy_us", "demotions_deduplicated",
+    "demotions_dropped", "demotions_aborted", "errors_demotion",
+)
+
+
+def reserve_blocks(num_blocks: int) -> int:
+    """Empty blocks the planner keeps in a device tier of `num_blocks` blocks: an
+    eighth of it, at least 1 (and never the whole tier)."""
+    return max(1, min(num_blocks - 1, num_blocks // 8)) if num_blocks > 1 else 0
+
+
+class DemotionJob:
+    """One value being copied from a device tier to the host arena.
+
+    Attributes:
+        tier: the device tier it leaves.
+        key: the value's key.
+        device_blocks: its blocks in the device tier (pinned by the planner).
+        host_blocks: WRITING blocks of the host arena, one per device block.
+        error: the copy's exception, or None.
+    """
+
+    __slots__ = ("tier", "key", "device_blocks", "host_blocks", "num_bytes", "error")
+
+    def __init__(self, tier: Tier, key: BlockHash, device_blocks: list[KVCacheBlock],
+                 host_blocks: list[KVCacheBlock]) -> None:
+        self.tier = tier
+        self.key = key
+        self.device_blocks = device_blocks
+        self.host_blocks = host_blocks
+        self.num_bytes = sum(b.num_bytes for b in device_blocks)
+        self.error: BaseException | None = None
+
+
+class Demoter:
+    """Plans demotions on the loop thread and copies on one worker thread.
+
+    Args:
+        tiers: the daemon's tiers (pools made).
+        wake: wakes the loop from the worker (the server's wakeup socket); the loop
+            then calls `finish`.
+        on_host_commit: called on the loop thread as `on_host_commit([(key, blocks)])`
+            for values committed on the host (the L2 tier's write-through), or None.
+
+    Attributes:
+        stats: counters of DEMOTION_STATS (`demotion_busy_us`: the worker's copy time).
+        demoting_blocks: device blocks being copied, per tier id.
+    """
+
+    def __init__(self, tiers: TierSet, wake: Callable[[], None],
+                 on_host_commit: Callable | None = None) -> None:
+        self.tiers = tiers
+        self._wake = wake
+        self.on_host_commit = on_host_commit
+        self.stats = dict.fromkeys(DEMOTION_STATS, 0)
+        self.demoting_blocks = [0] * len(tiers.tiers)
+        self._inflight_bytes = 0
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[DemotionJob] = collections.deque()
+        self._done: collections.deque[DemotionJob] = collections.deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lmcached-demotion", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ loop thread
+    def plan(self, overflow: dict[int, int] | None = None) -> int:
+        """Start demotions until every device tier has its reserve of empty blocks
+        (counting those being emptied), within MAX_VALUES_PER_PASS values and
+        MAX_INFLIGHT_DEMOTION_BYTES. Loop thread only.
+
+        Args:
+            overflow: per tier id, the size in chunks of an ALLOC that found the tier
+                full (some of its chunks went to the host arena): that many blocks (at
+                most half the tier) are emptied for the next store of that size, so
+                that the tier keeps the newest chunks rather than the oldest.
+
+        Returns:
+            How many values were started, freed or dropped.
+        """
+        host = self.tiers.host.pool
+        started = 0
+        for tier in self.tiers.device_tiers:
+            pool = tier.pool
+            if pool is None or tier.failed:
+                continue
+            wanted = reserve_blocks(pool.num_blocks)
+            if overflow:
+                wanted = max(wanted, min(overflow.get(tier.tier_id, 0), pool.num_blocks // 2))
+            missing = wanted - pool.num_empty_blocks - self.demoting_blocks[tier.tier_id]
+            if missing <= 0:
+                continue
+            for key, span in pool.lru_values(min(missing, MAX_VALUES_PER_PASS - started)):
+                if self._inflight_bytes >= MAX_INFLIGHT_DEMOTION_BYTES:
+                    return started
+                started += 1
+                if key in host.cached:  # a host copy exists: free the device copy
+                    pool.evict(key)
+                    self.stats["demotions_deduplicated"] += 1
+                    continue
+                host_blocks = host.allocate(len(span))
+                if host_blocks is None:  # the host arena is pinned full: drop the value
+                    pool.evict(key)
+                    self.stats["demotions_dropped"] += 1
+                    continue
+                for host_block, device_block in zip(host_blocks, span):
+                    host_block.num_bytes = device_block.num_bytes
+                pool.touch(span)
+                job = DemotionJob(tier, key, span, host_blocks)
+                self.demoting_blocks[tier.tier_id] += len(span)
+                self._inflight_bytes += job.num_bytes
+                with self._work:
+                    self._queue.append(job)
+                    self._work.notify()
+        return started
+
+    def finish(self) -> int:
+        """Commit the copies the worker completed, free their device blocks, and plan
+        again. Loop thread only.
+
+        Returns:
+            How many jobs were finished.
+        """
+        host = self.tiers.host.pool
+        finished = 0
+        committed = []
+        while True:
+            with self._lock:
+                if not self._done:
+                    break
+                job = self._done.popleft()
+            finished += 1
+            pool = job.tier.pool
+            pool.free(job.device_blocks)
+            self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
+            self._inflight_bytes -= job.num_bytes
+            if job.error is not None:
+                host.abort(job.host_blocks)
+                self.stats["errors_demotion"] += 1
+                if not job.tier.failed:
+                    job.tier.failed = True
+                    logger.error("device tier %d (%s) failed a demotion copy (%s): no new "
+                                 "chunks go there; its chunks stay readable",
+                                 job.tier.tier_id, job.tier.device, job.error)
+                continue
+            if pool.cached.get(job.key) is not job.device_blocks:
+                host.abort(job.host_blocks)  # evicted or cleared meanwhile: stay gone
+                self.stats["demotions_aborted"] += 1
+                continue
+            if not host.commit_many([job.host_blocks], [job.key])[0]:
+                host.abort(job.host_blocks)  # a host copy was committed meanwhile
+                self.stats["demotions_deduplicated"] += 1
+            else:
+                committed.append((job.key, job.host_blocks))
+                self.stats["demotions"] += 1
+                self.stats["demoted_bytes"] += job.num_bytes
+            pool.evict(job.key)
+        if committed:
+            if self.on_host_commit is not None:
+                self.on_host_commit(committed)
+            host.free([b for _, blocks in committed for b in blocks])
+        if finished and not self._stopping:
+            self.plan()
+        return finished
+
+    def close(self) -> None:
+        """Stop the worker (after its current copy) and undo the jobs not finished:
+        host blocks aborted, device pins dropped. Loop thread, at shutdown."""
+        with self._work:
+            self._stopping = True
+            self._work.notify_all()
+        self._thread.join()
+        self.finish()
+        while self._queue:
+            job = self._queue.popleft()
+            self.tiers.host.pool.abort(job.host_blocks)
+            job.tier.pool.free(job.device_blocks)
+            self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
+            self._inflight_bytes -= job.num_bytes
+
+    # ---------------------------------------------------------- worker thread
+    def _run(self) -> None:
+        arena = self.tiers.host.memory
+        while True:
+            with self._work:
+                while not self._queue and not self._stopping:
+                    self._work.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+            started = time.perf_counter()
+            try:
+                memory = job.tier.memory
+                for device_block, host_block in zip(job.device_blocks, job.host_blocks):
+                    dst = arena.numpy_view(arena.block_offset(host_block.block_id),
+                                           device_block.num_bytes)
+                    memory.copy_to_host(device_block.block_id, device_block.num_bytes, dst)
+            except Exception as exc:  # a device error: reported by `finish`
+                job.error = exc
+            busy_us = int((time.perf_counter() - started) * 1e6)
+            with self._lock:
+                self.stats["demotion_busy_us"] += busy_us
+                self._done.append(job)
+            self._wake()

@@ -1,0 +1,197 @@
+"""What the daemon answers to INFO and CLIENTS: the fields, after Redis's INFO.
+
+Why this file exists: INFO and CLIENTS are the daemon's observable state, read by
+operators, scripts and tests, so their field names never change once shipped
+(snake_case, `*_bytes` with a `*_human` twin, one `errors_<code>` per error code).
+Building them from the daemon's state lives here, apart from the request semantics
+(`service.py`); the CLI's text rendering of the same fields is `stats.py`.
+"""
+
+import os
+import time
+from typing import TYPE_CHECKING, Iterable
+
+import psutil
+
+from lmcached import __version__
+from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.wire.protocol import PROTOCOL_VERSION
+from lmcached.daemon.session import Session
+from lmcached.sizes import format_bytes
+
+if TYPE_CHECKING:  # service.py imports this module
+    from lmcached.daemon.service import CacheService
+
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
+
+InfoFields = dict[str, int | float | str]
+_own_process: psutil.Process | None = None  # made once: psutil.Process() reads /proc
+
+
+def _memory_info():
+    """This process's memory (psutil), through one `psutil.Process` per pid."""
+    global _own_process
+    if _own_process is None or _own_process.pid != os.getpid():
+        _own_process = psutil.Process()
+    return _own_process.memory_info()
+
+
+def info_sections(service: "CacheService") -> dict[str, InfoFields]:
+    """INFO fields by section (INFO_SECTIONS, in that order) of a running daemon.
+
+    Args:
+        service: the daemon's state; its block pool may not exist yet (no layout).
+
+    Returns:
+        section name -> {field name: value}; names never change once shipped.
+    """
+    pool, arena = service.pool, service.arena
+    num_blocks = arena.num_blocks
+    block_bytes = arena.block_bytes
+    cached = pool.num_cached_blocks if pool else 0
+    writing = pool.num_writing_blocks if pool else 0
+    detached = pool.num_detached_blocks if pool else 0
+    used_bytes = (cached + writing + detached) * block_bytes
+    stored_bytes = pool.num_cached_bytes if pool else 0
+    pools = [p for p in service.tiers.pools if p is not None]
+    hits = sum(p.stat_hits for p in pools)
+    misses = sum(p.stat_misses for p in pools)
+    memory = _memory_info()
+    rss = memory.rss
+    rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
+    stats = {
+        "requests": service.stat_requests,
+        "connections_received": service.stat_connections,
+        "lookups": service.stat_lookups,
+        "stores": service.stat_stores,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "evictions": sum(p.stat_evictions for p in pools),
+        "total_stored_bytes": service.stat_stored_bytes,
+        "total_stored_human": format_bytes(service.stat_stored_bytes),
+        "total_served_bytes": service.stat_served_bytes,
+        "total_served_human": format_bytes(service.stat_served_bytes),
+        "writing_expired": service.stat_writing_expired,
+        "invalidated_chunks": service.stat_invalidated,
+        "errors": sum(service.stat_errors.values()),
+    }
+    for code in sorted(service.stat_errors):
+        stats[f"errors_{code}"] = service.stat_errors[code]
+    device_memory, device_blocks = _device_tier_info(service, stats)
+    return {
+        "server": {
+            "version": __version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "name": service.config.name,
+            "pid": os.getpid(),
+            "socket": service.config.socket,
+            "uptime_s": int(time.time() - service.started_at),
+            "generation": arena.generation,
+            "shm_segment": arena.segment_name,
+            "rss_bytes": rss,
+            "rss_human": format_bytes(rss),
+            "rss_private_bytes": rss_private,
+            "rss_private_human": format_bytes(rss_private),
+        },
+        "memory": {
+            "capacity_bytes": arena.capacity_bytes,
+            "capacity_human": format_bytes(arena.capacity_bytes),
+            "block_bytes": block_bytes,
+            "block_human": format_bytes(block_bytes),
+            "used_bytes": used_bytes,
+            "used_human": format_bytes(used_bytes),
+            "stored_bytes": stored_bytes,
+            "stored_human": format_bytes(stored_bytes),
+            "fill_ratio": round(stored_bytes / (cached * block_bytes), 4) if cached else 0.0,
+            **device_memory,
+        },
+        "blocks": {
+            "num_blocks": num_blocks,
+            "free_blocks": pool.num_empty_blocks if pool else num_blocks,
+            "cached_blocks": cached,
+            "pinned_blocks": pool.num_pinned_blocks if pool else 0,
+            "writing_blocks": writing,
+            "detached_blocks": detached,
+            "evictable_blocks": pool.num_free_blocks - pool.num_empty_blocks if pool else 0,
+            "cached_values": len(pool.cached) if pool else 0,
+            **device_blocks,
+        },
+        "clients": {
+            "connected_clients": len(service.sessions),
+            "namespaces": len(service.namespaces),
+        },
+        "stats": stats,
+        "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
+    }
+
+
+def _device_tier_info(service: "CacheService", stats: InfoFields) -> tuple[InfoFields, InfoFields]:
+    """The `memory` and `blocks` fields of each device tier (`tier<i>_...`, i >= 1),
+    and its hits and the demotion counters added to `stats`; the host arena's fields
+    keep their names. Nothing without device tiers."""
+    memory: InfoFields = {}
+    blocks: InfoFields = {}
+    device_tiers = service.tiers.device_tiers
+    if not device_tiers:
+        return memory, blocks
+    memory["device_tiers"] = len(device_tiers)
+    demoter = service.demoter
+    for tier in device_tiers:
+        t, pool = f"tier{tier.tier_id}_", tier.pool
+        capacity = tier.size_bytes
+        stored = pool.num_cached_bytes if pool else 0
+        memory.update({
+            t + "kind": tier.kind,
+            t + "device": tier.device,
+            t + "state": "failed" if tier.failed else "ok",
+            t + "capacity_bytes": capacity,
+            t + "capacity_human": format_bytes(capacity),
+            t + "stored_bytes": stored,
+            t + "stored_human": format_bytes(stored),
+        })
+        blocks.update({
+            t + "num_blocks": pool.num_blocks if pool else 0,
+            t + "free_blocks": pool.num_empty_blocks if pool else 0,
+            t + "cached_blocks": pool.num_cached_blocks if pool else 0,
+            t + "pinned_blocks": pool.num_pinned_blocks if pool else 0,
+            t + "writing_blocks": pool.num_writing_blocks if pool else 0,
+            t + "detached_blocks": pool.num_detached_blocks if pool else 0,
+            t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
+        })
+        stats[t + "hits"] = pool.stat_hits if pool else 0
+    for name in DEMOTION_STATS:
+        stats[name] = demoter.stats[name] if demoter else 0
+    return memory, blocks
+
+
+def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
+    """CLIENTS fields: one row per session (`id= pid= name= age_s= pinned_blocks= ...`).
+
+    The process name and RSS come from psutil; a process that is gone or may not be
+    inspected shows as `proc` "?" and `rss_bytes` 0.
+    """
+    now = time.monotonic()
+    out = []
+    for s in sessions:
+        try:
+            proc = psutil.Process(s.pid)
+            proc_name, rss = proc.name(), proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            proc_name, rss = "?", 0
+        out.append({
+            "id": s.session_id,
+            "pid": s.pid,
+            "name": s.name,
+            "proc": proc_name,
+            "rss_bytes": rss,
+            "uid": s.uid,
+            "ns": ",".join(map(str, s.namespaces)) or "-",
+            "devices": ",".join(s.devices) or "-",
+            "age_s": round(now - s.created_at, 1),
+            "idle_s": round(now - s.last_request_at, 1),
+            "pinned_blocks": s.num_pinned_blocks,
+            "writing_blocks": s.num_writing_blocks,
+            "requests": s.num_requests,
+        })
+    return out

@@ -1,0 +1,18 @@
+"""The L2 tier: chunk values kept in Redis (standalone or cluster), shared by every node.
+
+What lives here (import name `lmcached.daemon.l2`, folder `lmcached/daemon/l2/`):
+
+- `values`: pure functions, no I/O. The L2 key of a chunk, and the value stored under it
+  (a 64-byte envelope, then the record exactly as in the arena), built and verified.
+- `redis_store`: the I/O. `RedisL2` talks to Redis through redis-py (with hiredis),
+  pipelined, from several threads at once, and backs off while Redis is down.
+- `tier`: the daemon's side. Writer and fetch threads, the bounded write queue, and the
+  completions that the selector loop applies to the block pool.
+- `fetch`: the read half: a fetch thread's work (`fetch_chain`: STRLEN, GET, verify) and
+  the loop's install of verified records into arena blocks.
+
+What it may import: the daemon's modules (`lmcached.wire.record_format`, `protocol`,
+`logger`, `lmcached.shm`) and numpy, xxhash, msgspec. Never torch and never
+`lmcached.client`: the daemon runs without them. redis-py is imported by
+`redis_store.py` only, so the daemon imports it only when `--l2` is set.
+"""

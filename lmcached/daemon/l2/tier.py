@@ -1,0 +1,463 @@
+"""The daemon's L2 tier: chunks written to Redis by worker threads, misses fetched back.
+
+Why this file exists: the daemon's loop is one thread (`server.py`) and must never wait
+for the network, yet chunks have to reach Redis and come back from it. This module owns
+the threads that talk to Redis (`redis_store.RedisL2`), the bounded queue of writes, and
+the completions that the threads hand back to the loop. Everything that touches the
+block pool or the arena's blocks runs on the loop thread, in `process_completions`;
+the threads only read bytes the loop pinned for them, and talk to Redis.
+
+Flows (docs/l2.md):
+
+- write-through: a committed chunk is pinned and queued (`write_through`); a writer
+  thread reads its bytes in place, SETs them; the loop unpins it (`process_completions`).
+- on-evict: the block pool's `on_evict` hook copies an evicted chunk's bytes into the
+  queue (`spill`) before its blocks are handed to the next writer.
+- fetch on miss: a LOOKUP / ACQUIRE that misses in the arena starts a `FetchJob`
+  (`start_fetch`); a fetch thread finds how much of the rest of the chain L2 holds
+  (STRLEN), GETs it in batches, verifies each value (`fetch.fetch_chain`), and the
+  loop installs each batch into newly allocated blocks (`fetch.install`). The request waits
+  (it is parked by the server) until the job ends or `fetch_wait_s` passes.
+
+The queue is bounded in bytes (`queue_bytes`): a write that does not fit is dropped and
+counted, so a slow or dead L2 never slows a store. While the L2 is down, writes are
+dropped and fetches answer "miss" at once; `redis_store.RedisL2` backs off and reconnects.
+"""
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
+from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
+from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_value, l2_key, namespace_fingerprint
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import Layout
+from lmcached.wire.record_format import ROOT_HASH
+from lmcached.shm.arena import Arena
+from lmcached.daemon.block_pool import BlockPool
+from lmcached.daemon.free_queue import KVCacheBlock
+
+logger = init_logger(__name__)
+
+POLICIES = ("write-through", "on-evict")
+WRITE_BATCH_VALUES = 32  # SETs pipelined in one round trip at most
+WRITE_BATCH_BYTES = 64 << 20
+FETCH_JOBS_PER_THREAD = 4  # fetches queued or running per fetch thread; beyond, a miss is
+# answered at once (each holds its chain's arena prefix pinned)
+PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena
+DOWN_HOLD_S = 0.1  # after an outage, fetches answer "miss" at once for this long at least
+CLOSE_DRAIN_S = 5.0  # graceful stop: writes still queued get this long to reach L2
+MAX_VALUE_BYTES = 512 << 20  # Redis' proto-max-bulk-len default ("512mb": MiB)
+_CHUNK_KEY = b"c"[0]
+
+
+@dataclasses.dataclass(slots=True)
+class WriteJob:
+    """One chunk on its way to L2.
+
+    Attributes:
+        pool_key: its block-pool key (`keys.chunk_keys`).
+        key: its L2 key (`values.l2_key`).
+        ns_fp, chunk_hash: what its envelope says (16 bytes each).
+        pieces: its record's bytes: views of its pinned arena blocks (write-through), or
+            one copy (on-evict).
+        num_bytes: record length in bytes.
+        blocks: the blocks pinned for it, which the loop frees once written; None for a copy.
+    """
+
+    pool_key: bytes
+    key: bytes
+    ns_fp: bytes
+    chunk_hash: bytes
+    pieces: list
+    num_bytes: int
+    blocks: list[KVCacheBlock] | None
+
+
+class L2Tier:
+    """Writes chunks to an L2 store and fetches misses back (docs/l2.md).
+
+    Args:
+        store: the L2 store (`RedisL2`), shared by every thread.
+        url: the L2's address as configured (for INFO).
+        ttl_s: the values' time to live in L2, in seconds (0 = none); for INFO (the
+            store sets it).
+        arena: the daemon's arena (chunk bytes are read and written in place).
+        policy: "write-through" (every committed chunk) or "on-evict" (chunks evicted by
+            pressure).
+        queue_bytes: bytes of writes that may wait; a write that does not fit is dropped.
+        fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a fetch; 0 = never (the fetch
+            still runs and a later lookup sees its chunks).
+        num_threads: writer threads, and as many fetch threads.
+        wake: wakes the loop (thread-safe); called after each completion is posted.
+
+    Raises:
+        ValueError: unknown policy, queue_bytes < 1, num_threads < 1, fetch_wait_s < 0.
+    """
+
+    def __init__(self, store: RedisL2, arena: Arena, *, url: str, policy: str, ttl_s: float,
+                 queue_bytes: int, fetch_wait_s: float, num_threads: int,
+                 wake: Callable[[], None]) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"L2 policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if queue_bytes < 1 or num_threads < 1 or fetch_wait_s < 0:
+            raise ValueError("L2 queue_bytes and num_threads must be >= 1, fetch_wait_s >= 0")
+        self.store = store
+        self.url = url
+        self.ttl_s = ttl_s
+        self.arena = arena
+        self.policy = policy
+        self.queue_bytes = queue_bytes
+        # Write-through holds pins, not copies: never more than a share of the arena.
+        self.pinned_limit_bytes = min(queue_bytes, arena.capacity_bytes // PINNED_SHARE)
+        self.max_fetch_jobs = FETCH_JOBS_PER_THREAD * num_threads
+        self.fetch_wait_s = fetch_wait_s
+        self._wake = wake
+        self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
+        self._writes: collections.deque[WriteJob] = collections.deque()
+        self._fetches: collections.deque[FetchJob] = collections.deque()
+        self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
+        self._lock = threading.Lock()  # the two queues; each kind of thread waits on its own condition
+        self._writes_cv = threading.Condition(self._lock)
+        self._fetches_cv = threading.Condition(self._lock)
+        self._completions: collections.deque = collections.deque()  # appended by threads
+        self._stopping = False
+        self._down_until = 0.0
+        self._config_error_logged = False
+        self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
+        self.num_writes_in_flight = 0
+        self.stats = collections.Counter()
+        self._threads = [
+            threading.Thread(target=self._writer, name=f"lmcached-l2-writer-{i}", daemon=True)
+            for i in range(num_threads)
+        ] + [
+            threading.Thread(target=self._fetcher, name=f"lmcached-l2-fetch-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------ namespaces
+    def register_namespace(self, ns: int, layout: Layout) -> None:
+        """Note a namespace: chunk namespaces (fmt other than "kv") go to L2, unless a
+        value would exceed Redis' largest bulk string (512 MB, `proto-max-bulk-len`)."""
+        if ns in self._ns:
+            return
+        if layout.fmt == "kv":
+            self._ns[ns] = None
+        elif layout.record_bytes + ENVELOPE_BYTES > MAX_VALUE_BYTES:
+            logger.warning("namespace %d (%s): a chunk record of %d bytes is larger than a "
+                           "Redis value may be (512 MB): its chunks stay out of L2; use a "
+                           "smaller chunk size", ns, layout.model_name, layout.record_bytes)
+            self._ns[ns] = None
+        else:
+            self._ns[ns] = (namespace_fingerprint(layout), layout)
+
+    def _chunk_of(self, pool_key: bytes):
+        """(fp, chunk hash) of a chunk key in an L2 namespace, else None."""
+        if pool_key[0] != _CHUNK_KEY:
+            return None
+        entry = self._ns.get(int.from_bytes(pool_key[1:5], "little"))
+        return None if entry is None else (entry[0], pool_key[5:])
+
+    # ---------------------------------------------------------------- writes
+    def _record_pieces(self, blocks: list[KVCacheBlock]) -> list:
+        """Views of a value's bytes in its arena blocks, in order."""
+        arena = self.arena
+        return [memoryview(arena.numpy_view(arena.block_offset(b.block_id), b.num_bytes))
+                for b in blocks]
+
+    def _enqueue(self, job: WriteJob) -> bool:
+        if self.queued_bytes + job.num_bytes > self.queue_bytes:
+            self.stats["write_drops_queue_full"] += 1
+            return False
+        if time.monotonic() < self._down_until:
+            self.stats["write_drops_down"] += 1
+            return False
+        self.queued_bytes += job.num_bytes
+        self.num_writes_in_flight += 1
+        with self._writes_cv:
+            self._writes.append(job)
+            self._writes_cv.notify()
+        return True
+
+    def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
+        """Queue newly committed values (write-through policy; loop thread).
+
+        Each chunk of an L2 namespace is pinned (`BlockPool.touch`) until its writer has
+        sent it; a value that does not fit in the queue is dropped and counted.
+
+        Args:
+            pool: the block pool the values were just committed in.
+            values: (pool key, READY blocks) per committed value.
+        """
+        if self.policy != "write-through":
+            return
+        for pool_key, blocks in values:
+            job = self._write_job(pool_key, blocks, self.pinned_limit_bytes)
+            if job is None:
+                continue
+            job.pieces, job.blocks = self._record_pieces(blocks), blocks
+            if self._enqueue(job):
+                pool.touch(blocks)
+
+    def _write_job(self, pool_key: bytes, blocks: list[KVCacheBlock],
+                   limit_bytes: int) -> WriteJob | None:
+        """A WriteJob without its bytes for a value bound for L2, or None (counted) when
+        it is not a chunk of an L2 namespace, is longer than its namespace's record (ALLOC
+        does not bound it, and every node would fetch it), or would take the queue over
+        `limit_bytes`."""
+        chunk = self._chunk_of(pool_key)
+        if chunk is None:
+            return None
+        num_bytes = sum(b.num_bytes for b in blocks)
+        layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
+        if num_bytes > layout.record_bytes:
+            self.stats["write_drops_oversize"] += 1
+            return None
+        if self.queued_bytes + num_bytes > limit_bytes:
+            self.stats["write_drops_queue_full"] += 1
+            return None
+        return WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1], [], num_bytes, None)
+
+    def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
+        """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
+        chunk's bytes into the write queue before its blocks are reused."""
+        if self.policy != "on-evict":
+            return
+        try:
+            self._spill(pool_key, blocks)
+        except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
+            logger.exception("L2 spill of an evicted chunk failed")
+            self.stats["write_failures"] += 1
+
+    def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
+        # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
+        # and the write refreshes its place in Redis' LRU.
+        job = self._write_job(pool_key, blocks, self.queue_bytes)
+        if job is not None:
+            job.pieces = [b"".join(self._record_pieces(blocks))]  # a copy: the blocks go now
+            self._enqueue(job)
+
+    def _writer(self) -> None:
+        """Writer thread: pipelines queued SETs, then posts them back to the loop."""
+        while True:
+            with self._writes_cv:
+                while not self._writes and not self._stopping:
+                    self._writes_cv.wait()
+                if not self._writes:
+                    return
+                batch, num_bytes = [], 0
+                while self._writes and len(batch) < WRITE_BATCH_VALUES and (
+                        not batch or num_bytes + self._writes[0].num_bytes <= WRITE_BATCH_BYTES):
+                    job = self._writes.popleft()
+                    batch.append(job)
+                    num_bytes += job.num_bytes
+            outcome = "written"
+            stored = 0
+            try:
+                items = [(job.key, encode_value(job.ns_fp, job.chunk_hash, job.pieces))
+                         for job in batch]
+                stored = self.store.set_many(items)
+            except L2Unavailable:
+                outcome = "down"
+            except Exception as exc:  # noqa: BLE001 - a writer never dies: count, log, go on
+                self._log_failure("write", exc)
+                outcome = "error"
+            self._post(("written", batch, outcome, stored))
+
+    def _log_failure(self, what: str, exc: Exception) -> None:
+        """Log a failure that is not an outage: a configuration error (ValueError, e.g.
+        several addresses of a standalone server) once, anything else with its trace."""
+        if isinstance(exc, ValueError):
+            if not self._config_error_logged:
+                self._config_error_logged = True
+                logger.error("L2 %s failed and will fail until the daemon is restarted with "
+                             "another --l2: %s", what, exc)
+            return
+        logger.exception("L2 %s failed", what)
+
+    # --------------------------------------------------------------- fetches
+    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
+                    hashes: bytes, first: int,
+                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> FetchJob | None:
+        """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
+
+        Loop thread. Returns None, and starts nothing, when a namespace is not an L2
+        one, a write or fetch failed on an outage within the last DOWN_HOLD_S, or
+        `max_fetch_jobs` are in flight. (While the store backs off longer, a job starts
+        and ends at once: the store refuses without touching the network.)
+
+        Args:
+            namespaces: namespace ids of the request.
+            prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
+            hashes: the request's chunk hashes, 16 bytes each.
+            first: index of the first chunk missing in the arena.
+            prefix_blocks: returns the blocks of the chain's chunks before `first` in the
+                arena; called only for a new job, which pins them until it ends (its
+                installs never evict them).
+        """
+        entries = [self._ns.get(ns) for ns in namespaces]
+        if any(entry is None for entry in entries):
+            return None
+        chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
+        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])  # same chain, same end
+        job = self._jobs.get(key)
+        if job is not None:
+            self.stats["fetches_joined"] += 1
+            return job
+        if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
+            self.stats["fetches_skipped"] += 1
+            return None
+        parent = hashes[(first - 1) * 16 : first * 16] if first else ROOT_HASH
+        job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
+                       parent, max(e[1].record_bytes for e in entries))
+        job.held = prefix_blocks()
+        pool.touch(job.held)
+        self._jobs[key] = job
+        self.stats["fetches"] += 1
+        with self._fetches_cv:
+            self._fetches.append(job)
+            self._fetches_cv.notify()
+        return job
+
+    def _fetcher(self) -> None:
+        """Fetch thread: runs queued FetchJobs one at a time."""
+        while True:
+            with self._fetches_cv:
+                while not self._fetches and not self._stopping:
+                    self._fetches_cv.wait()
+                if self._stopping:
+                    return
+                job = self._fetches.popleft()
+            try:
+                fetch_chain(self.store, job, self._post, lambda: self._stopping)
+            except L2Unavailable:
+                self._post(("down", job))
+            except Exception as exc:  # noqa: BLE001 - a fetch thread never dies
+                self._log_failure("fetch", exc)
+                self._post(("fetch_error", job))
+            self._post(("fetched", job))
+
+    # ------------------------------------------------------------ loop side
+    def _post(self, message) -> None:
+        self._completions.append(message)  # deque.append is atomic
+        self._wake()
+
+    def process_completions(self, pool: BlockPool | None) -> bool:
+        """Apply what the threads finished (loop thread): unpin written chunks, install
+        fetched ones, count. Returns True when a fetch job ended."""
+        ended = False
+        completions = self._completions
+        while completions:
+            message = completions.popleft()
+            try:
+                ended |= self._apply(pool, message)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the loop
+                logger.exception("applying an L2 completion %s failed", message[0])
+            finally:
+                if message[0] == "batch":
+                    message[1].credits.release()
+        return ended
+
+    def _apply(self, pool: BlockPool | None, message: tuple) -> bool:
+        """Apply one completion; True when it ends a fetch job."""
+        stats = self.stats
+        kind = message[0]
+        if kind == "written":
+            _, batch, outcome, stored = message
+            for job in batch:
+                self.queued_bytes -= job.num_bytes
+            self.num_writes_in_flight -= len(batch)
+            if outcome == "written":
+                stats["writes"] += stored
+                stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
+                stats["write_failures"] += len(batch) - stored
+            elif outcome == "down":
+                stats["write_drops_down"] += len(batch)
+                self._down_until = time.monotonic() + DOWN_HOLD_S
+            else:
+                stats["write_failures"] += len(batch)
+            pinned = [b for job in batch if job.blocks for b in job.blocks]
+            if pinned and pool is not None:
+                pool.free(pinned)
+        elif kind == "batch":
+            _, job, start, records, failure = message
+            if failure:
+                stats[f"fetch_{failure}"] += 1
+            if pool is not None and not job.done and not job.stop:
+                install(pool, self.arena, job, start, records, stats)
+        elif kind == "oversize":
+            stats["fetch_oversize"] += 1
+        elif kind == "misses":
+            stats["fetch_miss_chunks"] += message[1]
+        elif kind == "down":
+            self._down_until = time.monotonic() + DOWN_HOLD_S
+            stats["fetch_down"] += 1
+        elif kind == "fetch_error":
+            stats["fetch_errors"] += 1
+        elif kind == "fetched":
+            job = message[1]
+            job.done = True
+            self._jobs.pop(job.key, None)
+            if job.held and pool is not None:
+                pool.free(job.held)  # tail first: the chain's end is evicted first
+            job.held = []
+            return True
+        return False
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, int | float | str]:
+        """INFO section `l2` (docs/l2.md, "Counters")."""
+        stats = self.stats
+        out = {
+            "l2_enabled": 1,
+            "l2_url": self.url,
+            "l2_ttl_s": self.ttl_s,
+            "l2_mode": self.store.mode,
+            "l2_state": self.store.state,
+            "l2_policy": self.policy,
+            "l2_queue_values": self.num_writes_in_flight,
+            "l2_queue_bytes": self.queued_bytes,
+            "l2_queue_limit_bytes": self.queue_bytes,
+            "l2_fetches_in_flight": len(self._jobs),
+            "l2_reconnects": self.store.num_reconnects,
+        }
+        for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
+                     "write_drops_oversize", "write_failures", "fetches", "fetches_joined",
+                     "fetches_skipped", "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes",
+                     "fetch_nospace", "fetch_oversize", "fetch_down", "fetch_errors",
+                     "fetch_gone", "fetch_waits_timed_out"):
+            out[f"l2_{name}"] = stats[name]
+        for name in sorted(stats):
+            if name.startswith("fetch_verify_"):
+                out[f"l2_{name}"] = stats[name]
+        for kind, count in sorted(self.store.errors.items()):
+            out[f"l2_errors_{kind}"] = count
+        return out
+
+    # --------------------------------------------------------------- teardown
+    def close(self, pool: BlockPool | None) -> None:
+        """Stop the threads: queued writes get CLOSE_DRAIN_S to reach L2 (then are
+        dropped); fetches stop. Loop thread, before the arena is unmapped."""
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        with self._lock:
+            self._stopping = True
+            self._fetches.clear()
+            self._writes_cv.notify_all()
+            self._fetches_cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            dropped = len(self._writes)
+            self._writes.clear()
+        if dropped:
+            logger.warning("stopping: %d chunk writes to L2 were still queued: dropped", dropped)
+        self.process_completions(pool)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            logger.warning("L2 threads still busy at stop: %s", ", ".join(alive))
+        self.store.close()

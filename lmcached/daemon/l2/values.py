@@ -1,0 +1,195 @@
+"""Keys and values of chunks in L2: what one node writes and any other node can trust.
+
+Why this file exists: an L2 is shared by nodes that may serve other models, other tensor
+parallel ranks or other versions of lmcached, and anyone who can reach Redis can write
+to it. A value fetched from L2 is therefore checked before the daemon installs it in its
+arena: that it is a value of this namespace and this chunk, that its bytes are the bytes
+that were written, and that its token ids hash to the chunk hash that was asked for (so
+a colliding key or a record of another prompt is a miss, never served). Pure functions,
+no I/O: `redis_store.py` moves the bytes, `tier.py` decides when.
+
+Key (no hash tag, so a Redis cluster spreads the chunks of one prompt over every
+master)::
+
+    lmcached:v1:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>
+
+Value::
+
+    offset 0                                                        64
+    | envelope <4sHHQQ16s16s, zero pad to 64 bytes:                 | record, as in the
+    |   magic "LML2", version u16 = 1, flags u16 = 0,                |   arena: header,
+    |   record bytes u64, xxh3_64 (seed 0) of the record u64,        |   token ids (int64
+    |   namespace fingerprint 16, chunk hash 16                      |   LE at 64), KV
+
+All integers little-endian. A writer that can SET a key can write a consistent value:
+the checks catch corruption, collisions and mix-ups, not an attacker with write access.
+"""
+
+import struct
+
+import msgspec
+import xxhash
+
+from lmcached.wire.protocol import Layout
+from lmcached.wire.record_format import (
+    FIXED_SEED,
+    HASH_BYTES,
+    RECORD_HEADER,
+    RECORD_HEADER_BYTES,
+    RECORD_MAGIC,
+    hash_block_tokens,
+)
+
+KEY_PREFIX = "lmcached:v1"
+L2_MAGIC = b"LML2"
+ENVELOPE_VERSION = 1
+# magic, version, flags, record length, xxh3_64 of the record, namespace fp, chunk hash.
+ENVELOPE = struct.Struct("<4sHHQQ16s16s")
+ENVELOPE_BYTES = 64
+_PAD = bytes(ENVELOPE_BYTES - ENVELOPE.size)
+
+VERIFY_REASONS = ("envelope", "foreign", "checksum", "tokens")
+
+
+class L2VerifyError(Exception):
+    """A value fetched from L2 that must not be served (a counted miss).
+
+    Attributes:
+        reason: one of VERIFY_REASONS: "envelope" (too short, another magic, envelope
+            version or flags, a pad that is not zero, or a record length that is not the
+            value's), "foreign" (the envelope names another namespace or chunk: another
+            namespace's value under a colliding key), "checksum" (the record bytes
+            changed since they were written), "tokens" (not the record of that chunk:
+            another record magic or chunk hash in its header, no token ids, or token ids
+            that do not hash to the chunk hash from its parent).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in VERIFY_REASONS, f"unknown verify reason {reason!r} (a bug)"
+        super().__init__(f"L2 value refused ({reason}): {detail}")
+        self.reason = reason
+
+
+def _check_hash(name: str, value: bytes) -> None:
+    if not isinstance(value, bytes | bytearray) or len(value) != HASH_BYTES:
+        raise ValueError(f"{name} must be {HASH_BYTES} bytes, got {value!r:.60}")
+
+
+def namespace_fingerprint(layout: Layout) -> bytes:
+    """The 16-byte fingerprint of a namespace, the same on every node and process.
+
+    xxh3_128 (seed FIXED_SEED) of `msgspec.msgpack.encode(layout)`: every field counts
+    (model name, world size, TP rank, format, dtype, geometry, chunk size, record bytes;
+    the vLLM connector's model name also carries its version and block layout), so two
+    nodes share values only when their layouts are equal. Namespace ids, unlike this,
+    are per daemon.
+
+    Args:
+        layout: the namespace's layout, as the client sent it in HELLO.
+
+    Returns:
+        16 bytes.
+
+    Raises:
+        TypeError: `layout` is not a `protocol.Layout` (pass `KVLayout.to_wire()`).
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"namespace_fingerprint takes a protocol.Layout (KVLayout.to_wire()), "
+                        f"got {type(layout).__name__}")
+    return xxhash.xxh3_128_digest(msgspec.msgpack.encode(layout), seed=FIXED_SEED)
+
+
+def l2_key(ns_fp: bytes, chunk_hash: bytes, prefix: str = KEY_PREFIX) -> bytes:
+    """The Redis key of one chunk: `<prefix>:<ns_fp hex>:<chunk_hash hex>`.
+
+    Args:
+        ns_fp: the namespace fingerprint (`namespace_fingerprint`), 16 bytes.
+        chunk_hash: the chunk's prefix hash (`record_format.hash_block_tokens`), 16 bytes.
+        prefix: the key space; the default names this value format (v1).
+
+    Returns:
+        The key, ASCII bytes (the prefix and 66 bytes).
+
+    Raises:
+        ValueError: a hash that is not 16 bytes.
+    """
+    _check_hash("ns_fp", ns_fp)
+    _check_hash("chunk_hash", chunk_hash)
+    return b"%s:%s:%s" % (prefix.encode(), ns_fp.hex().encode(), chunk_hash.hex().encode())
+
+
+def encode_value(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> bytes:
+    """The L2 value of a record: the envelope, then the record's bytes (one join).
+
+    Args:
+        ns_fp: namespace fingerprint, 16 bytes.
+        chunk_hash: the chunk's hash, 16 bytes.
+        record_pieces: the record's bytes in order (bytes or memoryviews of any format:
+            a record that spans several arena blocks is one view per block, the last
+            one cut to the record's length). Read once, not kept.
+
+    Returns:
+        ENVELOPE_BYTES + record length bytes.
+
+    Raises:
+        ValueError: a hash that is not 16 bytes.
+    """
+    _check_hash("ns_fp", ns_fp)
+    _check_hash("chunk_hash", chunk_hash)
+    views = [memoryview(piece).cast("B") for piece in record_pieces]
+    hasher = xxhash.xxh3_64()
+    for view in views:
+        hasher.update(view)
+    record_bytes = sum(view.nbytes for view in views)
+    envelope = ENVELOPE.pack(L2_MAGIC, ENVELOPE_VERSION, 0, record_bytes, hasher.intdigest(),
+                             bytes(ns_fp), bytes(chunk_hash))
+    return b"".join([envelope, _PAD, *views])
+
+
+def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> memoryview:
+    """Check a value fetched from L2 and return its record.
+
+    The checks run cheapest first: the envelope, whose value it is, the checksum of the
+    record bytes, then the record's header and its token ids, hashed from the parent's
+    hash as the chunk hash chain does (`record_format.hash_block_tokens`).
+
+    Args:
+        value: the value as GET returned it (bytes, bytearray or memoryview).
+        ns_fp: the namespace fingerprint asked for, 16 bytes.
+        chunk_hash: the chunk hash asked for, 16 bytes.
+        parent_hash: the hash of the chunk before it (ROOT_HASH for the first chunk).
+
+    Returns:
+        A memoryview of the record inside `value` (no copy): header, token ids, KV.
+
+    Raises:
+        L2VerifyError: the value must not be served; its `reason` says why.
+    """
+    view = memoryview(value).cast("B")
+    if view.nbytes < ENVELOPE_BYTES:
+        raise L2VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
+    magic, version, flags, record_bytes, checksum, value_fp, value_hash = \
+        ENVELOPE.unpack_from(view)
+    if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags
+            or view[ENVELOPE.size:ENVELOPE_BYTES] != _PAD):
+        raise L2VerifyError("envelope", f"magic {magic!r}, version {version}, flags {flags:#x}")
+    if record_bytes != view.nbytes - ENVELOPE_BYTES:
+        raise L2VerifyError("envelope", f"record of {record_bytes} bytes in a value of "
+                                        f"{view.nbytes}")
+    if value_fp != ns_fp or value_hash != chunk_hash:
+        raise L2VerifyError("foreign", f"value of namespace {value_fp.hex()}, chunk "
+                                       f"{value_hash.hex()}")
+    record = view[ENVELOPE_BYTES:]
+    if xxhash.xxh3_64_intdigest(record) != checksum:
+        raise L2VerifyError("checksum", "record bytes differ from the bytes written")
+    if record_bytes < RECORD_HEADER_BYTES:
+        raise L2VerifyError("tokens", f"record of {record_bytes} bytes has no header")
+    magic, num_tokens, _, record_hash = RECORD_HEADER.unpack_from(record)
+    tokens_end = RECORD_HEADER_BYTES + 8 * num_tokens
+    if (magic != RECORD_MAGIC or record_hash != chunk_hash or num_tokens == 0
+            or tokens_end > record_bytes):
+        raise L2VerifyError("tokens", f"record magic {magic:#x}, chunk {record_hash.hex()}, "
+                                      f"{num_tokens} tokens in {record_bytes} bytes")
+    if hash_block_tokens(parent_hash, record[RECORD_HEADER_BYTES:tokens_end]) != chunk_hash:
+        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash")
+    return record

@@ -1,0 +1,458 @@
+"""Prometheus metrics of the daemon: a collector over its own counters, served by a thread.
+
+Why this file exists: operators scrape lmcached with Prometheus, as they scrape vLLM and
+LMCache (`lmcached serve --metrics-port PORT`; docs/metrics.md lists every metric). The
+daemon already counts what INFO shows (`info.py`), so this module exports those numbers
+through a custom collector (prometheus_client's `Collector` protocol) instead of keeping
+a second set of counters. The one thing only the loop can measure is how long a request
+takes, so `RequestLatency` is observed there, with plain ints (docs/architecture.md,
+"Performance rules": stats stay off the hot path).
+
+Threads, and why a scrape's numbers agree with each other::
+
+    HTTP thread (metrics_http.py)                 selector loop (server.py)
+    GET /metrics -> DaemonCollector.collect
+      SnapshotChannel.request(): the latest
+      snapshot if younger than SNAPSHOT_MAX_AGE_S;
+      else queue a slot,
+      write a byte to the loop's wakeup socket ---> wakes up; after serving the clients
+      wait (SNAPSHOT_TIMEOUT_S)                     of this pass, serve_pending():
+                                                    take_snapshot(service), a copy of
+      <-------------------------------------------- plain values, into every slot
+      build the metric families from the copy,
+      encode the text (all off the loop)
+
+The snapshot is taken on the loop thread between two requests, so it is consistent:
+blocks by state add up to the arena's blocks, a request's hits come with its misses, and
+the counters equal INFO's at that instant. The alternative, a lock taken by every counter
+update, would put a lock on every request for a scrape every few seconds. The loop's
+share of a scrape is the copy: INFO's fields plus one row per namespace and per request
+type.
+
+Any local process can open the port, so a scrape's cost to the daemon is bounded
+(docs/metrics.md, "Limits"): a snapshot younger than SNAPSHOT_MAX_AGE_S answers later
+scrapes without waking the loop, so a flood costs the loop at most one copy per
+interval; the HTTP server (`metrics_http.py`) bounds connections, their threads, their
+rate, their size and their time.
+"""
+
+import bisect
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
+from lmcached.wire.logger import init_logger
+from lmcached.daemon.metrics_http import ScrapeServer
+
+logger = init_logger(__name__)
+
+# Upper bounds (seconds) of the request latency buckets. A handler takes microseconds
+# (a LOOKUP of a few chunks) to milliseconds (an ACQUIRE of thousands of chunks, a CLEAR).
+LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                     1e-2, 2.5e-2, 0.1, 1.0)
+SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the loop, then reports lmcached_up 0
+SNAPSHOT_MAX_AGE_S = 0.5  # a snapshot this young answers later scrapes without the loop
+
+
+class _LatencyRow:
+    """Latency observations of one request type: per-bucket counts (not cumulative; the
+    last one is +Inf) and their sum in seconds."""
+
+    __slots__ = ("label", "counts", "sum_s")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.sum_s = 0.0
+
+
+class RequestLatency:
+    """How long the daemon takes to answer each request type: a histogram in plain ints.
+
+    Observed on the loop thread only (no lock); copied by `take_snapshot` on that thread.
+    prometheus_client's own `Histogram` would take a lock per observation and per label
+    lookup; `benchmarks/bench_engine.py --metrics-cost` times both.
+
+    Args:
+        request_types: the request Structs; each is labelled by its wire tag
+            (`Lookup` -> "lookup", `ConfigGet` -> "config_get").
+    """
+
+    def __init__(self, request_types) -> None:
+        self._rows = {t: _LatencyRow(t.__struct_config__.tag) for t in request_types}
+
+    def observe(self, request_type: type, seconds: float) -> None:
+        """Count one request of `request_type` that took `seconds` (wall clock).
+
+        Raises:
+            KeyError: `request_type` was not given at construction (a bug).
+        """
+        row = self._rows[request_type]
+        row.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        row.sum_s += seconds
+
+    def copy(self) -> dict[str, tuple[list[int], float]]:
+        """{wire tag: (per-bucket counts, sum of seconds)} of the types seen so far."""
+        return {row.label: (row.counts[:], row.sum_s) for row in self._rows.values()
+                if row.sum_s or any(row.counts)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceRow:
+    """Hit and miss counts of one namespace (one layout: a model, a TP rank, a format)."""
+
+    ns: int
+    model: str
+    chunk_size: int  # tokens per chunk
+    hit_chunks: int
+    miss_chunks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The daemon's numbers at one instant between two requests (plain values only).
+
+    Attributes:
+        info: INFO's sections (`info.info_sections`).
+        namespaces: one row per namespace, by id.
+        latency: `RequestLatency.copy()`, or {} when latency is not observed.
+        start_time_s: when the daemon started (Unix time).
+    """
+
+    info: dict[str, InfoFields]
+    namespaces: list[NamespaceRow]
+    latency: dict[str, tuple[list[int], float]]
+    start_time_s: float
+
+
+def take_snapshot(service) -> Snapshot:
+    """Copy the numbers of `service` (a `CacheService`); on the loop thread only."""
+    namespaces = [  # in id order: ids are given in the order layouts are first seen
+        NamespaceRow(ns, layout.model_name, layout.chunk_size, service.stat_ns_hits[ns],
+                     service.stat_ns_misses[ns])
+        for layout, ns in service.namespaces.items()
+    ]
+    latency = service.latency.copy() if service.latency is not None else {}
+    return Snapshot(info_sections(service), namespaces, latency, service.started_at)
+
+
+class SnapshotChannel:
+    """Hands snapshots from the loop thread to scrape threads (see the module docstring).
+
+    `attach` once the loop runs; `close` when it stops. Until attached and after closed,
+    `request` returns None at once. A snapshot younger than `max_age_s` answers later
+    requests without waking the loop, so a scrape flood costs the loop at most one
+    snapshot per `max_age_s`.
+
+    Args:
+        max_age_s: how long a snapshot is reused, in seconds (0: never).
+    """
+
+    def __init__(self, max_age_s: float = SNAPSHOT_MAX_AGE_S) -> None:
+        self.pending: collections.deque = collections.deque()  # [event, snapshot] slots
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()  # attach / close against request
+        self._take: Callable[[], Snapshot] | None = None
+        self._wake: Callable[[], None] | None = None
+        self._latest: tuple[float, Snapshot] | None = None  # (monotonic time taken, snapshot)
+
+    def attach(self, take: Callable[[], Snapshot], wake: Callable[[], None]) -> None:
+        """The loop runs: `take()` makes a snapshot (loop thread), `wake()` (any thread)
+        makes the loop call `serve_pending` soon."""
+        with self._lock:
+            self._take, self._wake = take, wake
+
+    def request(self, timeout_s: float = SNAPSHOT_TIMEOUT_S) -> Snapshot | None:
+        """A snapshot from the loop (scrape thread), the latest one if it is younger than
+        `max_age_s`; None when the loop is not serving or did not answer within
+        `timeout_s`."""
+        slot = [threading.Event(), None]
+        with self._lock:
+            if self._wake is None:
+                return None
+            latest = self._latest
+            if latest is not None and time.monotonic() - latest[0] < self.max_age_s:
+                return latest[1]
+            self.pending.append(slot)
+            wake = self._wake
+        wake()
+        if not slot[0].wait(timeout_s):
+            logger.warning("metrics: the daemon's loop did not answer a scrape within %.1f s",
+                           timeout_s)
+            return None
+        return slot[1]
+
+    def serve_pending(self) -> None:
+        """Answer every waiting scrape with one snapshot (loop thread)."""
+        snapshot = self._take()
+        self._latest = (time.monotonic(), snapshot)
+        while self.pending:
+            slot = self.pending.popleft()
+            slot[1] = snapshot
+            slot[0].set()
+
+    def close(self) -> None:
+        """The loop stops: waiting and later scrapes get None."""
+        with self._lock:
+            self._take = self._wake = self._latest = None
+            while self.pending:
+                self.pending.popleft()[0].set()
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+# INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters").
+L2_COUNTERS = {
+    "l2_writes": ("lmcached_l2_writes", "Chunks written to L2."),
+    "l2_write_bytes": ("lmcached_l2_written_bytes", "Bytes of the chunks written to L2."),
+    "l2_write_failures": ("lmcached_l2_write_failures", "Chunk writes L2 refused (full: "
+                          "OOM) or that failed."),
+    "l2_fetches": ("lmcached_l2_fetches", "Fetches started by lookups that missed in the arena."),
+    "l2_fetch_hit_chunks": ("lmcached_l2_hit_chunks", "Chunks fetched from L2 into the arena."),
+    "l2_fetch_miss_chunks": ("lmcached_l2_miss_chunks", "Chunks asked of L2 that it did not "
+                             "hold."),
+    "l2_fetch_bytes": ("lmcached_l2_fetched_bytes", "Bytes of the chunks fetched from L2."),
+    "l2_fetch_waits_timed_out": ("lmcached_l2_fetch_waits_timed_out", "Lookups answered "
+                                 "before their fetch ended (--l2-fetch-wait)."),
+    "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
+}
+
+
+def l2_families(l2: InfoFields) -> Iterator[Metric]:
+    """The lmcached_l2_* families of INFO's `l2` section; none when L2 is off."""
+    if not l2.get("l2_enabled"):
+        return
+    yield _gauge("lmcached_l2_up", "1 when the last L2 operation succeeded, 0 when L2 is "
+                 "down or not reached yet.", 1 if l2["l2_state"] == "up" else 0)
+    for field, (name, doc) in L2_COUNTERS.items():
+        yield _counter(name, doc, l2[field])
+    yield _gauge("lmcached_l2_queue_bytes", "Bytes of chunks waiting to be written to L2.",
+                 l2["l2_queue_bytes"])
+    yield _gauge("lmcached_l2_queue_values", "Chunks waiting to be written to L2.",
+                 l2["l2_queue_values"])
+    drops = CounterMetricFamily("lmcached_l2_write_drops", "Chunk writes dropped, by reason.",
+                                labels=["reason"])
+    drops.add_metric(["queue_full"], l2["l2_write_drops_queue_full"])
+    drops.add_metric(["down"], l2["l2_write_drops_down"])
+    drops.add_metric(["oversize"], l2["l2_write_drops_oversize"])
+    yield drops
+    rejects = CounterMetricFamily("lmcached_l2_fetch_rejects", "Fetched values not served, by "
+                                  "reason (verify_*: failed verification).", labels=["reason"])
+    for field, value in l2.items():
+        if field.startswith("l2_fetch_verify_") or field in ("l2_fetch_gone", "l2_fetch_nospace",
+                                                             "l2_fetch_oversize"):
+            rejects.add_metric([field[len("l2_fetch_"):]], value)
+    yield rejects
+    errors = CounterMetricFamily("lmcached_l2_errors", "L2 errors by kind.", labels=["kind"])
+    for field, value in l2.items():
+        if field.startswith("l2_errors_"):
+            errors.add_metric([field[len("l2_errors_"):]], value)
+    yield errors
+
+
+# INFO stats field -> (metric, help) of the demotion counters (lmcached/daemon/demotion.py).
+DEMOTION_COUNTERS = {
+    "demotions": ("lmcached_demotions", "Chunks moved from a device tier to the host arena."),
+    "demoted_bytes": ("lmcached_demoted_bytes", "Bytes of the chunks demoted."),
+    "errors_demotion": ("lmcached_demotion_errors", "Demotion copies that failed (the tier "
+                        "is then marked failed)."),
+}
+
+
+def device_tier_families(memory: InfoFields, blocks: InfoFields,
+                         stats: InfoFields) -> Iterator[Metric]:
+    """The lmcached_tier_* and lmcached_demotion* families of INFO's device tier fields
+    (`tier<i>_*`); none without device tiers."""
+    num_tiers = memory.get("device_tiers", 0)
+    if not num_tiers:
+        return
+    labels = ["tier", "device"]
+    capacity = GaugeMetricFamily("lmcached_tier_capacity_bytes", "Size of a device tier.",
+                                 labels=labels)
+    cached = GaugeMetricFamily("lmcached_tier_cached_bytes", "Bytes of the values in a "
+                               "device tier's index now.", labels=labels)
+    up = GaugeMetricFamily("lmcached_tier_up", "1 while a device tier takes new chunks, 0 "
+                           "after a device error.", labels=labels)
+    by_state = GaugeMetricFamily("lmcached_tier_blocks", "Blocks of a device tier by state "
+                                 "(free, cached, pinned, writing, detached, demoting).",
+                                 labels=[*labels, "state"])
+    hits = CounterMetricFamily("lmcached_tier_hit_chunks", "Chunks a device tier served to "
+                               "ACQUIRE.", labels=labels)
+    for i in range(1, num_tiers + 1):
+        t = f"tier{i}_"
+        tier_labels = [str(i), str(memory[t + "device"])]
+        capacity.add_metric(tier_labels, memory[t + "capacity_bytes"])
+        cached.add_metric(tier_labels, memory[t + "stored_bytes"])
+        up.add_metric(tier_labels, 1 if memory[t + "state"] == "ok" else 0)
+        for state in ("free", "cached", "pinned", "writing", "detached", "demoting"):
+            by_state.add_metric([*tier_labels, state], blocks[f"{t}{state}_blocks"])
+        hits.add_metric(tier_labels, stats[t + "hits"])
+    yield from (capacity, cached, up, by_state, hits)
+    for field, (name, doc) in DEMOTION_COUNTERS.items():
+        yield _counter(name, doc, stats[field])
+    yield _counter("lmcached_demotion_busy_seconds", "Time the demotion thread spent copying.",
+                   stats["demotion_busy_us"] / 1e6)
+    skips = CounterMetricFamily("lmcached_demotion_skips", "LRU device chunks freed without "
+                                "a demotion, by reason.", labels=["reason"])
+    for reason in ("deduplicated", "dropped", "aborted"):
+        skips.add_metric([reason], stats["demotions_" + reason])
+    yield skips
+
+
+def metric_families(snap: Snapshot) -> Iterator[Metric]:
+    """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
+    server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS[:5])
+    yield InfoMetricFamily("lmcached", "The daemon: version, name, arena generation.", value={
+        "version": str(server["version"]), "name": str(server["name"]),
+        "generation": str(server["generation"]),
+        "protocol_version": str(server["protocol_version"])})
+    yield _gauge("lmcached_start_time_seconds", "When the daemon started (Unix time).",
+                 snap.start_time_s)
+    yield _counter("lmcached_requests", "Requests answered, every type (INFO requests).",
+                   stats["requests"])
+    yield _counter("lmcached_connections", "Connections accepted (INFO connections_received).",
+                   stats["connections_received"])
+    yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
+    yield _gauge("lmcached_namespaces", "Layouts registered since start.", clients["namespaces"])
+    yield _counter("lmcached_lookups", "LOOKUP requests answered.", stats["lookups"])
+    yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
+                   stats["stores"])
+    yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",
+                   stats["evictions"])
+    yield _counter("lmcached_writing_expired", "Values allocated and not committed within "
+                   "--writing-timeout, aborted by the daemon (INFO writing_expired).",
+                   stats["writing_expired"])
+    yield _counter("lmcached_invalidated_chunks", "Chunks a reader found corrupt and "
+                   "dropped from the index by INVALIDATE (INFO invalidated_chunks).",
+                   stats["invalidated_chunks"])
+    yield _counter("lmcached_stored_bytes", "Bytes of the values committed (INFO "
+                   "total_stored_bytes).", stats["total_stored_bytes"])
+    yield _counter("lmcached_served_bytes", "Bytes of the values pinned for readers by "
+                   "ACQUIRE and GET (INFO total_served_bytes).", stats["total_served_bytes"])
+    per_ns = {
+        ("hit_chunks", "Chunks found by ACQUIRE and values by GET."):
+            lambda r: r.hit_chunks,
+        ("miss_chunks", "Chunks and values asked for by ACQUIRE and GET and not found."):
+            lambda r: r.miss_chunks,
+        ("hit_tokens", "hit_chunks x the namespace's chunk size (a shorter last chunk "
+         "counts whole)."): lambda r: r.hit_chunks * r.chunk_size,
+        ("miss_tokens", "miss_chunks x the namespace's chunk size."):
+            lambda r: r.miss_chunks * r.chunk_size,
+    }
+    for (name, doc), value in per_ns.items():
+        family = CounterMetricFamily(f"lmcached_{name}", doc, labels=["namespace", "model"])
+        for row in snap.namespaces:
+            family.add_metric([str(row.ns), row.model], value(row))
+        yield family
+    errors = CounterMetricFamily("lmcached_errors", "Refused requests and dropped connections, "
+                                 "by error code (INFO errors_<code>).", labels=["code"])
+    for field, value in stats.items():
+        if field.startswith("errors_"):
+            errors.add_metric([field[len("errors_"):]], value)
+    yield errors
+    yield _gauge("lmcached_arena_capacity_bytes", "Size of the arena segment.",
+                 memory["capacity_bytes"])
+    yield _gauge("lmcached_block_size_bytes", "Size of one block; 0 until the first layout "
+                 "(or --block-size) sets it.", memory["block_bytes"])
+    yield _gauge("lmcached_arena_blocks", "Blocks in the arena; 0 until the block size is set.",
+                 blocks["num_blocks"])
+    pinned_indexed = blocks["cached_blocks"] - blocks["evictable_blocks"]
+    by_state = GaugeMetricFamily("lmcached_blocks", "Blocks by state; the states add up to "
+                                 "lmcached_arena_blocks.", labels=["state"])
+    for state, value in (("free", blocks["free_blocks"]), ("ready", blocks["evictable_blocks"]),
+                         ("pinned", pinned_indexed), ("detached", blocks["detached_blocks"]),
+                         ("writing", blocks["writing_blocks"])):
+        by_state.add_metric([state], value)
+    yield by_state
+    yield _gauge("lmcached_cached_values", "Values in the index now.", blocks["cached_values"])
+    yield _gauge("lmcached_used_bytes", "Bytes of the blocks in use (READY, WRITING, detached).",
+                 memory["used_bytes"])
+    yield _gauge("lmcached_cached_bytes", "Bytes of the values in the index now (INFO "
+                 "stored_bytes).", memory["stored_bytes"])
+    yield _gauge("lmcached_arena_fill_ratio", "Cached bytes / bytes of their blocks "
+                 "(INFO fill_ratio).", memory["fill_ratio"])
+    yield from device_tier_families(memory, blocks, stats)
+    yield from l2_families(snap.info["l2"])
+    latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "
+                                    "loop spent answering a request, by type.", labels=["type"])
+    bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+    for label, (counts, sum_s) in sorted(snap.latency.items()):
+        cumulative, running = [], 0
+        for bound, count in zip(bounds, counts):
+            running += count
+            cumulative.append((bound, running))
+        latency.add_metric([label], cumulative, sum_s)
+    yield latency
+
+
+class DaemonCollector:
+    """prometheus_client collector of the daemon's metrics, read at scrape time.
+
+    Args:
+        channel: where the snapshots come from.
+    """
+
+    def __init__(self, channel: SnapshotChannel) -> None:
+        self.channel = channel
+
+    def collect(self) -> Iterator[Metric]:
+        """lmcached_up, then (when the loop answered) every family of `metric_families`."""
+        snapshot = self.channel.request()
+        yield _gauge("lmcached_up", "1 when the daemon's loop answered this scrape; 0 while "
+                     "it starts or stops, or when it did not answer in time.",
+                     0 if snapshot is None else 1)
+        if snapshot is not None:
+            yield from metric_families(snapshot)
+
+
+class MetricsExporter:
+    """The HTTP endpoint: its own registry (lmcached_* and process_*), prometheus_client's
+    WSGI app, served by a `ScrapeServer` (metrics_http.py: bounded connections, threads,
+    rate, size and time) on a thread of its own.
+
+    Args:
+        host: address to listen on (e.g. "127.0.0.1", "::").
+        port: TCP port.
+
+    Raises:
+        OSError: the address cannot be bound (errno EADDRINUSE: the port is in use).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.channel = SnapshotChannel()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(self.channel))
+        ProcessCollector(registry=self.registry)
+        self._httpd = ScrapeServer(host, port)
+        self._httpd.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics",
+                                        daemon=True)
+        self._thread.start()
+        self.port = self._httpd.server_port
+        logger.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        """Answer waiting scrapes with lmcached_up 0, stop the server, join its thread."""
+        self.channel.close()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)

@@ -1,0 +1,258 @@
+"""The daemon's start-up steps, before its loop serves (`server.py` runs them in order).
+
+Why this file exists: each step can fail for a reason the operator must fix (a group
+that does not exist, a socket directory others can write, a port in use, /dev/shm
+full), and each failure is one `StartupError` whose message says why and what to do;
+the CLI prints it as one `Error: ...` line and exits with status 1. Keeping the steps
+here leaves `server.py` the loop. The order::
+
+    resolve --allow-group -> check the socket's directory -> refuse if a daemon answers
+    on the socket -> raise the file descriptor limit -> bind the metrics port
+    (--metrics-port) -> take the lock of <name> (refuse if a daemon of that name runs)
+    -> sweep orphans of <name> -> create, reserve and prefault the arena -> start the L2
+    tier's threads (--l2)
+
+The metrics port is bound before the arena is made, so that a port in use stops the
+start-up at once and not after minutes of prefault. A stop signal during the prefault
+ends it (`StartupInterrupted`); the half-built arena is unlinked.
+"""
+
+import errno
+import grp
+import os
+import resource
+import time
+from collections.abc import Callable
+
+from lmcached.config import ServerConfig, shm_free_bytes
+from lmcached.sizes import echo_size, format_bytes, format_size, size_style
+from lmcached.wire.logger import init_logger
+from lmcached.daemon.metrics import MetricsExporter
+from lmcached.daemon.notify import SystemdNotifier
+from lmcached.daemon.progress import PrefaultProgress
+from lmcached.shm.arena import Arena
+from lmcached.shm.janitor import NameLock, unlink_orphans
+from lmcached.wire.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
+
+logger = init_logger(__name__)
+
+# Descriptors besides clients: listener, wakeup pair, selector, log, and with metrics
+# its listener, its MAX_SCRAPE_CONNECTIONS (8) connections and the /proc files a scrape reads.
+FD_RESERVE = 32
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do, in one line."""
+
+
+class StartupInterrupted(Exception):
+    """A stop signal arrived while the arena was prefaulted; nothing is left behind.
+
+    Args:
+        signum: the signal (SIGTERM, SIGINT).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum} during start-up")
+        self.signum = signum
+
+
+def resolve_allowed_group(cfg: ServerConfig) -> int | None:
+    """The gid of --allow-group, or None without it.
+
+    Raises:
+        StartupError: no such group, or the daemon's user is not a member (it could not
+            give the socket and the arena to that group).
+    """
+    if not cfg.allow_group:
+        return None
+    try:
+        gid = grp.getgrnam(cfg.allow_group).gr_gid
+    except KeyError:
+        raise StartupError(f"--allow-group: no group named {cfg.allow_group!r}") from None
+    if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise StartupError(
+            f"--allow-group {cfg.allow_group}: the daemon's user is not a member of that "
+            f"group, so it cannot give it the socket and the arena; add it (usermod "
+            f"-aG {cfg.allow_group} USER) or pick one of its groups"
+        )
+    return gid
+
+
+def prepare_socket(cfg: ServerConfig, allowed_gid: int | None) -> None:
+    """Create or check the socket's directory (`socket_path.py`), warn when the allowed
+    group cannot reach the socket or map the arena, and claim the socket path (a stale
+    socket is removed).
+
+    Raises:
+        StartupError: the directory cannot be created.
+        RuntimeError, OSError: the directory is not trusted, or a daemon answers on the
+            socket (`claim_socket_path`; `Server.start` turns them into StartupError).
+    """
+    try:
+        prepare_socket_directory(cfg.socket, allowed_gid)
+    except OSError as exc:
+        raise StartupError(f"cannot create the directory of --socket {cfg.socket}: "
+                           f"{exc.strerror or exc}: {exc.filename}") from exc
+    if allowed_gid is not None and not group_can_enter(cfg.socket, allowed_gid):
+        directory = os.path.dirname(cfg.socket)
+        logger.warning("members of group %s cannot enter %s, so they cannot connect: "
+                       "chgrp %s %s && chmod 0750 %s", cfg.allow_group, directory,
+                       cfg.allow_group, directory, directory)
+    if allowed_gid is not None and cfg.shm_mode & 0o060 != 0o060:
+        logger.warning("--shm-mode 0%o: members of group %s cannot map the arena "
+                       "read-write (use 0660)", cfg.shm_mode, cfg.allow_group)
+    claim_socket_path(cfg.socket)
+
+
+def raise_fd_limit(cfg: ServerConfig) -> None:
+    """Raise the soft RLIMIT_NOFILE to max_clients + FD_RESERVE (as Redis does for
+    `maxclients`), up to the hard limit; if even that is too low, lower max_clients
+    to fit (stored back in `cfg`) and warn."""
+    want = cfg.max_clients + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinity = resource.RLIM_INFINITY
+    if soft != infinity and soft < want:
+        new_soft = want if hard == infinity else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            soft = new_soft
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the file descriptor limit from %d to %d: %s",
+                           soft, new_soft, exc)
+    if soft != infinity and soft < want:
+        fitting = max(1, soft - FD_RESERVE)
+        logger.warning(
+            "the file descriptor limit (soft %d, hard %s) holds only %d clients: "
+            "max_clients lowered from %d to %d; raise the hard limit (LimitNOFILE= in "
+            "the unit, ulimit -Hn) or lower --max-clients", soft,
+            "unlimited" if hard == infinity else hard, fitting, cfg.max_clients, fitting,
+        )
+        cfg.max_clients = fitting
+    logger.info("file descriptor limit %s (hard %s): room for max_clients %d",
+                "unlimited" if soft == infinity else soft,
+                "unlimited" if hard == infinity else hard, cfg.max_clients)
+
+
+def start_metrics(host: str, port: int) -> MetricsExporter:
+    """Serve Prometheus metrics on host:port (`metrics.py`).
+
+    Raises:
+        StartupError: the port is in use, or the address is not one of this machine.
+    """
+    try:
+        return MetricsExporter(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"metrics port {port} on {host} is already in use: choose another "
+                "--metrics-port, or stop the process that listens there") from exc
+        raise StartupError(f"cannot serve metrics on {host} port {port}: "
+                           f"{exc.strerror or exc}; check --metrics-host") from exc
+
+
+def claim_name(name: str) -> NameLock:
+    """Take the lock of daemon `name` for the daemon's life (`shm/janitor.py`): it says
+    which daemon owns the segments of that name, whatever their bytes say.
+
+    Raises:
+        StartupError: another daemon of that name and user runs, or the lock directory
+            is not this user's (the message says what to do).
+        OSError: the lock file cannot be created.
+    """
+    try:
+        return NameLock.acquire(name)
+    except RuntimeError as exc:  # DaemonRunningError, UnsafeLockDirectoryError
+        raise StartupError(str(exc)) from None
+
+
+def sweep(lock: NameLock) -> None:
+    """Unlink the segments of dead daemons of `lock`'s name (`shm/janitor.py`): with the
+    name's lock held, every one there is an orphan."""
+    removed = unlink_orphans(lock)
+    if removed:
+        logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
+
+
+def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNotifier,
+                 stop_signal: Callable[[], int | None]) -> Arena:
+    """Create and prefault the arena (progress on stderr, STATUS= for systemd).
+
+    Args:
+        cfg: capacity, block size, mode, prefault of the arena.
+        allowed_gid: group to give the segment (--allow-group), or None.
+        notifier: systemd's notify socket.
+        stop_signal: returns the stop signal received so far, or None; asked after each
+            prefault step.
+
+    Raises:
+        StartupError: the segment cannot be created, mapped or reserved (the message says
+            which limit to raise, or how much /dev/shm has free).
+        StartupInterrupted: a stop signal arrived during the prefault; the segment is
+            unlinked (`Arena.create` undoes a half-built arena).
+    """
+    notifier.notify(f"STATUS=prefaulting {format_bytes(cfg.capacity_bytes)} arena")
+    show = PrefaultProgress(cfg.capacity_bytes)
+
+    def progress(done_bytes: int, total_bytes: int) -> None:
+        signum = stop_signal()
+        if signum is not None:
+            raise StartupInterrupted(signum)
+        show(done_bytes, total_bytes)
+
+    started = time.monotonic()
+    try:
+        arena = Arena.create(cfg.name, cfg.capacity_bytes, cfg.block_bytes, mode=cfg.shm_mode,
+                             prefault=cfg.prefault, progress=progress, gid=allowed_gid)
+    except OSError as exc:
+        typed = cfg.size_texts.get("capacity")
+        capacity = echo_size(typed, cfg.capacity_bytes)
+        free = format_size(shm_free_bytes(), size_style(typed))
+        no_room = (f"/dev/shm has {free} free (other arenas or files take the rest): free "
+                   "space there, or lower --capacity")
+        hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
+                "cgroup's MemoryMax=): raise the limit or lower --capacity",
+                errno.ENOSPC: no_room,
+                errno.EFAULT: "the kernel cannot back its pages: " + no_room}
+        raise StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
+                           f"{hint.get(exc.errno, 'see the daemon log')}") from exc
+    elapsed = time.monotonic() - started
+    logger.info("arena %s ready: %s in %.2f s (%.2f GB/s prefault)", arena.segment_name,
+                format_bytes(cfg.capacity_bytes), elapsed,
+                cfg.capacity_bytes / max(elapsed, 1e-9) / 1e9)
+    return arena
+
+
+L2_SOCKET_TIMEOUT_S = 2.0  # a Redis operation slower than this counts as an outage
+
+
+def create_l2_tier(cfg: ServerConfig, arena: Arena, wake: Callable[[], None]):
+    """The L2 tier of `--l2` (docs/l2.md): its threads start; it does not wait for Redis.
+
+    An L2 that is down at start is not a start-up error: the tier backs off, counts it,
+    and connects when the servers answer.
+
+    Args:
+        cfg: the l2_* settings.
+        arena: the daemon's arena.
+        wake: wakes the loop (the threads' completions).
+
+    Raises:
+        StartupError: redis-py is not installed, or the URL is malformed.
+    """
+    try:
+        from lmcached.daemon.l2.redis_store import RedisL2, parse_l2_url
+        from lmcached.daemon.l2.tier import L2Tier
+    except ImportError as exc:
+        raise StartupError(f"--l2 needs redis-py ({exc}): pip install 'lmcached[l2]'") from exc
+    try:
+        addresses = parse_l2_url(cfg.l2_url)
+    except ValueError as exc:
+        raise StartupError(f"--l2 {cfg.l2_url}: {exc}") from exc
+    store = RedisL2(addresses, ttl_s=cfg.l2_ttl_s or None, timeout_s=L2_SOCKET_TIMEOUT_S)
+    logger.info("L2 tier on %s (%s, ttl %s, queue %s, fetch wait %g s, %d threads)",
+                cfg.l2_url, cfg.l2_policy, f"{cfg.l2_ttl_s:g} s" if cfg.l2_ttl_s else "none",
+                format_bytes(cfg.l2_queue_bytes), cfg.l2_fetch_wait_s, cfg.l2_threads)
+    return L2Tier(store, arena, url=cfg.l2_url, policy=cfg.l2_policy, ttl_s=cfg.l2_ttl_s,
+                  queue_bytes=cfg.l2_queue_bytes, fetch_wait_s=cfg.l2_fetch_wait_s,
+                  num_threads=cfg.l2_threads, wake=wake)

@@ -1,0 +1,700 @@
+"""Wire protocol between clients and the daemon: typed msgpack messages on a Unix socket.
+
+Why this file exists: it is the only contract between worker processes and the daemon.
+Every request batches all chunks of a request (never one message per chunk or per layer)
+and is one round trip, except RELEASE and INVALIDATE, which have no reply: a client sends
+them and goes on, so a retrieve costs one synchronous round trip (ACQUIRE). Bulk KV bytes
+never cross the socket, only block ids.
+
+Version 2 (this one) against version 1: ACQUIRE and GET answer a lease id and RELEASE
+takes leases (no reply, no block ids sent back); LOOKUP and ACQUIRE carry a list of
+namespaces (a session may register one layout per tensor parallel rank in HELLO), so a
+vLLM scheduler asks for every rank in one frame; fields renamed: `span_lengths` (blocks
+per value), `num_bytes` (bytes per value), `Layout.record_bytes` (bytes of one full chunk
+record). A version-1 HELLO gets an Error with code "version".
+
+Frame::
+
+    +----------------------+-----------------------------------------------+
+    | length: u32 little   | msgspec msgpack of one tagged Struct (array)  |
+    +----------------------+-----------------------------------------------+
+
+A frame longer than MAX_FRAME_BYTES closes the connection. Messages are msgspec Structs
+(never pickle from a peer). Chunk hashes travel as one `bytes` of 16 bytes per chunk
+(xxh3_128 digests). Encoding and decoding a small Struct costs far less than the
+socket round trip itself (docs/architecture.md, "Performance rules").
+"""
+
+import os
+import select
+import socket
+import struct
+from typing import Annotated, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 1 << 20
+HASH_BYTES = 16
+MAX_CHUNKS_PER_REQUEST = 1 << 16  # 16M tokens at chunk_size 256
+_LENGTH = struct.Struct("<I")
+# poll(2) events of a connection the peer closed (or that broke).
+_PEER_GONE_EVENTS = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+
+# Per-chunk status in an ALLOC reply.
+ALLOCATED = 0  # blocks handed out in WRITING for this session: write, then COMMIT
+EXISTS = 1  # already READY: nothing to write
+NOSPACE = 2  # nothing evictable: not stored (every later chunk is NOSPACE too)
+
+# A block reference on the wire names a tier and a block of it: `tier << 32 | block`.
+# Tier 0 is the host arena, so a host block's reference is its block id, unchanged
+# since version 2 began (docs/architecture.md, "Tiers").
+TIER_SHIFT = 32
+MAX_TIERS = 17  # the host arena and at most 16 device tiers
+MAX_DEVICES_PER_SESSION = 16
+ANY_DEVICE = "*"  # Hello.devices: accept blocks of every tier, mapping none (a scheduler)
+
+
+def block_ref(tier_id: int, block_id: int) -> int:
+    """The wire reference of block `block_id` of tier `tier_id` (tier 0: the block id)."""
+    return tier_id << TIER_SHIFT | block_id
+
+
+def tier_of(ref: int) -> int:
+    """The tier id of a block reference."""
+    return ref >> TIER_SHIFT
+
+
+def local_block(ref: int) -> int:
+    """The block id, within its tier, of a block reference."""
+    return ref & ((1 << TIER_SHIFT) - 1)
+
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a KV chunk is: the namespace of its hashes (docs/architecture.md, "Namespaces").
+
+    Two processes share cached chunks only when their layouts are equal. The schema
+    declares every constraint, so the daemon's decoder refuses a bad layout as
+    `bad_request` before any handler runs.
+
+    Fields:
+        model_name: model identifier, 1-256 characters.
+        world_size: tensor parallel world size, >= 1.
+        worker_id: the tensor parallel rank, 0 <= worker_id < world_size.
+        fmt: "vllm" or "huggingface" (order of the token and head dimensions of a KV
+            chunk), or "kv" (values of the key-value adapters, under string keys).
+        dtype: KV dtype name (e.g. "bfloat16").
+        num_layers, num_kv_heads, head_size: KV geometry of this rank, each >= 1.
+        chunk_size: tokens per chunk, >= 1.
+        record_bytes: bytes of the arena record of one full chunk (header, token ids
+            and KV), which sizes the daemon's blocks when `--block-size` is unset.
+    """
+
+    model_name: ShortName
+    world_size: PositiveInt
+    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    fmt: Literal["vllm", "huggingface", "kv"]
+    dtype: ShortName
+    num_layers: PositiveInt
+    num_kv_heads: PositiveInt
+    head_size: PositiveInt
+    chunk_size: PositiveInt
+    record_bytes: PositiveInt
+
+    def __post_init__(self) -> None:
+        if self.worker_id >= self.world_size:
+            raise ValueError(
+                f"worker_id {self.worker_id} must be < world_size {self.world_size}"
+            )
+
+
+# ------------------------------------------------------------------------ requests
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """Opens a session: one namespace per layout (e.g. one per tensor parallel rank).
+
+    `layouts` is empty for admin tools that store nothing.
+    """
+
+    version: int
+    pid: int
+    name: str
+    layouts: list[Layout] = []
+    # Device UUIDs whose tiers this session maps (OPEN_TIER) and may be handed blocks
+    # of; ANY_DEVICE accepts blocks of every tier without mapping one. Empty (every
+    # client before tiers): host blocks only.
+    devices: Annotated[list[ShortName], msgspec.Meta(max_length=MAX_DEVICES_PER_SESSION)] = []
+
+
+class Lookup(msgspec.Struct, tag="lookup", array_like=True):
+    """How many leading chunks of `hashes` are READY in every namespace listed.
+
+    No pins, no LRU change. `namespaces` are ids from this session's HELLO.
+    """
+
+    namespaces: list[int]
+    hashes: bytes
+
+
+class Acquire(msgspec.Struct, tag="acquire", array_like=True):
+    """Pin the chunks of `hashes` READY in every namespace listed (the common prefix)
+    under one lease (ref_cnt += 1 per block) and return their blocks, namespace-major."""
+
+    namespaces: list[int]
+    hashes: bytes
+
+
+class Release(msgspec.Struct, tag="release", array_like=True):
+    """Unpin the blocks of each lease. No reply (a client never waits for it); a lease
+    this session does not hold is counted as error `not_owner` and logged."""
+
+    leases: list[int]
+
+
+class Alloc(msgspec.Struct, tag="alloc", array_like=True):
+    """Blocks to write the chunks of `hashes` that are not cached; `num_bytes` per chunk.
+
+    `tier` is where the writer would like them: a device tier whose device is in the
+    session's HELLO `devices` gets the chunks it has empty blocks for, the rest go to
+    the host arena (tier 0, the default).
+    """
+
+    ns: int
+    hashes: bytes
+    num_bytes: list[int]
+    tier: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIERS)] = 0
+
+
+class Commit(msgspec.Struct, tag="commit", array_like=True):
+    """WRITING -> READY for every value one of whose blocks is listed."""
+
+    block_ids: list[int]
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    """WRITING -> FREE for every value one of whose blocks is listed."""
+
+    block_ids: list[int]
+
+
+class Put(msgspec.Struct, tag="put", array_like=True):
+    """Blocks to write a value of `num_bytes` under a string key (replaces on COMMIT)."""
+
+    ns: int
+    key: str
+    num_bytes: int
+
+
+class Get(msgspec.Struct, tag="get", array_like=True):
+    """Pin the value under a string key under a lease and return its blocks (empty and
+    lease 0 when missing)."""
+
+    ns: int
+    key: str
+
+
+class Delete(msgspec.Struct, tag="delete", array_like=True):
+    """Remove a string key now (its readers keep their pinned bytes)."""
+
+    ns: int
+    key: str
+
+
+class Scan(msgspec.Struct, tag="scan", array_like=True):
+    """String keys of namespace `ns` starting with `prefix`, at most `limit`."""
+
+    ns: int
+    prefix: str
+    limit: int
+
+
+class Info(msgspec.Struct, tag="info", array_like=True):
+    """Server statistics: every section, or one."""
+
+    section: str | None = None
+
+
+class OpenTier(msgspec.Struct, tag="open_tier", array_like=True):
+    """Ask for the memory of a device tier: the reply `TierHandle` carries its file
+    descriptor as SCM_RIGHTS ancillary data. Only a tier whose device is in the
+    session's HELLO `devices` (not ANY_DEVICE) is opened; else error `bad_tier`."""
+
+    tier_id: Annotated[int, msgspec.Meta(ge=1, lt=MAX_TIERS)]
+
+
+class Clients(msgspec.Struct, tag="clients", array_like=True):
+    """One entry per connected session."""
+
+
+class Evict(msgspec.Struct, tag="evict", array_like=True):
+    """Evict the `lru` least recently used values, or the value(s) under `key`.
+
+    `key` is a string key of the key-value adapter, or 32 hex digits of a chunk hash;
+    it is evicted in every namespace.
+    """
+
+    lru: int = 0
+    key: str | None = None
+
+
+class Clear(msgspec.Struct, tag="clear", array_like=True):
+    """Evict every value nobody pins."""
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Liveness check."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Graceful stop, as SIGTERM."""
+
+
+class ConfigGet(msgspec.Struct, tag="config_get", array_like=True):
+    """The daemon's effective configuration."""
+
+
+class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
+    """Chunks a reader found corrupt (their record does not hold their tokens, or fails
+    its payload checksum): drop each from the index so that the next store replaces it.
+
+    Chunk i is `hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES]` of namespace `ns`, read in
+    the value whose first block is `block_ids[i]`; the daemon drops it only while the
+    index still maps that chunk to that block (a chunk evicted and stored again since
+    is left alone). Pinned blocks keep their bytes for their readers until released.
+    No reply, as RELEASE (a reader never waits for it); any session may send it.
+    """
+
+    ns: int
+    hashes: bytes
+    block_ids: list[int]
+
+
+Request = (
+    Hello | Lookup | Acquire | Release | Alloc | Commit | Abort | Put | Get | Delete
+    | Scan | Info | Clients | Evict | Clear | Ping | Shutdown | ConfigGet | OpenTier
+    | Invalidate
+)
+
+
+# ------------------------------------------------------------------------- replies
+class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True):
+    """Where the arena is, and the namespace id of each layout of the HELLO, in order.
+
+    `num_blocks` is the arena's block count (0 until a first layout sets the block size).
+    """
+
+    session_id: int
+    arena_name: str
+    generation: int
+    block_bytes: int
+    num_blocks: int
+    capacity_bytes: int
+    namespaces: list[int]
+    server_pid: int
+    # Every tier, tier 0 (the host arena) first. Empty from a daemon without tiers.
+    tiers: list["TierInfo"] = []
+
+
+class TierInfo(msgspec.Struct, array_like=True):
+    """One tier of the daemon's memory, as HELLO announces it.
+
+    Attributes:
+        tier_id: the tier part of its block references (0: the host arena).
+        kind: "host" (the POSIX arena), "cuda" (a CUDA VMM allocation exported as a
+            POSIX file descriptor) or "fake" (a memfd standing in for a device, tests).
+        device: the device's UUID (e.g. "GPU-8f6a..."; "fake-0"); "" for the host.
+        size_bytes: bytes of the tier's memory (a device tier: what OPEN_TIER maps).
+        block_bytes: bytes of one block (as the arena's; 0 until a first layout).
+        num_blocks: blocks of the tier.
+    """
+
+    tier_id: int
+    kind: str
+    device: str
+    size_bytes: int
+    block_bytes: int
+    num_blocks: int
+
+
+class TierHandle(msgspec.Struct, tag="tier_handle", array_like=True):
+    """Reply to OPEN_TIER; the tier's file descriptor comes with the reply's first byte.
+
+    `generation` is the daemon's (a mapping is valid for that generation only); a
+    "fake" tier's memory starts with an arena segment header (shm/arena.py), a
+    "cuda" tier's is `size_bytes` of device memory, blocks from offset 0.
+    """
+
+    tier_id: int
+    generation: int
+    kind: str
+    device: str
+    size_bytes: int
+
+
+class Ok(msgspec.Struct, tag="ok", array_like=True):
+    """Success with nothing to return."""
+
+
+class Error(msgspec.Struct, tag="error", array_like=True):
+    """The request was refused; the session stays open unless the frame was bad."""
+
+    code: str
+    message: str
+
+
+class LookupReply(msgspec.Struct, tag="lookup_reply", array_like=True):
+    """How many leading chunks of a LOOKUP are READY (no pins taken)."""
+
+    num_chunks: int
+
+
+class BlocksReply(msgspec.Struct, tag="blocks_reply", array_like=True):
+    """Values found and pinned (ACQUIRE, GET) under `lease`, all their block ids in order.
+
+    Value i has `span_lengths[i]` blocks of `block_ids` and holds `num_bytes[i]` bytes.
+    For an ACQUIRE of n namespaces the values are namespace-major: n runs of
+    len(span_lengths) // n chunks. `lease` is 0 when nothing was pinned (nothing to
+    RELEASE).
+    """
+
+    lease: int
+    block_ids: list[int]
+    span_lengths: list[int]
+    num_bytes: list[int]
+
+    def spans(self) -> list[list[int]]:
+        """The block ids of each value, in order."""
+        return split_spans(self.block_ids, self.span_lengths)
+
+
+class AllocReply(msgspec.Struct, tag="alloc_reply", array_like=True):
+    """Per chunk a status (ALLOCATED, EXISTS, NOSPACE); blocks of the ALLOCATED ones.
+
+    The i-th ALLOCATED value has `span_lengths[i]` blocks of `block_ids`.
+    """
+
+    status: list[int]
+    block_ids: list[int]
+    span_lengths: list[int]
+
+    def spans(self) -> list[list[int] | None]:
+        """Per chunk of the ALLOC, the block ids to write, or None (EXISTS, NOSPACE)."""
+        allocated = iter(split_spans(self.block_ids, self.span_lengths))
+        return [next(allocated) if status == ALLOCATED else None for status in self.status]
+
+
+class CountReply(msgspec.Struct, tag="count_reply", array_like=True):
+    """How many values a DELETE, EVICT or CLEAR removed."""
+
+    count: int
+
+
+class KeysReply(msgspec.Struct, tag="keys_reply", array_like=True):
+    """String keys (of the key-value adapters) a SCAN found."""
+
+    keys: list[str]
+
+
+class InfoReply(msgspec.Struct, tag="info_reply", array_like=True):
+    """Sections of `field -> value`, in display order."""
+
+    sections: dict[str, dict[str, int | float | str]]
+
+
+class ClientsReply(msgspec.Struct, tag="clients_reply", array_like=True):
+    """One `field -> value` dict per connected session (CLIENTS)."""
+
+    clients: list[dict[str, int | float | str]]
+
+
+Reply = (
+    HelloReply | Ok | Error | LookupReply | BlocksReply | AllocReply | CountReply
+    | KeysReply | InfoReply | ClientsReply | TierHandle
+)
+
+# Requests the daemon never answers (the client does not wait): see `Connection.send`.
+NO_REPLY_REQUESTS = frozenset({Release, Invalidate})
+
+
+def split_spans(block_ids: list[int], span_lengths: list[int]) -> list[list[int]]:
+    """Cut `block_ids` into consecutive runs of `span_lengths[i]` ids (one per value).
+
+    Raises:
+        ValueError: the lengths do not add up to len(block_ids) (a reply out of protocol).
+    """
+    if len(span_lengths) == len(block_ids):  # one block per value: the usual case
+        return [[block_id] for block_id in block_ids]
+    spans, cursor = [], 0
+    for length in span_lengths:
+        spans.append(block_ids[cursor : cursor + length])
+        cursor += length
+    if cursor != len(block_ids):
+        raise ValueError(f"span lengths add up to {cursor}, not {len(block_ids)} block ids")
+    return spans
+
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    """Length-prefixed msgpack of `message`.
+
+    Raises:
+        ValueError: the encoded message exceeds MAX_FRAME_BYTES.
+    """
+    payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(
+            f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit"
+        )
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class DaemonError(RuntimeError):
+    """The daemon answered a request with an Error reply.
+
+    Attributes:
+        code: machine-readable error kind (e.g. "bad_request", "not_owner").
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class Connection:
+    """A blocking client connection to the daemon: one request, one reply.
+
+    Blocking sockets give the lowest round trip here (~22 us, against ~33 us for a
+    selectors loop and 56-160 us for asyncio). Not thread-safe: callers that share one
+    connection between threads hold their own lock.
+
+    A request that fails half-way (timeout, closed socket, undecodable reply) leaves the
+    byte stream out of step: a late reply would be read as the answer to the next
+    request. The connection then refuses every later request; open a new one.
+
+    Args:
+        socket_path: path of the daemon's Unix socket.
+        timeout_s: connect timeout, and the default timeout of each request, in seconds.
+
+    Raises:
+        OSError (FileNotFoundError, ConnectionRefusedError, PermissionError,
+            TimeoutError, ...): no daemon answers at `socket_path`.
+    """
+
+    # The reply type of each request (see lmcached/daemon/service.py); any other reply, other
+    # than an Error, means the peer does not speak this protocol.
+    REPLY_TYPES: dict[type, type] = {
+        Hello: HelloReply, Lookup: LookupReply, Acquire: BlocksReply,
+        Alloc: AllocReply, Commit: Ok, Abort: Ok, Put: AllocReply, Get: BlocksReply,
+        Delete: CountReply, Scan: KeysReply, Info: InfoReply, Clients: ClientsReply,
+        Evict: CountReply, Clear: CountReply, Ping: Ok, Shutdown: Ok, ConfigGet: InfoReply,
+        OpenTier: TierHandle,
+    }
+
+    def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        self._sock_timeout_s = timeout_s
+        try:
+            self._sock.connect(socket_path)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._header = bytearray(_LENGTH.size)
+        self._broken: str | None = None
+
+    def request(self, message: msgspec.Struct, timeout_s: float | None = None) -> msgspec.Struct:
+        """Send one request and return its reply.
+
+        Args:
+            message: a request Struct.
+            timeout_s: how long the send, and each receive of the reply, may wait, in
+                seconds (None: the connection's `timeout_s`). A stopped daemon costs
+                one timeout.
+
+        Raises:
+            DaemonError: the daemon answered with an Error (the connection stays usable).
+            ValueError: the message exceeds MAX_FRAME_BYTES; nothing was sent (the
+                connection stays usable).
+            TimeoutError: no reply within the timeout; the connection is then unusable.
+            ConnectionError: the daemon closed the connection (it stopped or crashed),
+                answered with a frame that does not decode or is not this request's
+                reply type, or an earlier request on this connection failed half-way.
+        """
+        return self._exchange(message, timeout_s, 0)[0]
+
+    def request_with_fds(self, message: msgspec.Struct, max_fds: int = 1,
+                         timeout_s: float | None = None) -> tuple[msgspec.Struct, list[int]]:
+        """`request` for a reply that carries file descriptors (OPEN_TIER's TierHandle):
+        they arrive as SCM_RIGHTS ancillary data with the reply's first bytes.
+
+        Returns:
+            (reply, fds): the caller owns the descriptors and closes them.
+
+        Raises:
+            As `request`; ConnectionError also when the daemon sent more than `max_fds`
+            descriptors (MSG_CTRUNC; the connection is then unusable). No descriptor is
+            left open when it raises.
+        """
+        return self._exchange(message, timeout_s, max_fds)
+
+    def _exchange(self, message: msgspec.Struct, timeout_s: float | None,
+                  max_fds: int) -> tuple[msgspec.Struct, list[int]]:
+        if self._broken is not None:
+            raise ConnectionError(
+                f"connection to {self.socket_path} is out of step after an earlier failure "
+                f"({self._broken}): open a new Connection"
+            )
+        if type(message) in NO_REPLY_REQUESTS:
+            raise ValueError(f"{type(message).__name__} has no reply: use send()")
+        frame = encode_frame(message)
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        fds: list[int] = []
+        try:
+            self._sock.sendall(frame)
+            if max_fds:
+                fds = self._recv_header_with_fds(max_fds)
+            else:
+                self._recv_exactly(self._header)
+            (length,) = _LENGTH.unpack(self._header)
+            if length > MAX_FRAME_BYTES:
+                raise ConnectionError(f"reply frame of {length} bytes exceeds the limit")
+            payload = bytearray(length)
+            self._recv_exactly(payload)
+            try:
+                reply = reply_decoder.decode(payload)
+            except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: bad UTF-8
+                raise ConnectionError(
+                    f"undecodable reply from the daemon ({type(exc).__name__}: {exc})"
+                ) from None
+            if isinstance(reply, Error):
+                raise DaemonError(reply.code, reply.message)
+            expected = self.REPLY_TYPES.get(type(message))
+            if expected is not None and not isinstance(reply, expected):
+                raise ConnectionError(
+                    f"the daemon answered {type(message).__name__} with "
+                    f"{type(reply).__name__}, expected {expected.__name__}"
+                )
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            if not isinstance(exc, DaemonError):
+                self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        return reply, fds
+
+    def _recv_header_with_fds(self, max_fds: int) -> list[int]:
+        """Receive the reply's length prefix and the descriptors sent with it, made
+        close-on-exec by the kernel as every descriptor Python opens is (a child the
+        client spawns gets none). Not `socket.recv_fds`: it drops its `flags` argument
+        (CPython gh-107898)."""
+        fd_bytes = struct.calcsize("i")
+        data, ancdata, flags, _ = self._sock.recvmsg(
+            _LENGTH.size, socket.CMSG_LEN(max_fds * fd_bytes), socket.MSG_CMSG_CLOEXEC)
+        fds: list[int] = []
+        for level, kind, cmsg_data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += struct.unpack(f"{len(cmsg_data) // fd_bytes}i",
+                                     cmsg_data[: len(cmsg_data) // fd_bytes * fd_bytes])
+        if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError(f"the daemon sent more than {max_fds} file descriptors")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the daemon closed the connection")
+        self._header[: len(data)] = data
+        if len(data) < _LENGTH.size:
+            try:
+                with memoryview(self._header) as view:
+                    self._recv_exactly(view[len(data):])
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        return fds
+
+    def send(self, message: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Send a request the daemon does not answer (NO_REPLY_REQUESTS), without waiting.
+
+        Args:
+            message: a NO_REPLY_REQUESTS Struct.
+            timeout_s: how long the send may wait for room in the socket, seconds
+                (None: the connection's `timeout_s`).
+
+        Raises:
+            ValueError: `message` is a request that has a reply (use `request`), or it
+                exceeds MAX_FRAME_BYTES; nothing was sent.
+            TimeoutError, ConnectionError: the send failed; the connection is then
+                unusable (a part of the frame may have been sent).
+        """
+        if type(message) not in NO_REPLY_REQUESTS:
+            raise ValueError(f"{type(message).__name__} has a reply: use request()")
+        if self._broken is not None:
+            raise ConnectionError(
+                f"connection to {self.socket_path} is out of step after an earlier failure "
+                f"({self._broken}): open a new Connection"
+            )
+        frame = encode_frame(message)
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._sock.sendall(frame)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _set_timeout(self, timeout_s: float) -> None:
+        if timeout_s != self._sock_timeout_s:  # settimeout costs a syscall: only on change
+            self._sock.settimeout(timeout_s)
+            self._sock_timeout_s = timeout_s
+
+    def _recv_exactly(self, buf: bytearray) -> None:
+        view = memoryview(buf)
+        while view:
+            n = self._sock.recv_into(view)
+            if n == 0:
+                raise ConnectionResetError("the daemon closed the connection")
+            view = view[n:]
+
+    def close(self) -> None:
+        """Close the socket (the daemon then releases this session's pins)."""
+        self._sock.close()
+
+    def peer_closed(self) -> bool:
+        """Whether this connection is over: closed here, or by the daemon, with no wait.
+
+        One poll(2) with a zero timeout for POLLHUP / POLLRDHUP / POLLERR, so it never
+        reads a byte (a reply another thread waits for stays where it is). The daemon
+        closes a session's socket before it releases that session's pins, in one loop
+        pass (lmcached/daemon/server.py `_close`), so False after reading pinned blocks means
+        the pins held while they were read.
+        """
+        fd = self._sock.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)
+        return any(events & _PEER_GONE_EVENTS for _, events in poller.poll(0))
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hello(conn: Connection, name: str, layouts: list[Layout] | tuple[Layout, ...] = (),
+          devices: list[str] | tuple[str, ...] = ()) -> HelloReply:
+    """Open a session on `conn` with one namespace per layout and the device tiers of
+    `devices` (see `Hello`)."""
+    return conn.request(Hello(PROTOCOL_VERSION, os.getpid(), name, list(layouts),
+                              list(devices)))

@@ -1,0 +1,289 @@
+"""Where the daemon's Unix socket lives, and whether its directory can be trusted.
+
+Why this file exists: whoever can write the socket's directory can replace the socket
+with one of his own, and then reads every client's requests (HELLO, keys) and answers
+them. So, as ssh-agent, tmux and PostgreSQL do, the daemon listens only in a directory
+that nobody else controls, and clients connect only through such a directory.
+
+A socket directory is trusted when:
+
+- it is a real directory (`lstat`: not a symlink), owned by the daemon's uid or root, and
+  writable by its owner only: no group write bit (with `--allow-group` the group may
+  enter it, 0750, but a member who could write it could replace the socket), no other
+  write bit (a 0777 directory in /tmp is anybody's);
+- every directory above it is owned by root or that uid, and writable by nobody else
+  unless sticky (/tmp): otherwise someone else could rename the directory away after the
+  check and put his own in its place. Symlinks above it are followed and their targets
+  checked the same way.
+
+A client (`check_client_socket_directory`) applies the same rules with its own uid,
+except that it also accepts a directory of another user (the daemon's) when only root
+could have put it there: its parent is owned by root and writable by nobody else, as
+`/run/lmcached`, made by systemd for a daemon running as user `lmcached`. In /tmp, where
+anybody can make a directory, the directory must be the client's own (or root's).
+
+The daemon creates a missing directory itself (`prepare_socket_directory`): 0700, or
+0750 and the allowed group with `--allow-group`.
+"""
+
+import grp
+import os
+import pwd
+import socket
+import stat
+
+from lmcached.wire import envs
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_NAME = "default"
+MAX_SUN_PATH = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less the NUL)
+_DIR_MODE = 0o700
+_GROUP_DIR_MODE = 0o750
+
+
+class UnsafeSocketPathError(ValueError):
+    """The socket path or its directory could be controlled by another user.
+
+    The message says what is wrong and how to fix it.
+    """
+
+
+def default_socket_path(name: str) -> str:
+    """Where the daemon `name` listens when no socket is given.
+
+    `$LMCACHED_SOCKET`, else `$RUNTIME_DIRECTORY/<name>.sock` under systemd (the
+    default instance is `lmcached.sock`), else `$XDG_RUNTIME_DIR/lmcached/<name>.sock`,
+    else `/tmp/lmcached-<uid>/<name>.sock`. The path is not checked here: the daemon
+    (`prepare_socket_directory`) and clients (`check_client_socket_directory`) check
+    its directory before they use it.
+    """
+    explicit = envs.get("LMCACHED_SOCKET")
+    if explicit:
+        return explicit
+    runtime_dir = envs.get("RUNTIME_DIRECTORY")
+    if runtime_dir:
+        # systemd may list several directories separated by ':'; ours is the first.
+        base = runtime_dir.split(":")[0]
+        return os.path.join(base, "lmcached.sock" if name == DEFAULT_NAME else f"{name}.sock")
+    xdg = envs.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "lmcached", f"{name}.sock")
+    return os.path.join(f"/tmp/lmcached-{os.getuid()}", f"{name}.sock")
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"group {grp.getgrgid(gid).gr_name}"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _owners(uids: set[int]) -> str:
+    return " or ".join(_user(uid) for uid in sorted(uids, reverse=True))
+
+
+def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
+    """Every directory above `directory` (lexically and after resolving symlinks) is
+    owned by a trusted uid and writable by nobody else unless sticky."""
+    checked = set()
+    for path in (os.path.abspath(directory), os.path.realpath(directory)):
+        parent = os.path.dirname(path)
+        while parent not in checked:
+            checked.add(parent)
+            st = os.stat(parent)  # follows a symlink: checks the directory it leads to
+            if st.st_uid not in trusted_uids:
+                raise UnsafeSocketPathError(
+                    f"{what}: {parent} is owned by {_user(st.st_uid)}, who could replace "
+                    f"the directories below it; put the socket in a directory whose parents "
+                    f"belong to {_owners(trusted_uids)} (--socket, e.g. under "
+                    f"$XDG_RUNTIME_DIR or /run)"
+                )
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+                raise UnsafeSocketPathError(
+                    f"{what}: {parent} is writable by "
+                    f"{'every user' if st.st_mode & stat.S_IWOTH else _group(st.st_gid)} "
+                    f"(mode 0{stat.S_IMODE(st.st_mode):o}, not sticky), who could replace the "
+                    f"directories below it; fix it (chmod go-w {parent}) or choose another --socket"
+                )
+            parent = os.path.dirname(parent)
+
+
+def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
+    """The socket's own directory: a real directory, trusted owner, no group/other write."""
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is a symlink (to {os.readlink(directory)!r}); whoever controls "
+            f"its target controls the socket. Remove it (rm {directory}) and let the daemon "
+            f"create the directory, or choose another --socket"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketPathError(f"{what}: {directory} is not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in trusted_uids:
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is owned by {_user(st.st_uid)}, not by "
+            f"{_owners(trusted_uids)}; its owner could replace the socket. Remove it (if it "
+            f"is a leftover or an attack: rm -r {directory}) or choose another --socket"
+        )
+    if mode & stat.S_IWOTH:
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is writable by every user (mode 0{mode:o}); anybody could "
+            f"replace the socket. Fix it (chmod 0700 {directory}) or remove it"
+        )
+    if mode & stat.S_IWGRP:
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is writable by {_group(st.st_gid)} (mode 0{mode:o}); a "
+            f"member could replace the socket. Make it 0750 (chmod 0750 {directory}): "
+            f"--allow-group needs the group to enter the directory, never to write it"
+        )
+
+
+def check_socket_directory(socket_path: str) -> None:
+    """Check that the directory of the daemon's socket is the daemon's alone.
+
+    The same rules hold with --allow-group: its members need to enter the directory
+    (0750, see `group_can_enter`), never to write it.
+
+    Args:
+        socket_path: the socket the daemon will listen on.
+
+    Raises:
+        UnsafeSocketPathError: a symlink, not a directory, owned by another uid than the
+            daemon's or root, writable by group or others, or below a directory someone
+            else could change (the message says which and how to fix it).
+        FileNotFoundError: the directory does not exist (see `prepare_socket_directory`).
+    """
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    trusted = {0, os.geteuid()}
+    what = f"unsafe socket directory for {socket_path}"
+    _check_directory(directory, trusted, what)
+    _check_ancestors(directory, trusted, what)
+
+
+def group_can_enter(socket_path: str, gid: int) -> bool:
+    """True when members of group `gid` may search the socket's directory."""
+    st = os.stat(os.path.dirname(os.path.abspath(socket_path)))
+    return bool(st.st_mode & stat.S_IXOTH or (st.st_gid == gid and st.st_mode & stat.S_IXGRP))
+
+
+def prepare_socket_directory(socket_path: str, allow_group_gid: int | None = None) -> None:
+    """Create the socket's directory if missing, then check it (daemon start-up).
+
+    Missing directories are made one at a time, 0700 (0750 and group `allow_group_gid`
+    with --allow-group), and each is re-opened with O_NOFOLLOW and checked to be ours
+    before its mode is set, so a directory someone else slipped in is refused.
+
+    Args:
+        socket_path: the socket the daemon will listen on.
+        allow_group_gid: gid of the `--allow-group` group, or None.
+
+    Raises:
+        UnsafeSocketPathError: see `check_socket_directory`.
+        OSError: a directory cannot be created (e.g. no permission).
+    """
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    missing = []
+    path = directory
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    what = f"unsafe socket directory for {socket_path}"
+    if missing:  # never create anything below a directory someone else controls
+        _check_ancestors(missing[-1], {0, os.geteuid()}, what)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, _DIR_MODE)
+        except FileExistsError:
+            continue  # made by someone else meanwhile: the check below judges it
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise UnsafeSocketPathError(f"{what}: {path} was replaced while being created")
+            if allow_group_gid is not None:
+                os.fchown(fd, -1, allow_group_gid)
+                os.fchmod(fd, _GROUP_DIR_MODE)
+            else:
+                os.fchmod(fd, _DIR_MODE)  # whatever the umask
+        finally:
+            os.close(fd)
+    check_socket_directory(socket_path)
+
+
+def check_client_socket_directory(socket_path: str) -> None:
+    """Check, before connecting, that nobody but the daemon's user could have put the
+    socket there (a client's side of `check_socket_directory`).
+
+    Trusted owners of the directory: this process's uid, root, and any user when the
+    directory's parent is root's and writable by root only (so only root could have made
+    it, e.g. systemd's RuntimeDirectory /run/lmcached of a daemon running as `lmcached`).
+
+    Args:
+        socket_path: the daemon's socket.
+
+    Raises:
+        UnsafeSocketPathError: the directory is a symlink, writable by group or others,
+            owned by an untrusted user, or below a directory someone else could change.
+            A missing directory is not an error here (connecting then fails with
+            FileNotFoundError, as for any daemon that is not running).
+    """
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    trusted = {0, os.geteuid()}
+    what = f"not connecting to {socket_path}: unsafe socket directory"
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+        parent = os.stat(os.path.dirname(directory))
+        if parent.st_uid == 0 and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            trusted = trusted | {st.st_uid}  # only root could have made it: the daemon's
+    _check_directory(directory, trusted, what)
+    _check_ancestors(directory, {0, os.geteuid()}, what)
+
+
+def claim_socket_path(path: str) -> None:
+    """Refuse a socket path that is too long, is not a socket, or has a daemon
+    listening; remove a stale socket (one nobody listens on: its daemon is gone).
+
+    Raises:
+        RuntimeError: the reason, and what to do about it.
+    """
+    if len(path.encode()) > MAX_SUN_PATH:
+        raise RuntimeError(f"socket path is longer than {MAX_SUN_PATH} bytes: {path}")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        kind = ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a regular file" if stat.S_ISREG(mode) else "not a socket")
+        raise RuntimeError(
+            f"{path} exists and is {kind}, not a socket: refusing to remove it; move it "
+            f"away or choose another --socket"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # stale: nobody listens, its daemon is gone
+        logger.info("removed stale socket %s", path)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot tell whether a daemon listens on {path} ({exc}); remove the socket "
+            f"if none does"
+        ) from None
+    else:
+        raise RuntimeError(f"another lmcached daemon is listening on {path}")
+    finally:
+        probe.close()

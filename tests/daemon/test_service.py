@@ -1,0 +1,1147 @@
+"""Request semantics of `CacheService` in process: every request type, no daemon, no socket.
+
+Each test drives `CacheService.handle(session, request)` (and `connection.answer_frame`
+for what only a frame shows) against a real, small arena and asserts the replies and the
+block pool's exact state. Every test that pins or allocates ends with
+`assert_everything_returned`: the pool's invariants hold and closing the sessions leaves
+no pinned and no WRITING block (docs/architecture.md, "Crash = EOF").
+"""
+
+import os
+
+import msgspec
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from lmcached.daemon import keys
+from lmcached.config import ServerConfig
+from lmcached.daemon.connection import answer_frame
+from lmcached.daemon.info import INFO_SECTIONS
+from lmcached.wire.protocol import (
+    ALLOCATED,
+    EXISTS,
+    HASH_BYTES,
+    MAX_CHUNKS_PER_REQUEST,
+    NOSPACE,
+    PROTOCOL_VERSION,
+    Abort,
+    Acquire,
+    Alloc,
+    AllocReply,
+    BlocksReply,
+    Clear,
+    Clients,
+    ClientsReply,
+    Commit,
+    ConfigGet,
+    CountReply,
+    Delete,
+    Error,
+    Evict,
+    Get,
+    Hello,
+    HelloReply,
+    TierInfo,
+    Info,
+    InfoReply,
+    KeysReply,
+    Layout,
+    Lookup,
+    LookupReply,
+    Ok,
+    Ping,
+    Put,
+    Release,
+    Scan,
+    Shutdown,
+    encode_frame,
+    reply_decoder,
+)
+from lmcached.daemon.service import (
+    MAX_DERIVED_BLOCKS,
+    MAX_LAYOUTS_PER_SESSION,
+    MIN_DERIVED_BLOCKS,
+    CacheService,
+)
+from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.daemon.free_queue import BlockState
+
+BLOCK_BYTES = 64 << 10
+NUM_BLOCKS = 16
+SMALL_ARENA_BYTES = HEADER_BYTES + NUM_BLOCKS * BLOCK_BYTES
+RECORD_BYTES = 1000
+OTHER_UID = 4_000_000_000 if os.geteuid() != 4_000_000_000 else 4_000_000_001
+
+
+def layout(worker_id: int = 0, world_size: int = 1, model_name: str = "tiny-llama",
+           record_bytes: int = RECORD_BYTES, fmt: str = "vllm") -> Layout:
+    return Layout(model_name, world_size, worker_id, fmt, "bfloat16", 2, 2, 4, 16,
+                  record_bytes)
+
+
+LAYOUT = layout()
+TP2 = [layout(0, 2), layout(1, 2)]
+
+
+def chunk_hashes(ids) -> bytes:
+    return b"".join(i.to_bytes(HASH_BYTES, "little") for i in ids)
+
+
+@pytest.fixture
+def make_service(unique_name):
+    """`make(capacity_bytes, block_bytes, config_block_bytes, max_session_share)` -> a
+    CacheService on a new arena (not prefaulted); every arena is closed (unlinked) after
+    the test. Sessions may hold the whole arena unless `max_session_share` says less:
+    most tests fill the 16 blocks from one session; the share has tests of its own."""
+    arenas = []
+
+    def make(capacity_bytes: int = SMALL_ARENA_BYTES, block_bytes: int = BLOCK_BYTES,
+             config_block_bytes: int = 0, max_session_share: float = 100.0) -> CacheService:
+        arena = Arena.create(f"{unique_name}-{len(arenas)}", capacity_bytes, block_bytes,
+                             prefault=False)
+        arenas.append(arena)
+        config = ServerConfig(name=arena.name, socket="/nonexistent",
+                              block_bytes=config_block_bytes,
+                              max_session_share=max_session_share)
+        return CacheService(config, arena)
+
+    yield make
+    for arena in arenas:
+        arena.close()
+
+
+@pytest.fixture
+def service(make_service) -> CacheService:
+    """A service on a 16-block arena of 64 KiB blocks."""
+    return make_service()
+
+
+def greet(service: CacheService, *layouts: Layout, uid: int | None = None):
+    """Open a session and HELLO with `layouts`; returns (session, reply)."""
+    session = service.open_session(os.getpid(), os.geteuid() if uid is None else uid, 0)
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, os.getpid(), "test",
+                                          list(layouts)))
+    return session, reply
+
+
+def greeted(service: CacheService, *layouts: Layout, uid: int | None = None):
+    """`greet` that must succeed; returns the session."""
+    session, reply = greet(service, *layouts, uid=uid)
+    assert isinstance(reply, HelloReply), reply
+    return session
+
+
+def store(service, session, ns: int, ids, num_bytes: int = RECORD_BYTES) -> list[int]:
+    """ALLOC + COMMIT of new chunks `ids`; returns their block ids (one each)."""
+    alloc = service.handle(session, Alloc(ns, chunk_hashes(ids), [num_bytes] * len(ids)))
+    assert alloc.status == [ALLOCATED] * len(ids), alloc
+    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+    return alloc.block_ids
+
+
+def put(service, session, ns: int, key: str, num_bytes: int = RECORD_BYTES) -> list[int]:
+    """PUT + COMMIT of a string key; returns its block ids."""
+    reply = service.handle(session, Put(ns, key, num_bytes))
+    assert reply.status == [ALLOCATED], reply
+    assert service.handle(session, Commit(reply.block_ids)) == Ok()
+    return reply.block_ids
+
+
+def lookup(service, session, namespaces, ids) -> int:
+    reply = service.handle(session, Lookup(list(namespaces), chunk_hashes(ids)))
+    assert isinstance(reply, LookupReply), reply
+    return reply.num_chunks
+
+
+def error_code(reply) -> str | None:
+    return reply.code if isinstance(reply, Error) else None
+
+
+def queue_ids(service) -> list[int]:
+    return [b.block_id for b in service.pool.free_block_queue.get_all_free_blocks()]
+
+
+def ref_cnts(service, block_ids) -> list[int]:
+    return [service.pool.blocks[i].ref_cnt for i in block_ids]
+
+
+def assert_everything_returned(service: CacheService) -> None:
+    """Invariants hold, and closing every session leaves no pin and no WRITING block."""
+    pool = service.pool
+    pool.check_invariants()
+    for session in list(service.sessions.values()):
+        service.close_session(session)
+    assert pool.num_pinned_blocks == 0
+    assert pool.num_writing_blocks == 0
+    assert [b.ref_cnt for b in pool.blocks] == [0] * pool.num_blocks
+    pool.check_invariants()
+
+
+# ------------------------------------------------------------------------ HELLO
+def test_hello_without_layouts_opens_an_admin_session(make_service):
+    service = make_service(capacity_bytes=8 << 20, block_bytes=0)
+    session, reply = greet(service)
+    assert reply == HelloReply(session.session_id, service.config.name,
+                               service.arena.generation, 0, 0, 8 << 20, [], os.getpid(),
+                               [TierInfo(0, "host", "", 8 << 20, 0, 0)])
+    assert session.greeted and session.namespaces == []
+    assert service.pool is None  # no layout yet: the arena is not cut into blocks
+    assert error_code(service.handle(session, Lookup([1], chunk_hashes([0])))) == "bad_namespace"
+    assert service.handle(session, Ping()) == Ok()
+
+
+def test_hello_with_one_layout_registers_namespace_1(service):
+    session, reply = greet(service, LAYOUT)
+    assert reply.namespaces == [1] and session.namespaces == [1]
+    assert (reply.block_bytes, reply.num_blocks) == (BLOCK_BYTES, NUM_BLOCKS)
+    assert reply.capacity_bytes == SMALL_ARENA_BYTES
+    assert reply.arena_name == service.arena.name
+    assert reply.generation == service.arena.generation
+    assert reply.server_pid == os.getpid()
+
+
+def test_hello_with_several_layouts_registers_one_namespace_each(service):
+    session, reply = greet(service, *TP2, layout(model_name="other"))
+    assert reply.namespaces == [1, 2, 3] and session.namespaces == [1, 2, 3]
+    # An equal layout in another session is the same namespace: their chunks are shared.
+    _, reply = greet(service, TP2[1], layout(model_name="third"))
+    assert reply.namespaces == [2, 4]
+    assert service.handle(session, Info("clients")).sections["clients"]["namespaces"] == 4
+
+
+@pytest.mark.parametrize("version", [1, PROTOCOL_VERSION + 1])
+def test_hello_of_another_protocol_version_is_refused(service, version):
+    session = service.open_session(1, os.geteuid(), 0)
+    reply = service.handle(session, Hello(version, 1, "old", [LAYOUT]))
+    assert error_code(reply) == "version"
+    assert f"protocol version {version}" in reply.message
+    assert not session.greeted and service.namespaces == {}
+    assert error_code(service.handle(session, Lookup([1], b""))) == "no_session"
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "new", [LAYOUT]))
+    assert isinstance(reply, HelloReply) and reply.namespaces == [1]
+
+
+def test_a_second_hello_is_refused_and_changes_nothing(service):
+    session = greeted(service, LAYOUT)
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "again", TP2))
+    assert error_code(reply) == "bad_request" and "already" in reply.message
+    assert session.namespaces == [1] and session.name == "test"
+    assert len(service.namespaces) == 1
+
+
+def test_hello_with_too_many_layouts_is_refused(service):
+    many = [layout(rank, MAX_LAYOUTS_PER_SESSION + 1)
+            for rank in range(MAX_LAYOUTS_PER_SESSION + 1)]
+    session, reply = greet(service, *many)
+    assert error_code(reply) == "bad_request"
+    assert f"at most {MAX_LAYOUTS_PER_SESSION}" in reply.message
+    assert not session.greeted and service.namespaces == {}
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", many[:-1]))
+    assert reply.namespaces == list(range(1, MAX_LAYOUTS_PER_SESSION + 1))
+
+
+def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
+    """Without --block-size, one HELLO with a 64 MiB chunk on a 64 MiB arena used to make
+    the arena one block; now the arena keeps MIN_DERIVED_BLOCKS blocks."""
+    service = make_service(capacity_bytes=64 << 20, block_bytes=0)
+    _, reply = greet(service, layout(model_name="huge", record_bytes=64 << 20))
+    assert error_code(reply) == "too_large"  # it does not fit at all
+    assert service.arena.num_blocks >= MIN_DERIVED_BLOCKS
+    _, reply = greet(service, LAYOUT)  # a real model still gets a useful arena
+    assert isinstance(reply, HelloReply) and reply.num_blocks >= MIN_DERIVED_BLOCKS
+
+
+def test_a_record_larger_than_the_derived_block_spans_several_blocks(make_service):
+    service = make_service(capacity_bytes=8 << 20, block_bytes=0)
+    session, reply = greet(service, layout(model_name="big", record_bytes=300_000))
+    assert reply.block_bytes == 124 << 10  # (8 MiB - 4 KiB header) / 64, in whole pages
+    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
+    alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [300_000]))
+    assert alloc.status == [ALLOCATED] and alloc.span_lengths == [3]
+    assert_everything_returned(service)
+
+
+@pytest.mark.parametrize("record_bytes", [1, 1000, 4096])
+def test_a_tiny_first_layout_cannot_cut_a_large_arena_into_tiny_blocks(make_service,
+                                                                        record_bytes):
+    """Without --block-size, a first HELLO with a tiny record used to cut a 1 GiB arena
+    into 262,143 blocks of 4 KiB (every walk over the cached values that long); now the
+    arena has at most MAX_DERIVED_BLOCKS blocks (sparse: the arena is not prefaulted)."""
+    service = make_service(capacity_bytes=1 << 30, block_bytes=0)
+    session, reply = greet(service, layout(model_name="tiny", record_bytes=record_bytes))
+    assert isinstance(reply, HelloReply), reply
+    assert reply.block_bytes == 16 << 10  # (1 GiB - 4 KiB header) / 2**16, in whole pages
+    assert reply.num_blocks == len(service.pool.blocks) <= MAX_DERIVED_BLOCKS
+    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
+
+
+def test_operator_block_size_wins_over_the_layout(make_service):
+    service = make_service(capacity_bytes=8 << 20, block_bytes=0, config_block_bytes=1 << 20)
+    _, reply = greet(service, LAYOUT)
+    assert reply.block_bytes == 1 << 20 and reply.num_blocks == 7
+
+
+# ------------------------------------------------------------ frames (answer_frame)
+class V1Layout(msgspec.Struct, frozen=True):
+    """Layout as protocol version 1 encoded it (a map; `chunk_bytes`)."""
+
+    model_name: str
+    world_size: int
+    worker_id: int
+    fmt: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    chunk_size: int
+    chunk_bytes: int
+
+
+class V1Hello(msgspec.Struct, tag="hello", array_like=True):
+    """HELLO as protocol version 1 encoded it (one optional layout)."""
+
+    version: int
+    pid: int
+    name: str
+    layout: V1Layout | None = None
+
+
+def answer(service, session, message_or_payload):
+    """(decoded reply or None, cost) of one frame's payload through answer_frame."""
+    payload = (message_or_payload if isinstance(message_or_payload, bytes)
+               else encode_frame(message_or_payload)[4:])
+    frame, cost = answer_frame(service, session, memoryview(payload))
+    return (None if frame is None else reply_decoder.decode(frame[4:])), cost
+
+
+@pytest.mark.parametrize("v1_layout", [
+    V1Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000), None
+], ids=["with_layout", "admin"])
+def test_a_version_1_hello_frame_gets_a_version_error(service, v1_layout):
+    session = service.open_session(1, os.geteuid(), 0)
+    reply, _ = answer(service, session,
+                      msgspec.msgpack.encode(V1Hello(1, 1, "old client", v1_layout)))
+    assert error_code(reply) == "version"
+    assert "protocol version 1" in reply.message and f"speaks {PROTOCOL_VERSION}" in reply.message
+    assert service.stat_errors == {"version": 1}
+    assert not session.greeted
+
+
+@pytest.mark.parametrize("bad_field", [
+    {"num_layers": 0}, {"fmt": "onnx"}, {"worker_id": 2}, {"model_name": ""},
+    {"record_bytes": -1}, {"unknown_field": 1},
+], ids=lambda field: next(iter(field)))
+def test_a_layout_out_of_its_schema_is_refused_by_the_decoder(service, bad_field):
+    fields = msgspec.to_builtins(layout(0, 2)) | bad_field
+    payload = msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, 1, "t", [fields]])
+    session = service.open_session(1, os.geteuid(), 0)
+    reply, _ = answer(service, session, payload)
+    assert error_code(reply) == "bad_request"
+    assert not session.greeted and service.namespaces == {}
+
+
+def test_a_release_frame_gets_no_reply(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, [0, 1])
+    acquired, cost = answer(service, session, Acquire([1], chunk_hashes([0, 1])))
+    assert isinstance(acquired, BlocksReply) and service.pool.num_pinned_blocks == 2
+    assert answer(service, session, Release([acquired.lease])) == (None, cost)
+    assert service.pool.num_pinned_blocks == 0
+    assert answer(service, session, Release([acquired.lease]))[0] is None  # refused: silent
+    assert service.stat_errors == {"not_owner": 1}
+    assert_everything_returned(service)
+
+
+@pytest.mark.parametrize("payload", [["release", ["x"]], ["release"], ["release", "x"]],
+                         ids=["bad_lease", "no_field", "not_a_list"])
+def test_an_undecodable_release_frame_gets_no_reply_either(service, payload):
+    # its sender (Connection.send) reads no reply: an Error frame would answer its next
+    # request
+    session = greeted(service, LAYOUT)
+    assert answer(service, session, msgspec.msgpack.encode(payload))[0] is None
+    assert service.stat_errors == {"bad_request": 1}
+
+
+def test_the_same_layout_twice_in_one_hello_is_refused(service):
+    session = service.open_session(1, os.geteuid(), 0)
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", [LAYOUT, LAYOUT]))
+    assert error_code(reply) == "bad_request" and not session.greeted
+
+
+# ------------------------------------------------------------------------ LOOKUP
+def test_lookup_counts_the_ready_prefix_without_pinning_or_touching(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, [0, 1])
+    store(service, session, 1, [2, 3])
+    order = queue_ids(service)
+    assert lookup(service, session, [1], range(6)) == 4
+    assert lookup(service, session, [1], [0, 1, 9, 3]) == 2
+    assert lookup(service, session, [1], [9, 0]) == 0
+    assert lookup(service, session, [1], []) == 0
+    assert queue_ids(service) == order  # no LRU change
+    assert service.pool.num_pinned_blocks == 0
+    assert (service.pool.stat_hits, service.pool.stat_misses) == (0, 0)
+    assert service.stat_lookups == 4
+
+
+def test_lookup_of_several_namespaces_is_the_prefix_ready_in_all(service):
+    session = greeted(service, *TP2)
+    store(service, session, 1, range(5))
+    store(service, session, 2, range(3))
+    assert lookup(service, session, [1], range(5)) == 5
+    assert lookup(service, session, [2], range(5)) == 3
+    assert lookup(service, session, [1, 2], range(5)) == 3
+    assert lookup(service, session, [2, 1], range(5)) == 3
+    store(service, session, 2, [10])  # ns 2 holds 10 but not 11: the common prefix ends
+    store(service, session, 1, [10, 11])
+    assert lookup(service, session, [1, 2], [10, 11]) == 1
+    assert lookup(service, session, [2, 1], [10, 11]) == 1
+
+
+def test_lookup_refuses_a_namespace_that_is_not_this_sessions(service):
+    session = greeted(service, TP2[0])
+    greeted(service, TP2[1])  # namespace 2 exists, but belongs to another session
+    for namespaces in ([2], [1, 2], [99]):
+        reply = service.handle(session, Lookup(namespaces, chunk_hashes([0])))
+        assert error_code(reply) == "bad_namespace" and "HELLO gave [1]" in reply.message
+    assert error_code(service.handle(session, Lookup([], chunk_hashes([0])))) == "bad_request"
+    reply = service.handle(session, Lookup([1, 1], chunk_hashes([0])))
+    assert error_code(reply) == "bad_request" and "twice" in reply.message
+    assert service.stat_errors == {"bad_namespace": 3, "bad_request": 2}
+
+
+@pytest.mark.parametrize("request_type", [Lookup, Acquire])
+@pytest.mark.parametrize("num_bytes", [1, 15, 17, 33])
+def test_hashes_that_are_not_whole_digests_are_refused(service, request_type, num_bytes):
+    session = greeted(service, LAYOUT)
+    reply = service.handle(session, request_type([1], b"\x01" * num_bytes))
+    assert error_code(reply) == "bad_request"
+    assert f"{num_bytes} bytes, not a multiple of {HASH_BYTES}" in reply.message
+    reply = service.handle(session, Alloc(1, b"\x01" * num_bytes, [RECORD_BYTES]))
+    assert error_code(reply) == "bad_request" and service.pool.num_writing_blocks == 0
+
+
+@pytest.mark.parametrize("request_type", [Lookup, Acquire])
+def test_more_chunks_than_the_limit_over_all_namespaces_are_refused(service, request_type):
+    session = greeted(service, *TP2)
+
+    def ask(namespaces, num_chunks):
+        return service.handle(session, request_type(namespaces, bytes(HASH_BYTES * num_chunks)))
+
+    assert error_code(ask([1], MAX_CHUNKS_PER_REQUEST + 1)) == "bad_request"
+    reply = ask([1, 2], MAX_CHUNKS_PER_REQUEST // 2 + 1)
+    assert error_code(reply) == "bad_request" and "split it" in reply.message
+    assert error_code(ask([1], MAX_CHUNKS_PER_REQUEST)) is None  # at the limit: answered
+    assert error_code(ask([1, 2], MAX_CHUNKS_PER_REQUEST // 2)) is None
+    reply = service.handle(session, Alloc(1, bytes(HASH_BYTES * (MAX_CHUNKS_PER_REQUEST + 1)),
+                                          [1] * (MAX_CHUNKS_PER_REQUEST + 1)))
+    assert error_code(reply) == "bad_request" and service.pool.num_writing_blocks == 0
+
+
+# ----------------------------------------------------------------------- ACQUIRE
+def test_acquire_pins_the_ready_prefix_under_one_lease(service):
+    session = greeted(service, LAYOUT)
+    blocks = store(service, session, 1, range(3))
+    reply = service.handle(session, Acquire([1], chunk_hashes(range(5))))
+    assert reply.lease >= 1
+    assert (reply.block_ids, reply.span_lengths, reply.num_bytes) == (
+        blocks, [1, 1, 1], [RECORD_BYTES] * 3)
+    assert list(session.leases) == [reply.lease]
+    assert ref_cnts(service, blocks) == [1, 1, 1]
+    assert not set(blocks) & set(queue_ids(service))  # pinned blocks are not evictable
+    assert (service.pool.stat_hits, service.pool.stat_misses) == (3, 2)
+    stats = service.handle(session, Info("stats")).sections["stats"]
+    assert (stats["hits"], stats["misses"], stats["hit_rate"]) == (3, 2, 0.6)
+    assert_everything_returned(service)
+
+
+def test_acquire_of_a_miss_takes_no_lease(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, [0])
+    reply = service.handle(session, Acquire([1], chunk_hashes([7, 0])))
+    assert reply == BlocksReply(0, [], [], [])
+    assert session.leases == {} and service.pool.num_pinned_blocks == 0
+    assert (service.pool.stat_hits, service.pool.stat_misses) == (0, 2)
+    assert service.handle(session, Acquire([1], b"")) == BlocksReply(0, [], [], [])
+    assert_everything_returned(service)
+
+
+def test_acquire_moves_its_values_to_the_most_recently_used_end(service):
+    session = greeted(service, LAYOUT)
+    (a,) = store(service, session, 1, [0])
+    (b,) = store(service, session, 1, [1])
+    (c,) = store(service, session, 1, [2])
+    assert queue_ids(service)[-3:] == [a, b, c]  # least recently used first
+    lease = service.handle(session, Acquire([1], chunk_hashes([0]))).lease
+    assert a not in queue_ids(service)
+    # While pinned, no allocation can take it: 13 empty blocks and b, c are all there is.
+    alloc = service.handle(session, Alloc(1, chunk_hashes(range(100, 116)), [1] * 16))
+    assert alloc.status == [ALLOCATED] * 15 + [NOSPACE]
+    assert lookup(service, session, [1], [0]) == 1
+    assert lookup(service, session, [1], [1]) == lookup(service, session, [1], [2]) == 0
+    assert service.handle(session, Abort(alloc.block_ids)) == Ok()
+    store(service, session, 1, [1])
+    (c,) = store(service, session, 1, [2])
+    service.handle(session, Release([lease]))
+    assert queue_ids(service)[-2:] == [c, a]  # the acquired value is now the most recent
+    assert_everything_returned(service)
+
+
+def test_acquire_of_several_namespaces_returns_values_namespace_major(service):
+    session = greeted(service, *TP2)
+    a = store(service, session, 1, range(3))
+    b = store(service, session, 2, range(2))
+    reply = service.handle(session, Acquire([1, 2], chunk_hashes(range(3))))
+    assert reply.block_ids == a[:2] + b  # the common prefix (2 chunks) of ns 1, then ns 2
+    assert reply.span_lengths == [1] * 4 and reply.num_bytes == [RECORD_BYTES] * 4
+    assert reply.spans() == [[block] for block in a[:2] + b]
+    reversed_order = service.handle(session, Acquire([2, 1], chunk_hashes(range(3))))
+    assert reversed_order.block_ids == b + a[:2]
+    assert ref_cnts(service, a + b) == [2, 2, 0, 2, 2]
+    assert (service.pool.stat_hits, service.pool.stat_misses) == (8, 4)  # 1 miss per ns
+    service.handle(session, Release([reply.lease, reversed_order.lease]))
+    assert ref_cnts(service, a + b) == [0] * 5 and session.leases == {}
+    assert_everything_returned(service)
+
+
+def test_lease_ids_are_unique_across_sessions_and_die_with_their_session(service):
+    one, two = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    blocks = store(service, one, 1, [0, 1])
+    first = service.handle(one, Acquire([1], chunk_hashes([0]))).lease
+    second = service.handle(two, Acquire([1], chunk_hashes([0, 1]))).lease
+    third = service.handle(one, Acquire([1], chunk_hashes([0, 1]))).lease
+    assert len({first, second, third}) == 3 and 0 not in {first, second, third}
+    service.close_session(one)
+    assert ref_cnts(service, blocks) == [1, 1]  # only session two's pins are left
+    three = greeted(service, LAYOUT)
+    fourth = service.handle(three, Acquire([1], chunk_hashes([1]))).lease
+    assert fourth not in {first, second, third}
+    for session in (two, three):  # a lease of an ended session is valid nowhere
+        assert service.handle(session, Release([first])) is None
+        assert service.handle(session, Release([third])) is None
+    assert service.stat_errors == {"not_owner": 4}
+    assert ref_cnts(service, blocks) == [1, 2]
+    assert_everything_returned(service)
+
+
+def test_an_acquire_whose_reply_exceeds_the_frame_limit_keeps_no_pins(make_service):
+    # answer_frame withdraws the lease of a reply it cannot send: the client never
+    # learns its id, so its pins would otherwise last until the session ends.
+    service = make_service(capacity_bytes=HEADER_BYTES + 32 * 4096, block_bytes=4096)
+    session = greeted(service, layout(record_bytes=16 * 4096))
+    alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [16 * 4096]))
+    service.handle(session, Commit(alloc.block_ids))
+    # 60,000 times one 16-block value: a legal request frame, a reply of ~1.3 MB. The
+    # session's share counts those 16 blocks once, however often it pins them.
+    reply, _ = answer(service, session, Acquire([1], chunk_hashes([1]) * 60_000))
+    assert isinstance(reply, Error)  # too_large
+    assert service.pool.num_pinned_blocks == 0  # scalars only: a repr of the pins is huge
+    assert len(session.leases) == 0
+
+
+# ----------------------------------------------------------------------- RELEASE
+def test_release_unpins_tail_first_and_answers_nothing(service):
+    session = greeted(service, LAYOUT)
+    chain = store(service, session, 1, range(3))
+    (other,) = store(service, session, 1, [10])
+    assert queue_ids(service)[-4:] == chain[::-1] + [other]
+    lease = service.handle(session, Acquire([1], chunk_hashes(range(3)))).lease
+    assert service.handle(session, Release([lease])) is None
+    assert session.leases == {} and ref_cnts(service, chain) == [0, 0, 0]
+    # the end of the chain is evicted before its beginning, both after `other`
+    assert queue_ids(service)[-4:] == [other] + chain[::-1]
+    assert service.pool.num_pinned_blocks == 0 and service.stat_errors == {}
+    assert service.handle(session, Release([])) is None and service.stat_errors == {}
+    assert_everything_returned(service)
+
+
+def test_release_of_a_lease_not_held_is_counted_and_changes_nothing(service):
+    one, two = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    blocks = store(service, one, 1, [0])
+    mine = service.handle(one, Acquire([1], chunk_hashes([0]))).lease
+    theirs = service.handle(two, Acquire([1], chunk_hashes([0]))).lease
+    refused = [[theirs], [mine + theirs + 100], [mine, mine], [mine, theirs], [0]]
+    for leases in refused:
+        assert service.handle(one, Release(leases)) is None
+        assert ref_cnts(service, blocks) == [2], leases  # all or nothing
+    assert service.stat_errors == {"not_owner": len(refused)}
+    stats = service.handle(one, Info("stats")).sections["stats"]
+    assert stats["errors_not_owner"] == len(refused)
+    assert service.handle(one, Release([mine])) is None
+    assert service.handle(one, Release([mine])) is None  # repeated: refused
+    assert service.stat_errors == {"not_owner": len(refused) + 1}
+    assert ref_cnts(service, blocks) == [1] and list(two.leases) == [theirs]
+    assert_everything_returned(service)
+
+
+# ------------------------------------------------------------------------- ALLOC
+def test_alloc_answers_allocated_exists_and_nospace(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, [0])
+    store(service, session, 1, [1])  # chunk 0 is now the least recently used
+    new = list(range(100, 116))
+    alloc = service.handle(session, Alloc(1, chunk_hashes([0] + new), [RECORD_BYTES] * 17))
+    # 14 empty blocks, then the LRU value that is not part of this ALLOC (chunk 1): an
+    # ALLOC never evicts a chunk it reports EXISTS.
+    assert alloc.status == [EXISTS] + [ALLOCATED] * 15 + [NOSPACE]
+    assert alloc.span_lengths == [1] * 15 and len(set(alloc.block_ids)) == 15
+    assert alloc.spans()[0] is None and alloc.spans()[-1] is None
+    assert lookup(service, session, [1], [0]) == 1 and lookup(service, session, [1], [1]) == 0
+    assert service.pool.stat_evictions == 1
+    assert service.pool.num_writing_blocks == 15 and session.num_writing_blocks == 15
+    assert all(service.pool.blocks[i].state == BlockState.WRITING for i in alloc.block_ids)
+    assert lookup(service, session, [1], new) == 0  # WRITING is invisible to readers
+    assert_everything_returned(service)
+
+
+def test_alloc_answers_nospace_while_every_block_is_pinned(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, range(NUM_BLOCKS))
+    service.handle(session, Acquire([1], chunk_hashes(range(NUM_BLOCKS))))
+    alloc = service.handle(session, Alloc(1, chunk_hashes([99, 3, 98]), [1, 1, 1]))
+    assert alloc == AllocReply([NOSPACE, EXISTS, NOSPACE], [], [])
+    assert service.pool.num_writing_blocks == 0 and service.pool.stat_evictions == 0
+    assert_everything_returned(service)
+
+
+def test_alloc_of_records_larger_than_a_block_reports_span_lengths(service):
+    session = greeted(service, layout(record_bytes=150_000))
+    sizes = [150_000, RECORD_BYTES, BLOCK_BYTES]
+    alloc = service.handle(session, Alloc(1, chunk_hashes(range(3)), sizes))
+    assert alloc.status == [ALLOCATED] * 3 and alloc.span_lengths == [3, 1, 1]
+    spans = alloc.spans()
+    assert [len(span) for span in spans] == [3, 1, 1] and len(set(alloc.block_ids)) == 5
+    # COMMIT of one block of a value commits all of its blocks.
+    assert service.handle(session, Commit([span[0] for span in spans])) == Ok()
+    assert service.pool.num_writing_blocks == 0 and service.pool.num_cached_blocks == 5
+    reply = service.handle(session, Acquire([1], chunk_hashes(range(3))))
+    assert (reply.block_ids, reply.span_lengths, reply.num_bytes) == (
+        alloc.block_ids, [3, 1, 1], sizes)
+    assert reply.spans() == spans
+    assert_everything_returned(service)
+
+
+@pytest.mark.parametrize("num_bytes", [[0, 1], [1, -5], [1], [1, 1, 1]])
+def test_alloc_refuses_num_bytes_that_are_not_one_positive_size_per_hash(service, num_bytes):
+    session = greeted(service, LAYOUT)
+    reply = service.handle(session, Alloc(1, chunk_hashes([0, 1]), num_bytes))
+    assert error_code(reply) == "bad_request" and "num_bytes" in reply.message
+    assert service.pool.num_writing_blocks == 0 and session.writing == {}
+
+
+def test_alloc_refuses_a_namespace_that_is_not_this_sessions(service):
+    session = greeted(service, TP2[0])
+    greeted(service, TP2[1])
+    assert error_code(service.handle(session, Alloc(2, chunk_hashes([0]), [1]))) == "bad_namespace"
+    assert service.pool.num_writing_blocks == 0
+
+
+# ---------------------------------------------------------------- COMMIT / ABORT
+def test_commit_and_abort_only_what_this_session_allocated(service):
+    one, two = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    mine = service.handle(one, Alloc(1, chunk_hashes([0]), [RECORD_BYTES])).block_ids
+    theirs = service.handle(two, Alloc(1, chunk_hashes([1]), [RECORD_BYTES])).block_ids
+    for request in (Commit(theirs), Abort(theirs), Commit(mine + theirs), Commit([10_000])):
+        assert error_code(service.handle(one, request)) == "not_owner"
+    assert service.stat_errors == {"not_owner": 4}
+    assert service.pool.num_writing_blocks == 2  # all or nothing: nothing changed
+    assert service.handle(one, Commit(mine)) == Ok()
+    assert lookup(service, one, [1], [0]) == 1 and service.stat_stores == 1
+    assert error_code(service.handle(one, Commit(mine))) == "not_owner"  # already done
+    assert error_code(service.handle(one, Abort(mine))) == "not_owner"
+    assert service.handle(two, Abort(theirs)) == Ok()
+    assert service.pool.blocks[theirs[0]].state == BlockState.FREE
+    assert queue_ids(service)[0] == theirs[0]  # an aborted block is the first reused
+    assert lookup(service, two, [1], [1]) == 0
+    assert error_code(service.handle(two, Commit(theirs))) == "not_owner"
+    assert_everything_returned(service)
+
+
+def test_the_same_chunk_committed_by_two_sessions_is_stored_once(service):
+    one, two = greeted(service, LAYOUT), greeted(service, LAYOUT)
+    first = service.handle(one, Alloc(1, chunk_hashes([0]), [RECORD_BYTES]))
+    second = service.handle(two, Alloc(1, chunk_hashes([0]), [RECORD_BYTES]))
+    assert first.status == second.status == [ALLOCATED]  # neither is READY yet
+    assert first.block_ids != second.block_ids
+    assert service.handle(two, Commit(second.block_ids)) == Ok()
+    assert service.handle(one, Commit(first.block_ids)) == Ok()  # loses: its blocks freed
+    assert service.stat_stores == 1 and service.pool.num_cached_blocks == 1
+    assert service.pool.blocks[first.block_ids[0]].state == BlockState.FREE
+    assert service.pool.num_writing_blocks == 0
+    assert service.handle(one, Acquire([1], chunk_hashes([0]))).block_ids == second.block_ids
+    assert_everything_returned(service)
+
+
+def test_session_end_releases_pins_and_aborts_writes(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, range(3))
+    service.handle(session, Acquire([1], chunk_hashes(range(3))))
+    service.handle(session, Get(1, "missing"))
+    service.handle(session, Alloc(1, chunk_hashes(range(10, 12)), [RECORD_BYTES] * 2))
+    service.handle(session, Put(1, "key", 150_000))
+    assert service.pool.num_pinned_blocks == 3 and service.pool.num_writing_blocks == 5
+    service.close_session(session)
+    assert service.pool.num_pinned_blocks == 0 and service.pool.num_writing_blocks == 0
+    assert service.pool.num_cached_blocks == 3 and service.sessions == {}
+    assert_everything_returned(service)
+
+
+def test_restore_of_cached_chunks_leaves_no_pins(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, range(4))
+    again = service.handle(session, Alloc(1, chunk_hashes(range(6)), [RECORD_BYTES] * 6))
+    assert again.status == [EXISTS] * 4 + [ALLOCATED] * 2
+    service.handle(session, Commit(again.block_ids))
+    assert service.pool.num_pinned_blocks == 0
+    assert service.pool.num_cached_blocks == 6
+    assert_everything_returned(service)
+
+
+# ------------------------------------------------------- PUT / GET / DELETE / SCAN
+def test_put_then_get_returns_the_value_under_a_lease(service):
+    session = greeted(service, layout(fmt="kv"))
+    reply = service.handle(session, Put(1, "key", 1234))
+    assert reply.status == [ALLOCATED] and reply.span_lengths == [1]
+    assert service.handle(session, Get(1, "key")) == BlocksReply(0, [], [], [])  # WRITING
+    assert service.handle(session, Commit(reply.block_ids)) == Ok()
+    got = service.handle(session, Get(1, "key"))
+    assert got.lease >= 1 and (got.block_ids, got.num_bytes) == (reply.block_ids, [1234])
+    assert ref_cnts(service, reply.block_ids) == [1] and list(session.leases) == [got.lease]
+    assert service.handle(session, Release([got.lease])) is None
+    assert ref_cnts(service, reply.block_ids) == [0]
+    assert service.handle(session, Get(1, "other")) == BlocksReply(0, [], [], [])
+    assert_everything_returned(service)
+
+
+def test_put_replaces_on_commit_and_old_readers_keep_their_blocks(service):
+    session = greeted(service, LAYOUT)
+    old = put(service, session, 1, "key", 1000)
+    reader = service.handle(session, Get(1, "key"))
+    new = put(service, session, 1, "key", 150_000)
+    got = service.handle(session, Get(1, "key"))
+    assert (got.block_ids, got.span_lengths, got.num_bytes) == (new, [3], [150_000])
+    assert ref_cnts(service, old) == [1]  # the old value's reader still holds its bytes
+    assert service.pool.num_detached_blocks == 1 and service.pool.num_cached_blocks == 3
+    service.handle(session, Release([reader.lease]))
+    assert service.pool.blocks[old[0]].state == BlockState.FREE
+    assert service.pool.num_detached_blocks == 0
+    assert_everything_returned(service)
+
+
+def test_put_refuses_bad_values_and_answers_nospace(service):
+    session = greeted(service, LAYOUT)
+    assert error_code(service.handle(session, Put(1, "", 10))) == "bad_request"
+    reply = service.handle(session, Put(1, "key", 0))
+    assert error_code(reply) == "bad_request" and "num_bytes" in reply.message
+    assert error_code(service.handle(session, Put(2, "key", 10))) == "bad_namespace"
+    too_big = service.handle(session, Put(1, "key", NUM_BLOCKS * BLOCK_BYTES + 1))
+    assert error_code(too_big) == "bad_request"
+    assert f"{NUM_BLOCKS * BLOCK_BYTES + 1}-byte value" in too_big.message
+    assert f"at most {NUM_BLOCKS * BLOCK_BYTES} bytes" in too_big.message
+    held = service.handle(session, Put(1, "held", NUM_BLOCKS * BLOCK_BYTES - 1))
+    assert held.status == [ALLOCATED]  # every block WRITING: nothing left for another
+    assert service.handle(session, Put(1, "key", 1)) == AllocReply([NOSPACE], [], [])
+    assert service.handle(session, Abort(held.block_ids)) == Ok()
+    assert service.pool.num_writing_blocks == 0
+
+
+def test_delete_removes_a_key_now_and_its_readers_keep_their_bytes(service):
+    session = greeted(service, LAYOUT)
+    blocks = put(service, session, 1, "key")
+    reader = service.handle(session, Get(1, "key"))
+    assert service.handle(session, Delete(1, "key")) == CountReply(1)
+    assert service.handle(session, Get(1, "key")) == BlocksReply(0, [], [], [])
+    assert service.handle(session, Delete(1, "key")) == CountReply(0)
+    assert ref_cnts(service, blocks) == [1] and service.pool.num_detached_blocks == 1
+    service.handle(session, Release([reader.lease]))
+    assert service.pool.blocks[blocks[0]].state == BlockState.FREE
+    assert error_code(service.handle(session, Delete(1, ""))) == "bad_request"
+    assert_everything_returned(service)
+
+
+def test_scan_lists_string_keys_of_one_namespace_by_prefix_up_to_limit(service):
+    session = greeted(service, *TP2)
+    for key in ("a/1", "a/2", "b/1"):
+        put(service, session, 1, key)
+    put(service, session, 2, "a/3")
+    store(service, session, 1, [0])  # a chunk is not a string key
+    service.handle(session, Put(1, "a/writing", 10))  # not committed: not listed
+
+    def scan(ns, prefix, limit=100):
+        reply = service.handle(session, Scan(ns, prefix, limit))
+        assert isinstance(reply, KeysReply), reply
+        return reply.keys
+
+    assert sorted(scan(1, "a/")) == ["a/1", "a/2"]
+    assert sorted(scan(1, "")) == ["a/1", "a/2", "b/1"]
+    assert scan(2, "") == ["a/3"]
+    assert scan(1, "c") == []
+    limited = scan(1, "", 2)
+    assert len(limited) == 2 and set(limited) <= {"a/1", "a/2", "b/1"}
+    assert scan(1, "", 0) == [] and scan(1, "", -1) == []
+    other = greeted(service, TP2[0])
+    assert error_code(service.handle(other, Scan(2, "", 10))) == "bad_namespace"
+    assert_everything_returned(service)
+
+
+# ------------------------------------------------------------------- INFO, CLIENTS
+def test_info_reports_every_section_from_the_service_state(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, [0, 1])
+    service.handle(session, Acquire([1], chunk_hashes([0, 5])))
+    service.handle(session, Alloc(1, chunk_hashes([2]), [RECORD_BYTES]))
+    service.handle(session, Alloc(1, chunk_hashes([3]), [0]))  # refused: bad_request
+    lookup(service, session, [1], [0])
+    reply = service.handle(session, Info())
+    assert isinstance(reply, InfoReply) and list(reply.sections) == list(INFO_SECTIONS)
+    server, memory, blocks, clients, stats, l2 = (reply.sections[name] for name in INFO_SECTIONS)
+    assert l2 == {"l2_enabled": 0}  # no --l2
+    assert server["protocol_version"] == PROTOCOL_VERSION
+    assert (server["name"], server["socket"]) == (service.arena.name, "/nonexistent")
+    assert (server["generation"], server["pid"]) == (service.arena.generation, os.getpid())
+    assert server["shm_segment"] == service.arena.segment_name
+    assert memory["capacity_bytes"] == SMALL_ARENA_BYTES
+    assert memory["block_bytes"] == BLOCK_BYTES and memory["block_human"] == "64.00K"
+    assert memory["used_bytes"] == 3 * BLOCK_BYTES  # 2 cached + 1 writing
+    assert memory["stored_bytes"] == 2 * RECORD_BYTES
+    assert blocks == {"num_blocks": NUM_BLOCKS, "free_blocks": 13, "cached_blocks": 2,
+                      "pinned_blocks": 1, "writing_blocks": 1, "detached_blocks": 0,
+                      "evictable_blocks": 1, "cached_values": 2}
+    assert clients == {"connected_clients": 1, "namespaces": 1}
+    assert stats["requests"] == service.stat_requests == 8  # HELLO .. this INFO
+    assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
+    assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)
+    assert service.handle(session, Info("BLOCKS")).sections == {"blocks": blocks}
+    assert_everything_returned(service)
+
+
+def test_info_of_an_unknown_section_lists_the_sections(service):
+    session = greeted(service)
+    reply = service.handle(session, Info("keyspace"))
+    assert error_code(reply) == "bad_request" and "'keyspace'" in reply.message
+    assert all(name in reply.message for name in INFO_SECTIONS)
+
+
+def test_clients_lists_one_row_per_session(service):
+    admin = greeted(service)
+    worker = greeted(service, *TP2)
+    store(service, worker, 1, [0, 1])
+    service.handle(worker, Acquire([1, 2], chunk_hashes([0])))  # ns 2 misses: no pin
+    service.handle(worker, Get(1, "none"))
+    service.handle(worker, Alloc(2, chunk_hashes([0]), [RECORD_BYTES]))
+    reply = service.handle(admin, Clients())
+    assert isinstance(reply, ClientsReply)
+    rows = {row["id"]: row for row in reply.clients}
+    assert set(rows) == {admin.session_id, worker.session_id}
+    assert rows[admin.session_id]["ns"] == "-" and rows[worker.session_id]["ns"] == "1,2"
+    assert {k: rows[worker.session_id][k] for k in ("pid", "uid", "name", "pinned_blocks",
+                                                   "writing_blocks", "requests")} == {
+        "pid": os.getpid(), "uid": os.geteuid(), "name": "test", "pinned_blocks": 0,
+        "writing_blocks": 1, "requests": 6}
+    assert rows[admin.session_id]["requests"] == 2
+    assert_everything_returned(service)
+
+
+# ---------------------------------------------------------------- EVICT, CLEAR, admin
+def test_evict_lru_removes_the_least_recently_used_unpinned_values(service):
+    session = greeted(service, LAYOUT)
+    for i in range(4):
+        store(service, session, 1, [i])
+    service.handle(session, Acquire([1], chunk_hashes([0])))  # pinned: never evicted
+    assert service.handle(session, Evict(lru=2)) == CountReply(2)
+    assert [lookup(service, session, [1], [i]) for i in range(4)] == [1, 0, 0, 1]
+    assert service.handle(session, Evict(lru=5)) == CountReply(1)
+    assert [lookup(service, session, [1], [i]) for i in range(4)] == [1, 0, 0, 0]
+    assert service.handle(session, Evict(lru=0)) == CountReply(0)
+    assert error_code(service.handle(session, Evict(lru=-1))) == "bad_request"
+    assert service.pool.stat_evictions == 3
+    assert_everything_returned(service)
+
+
+def test_evict_key_removes_a_string_key_or_a_chunk_in_every_namespace(service):
+    session = greeted(service, *TP2)
+    store(service, session, 1, [7, 8])
+    store(service, session, 2, [7])
+    put(service, session, 1, "key")
+    assert service.handle(session, Evict(key=chunk_hashes([7]).hex())) == CountReply(2)
+    assert lookup(service, session, [1], [8]) == 1  # other chunks stay
+    assert lookup(service, session, [1], [7]) == lookup(service, session, [2], [7]) == 0
+    assert service.handle(session, Evict(key="key")) == CountReply(1)
+    assert service.handle(session, Get(1, "key")) == BlocksReply(0, [], [], [])
+    assert service.handle(session, Evict(key="missing")) == CountReply(0)
+    assert service.handle(session, Evict(key="zz" * HASH_BYTES)) == CountReply(0)
+    assert service.pool.num_cached_blocks == 1
+    assert_everything_returned(service)
+
+
+def test_clear_evicts_every_value_nobody_pins(service):
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, range(3))
+    put(service, session, 1, "key")
+    lease = service.handle(session, Acquire([1], chunk_hashes([1]))).lease
+    assert service.handle(session, Clear()) == CountReply(3)
+    assert service.pool.num_cached_blocks == 1 and lookup(service, session, [1], [0]) == 0
+    service.handle(session, Release([lease]))
+    assert service.handle(session, Clear()) == CountReply(1)
+    assert service.pool.num_cached_blocks == 0 and service.pool.num_empty_blocks == NUM_BLOCKS
+    assert_everything_returned(service)
+
+
+def test_evict_and_clear_before_any_layout_remove_nothing(make_service):
+    service = make_service(capacity_bytes=8 << 20, block_bytes=0)
+    session = greeted(service)
+    assert service.handle(session, Evict(lru=3)) == CountReply(0)
+    assert service.handle(session, Evict(key="key")) == CountReply(0)
+    assert service.handle(session, Clear()) == CountReply(0)
+
+
+def test_ping_config_get_and_shutdown(make_service):
+    service = make_service(config_block_bytes=BLOCK_BYTES)
+    session = service.open_session(1, os.geteuid(), 0)  # admin requests need no HELLO
+    assert service.handle(session, Ping()) == Ok()
+    config = service.handle(session, ConfigGet())
+    assert isinstance(config, InfoReply) and list(config.sections) == ["config"]
+    assert config.sections["config"]["name"] == service.arena.name
+    assert config.sections["config"]["socket"] == "/nonexistent"
+    assert config.sections["config"]["block_bytes"] == BLOCK_BYTES
+    assert not service.stop_requested
+    assert service.handle(session, Shutdown()) == Ok()
+    assert service.stop_requested
+
+
+@pytest.mark.parametrize(("request_", "num_cached_after"), [
+    (Evict(lru=10), 0), (Evict(key="key"), 1), (Clear(), 0), (Shutdown(), 2),
+], ids=["evict_lru", "evict_key", "clear", "shutdown"])
+def test_privileged_requests_of_another_uid_are_forbidden(service, request_, num_cached_after):
+    owner = greeted(service, LAYOUT)
+    put(service, owner, 1, "key")
+    store(service, owner, 1, [0])
+    stranger = greeted(service, LAYOUT, uid=OTHER_UID)
+    reply = service.handle(stranger, request_)
+    assert error_code(reply) == "forbidden" and f"not to uid {OTHER_UID}" in reply.message
+    assert service.pool.num_cached_blocks == 2 and not service.stop_requested
+    assert service.stat_errors == {"forbidden": 1}
+    for allowed in (Info("clients"), Clients(), Ping(), ConfigGet()):
+        assert error_code(service.handle(stranger, allowed)) is None
+    root = greeted(service, uid=0)
+    assert error_code(service.handle(root, request_)) is None
+    assert service.pool.num_cached_blocks == num_cached_after
+    assert service.stop_requested == isinstance(request_, Shutdown)
+    assert error_code(service.handle(owner, request_)) is None  # the daemon's own uid
+    assert_everything_returned(service)
+
+
+DATA_REQUESTS = [
+    Lookup([1], chunk_hashes([0])), Acquire([1], chunk_hashes([0])),
+    Alloc(1, chunk_hashes([0]), [1]), Commit([0]), Abort([0]), Put(1, "k", 1),
+    Get(1, "k"), Delete(1, "k"), Scan(1, "", 10),
+]
+
+
+@pytest.mark.parametrize("request_", DATA_REQUESTS, ids=lambda r: type(r).__name__)
+def test_data_requests_before_hello_get_no_session(service, request_):
+    greeted(service, LAYOUT)  # namespace 1 exists, but not for this session
+    session = service.open_session(1, os.geteuid(), 0)
+    reply = service.handle(session, request_)
+    assert error_code(reply) == "no_session" and "HELLO" in reply.message
+    assert service.stat_errors == {"no_session": 1}
+    assert service.pool.num_writing_blocks == 0 and session.leases == {}
+
+
+def test_release_before_hello_is_counted_without_a_reply(service):
+    session = service.open_session(1, os.geteuid(), 0)
+    assert service.handle(session, Release([1])) is None
+    assert service.stat_errors == {"no_session": 1}
+
+
+# ----------------------------------------------------------- stateful property test
+# Chunk ids of a request: mostly a prompt's chain 0, 1, 2, ..., else any ids (repeats too).
+HASH_IDS = st.one_of(st.integers(1, 4).map(lambda n: list(range(n))),
+                     st.lists(st.integers(0, 5), min_size=1, max_size=4))
+NAMESPACES = st.sampled_from([[1], [2], [1, 2], [2, 1]])
+SPAN_LENGTHS = st.lists(st.sampled_from([1, 1, 1, 2, 3]), min_size=4, max_size=4)
+MACHINE_BLOCKS = 24
+# Values of up to 4 blocks: each layout's full chunk record is that large.
+MACHINE_TP2 = [layout(0, 2, record_bytes=4 * 4096), layout(1, 2, record_bytes=4 * 4096)]
+MACHINE_SHARE_BLOCKS = MACHINE_BLOCKS // 2  # --max-session-share 50
+
+
+class TwoSessionsMachine(RuleBasedStateMachine):
+    """Random ACQUIRE / RELEASE / ALLOC / COMMIT / ABORT of two TP=2 sessions.
+
+    An independent model records what each session holds from the replies it got:
+    its leases' block ids and its pending values. After every step, each block's
+    ref_cnt equals the pins of the model's leases on it plus one if it is being
+    written, so no pin is lost, doubled or negative; the pool's own invariants hold;
+    every lease id ever handed out is new; no session holds more than its share of the
+    arena (pins and WRITING blocks), and an ACQUIRE pins the longest READY prefix that
+    fits in what is left of it. At the end, closing both sessions returns every pin and
+    every WRITING block.
+    """
+
+    def __init__(self, arena_name: str):
+        super().__init__()
+        arena = Arena.create(arena_name, HEADER_BYTES + MACHINE_BLOCKS * 4096, 4096,
+                             prefault=False)
+        self.service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
+                                                 max_session_share=50.0), arena)
+        self.sessions = [greeted(self.service, *MACHINE_TP2) for _ in range(2)]
+        self.leases = [{}, {}]  # per session: lease -> block ids (one per pin)
+        self.pending = [[], []]  # per session: block-id lists of uncommitted values
+        self.seen_leases: set[int] = set()
+        self.stored: list[list[int]] = []  # chunk ids of each store, to ACQUIRE again
+        self.num_not_owner = 0
+
+    def teardown(self):
+        try:
+            assert_everything_returned(self.service)
+        finally:
+            self.service.arena.close()
+
+    @rule(who=st.sampled_from([0, 1]), namespaces=NAMESPACES, data=st.data())
+    def acquire(self, who, namespaces, data):
+        ids = data.draw(st.one_of(st.sampled_from(self.stored), HASH_IDS) if self.stored
+                        else HASH_IDS)
+        room = MACHINE_SHARE_BLOCKS - self.held(who)
+        pinned = {b for block_ids in self.leases[who].values() for b in block_ids}
+        fits, taken = 0, set()
+        for chunk in ids[: lookup(self.service, self.sessions[who], namespaces, ids)]:
+            for ns in namespaces:
+                span = self.service.pool.cached[keys.chunk_prefix(ns) + chunk_hashes([chunk])]
+                taken.update(b.block_id for b in span if b.block_id not in pinned)
+            if len(taken) > room:
+                break
+            fits += 1
+        reply = self.service.handle(self.sessions[who], Acquire(namespaces, chunk_hashes(ids)))
+        num_chunks = len(reply.span_lengths) // len(namespaces)
+        assert num_chunks == fits
+        for i, span in enumerate(reply.spans()):  # namespace-major, the request's order
+            ns, chunk = namespaces[i // num_chunks], ids[i % num_chunks]
+            key = keys.chunk_prefix(ns) + chunk_hashes([chunk])
+            assert [b.block_id for b in self.service.pool.cached[key]] == span
+        if not reply.block_ids:
+            assert reply.lease == 0
+            return
+        assert reply.lease not in self.seen_leases
+        self.seen_leases.add(reply.lease)
+        self.leases[who][reply.lease] = reply.block_ids
+
+    @rule(who=st.sampled_from([0, 1]), data=st.data())
+    def release(self, who, data):
+        held = list(self.leases[who])
+        others = list(self.leases[1 - who])
+        choices = [st.just([]), st.lists(st.integers(0, max(self.seen_leases, default=0) + 2),
+                                         max_size=2)]
+        if held:
+            choices.append(st.lists(st.sampled_from(held), min_size=1, max_size=2))
+        if others:
+            choices.append(st.lists(st.sampled_from(others), min_size=1, max_size=1))
+        leases = data.draw(st.one_of(choices))
+        valid = len(set(leases)) == len(leases) and all(lease in held for lease in leases)
+        assert self.service.handle(self.sessions[who], Release(leases)) is None
+        if valid:
+            for lease in leases:
+                del self.leases[who][lease]
+        else:
+            self.num_not_owner += 1
+        assert self.service.stat_errors.get("not_owner", 0) == self.num_not_owner
+
+    def held(self, who) -> int:
+        """Blocks session `who` holds in the model: the blocks it pins (each once),
+        plus the blocks it writes."""
+        return (len({b for block_ids in self.leases[who].values() for b in block_ids})
+                + sum(map(len, self.pending[who])))
+
+    def _alloc(self, who, ns, ids, num_blocks) -> tuple[list[int], list[list[int]]]:
+        """ALLOC; returns (status per chunk, block ids of each ALLOCATED value)."""
+        sizes = [n * 4096 - 100 for n in num_blocks[: len(ids)]]
+        reply = self.service.handle(self.sessions[who], Alloc(ns, chunk_hashes(ids), sizes))
+        assert isinstance(reply, AllocReply), reply
+        allocated = []
+        for status, span, size in zip(reply.status, reply.spans(), sizes):
+            if status == ALLOCATED:
+                assert len(span) == -(-size // 4096)
+                allocated.append(span)
+            else:
+                assert span is None
+        return reply.status, allocated
+
+    @rule(who=st.sampled_from([0, 1]), ns=st.sampled_from([1, 2]), ids=HASH_IDS,
+          num_blocks=SPAN_LENGTHS)
+    def alloc(self, who, ns, ids, num_blocks):
+        self.pending[who].extend(self._alloc(who, ns, ids, num_blocks)[1])
+
+    @rule(who=st.sampled_from([0, 1]), namespaces=NAMESPACES, ids=HASH_IDS,
+          num_blocks=SPAN_LENGTHS)
+    def store(self, who, namespaces, ids, num_blocks):
+        """ALLOC then COMMIT in each namespace, as a client's store does (one per rank)."""
+        for ns in namespaces:
+            status, allocated = self._alloc(who, ns, ids, num_blocks)
+            block_ids = [block_id for span in allocated for block_id in span]
+            assert self.service.handle(self.sessions[who], Commit(block_ids)) == Ok()
+            # Every chunk answered EXISTS or ALLOCATED is READY now (committed by this
+            # session, or by another first); one answered only NOSPACE is not.
+            ready = {chunk for chunk, answer in zip(ids, status) if answer != NOSPACE}
+            expected = next((i for i, chunk in enumerate(ids) if chunk not in ready), len(ids))
+            assert lookup(self.service, self.sessions[who], [ns], ids) == expected
+        self.stored.append(ids)
+
+    @precondition(lambda self: self.pending[0] or self.pending[1])
+    @rule(data=st.data(), commit=st.booleans())
+    def commit_or_abort(self, data, commit):
+        who = data.draw(st.sampled_from([i for i in (0, 1) if self.pending[i]]))
+        chosen = data.draw(st.lists(st.sampled_from(self.pending[who]), min_size=1,
+                                    max_size=3, unique_by=tuple))
+        block_ids = [span[0] for span in chosen]
+        foreign = data.draw(st.booleans())
+        if foreign:  # the other session may neither commit nor abort them
+            reply = self.service.handle(self.sessions[1 - who], Commit(block_ids))
+            assert error_code(reply) == "not_owner"
+            self.num_not_owner += 1
+            return
+        request = Commit(block_ids) if commit else Abort(block_ids)
+        assert self.service.handle(self.sessions[who], request) == Ok()
+        for span in chosen:
+            self.pending[who].remove(span)
+
+    @rule(who=st.sampled_from([0, 1]))
+    def reconnect(self, who):
+        self.service.close_session(self.sessions[who])
+        self.leases[who].clear()
+        self.pending[who].clear()
+        self.sessions[who] = greeted(self.service, *MACHINE_TP2)
+
+    @invariant()
+    def every_pin_is_accounted_for(self):
+        pool = self.service.pool
+        pool.check_invariants()
+        expected = [0] * pool.num_blocks
+        for held in self.leases:
+            for block_ids in held.values():
+                for block_id in block_ids:
+                    expected[block_id] += 1
+        for pending in self.pending:
+            for span in pending:
+                for block_id in span:
+                    assert pool.blocks[block_id].state == BlockState.WRITING
+                    expected[block_id] += 1
+        assert [b.ref_cnt for b in pool.blocks] == expected
+        for who, (session, held) in enumerate(zip(self.sessions, self.leases)):
+            assert session.num_pinned_blocks == sum(map(len, held.values()))
+            assert session.num_host_blocks_held == self.held(who) <= MACHINE_SHARE_BLOCKS
+
+
+def test_random_requests_of_two_sessions_keep_every_pin_accounted_for(unique_name):
+    names = iter(range(1_000_000))
+    run_state_machine_as_test(
+        lambda: TwoSessionsMachine(f"{unique_name}-{next(names)}"),
+        settings=settings(max_examples=60, stateful_step_count=25, deadline=None),
+    )
