@@ -24,8 +24,8 @@ What lives here:
                                the daemon
     vllm_connector.py          the connector's stable module path (re-exports vllm/)
 
-What it may import: `lmcached.shm` and, from the daemon's package, only `lmcached.wire.protocol`,
-`lmcached.wire.socket_path`, `lmcached.wire.envs` and `lmcached.wire.logger`. The engine core imports
+What it may import: `lmcached.shm` and `lmcached.wire`; never the daemon (`lmcached.daemon`)
+nor the operations layer (docs/architecture.md, "Layers"). The engine core imports
 neither `vllm/` nor `adapters/` nor `hf.py` / `hf_blend.py`, so importing `lmcached.client` never
 imports vllm or transformers.
 

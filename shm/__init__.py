@@ -1,18 +1,17 @@
-"""`lmcached.shm` (folder `shm/`): the arena and the block pool. Pure data structures, no
-sockets.
+"""`lmcached.shm` (folder `shm/`): memory the daemon and its clients both map.
 
 What lives here, one concept per module:
-    arena.py       the POSIX shared-memory segment: create, attach, prefault, unlink, and
-                   zero-copy views of its blocks (the daemon and the clients).
-    janitor.py     the lock of a daemon name, which says who owns its segments, and the
-                   unlinking of the segments of dead daemons (the daemon's start-up
-                   sweep), as CPython's resource_tracker cleans up after shared_memory.
-    free_queue.py  `KVCacheBlock` metadata and the LRU `FreeKVCacheBlockQueue`.
-    block_pool.py  `BlockPool`: allocation, commit, pins, free, eviction (daemon only).
+    arena.py          the POSIX shared-memory segment: create (reserve, prefault), attach,
+                      unlink, and zero-copy views of its blocks (the daemon and the clients)
+    janitor.py        the lock of a daemon name, which says who owns its segments, and the
+                      unlinking of the segments of dead daemons (the daemon's start-up
+                      sweep), as CPython's resource_tracker cleans up after shared_memory
+    device_memory.py  device tiers' memory: "fake" memfd arenas and CUDA VMM allocations
+                      exported by file descriptor
+    cuda_driver.py    the CUDA driver calls of VMM export and import (cuda-bindings, lazily)
 
-What it may import: the standard library, numpy, posix_ipc, psutil, torch (lazily, for
-views) and `lmcached.wire.logger`. Never `lmcached.client`, the protocol or the daemon: both
-the daemon (`lmcached`) and the clients (`lmcached.client`) import this package.
+What it may import: `lmcached.wire`, the standard library, numpy, posix_ipc, psutil and
+torch (lazily, for views). Never the daemon or the client: both import this package.
 """
 
 from .arena import Arena, segment_name

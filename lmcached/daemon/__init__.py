@@ -1,1 +1,20 @@
-"""The daemon (import name `lmcached.daemon`)."""
+"""The daemon (import name `lmcached.daemon`): the one process that owns the arenas.
+
+What lives here:
+    server.py, connection.py   the selectors loop and one client connection's buffers
+    startup.py                 the start-up steps before the loop serves
+    service.py, session.py     request semantics (no sockets) and what each session holds
+    keys.py                    the block pool's keys for chunks and string keys
+    block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
+                               `KVCacheBlock`s (after vLLM's v1 core)
+    tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
+    l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
+    info.py                    INFO / CLIENTS fields
+    metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against
+                               hostile local processes
+    notify.py, progress.py     systemd's notify protocol, start-up progress
+
+What it may import: `lmcached.shm` and `lmcached.wire`; never `lmcached.client`, torch,
+click, transformers or vllm. prometheus_client only in metrics.py (with --metrics-port),
+redis-py only in l2/redis_store.py (with --l2).
+"""

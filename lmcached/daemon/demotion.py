@@ -9,7 +9,7 @@ LRU values to the host arena, where they stay readable, and then freeing them on
 device. This is the device-to-host spill of vLLM's CPU offloading and of LMCache's
 tiered storage (GPU hot tier, CPU below), done by the daemon that owns both tiers.
 
-Rules (each one has a test, tests/test_demotion.py):
+Rules (each one has a test, tests/daemon/test_demotion_model.py and tests/daemon/test_tiers.py):
 - Only the loop thread changes block metadata. The copy runs on a worker thread, never
   in the loop (a copy of a 2 GiB tier takes tens of milliseconds even at PCIe speed).
 - A value is chosen only while nobody pins it (`BlockPool.lru_values`), and the planner
