@@ -104,7 +104,7 @@ _FRAME_OVERHEAD_BYTES = 256
 # Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
 # or a span length).
 _INT_BYTES = 9
-_BLOCK_ID_BYTES = 9  # a block reference: tier << 32 | block id, a msgpack uint64
+_BLOCK_ID_BYTES = 9  # a block reference (`block_ref`): a msgpack uint64
 
 
 def chunks_per_request(layout: "KVLayout", block_bytes: int, num_namespaces: int = 1) -> int:
@@ -188,7 +188,7 @@ class Snapshot:
         leases: leases taken through `acquire` in this snapshot (released by
             `DaemonLink.call` if the call fails).
         tiers: the device tiers of that generation this session mapped, by tier id
-            (block references `tier << 32 | block` of these tiers are readable here).
+            (block references `block_ref(tier, block)` of these tiers are readable here).
         home_tier: the tier id of the link's first device, 0 (the host arena) when
             none is mapped: where ALLOC asks for new chunks to go.
     """

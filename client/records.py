@@ -352,7 +352,7 @@ def check_headers(headers: np.ndarray, chunk_hashes: list[bytes], token_array: n
 
 class TieredRecords:
     """`RecordIO` over the host arena and the device tiers a session mapped: the same
-    methods, taking block references (`tier << 32 | block`, lmcached/wire/protocol.py) and
+    methods, taking block references (`block_ref(tier, block)`, lmcached/wire/protocol.py) and
     dispatching each record to the reader of its tier (a value's blocks are always in
     one tier). Used only when a session maps device tiers; without, the engine keeps
     its plain host `RecordIO` (no dispatch on the hot path).

@@ -22,7 +22,9 @@ span leaves the index and moves to the front of the queue as an empty block).
 
 from collections.abc import Callable
 
-from .free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
+from lmcached.wire.protocol import block_ref
+
+from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
 
 # Plain-int aliases of the states for the hot paths (no enum attribute lookups).
 _FREE, _WRITING, _READY = int(BlockState.FREE), int(BlockState.WRITING), int(BlockState.READY)
@@ -38,7 +40,7 @@ class BlockPool:
     Args:
         num_blocks: number of blocks in the arena, > 0.
         tier_id: the tier these blocks belong to (0: the host arena); each block's
-            `ref` is `tier_id << 32 | block_id` (lmcached/wire/protocol.py, `block_ref`).
+            `ref` is `block_ref(tier_id, block_id)` (lmcached/wire/protocol.py).
 
     Raises:
         ValueError: num_blocks < 1.
@@ -60,8 +62,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tier_id = tier_id
-        base = tier_id << 32
-        self.blocks = [KVCacheBlock(i, base | i) for i in range(num_blocks)]
+        self.blocks = [KVCacheBlock(i, block_ref(tier_id, i)) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached: dict[BlockHash, list[KVCacheBlock]] = {}
         self.num_writing_blocks = 0

@@ -59,6 +59,7 @@ from lmcached.wire.protocol import (
     Scan,
     Shutdown,
     TierHandle,
+    tier_of,
 )
 from lmcached.daemon.session import PendingValue, Session
 from lmcached.shm.arena import HEADER_BYTES, Arena
@@ -502,7 +503,7 @@ class CacheService:
                 span = find(chunk_keys[i], readable)
                 if span is None:
                     return i
-                taken.update(b.ref for b in span if not b.ref >> 32 and b.ref not in pins)
+                taken.update(b.ref for b in span if not tier_of(b.ref) and b.ref not in pins)
             if len(taken) > room:
                 return i
         return num_chunks
@@ -720,7 +721,7 @@ class CacheService:
         for length in span_lengths:
             if length == 1:
                 one_block += 1
-                overflow += not refs[pos] >> 32
+                overflow += not tier_of(refs[pos])
             pos += length
         self.demoter.plan({device_pool.tier_id: one_block} if overflow else None)
 
@@ -854,7 +855,7 @@ class CacheService:
         self._require_pool()
         pools = self.tiers.pools
         for key, ref in zip(chunk_keys, req.block_ids):
-            tier_id = ref >> 32
+            tier_id = tier_of(ref)
             pool = pools[tier_id] if 0 <= tier_id < len(pools) else None
             span = pool.cached.get(key) if pool is not None else None
             if span is not None and span[0].ref == ref and pool.evict(key):

@@ -8,6 +8,7 @@ back. The session is the record that makes both checks O(request).
 import time
 
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
+from lmcached.wire.protocol import tier_of
 
 
 class PendingValue:
@@ -26,7 +27,7 @@ class PendingValue:
     @property
     def tier_id(self) -> int:
         """The tier of the value's blocks (0: the host arena)."""
-        return self.blocks[0].ref >> 32
+        return tier_of(self.blocks[0].ref)
 
 
 class Session:
@@ -124,7 +125,7 @@ class Session:
     def num_new_host_blocks(self, blocks: list[KVCacheBlock]) -> int:
         """Host arena blocks among `blocks` (distinct) this session does not pin yet."""
         pins = self.pins
-        return sum(1 for block in blocks if not block.ref >> 32 and block.ref not in pins)
+        return sum(1 for block in blocks if not tier_of(block.ref) and block.ref not in pins)
 
     def add_lease(self, lease: int, blocks: list[KVCacheBlock]) -> None:
         """Record one pin on each of `blocks` (after the pool touched them) as `lease`."""
@@ -134,7 +135,7 @@ class Session:
         for block in blocks:
             ref = block.ref
             count = pins.get(ref, 0)
-            if not count and not ref >> 32:
+            if not count and not tier_of(ref):
                 num_new += 1
             pins[ref] = count + 1
         self.num_host_pinned += num_new
@@ -161,7 +162,7 @@ class Session:
                 pins[ref] = count
             else:
                 del pins[ref]
-                num_gone += not ref >> 32
+                num_gone += not tier_of(ref)
         self.num_host_pinned -= num_gone
         return blocks
 
@@ -179,7 +180,7 @@ class Session:
         """Remove and return the values any of whose blocks are listed, in order.
 
         Args:
-            refs: block references (`tier << 32 | block id`) from this session's ALLOC.
+            refs: block references (`block_ref(tier, block id)`) from this session's ALLOC.
 
         Returns:
             None (nothing changed) when some ref is not being written by this session.

@@ -6,7 +6,7 @@ Why this file exists: a chunk may live in the host arena (tier 0) or in a device
 and every request must find, pin, place and release blocks across them with the same
 rules. Those rules live here, so that `service.py` never branches on a tier's kind:
 
-- Block references on the wire are `tier << 32 | block id` (protocol.py `block_ref`);
+- Block references on the wire are `block_ref(tier, block id)` (lmcached/wire/protocol.py);
   each `KVCacheBlock.ref` holds its own.
 - A session reads the tiers of its HELLO `devices` first, then the host arena; a
   session without devices reads the host arena only, so a client from before tiers
@@ -22,7 +22,7 @@ rules. Those rules live here, so that `service.py` never branches on a tier's ki
 from collections.abc import Callable
 
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import ANY_DEVICE, TierInfo
+from lmcached.wire.protocol import ANY_DEVICE, TierInfo, block_ref, tier_of
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
@@ -178,7 +178,7 @@ class TierSet:
             span = self.find(key, readable)
             if span is None:
                 break
-            pool = pools[span[0].ref >> 32]
+            pool = pools[tier_of(span[0].ref)]
             pool.touch(span)
             pool.stat_hits += 1
             spans.append(span)
@@ -187,7 +187,7 @@ class TierSet:
 
     def touch(self, span: list[KVCacheBlock]) -> None:
         """Pin one value's blocks in their tier."""
-        self.pools[span[0].ref >> 32].touch(span)
+        self.pools[tier_of(span[0].ref)].touch(span)
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one pin from each block, each in its own tier's pool (tail first within
@@ -198,13 +198,13 @@ class TierSet:
             return
         by_tier: dict[int, list[KVCacheBlock]] = {}
         for block in blocks:
-            by_tier.setdefault(block.ref >> 32, []).append(block)
+            by_tier.setdefault(tier_of(block.ref), []).append(block)
         for tier_id, group in by_tier.items():
             pools[tier_id].free(group)
 
     def abort(self, blocks: list[KVCacheBlock]) -> None:
         """Abort one WRITING value (its blocks are in one tier)."""
-        self.pools[blocks[0].ref >> 32].abort(blocks)
+        self.pools[tier_of(blocks[0].ref)].abort(blocks)
 
     # ----------------------------------------------------------------- requests
     def evict(self, key: BlockHash) -> bool:
@@ -227,6 +227,6 @@ class TierSet:
                 continue
             pool.check_invariants()
             for block in pool.blocks:
-                assert block.ref == tier_id << 32 | block.block_id, (
+                assert block.ref == block_ref(tier_id, block.block_id), (
                     f"{block!r} has ref {block.ref:#x} outside tier {tier_id}; bug"
                 )
