@@ -8,6 +8,7 @@ goes on serving. What the keys of the block pool are is `keys.py`; the fields of
 and CLIENTS are built in `info.py`.
 """
 
+import bisect
 import os
 import time
 from typing import TYPE_CHECKING
@@ -80,6 +81,14 @@ DEVICE_TIER_FORMATS = frozenset({"vllm", "huggingface"})
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
+# A request's price in the server's per-pass budget (connection.py, PASS_BUDGET) follows
+# the work it costs the loop: a SCAN page walks blocks (~80 ns each here), a CLIENTS
+# row reads /proc twice (psutil, ~60 us here); one unit is about an ordinary request.
+SCAN_DEFAULT_COUNT = 1024  # blocks a SCAN page walks when it names no count
+MAX_SCAN_COUNT = 4096  # blocks a SCAN page walks at most (~0.3 ms)
+SCAN_BLOCKS_PER_UNIT = 256
+MAX_CLIENTS_PER_PAGE = 16  # sessions a CLIENTS page lists at most (~1 ms)
+CLIENT_ROW_UNITS = 2
 MAX_LAYOUTS_PER_SESSION = 64  # namespaces one HELLO may register (e.g. TP ranks)
 
 
@@ -130,6 +139,9 @@ class CacheService:
             stat_misses.
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
+        work_units: what the last request cost in the server's per-pass budget, when
+            its handler priced it by its work (SCAN, CLIENTS); 0 for a request of fixed
+            price (connection.py, REQUEST_COST).
         l2: the L2 tier (`lmcached/l2/tier.py`), or None without --l2; set by the server
             before it serves.
     """
@@ -159,6 +171,7 @@ class CacheService:
         self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
         self.stat_ns_hits = [0]
         self.stat_ns_misses = [0]
+        self.work_units = 0
         self._handlers = {
             Hello: self._hello,
             Lookup: self._lookup,
@@ -264,11 +277,13 @@ class CacheService:
         PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
         root are refused with `forbidden`. With metrics on, the time from here to the
         reply Struct is observed in `latency` (decoding, encoding and sending are not).
+        A handler that prices the request by its work sets `work_units`.
 
         Returns:
             The reply Struct (an `Error` for a refused request), or None for a request
             of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
         """
+        self.work_units = 0
         if self.latency is None:
             return self._answer(session, request)
         started = time.perf_counter()
@@ -695,18 +710,39 @@ class CacheService:
         return CountReply(int(self._require_pool().evict(key)))
 
     def _scan(self, session: Session, req: Scan) -> KeysReply:
+        """One page of a SCAN (after Redis's SCAN): walk at most `count` host blocks from
+        block `cursor` on, and list the string keys of `req.ns` starting with
+        `req.prefix` whose value begins in them, stopping early at `limit` keys.
+
+        The cursor is a block id: blocks never move, so a value cached for the whole
+        scan begins in one block and is listed exactly once, whatever is stored or
+        evicted meanwhile. String keys live in the host arena only (device tiers hold
+        KV chunks). Priced by the blocks walked (`work_units`).
+
+        Returns:
+            The keys found and the next page's cursor (0: the walk reached the last
+            block).
+        """
         self._check_namespace(session, req.ns)
+        pool = self.pool
+        limit = min(req.limit, MAX_SCAN_KEYS)
+        if pool is None or limit <= 0 or req.cursor >= pool.num_blocks:
+            return KeysReply([], 0)
         ns_prefix = keys.string_prefix(req.ns)
         prefix = ns_prefix + req.prefix.encode()
-        limit = min(req.limit, MAX_SCAN_KEYS)
+        start = req.cursor
+        end = min(pool.num_blocks, start + min(req.count or SCAN_DEFAULT_COUNT, MAX_SCAN_COUNT))
         names = []
-        if self.pool is not None and limit > 0:
-            for key in self.pool.cached:
-                if key.startswith(prefix):
-                    names.append(key[len(ns_prefix) :].decode())
-                    if len(names) >= limit:
-                        break
-        return KeysReply(names)
+        position = start
+        for block in pool.blocks[start:end]:
+            position += 1
+            key = block.block_hash  # not None: READY and indexed
+            if key is not None and key.startswith(prefix) and block.span[0] is block:
+                names.append(key[len(ns_prefix) :].decode())
+                if len(names) >= limit:
+                    break
+        self.work_units = 1 + (position - start) // SCAN_BLOCKS_PER_UNIT
+        return KeysReply(names, position if position < pool.num_blocks else 0)
 
     # ------------------------------------------------------------------- admin
     def _ping(self, session: Session, req: Ping) -> Ok:
@@ -753,7 +789,22 @@ class CacheService:
                           tier.size_bytes)
 
     def _clients(self, session: Session, req: Clients) -> ClientsReply:
-        return ClientsReply(client_rows(self.sessions.values()))
+        """One page of CLIENTS: at most MAX_CLIENTS_PER_PAGE sessions (or `req.count`)
+        from session id `req.cursor` on, in id order; priced per row (`work_units`).
+
+        Returns:
+            Their rows and the next page's cursor: the id after the last row's, or 0
+            when no session follows.
+        """
+        sessions = self.sessions  # in id order: ids grow, a dict keeps insertion order
+        ids = list(sessions)
+        first = bisect.bisect_left(ids, req.cursor)
+        count = min(req.count or MAX_CLIENTS_PER_PAGE, MAX_CLIENTS_PER_PAGE)
+        page = ids[first : first + count]
+        self.work_units = max(1, CLIENT_ROW_UNITS * len(page))
+        more = first + count < len(ids)
+        return ClientsReply(client_rows(sessions[i] for i in page),
+                            page[-1] + 1 if more else 0)
 
     def _info(self, session: Session, req: Info) -> InfoReply:
         sections = info_sections(self)

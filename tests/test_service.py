@@ -7,6 +7,7 @@ block pool's exact state. Every test that pins or allocates ends with
 no pinned and no WRITING block (docs/architecture.md, "Crash = EOF").
 """
 
+import itertools
 import os
 
 import msgspec
@@ -64,8 +65,19 @@ from lmcached.protocol import (
     Shutdown,
     encode_frame,
     reply_decoder,
+    request_decoder,
 )
-from lmcached.service import MAX_LAYOUTS_PER_SESSION, MIN_DERIVED_BLOCKS, CacheService
+from lmcached.service import (
+    CLIENT_ROW_UNITS,
+    MAX_CLIENTS_PER_PAGE,
+    MAX_LAYOUTS_PER_SESSION,
+    MAX_SCAN_COUNT,
+    MAX_SCAN_KEYS,
+    MIN_DERIVED_BLOCKS,
+    SCAN_BLOCKS_PER_UNIT,
+    SCAN_DEFAULT_COUNT,
+    CacheService,
+)
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.shm.free_queue import BlockState
 
@@ -763,6 +775,61 @@ def test_scan_lists_string_keys_of_one_namespace_by_prefix_up_to_limit(service):
     assert_everything_returned(service)
 
 
+def test_scan_pages_through_blocks_with_a_cursor_and_lists_each_value_once(make_service):
+    """SCAN after Redis's: each page walks at most `count` blocks from `cursor`, is
+    priced by them, and a key cached for the whole scan comes exactly once, whatever
+    is stored or evicted meanwhile; the pre-cursor request shape gets the first page."""
+    num_blocks = MAX_SCAN_COUNT + SCAN_DEFAULT_COUNT
+    service = make_service(HEADER_BYTES + num_blocks * 4096, 4096)
+    session = greeted(service, layout(fmt="kv"))
+    stay = {f"k/{i}" for i in range(0, num_blocks, 7)}
+    for i in range(num_blocks - 1):
+        if f"k/{i}" in stay:
+            put(service, session, 1, f"k/{i}", 5000 if i == 700 else 100)  # 700: 2 blocks
+        else:
+            put(service, session, 1, f"x/{i}", 100)  # fills the rest: no free block left
+
+    def page(cursor, count=0, limit=MAX_SCAN_KEYS, prefix="k/"):
+        reply = service.handle(session, Scan(1, prefix, limit, cursor, count))
+        assert isinstance(reply, KeysReply), reply
+        return reply
+
+    first = page(0, 100)
+    assert first.cursor == 100 and service.work_units == 1 + 100 // SCAN_BLOCKS_PER_UNIT
+    listed, cursor, pages = [], 0, 0
+    churn = iter(i for i in range(num_blocks) if f"k/{i}" not in stay)
+    while True:
+        reply = page(cursor, 500)
+        listed += reply.keys
+        pages += 1
+        assert service.work_units <= 1 + 500 // SCAN_BLOCKS_PER_UNIT
+        for i in itertools.islice(churn, 3):  # values come and go between pages
+            assert service.handle(session, Delete(1, f"x/{i}")) == CountReply(1)
+            put(service, session, 1, f"new/{i}", 100)  # in the block just emptied
+        if not reply.cursor:
+            break
+        cursor = reply.cursor
+    assert pages == -(-num_blocks // 500)
+    assert sorted(listed) == sorted(stay)  # each once: no duplicate, none missing
+    legacy = request_decoder.decode(msgspec.msgpack.encode(["scan", 1, "", MAX_SCAN_KEYS]))
+    reply = service.handle(session, legacy)  # three fields: the first default page
+    assert reply.cursor == SCAN_DEFAULT_COUNT
+    assert service.work_units == 1 + SCAN_DEFAULT_COUNT // SCAN_BLOCKS_PER_UNIT
+    assert page(0, 10**9).cursor == MAX_SCAN_COUNT  # a larger count is capped
+    limited = page(0, limit=3)
+    assert len(limited.keys) == 3 and limited.cursor == 15  # stops at the third key
+    assert page(limited.cursor, limit=1).keys == ["k/21"]
+    assert page(num_blocks) == KeysReply([], 0) and page(10**12) == KeysReply([], 0)
+    assert_everything_returned(service)
+
+
+def test_scan_refuses_a_negative_cursor_or_count(service):
+    session = greeted(service, LAYOUT)
+    for bad in (["scan", 1, "", 10, -1, 0], ["scan", 1, "", 10, 0, -5]):
+        reply = answer_frame(service, session, msgspec.msgpack.encode(bad))[0]
+        assert error_code(reply_decoder.decode(reply[4:])) == "bad_request"
+
+
 # ------------------------------------------------------------------- INFO, CLIENTS
 def test_info_reports_every_section_from_the_service_state(service):
     session = greeted(service, LAYOUT)
@@ -819,6 +886,30 @@ def test_clients_lists_one_row_per_session(service):
         "writing_blocks": 1, "requests": 6}
     assert rows[admin.session_id]["requests"] == 2
     assert_everything_returned(service)
+
+
+def test_clients_pages_through_sessions_by_id_priced_per_row(service):
+    sessions = [greeted(service) for _ in range(2 * MAX_CLIENTS_PER_PAGE + 3)]
+    admin = sessions[0]
+    first = service.handle(admin, Clients())  # no cursor (before the cursor): first page
+    assert [row["id"] for row in first.clients] == [
+        s.session_id for s in sessions[:MAX_CLIENTS_PER_PAGE]]
+    assert first.cursor == sessions[MAX_CLIENTS_PER_PAGE - 1].session_id + 1
+    assert service.work_units == CLIENT_ROW_UNITS * MAX_CLIENTS_PER_PAGE
+    for ended in sessions[MAX_CLIENTS_PER_PAGE : MAX_CLIENTS_PER_PAGE + 2]:
+        service.close_session(ended)  # gone between two pages: the cursor still works
+    later = greeted(service)  # opened during the listing: listed at the end
+    rows, cursor = list(first.clients), first.cursor
+    while cursor:
+        reply = service.handle(admin, Clients(cursor, 5))
+        assert len(reply.clients) <= 5 and service.work_units <= 5 * CLIENT_ROW_UNITS
+        rows += reply.clients
+        cursor = reply.cursor
+    assert [row["id"] for row in rows] == [s.session_id for s in sessions if s.session_id
+                                           in service.sessions] + [later.session_id]
+    assert service.handle(admin, Clients(10**9)) == ClientsReply([], 0)
+    assert service.work_units == 1
+    assert len(service.handle(admin, Clients(0, 10**6)).clients) == MAX_CLIENTS_PER_PAGE
 
 
 # ---------------------------------------------------------------- EVICT, CLEAR, admin
