@@ -71,6 +71,7 @@ from lmcached.service import (
     CLIENT_ROW_UNITS,
     MAX_CLIENTS_PER_PAGE,
     MAX_LAYOUTS_PER_SESSION,
+    MAX_NAMESPACES,
     MAX_SCAN_COUNT,
     MAX_SCAN_KEYS,
     MIN_DERIVED_BLOCKS,
@@ -250,6 +251,82 @@ def test_hello_with_too_many_layouts_is_refused(service):
     assert not session.greeted and service.namespaces == {}
     reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", many[:-1]))
     assert reply.namespaces == list(range(1, MAX_LAYOUTS_PER_SESSION + 1))
+
+
+def test_a_namespace_nothing_uses_is_freed_when_its_last_session_ends(service):
+    first = greeted(service, *TP2)
+    second = greeted(service, TP2[0])
+    service.close_session(first)
+    assert service.namespaces == {TP2[0]: 1}  # rank 1 had no other session, no value
+    service.close_session(second)
+    assert service.namespaces == {} and service.stat_freed_namespaces["namespaces"] == 2
+    fields = service.handle(greeted(service), Info("clients")).sections["clients"]
+    assert (fields["namespaces"], fields["namespaces_freed"]) == (0, 2)
+    assert greeted(service, layout(model_name="next")).namespaces == [1]  # ids given again
+
+
+def test_a_namespace_outlives_its_sessions_while_a_value_is_cached(service):
+    """The chunk keeps its namespace (and id) for the next session of the layout; its
+    eviction frees the namespace; a freed id given to another layout finds nothing of
+    the old one."""
+    writer = greeted(service, LAYOUT, layout(fmt="kv"))
+    store(service, writer, 1, [7])
+    put(service, writer, 2, "key")
+    assert service.handle(writer, Acquire([1], chunk_hashes([7]))).lease  # a hit
+    service.close_session(writer)
+    other = greeted(service, layout(model_name="other"))
+    assert other.namespaces == [3]  # 1 and 2 still name the writer's layouts
+    reader = greeted(service, LAYOUT)
+    assert reader.namespaces == [1] and lookup(service, reader, [1], [7]) == 1
+    service.close_session(reader)
+    assert service.handle(greeted(service), Evict(key="key")) == CountReply(1)
+    assert LAYOUT in service.namespaces and layout(fmt="kv") not in service.namespaces
+    assert service.handle(greeted(service), Evict(lru=1)) == CountReply(1)  # chunk 7
+    assert LAYOUT not in service.namespaces  # freed with its last value
+    assert service.stat_freed_namespaces == {"namespaces": 2, "hit_chunks": 1,
+                                             "miss_chunks": 0, "hit_tokens": 16,
+                                             "miss_tokens": 0}
+    assert service.pool.stat_hits == 1 + sum(service.stat_ns_hits.values())
+    reused = greeted(service, layout(model_name="reuses-id-1"))
+    assert reused.namespaces == [1] and lookup(service, reused, [1], [7]) == 0
+    assert_everything_returned(service)
+
+
+def test_a_value_evicted_by_pressure_frees_its_namespace(make_service):
+    service = make_service(HEADER_BYTES + 2 * BLOCK_BYTES)
+    old = greeted(service, layout(model_name="old"))
+    store(service, old, 1, [1, 2])
+    service.close_session(old)
+    new = greeted(service, layout(model_name="new"))
+    assert new.namespaces == [2]
+    store(service, new, 2, [3])
+    assert 1 in service._ns_layout  # one of its chunks is still cached
+    store(service, new, 2, [4])  # evicts the old layout's last chunk
+    assert 1 not in service._ns_layout and service.namespaces == {layout(model_name="new"): 2}
+    assert_everything_returned(service)
+
+
+def test_hellos_beyond_max_namespaces_are_refused_until_one_is_freed(service):
+    sessions = [greeted(service, *(layout(rank, MAX_LAYOUTS_PER_SESSION, f"m{i}")
+                                   for rank in range(MAX_LAYOUTS_PER_SESSION)))
+                for i in range(MAX_NAMESPACES // MAX_LAYOUTS_PER_SESSION)]
+    assert len(service.namespaces) == MAX_NAMESPACES
+    session, reply = greet(service, layout(model_name="one-more"), LAYOUT)
+    assert error_code(reply) == "max_namespaces" and not session.greeted
+    assert f"over {MAX_NAMESPACES} namespaces" in reply.message
+    assert "close the sessions" in reply.message
+    assert len(service.namespaces) == MAX_NAMESPACES  # nothing registered
+    assert greeted(service, layout(0, MAX_LAYOUTS_PER_SESSION, "m0")).namespaces == [1]
+    service.close_session(sessions[-1])
+    assert greeted(service, layout(model_name="one-more"), LAYOUT).namespaces == [
+        MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 1, MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 2]
+
+
+def test_a_hello_refused_half_way_leaves_no_namespace(service):
+    _, reply = greet(service, LAYOUT, layout(model_name="huge", record_bytes=1 << 30))
+    assert error_code(reply) == "too_large"
+    assert service.namespaces == {}
+    assert greeted(service, layout(model_name="next")).namespaces == [1]
 
 
 def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
@@ -853,7 +930,7 @@ def test_info_reports_every_section_from_the_service_state(service):
     assert blocks == {"num_blocks": NUM_BLOCKS, "free_blocks": 13, "cached_blocks": 2,
                       "pinned_blocks": 1, "writing_blocks": 1, "detached_blocks": 0,
                       "evictable_blocks": 1, "cached_values": 2}
-    assert clients == {"connected_clients": 1, "namespaces": 1}
+    assert clients == {"connected_clients": 1, "namespaces": 1, "namespaces_freed": 0}
     assert stats["requests"] == service.stat_requests == 8  # HELLO .. this INFO
     assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
     assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)
