@@ -13,17 +13,18 @@ import time
 
 from lmcached.protocol import (
     HASH_BYTES,
+    PROTOCOL_VERSION,
     Alloc,
     Clients,
     Commit,
     Connection,
+    Hello,
     Layout,
     Lookup,
     Scan,
     encode_frame,
     hello,
     list_clients,
-    reply_decoder,
 )
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -68,7 +69,7 @@ def lookup_latencies_while_pipelining(socket_path: str, frame: bytes, ns: int) -
     """
     costly = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     costly.connect(socket_path)
-    costly.sendall(encode_frame(_hello_frame()))
+    costly.sendall(encode_frame(Hello(PROTOCOL_VERSION, 0, "pipeliner", [LAYOUT])))
     costly.setblocking(False)
     stop = threading.Event()
     received = [0]
@@ -117,12 +118,6 @@ def lookup_latencies_while_pipelining(socket_path: str, frame: bytes, ns: int) -
         thread.join(timeout=30)
         costly.close()
     return latencies, received[0]
-
-
-def _hello_frame():
-    from lmcached.protocol import PROTOCOL_VERSION, Hello
-
-    return Hello(PROTOCOL_VERSION, 0, "pipeliner", [LAYOUT])
 
 
 def test_pipelined_scans_over_100k_values_do_not_delay_another_clients_lookup(
