@@ -19,7 +19,6 @@ from lmcached.config import config_from_context, serve_params
 from lmcached.wire.logger import configure_logging
 from lmcached.wire.protocol import (
     Clear,
-    Clients,
     ConfigGet,
     Connection,
     DaemonError,
@@ -28,6 +27,7 @@ from lmcached.wire.protocol import (
     Ping,
     Shutdown,
     hello,
+    list_clients,
 )
 from lmcached.wire.socket_path import (
     UnsafeSocketPathError,
@@ -85,6 +85,16 @@ def _request(socket_path: str | None, name: str, message):
     """Send one admin request and return the reply.
 
     Raises:
+        click.ClickException: as `_session`.
+    """
+    return _session(socket_path, name, lambda conn: conn.request(message))
+
+
+def _session(socket_path: str | None, name: str, talk):
+    """Open an admin session and return `talk(conn)` (its requests, e.g. the pages of
+    CLIENTS).
+
+    Raises:
         click.ClickException: no daemon, an unsafe socket directory, a broken connection,
             or an Error reply (printed as one `Error: ...` line, exit status 1).
     """
@@ -93,7 +103,7 @@ def _request(socket_path: str | None, name: str, message):
         check_client_socket_directory(path)
         with Connection(path, timeout_s=10.0) as conn:
             hello(conn, "lmcached-cli")
-            return conn.request(message)
+            return talk(conn)
     except UnsafeSocketPathError as exc:
         raise click.ClickException(str(exc)) from None
     except (FileNotFoundError, ConnectionRefusedError):
@@ -129,11 +139,11 @@ def info(section, as_json, socket_path, name) -> None:
 @_admin_options
 def clients(as_json, socket_path, name) -> None:
     """One line per connected client: id, pid, process, RSS, namespace, pins."""
-    reply = _request(socket_path, name, Clients())
+    rows = _session(socket_path, name, list_clients)
     if as_json:
-        click.echo(json.dumps(reply.clients, indent=2))
-    elif reply.clients:
-        click.echo(render_clients(reply.clients))
+        click.echo(json.dumps(rows, indent=2))
+    elif rows:
+        click.echo(render_clients(rows))
 
 
 @main.command()

@@ -13,7 +13,7 @@ import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
-from lmcached.wire.protocol import Clients, Connection, Info, Invalidate, Release, request_decoder
+from lmcached.wire.protocol import Clients, Connection, Info, Invalidate, Release, list_clients, request_decoder
 from lmcached.shm.janitor import list_segments
 from redis_servers import redis_cluster, redis_server  # noqa: F401
 
@@ -92,7 +92,7 @@ class DaemonProcess:
         """Pins held by every session together (CLIENTS), counting a block pinned by two
         leases twice (INFO's pinned_blocks counts blocks)."""
         with Connection(self.socket) as conn:
-            return sum(row["pinned_blocks"] for row in conn.request(Clients()).clients)
+            return sum(row["pinned_blocks"] for row in list_clients(conn))
 
 
 def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None,

@@ -157,9 +157,19 @@ class TensorStore:
         return self._get(key, lambda arena, reply: True) is True
 
     def scan(self, prefix: str = "", limit: int = 100) -> list[str]:
-        """Keys starting with `prefix`, at most `limit`."""
-        return self.link.call(
-            "SCAN", lambda snapshot: snapshot.request(Scan(snapshot.ns, prefix, limit)).keys, [])
+        """Keys starting with `prefix`, at most `limit`: the daemon's SCAN pages, cursor
+        after cursor, until `limit` keys or the last page."""
+
+        def scan_pages(snapshot) -> list[str]:
+            found, cursor = [], 0
+            while True:
+                reply = snapshot.request(Scan(snapshot.ns, prefix, limit - len(found), cursor))
+                found += reply.keys
+                if not reply.cursor or len(found) >= limit:
+                    return found
+                cursor = reply.cursor
+
+        return self.link.call("SCAN", scan_pages, [])
 
     def close(self) -> None:
         """End the session."""

@@ -20,7 +20,7 @@ Popping a cached block from the free queue evicts its whole value (every block o
 span leaves the index and moves to the front of the queue as an empty block).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from lmcached.wire.protocol import block_ref
 
@@ -55,6 +55,14 @@ class BlockPool:
             value, before its blocks are handed out, while their bytes and `num_bytes`
             are intact (the daemon's L2 tier copies them, lmcached/daemon/l2/tier.py); None = no
             hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
+        group_of: maps a key to its group (the daemon: its namespace,
+            `keys.namespace_tag_of`), so that the pool counts the indexed values of
+            each group in `num_values_by_group`; None = no counting.
+        num_values_by_group: group -> values in the index now (groups with none are
+            absent).
+        on_group_empty: called as `on_group_empty(group)` when the last indexed value
+            of a group leaves the index (an eviction of any kind; a replacement keeps
+            its key's group counted); None = no hook.
     """
 
     def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
@@ -74,6 +82,9 @@ class BlockPool:
         self.stat_misses = 0
         self.stat_evictions = 0
         self.on_evict: Callable[[BlockHash, list[KVCacheBlock]], None] | None = None
+        self.group_of: Callable[[BlockHash], Hashable] | None = None
+        self.num_values_by_group: dict[Hashable, int] = {}
+        self.on_group_empty: Callable[[Hashable], None] | None = None
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -184,6 +195,7 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block.block_hash, self.cached[block.block_hash])
         span = self.cached.pop(block.block_hash)
+        self._uncount(block.block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         if len(span) > 1:
             for other in span:
@@ -254,15 +266,17 @@ class BlockPool:
                         "(WRITING) can be committed"
                     )
         cached = self.cached
+        group_of, counts = self.group_of, self.num_values_by_group
         results = []
         num_committed_blocks = 0
         num_committed_bytes = 0
         for blocks, block_hash in zip(spans, block_hashes):
-            if block_hash in cached:
+            replaced = block_hash in cached
+            if replaced:
                 if not replace:
                     results.append(False)
                     continue
-                self._unindex(block_hash)  # a replacement, not an eviction
+                self._unindex(block_hash, replacing=True)  # not an eviction
             span = list(blocks)
             for block in span:
                 block.state = _READY
@@ -270,6 +284,9 @@ class BlockPool:
                 block.span = span
                 num_committed_bytes += block.num_bytes
             cached[block_hash] = span
+            if group_of is not None and not replaced:
+                group = group_of(block_hash)
+                counts[group] = counts.get(group, 0) + 1
             num_committed_blocks += len(span)
             results.append(True)
         self.num_writing_blocks -= num_committed_blocks
@@ -400,10 +417,12 @@ class BlockPool:
         self.stat_evictions += 1
         return True
 
-    def _unindex(self, block_hash: BlockHash) -> bool:
+    def _unindex(self, block_hash: BlockHash, replacing: bool = False) -> bool:
         span = self.cached.pop(block_hash, None)
         if span is None:
             return False
+        if not replacing:  # a replacement puts a value of the same key back at once
+            self._uncount(block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         for block in span:
             if block.ref_cnt == 0:
@@ -415,6 +434,19 @@ class BlockPool:
                 self.num_detached_blocks += 1
         self.num_cached_blocks -= len(span)
         return True
+
+    def _uncount(self, block_hash: BlockHash) -> None:
+        """Count a value that just left the index out of its group (`group_of`)."""
+        if self.group_of is None:
+            return
+        group = self.group_of(block_hash)
+        left = self.num_values_by_group[group] - 1
+        if left:
+            self.num_values_by_group[group] = left
+            return
+        del self.num_values_by_group[group]
+        if self.on_group_empty is not None:
+            self.on_group_empty(group)
 
     def evict_lru(self, num_values: int) -> int:
         """Evict up to `num_values` unpinned values, least recently used first.
@@ -485,6 +517,14 @@ class BlockPool:
         assert cached_bytes == self.num_cached_bytes, (
             f"num_cached_bytes {self.num_cached_bytes} != {cached_bytes}; bug"
         )
+        if self.group_of is not None:
+            groups: dict[Hashable, int] = {}
+            for block_hash in self.cached:
+                group = self.group_of(block_hash)
+                groups[group] = groups.get(group, 0) + 1
+            assert groups == self.num_values_by_group, (
+                f"num_values_by_group {self.num_values_by_group} != {groups}; bug"
+            )
         assert counts == {
             "writing": self.num_writing_blocks,
             "cached": self.num_cached_blocks,

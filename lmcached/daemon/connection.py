@@ -19,7 +19,6 @@ from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     NO_REPLY_REQUESTS,
     PROTOCOL_VERSION,
-    Clients,
     Info,
     encode_frame,
     request_decoder,
@@ -36,9 +35,10 @@ READ_AHEAD_BYTES = 64 * 1024  # stop reading while this much of complete frames 
 OUTBUF_PAUSE_BYTES = 1 << 20  # stop serving a client while this much of replies is unsent
 MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
 # Bounded work per client per loop pass (round robin): a request costs 1, except those
-# cheap to send and costly to serve.
+# cheap to send and costly to serve: INFO, and the requests whose handler prices them by
+# the work they did (`CacheService.work_units`: SCAN, CLIENTS).
 PASS_BUDGET = 32
-REQUEST_COST = {Info: 8, Clients: 16}
+REQUEST_COST = {Info: 8}
 PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
 SILENT_GRACE_S = 1.0  # at max_clients, a connection silent this long may make room
@@ -103,8 +103,9 @@ def answer_frame(service: CacheService, session: Session,
         payload: the frame's msgpack bytes (any buffer; not kept).
 
     Returns:
-        (reply frame, cost of the request in PASS_BUDGET units). The reply is the
-        handler's, None for a request that has no reply (RELEASE, INVALIDATE), `version` for a
+        (reply frame, cost of the request in PASS_BUDGET units: its handler's
+        `work_units`, else REQUEST_COST or 1). The reply is the handler's, None for a
+        request that has no reply (RELEASE, INVALIDATE), `version` for a
         HELLO of another protocol version, `bad_request` for a payload that does not
         decode to a valid request (any exception of the decoder: msgspec's errors, but
         also e.g. UnicodeDecodeError for a str of invalid UTF-8), `internal` when a
@@ -120,7 +121,8 @@ def answer_frame(service: CacheService, session: Session,
         if reply is None:
             return None, cost
     else:
-        reply, cost = service.handle(session, request), REQUEST_COST.get(type(request), 1)
+        reply = service.handle(session, request)
+        cost = service.work_units or REQUEST_COST.get(type(request), 1)
         if reply is None or type(reply) is Deferred:
             return reply, cost
     return encode_reply(service, session, reply), cost

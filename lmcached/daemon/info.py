@@ -120,6 +120,7 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "clients": {
             "connected_clients": len(service.sessions),
             "namespaces": len(service.namespaces),
+            "namespaces_freed": service.stat_freed_namespaces["namespaces"],
         },
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},

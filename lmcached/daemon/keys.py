@@ -15,6 +15,7 @@ request semantics and stays in `service.py`.
 """
 
 import functools
+import operator
 import struct
 from typing import Iterable
 
@@ -24,14 +25,25 @@ CHUNK_TAG = b"c"
 STRING_TAG = b"s"
 
 
+# The namespace id bytes of a key, chunk or string (`namespace_tag`): what the block
+# pool counts its values by (`BlockPool.group_of`), so that the daemon knows when no
+# cached value uses a namespace any more. In C: no Python frame per commit or eviction.
+namespace_tag_of = operator.itemgetter(slice(1, 5))
+
+
+def namespace_tag(ns: int) -> bytes:
+    """The 4 bytes that name namespace `ns` in each of its keys (`namespace_tag_of`)."""
+    return ns.to_bytes(4, "little")
+
+
 def chunk_prefix(ns: int) -> bytes:
     """The 5 bytes that start the key of every KV chunk of namespace `ns`."""
-    return CHUNK_TAG + ns.to_bytes(4, "little")
+    return CHUNK_TAG + namespace_tag(ns)
 
 
 def string_prefix(ns: int) -> bytes:
     """The 5 bytes that start every string key of namespace `ns`."""
-    return STRING_TAG + ns.to_bytes(4, "little")
+    return STRING_TAG + namespace_tag(ns)
 
 
 @functools.lru_cache(maxsize=512)

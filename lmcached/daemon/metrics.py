@@ -39,6 +39,7 @@ rate, their size and their time.
 import bisect
 import collections
 import dataclasses
+import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,10 @@ LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
                      1e-2, 2.5e-2, 0.1, 1.0)
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the loop, then reports lmcached_up 0
 SNAPSHOT_MAX_AGE_S = 0.5  # a snapshot this young answers later scrapes without the loop
+# Namespaces with rows of their own in a scrape, the busiest (hits + misses) first; the
+# others, and the namespaces freed since start, add up in one row labelled "other".
+MAX_NAMESPACE_ROWS = 64
+OTHER_NAMESPACES = "other"
 
 
 class _LatencyRow:
@@ -112,13 +117,16 @@ class RequestLatency:
 
 @dataclasses.dataclass(frozen=True)
 class NamespaceRow:
-    """Hit and miss counts of one namespace (one layout: a model, a TP rank, a format)."""
+    """Hit and miss counts of one namespace (one layout: a model, a TP rank, a format),
+    or of every namespace without a row of its own (`ns` and `model` OTHER_NAMESPACES).
+    Tokens are chunks x the namespace's chunk size."""
 
-    ns: int
+    ns: str
     model: str
-    chunk_size: int  # tokens per chunk
     hit_chunks: int
     miss_chunks: int
+    hit_tokens: int
+    miss_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +135,9 @@ class Snapshot:
 
     Attributes:
         info: INFO's sections (`info.info_sections`).
-        namespaces: one row per namespace, by id.
+        namespaces: a row per namespace, by id, for the MAX_NAMESPACE_ROWS busiest
+            namespaces alive, then the OTHER_NAMESPACES row of the rest (present once
+            a namespace was left out or freed).
         latency: `RequestLatency.copy()`, or {} when latency is not observed.
         start_time_s: when the daemon started (Unix time).
     """
@@ -140,13 +150,38 @@ class Snapshot:
 
 def take_snapshot(service) -> Snapshot:
     """Copy the numbers of `service` (a `CacheService`); on the loop thread only."""
-    namespaces = [  # in id order: ids are given in the order layouts are first seen
-        NamespaceRow(ns, layout.model_name, layout.chunk_size, service.stat_ns_hits[ns],
-                     service.stat_ns_misses[ns])
-        for layout, ns in service.namespaces.items()
-    ]
     latency = service.latency.copy() if service.latency is not None else {}
-    return Snapshot(info_sections(service), namespaces, latency, service.started_at)
+    return Snapshot(info_sections(service), namespace_rows(service), latency,
+                    service.started_at)
+
+
+def namespace_rows(service) -> list[NamespaceRow]:
+    """The namespace rows of a snapshot (`Snapshot.namespaces`): bounded, so that a
+    scrape's size and cost do not grow with the namespaces clients register (issue 22).
+
+    The OTHER_NAMESPACES row keeps every counter's sum over rows equal to its INFO twin,
+    and monotonic: a namespace that loses its own row or is freed moves its counts there.
+    """
+    hits, misses = service.stat_ns_hits, service.stat_ns_misses
+    alive = [(hits[ns] + misses[ns], -ns, ns, layout) for layout, ns in service.namespaces.items()]
+    busiest = heapq.nlargest(MAX_NAMESPACE_ROWS, alive)
+    rows = [NamespaceRow(str(ns), layout.model_name, hits[ns], misses[ns],
+                         hits[ns] * layout.chunk_size, misses[ns] * layout.chunk_size)
+            for _, _, ns, layout in sorted(busiest, key=lambda entry: entry[2])]
+    freed = service.stat_freed_namespaces
+    if len(alive) > len(busiest) or freed["namespaces"]:
+        other = dict(freed)
+        kept = {entry[2] for entry in busiest}
+        for _, _, ns, layout in alive:
+            if ns not in kept:
+                other["hit_chunks"] += hits[ns]
+                other["miss_chunks"] += misses[ns]
+                other["hit_tokens"] += hits[ns] * layout.chunk_size
+                other["miss_tokens"] += misses[ns] * layout.chunk_size
+        rows.append(NamespaceRow(OTHER_NAMESPACES, OTHER_NAMESPACES, other["hit_chunks"],
+                                 other["miss_chunks"], other["hit_tokens"],
+                                 other["miss_tokens"]))
+    return rows
 
 
 class SnapshotChannel:
@@ -332,7 +367,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _counter("lmcached_connections", "Connections accepted (INFO connections_received).",
                    stats["connections_received"])
     yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
-    yield _gauge("lmcached_namespaces", "Layouts registered since start.", clients["namespaces"])
+    yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
+                 "cached value (INFO namespaces).", clients["namespaces"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", stats["lookups"])
     yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
                    stats["stores"])
@@ -354,14 +390,14 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         ("miss_chunks", "Chunks and values asked for by ACQUIRE and GET and not found."):
             lambda r: r.miss_chunks,
         ("hit_tokens", "hit_chunks x the namespace's chunk size (a shorter last chunk "
-         "counts whole)."): lambda r: r.hit_chunks * r.chunk_size,
+         "counts whole)."): lambda r: r.hit_tokens,
         ("miss_tokens", "miss_chunks x the namespace's chunk size."):
-            lambda r: r.miss_chunks * r.chunk_size,
+            lambda r: r.miss_tokens,
     }
     for (name, doc), value in per_ns.items():
         family = CounterMetricFamily(f"lmcached_{name}", doc, labels=["namespace", "model"])
         for row in snap.namespaces:
-            family.add_metric([str(row.ns), row.model], value(row))
+            family.add_metric([row.ns, row.model], value(row))
         yield family
     errors = CounterMetricFamily("lmcached_errors", "Refused requests and dropped connections, "
                                  "by error code (INFO errors_<code>).", labels=["code"])

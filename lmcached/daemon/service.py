@@ -8,6 +8,8 @@ goes on serving. What the keys of the block pool are is `keys.py`; the fields of
 and CLIENTS are built in `info.py`.
 """
 
+import bisect
+import heapq
 import os
 import time
 from typing import TYPE_CHECKING
@@ -84,7 +86,28 @@ DEVICE_TIER_FORMATS = frozenset({"vllm", "huggingface"})
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
-MAX_LAYOUTS_PER_SESSION = 64  # namespaces one HELLO may register (e.g. TP ranks)
+# A request's price in the server's per-pass budget (connection.py, PASS_BUDGET) follows
+# the work it costs the loop: a SCAN page walks blocks (~80 ns each here), a CLIENTS
+# row reads /proc twice (psutil, ~60 us here); one unit is about an ordinary request.
+SCAN_DEFAULT_COUNT = 1024  # blocks a SCAN page walks when it names no count
+MAX_SCAN_COUNT = 4096  # blocks a SCAN page walks at most (~0.3 ms)
+SCAN_BLOCKS_PER_UNIT = 256
+MAX_CLIENTS_PER_PAGE = 16  # sessions a CLIENTS page lists at most (~1 ms)
+CLIENT_ROW_UNITS = 2
+# Namespaces (docs/architecture.md, "Namespaces"): one HELLO registers one layout per
+# rank it serves (a vLLM scheduler: TP x PP ranks, 8 on a node, 64 across 8 nodes'
+# pipeline); the daemon keeps a namespace while a session or a cached value uses it,
+# and at most MAX_NAMESPACES at once (~1 KiB each: a few MiB at most).
+MAX_LAYOUTS_PER_SESSION = 64
+MAX_NAMESPACES = 4096
+
+
+def _namespace_layout(layout: Layout) -> Layout:
+    """The layout as its namespace is keyed: a key-value adapter's record_bytes is only a
+    size hint, so its layouts of every hint share one namespace."""
+    if layout.fmt == "kv":
+        return msgspec.structs.replace(layout, record_bytes=1)
+    return layout
 
 
 class RequestError(Exception):
@@ -128,12 +151,20 @@ class CacheService:
         wake: wakes the server's loop from another thread (set by the server); the
             loop then calls `process_completions`.
         sessions: session id -> Session.
+        namespaces: layout -> namespace id, of every namespace alive: used by an open
+            session or by a value cached in some tier. A freed id is given again, the
+            smallest first, once no value and no session uses it.
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
-        stat_ns_hits / stat_ns_misses: chunks (and GET values) found / not found, indexed
-            by namespace id (index 0 unused); they add up to the pool's stat_hits /
-            stat_misses.
+        stat_ns_hits / stat_ns_misses: chunks (and GET values) found / not found, by
+            namespace id, of the namespaces alive; with `stat_freed_namespaces` they add
+            up to the pools' stat_hits / stat_misses.
+        stat_freed_namespaces: namespaces freed since start ("namespaces") and the
+            hits and misses they had, in chunks and in tokens.
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
+        work_units: what the last request cost in the server's per-pass budget, when
+            its handler priced it by its work (SCAN, CLIENTS); 0 for a request of fixed
+            price (connection.py, REQUEST_COST).
         l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
             before it serves.
     """
@@ -151,7 +182,11 @@ class CacheService:
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
         self.namespaces: dict[Layout, int] = {}
+        self._ns_layout: dict[int, Layout] = {}
         self._ns_prefix: dict[int, bytes] = {}
+        self._ns_sessions: dict[int, int] = {}  # ns -> open sessions that registered it
+        self._free_ns_ids: list[int] = []  # a heap: the smallest freed id is given first
+        self._next_ns = 1
         self.started_at = time.time()
         self.stop_requested = False
         self.stat_requests = 0
@@ -163,8 +198,11 @@ class CacheService:
         self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
         self.stat_writing_expired = 0  # values aborted after --writing-timeout
         self.stat_invalidated = 0  # chunks dropped by INVALIDATE
-        self.stat_ns_hits = [0]
-        self.stat_ns_misses = [0]
+        self.stat_ns_hits: dict[int, int] = {}
+        self.stat_ns_misses: dict[int, int] = {}
+        self.stat_freed_namespaces = dict.fromkeys(
+            ("namespaces", "hit_chunks", "miss_chunks", "hit_tokens", "miss_tokens"), 0)
+        self.work_units = 0
         self._handlers = {
             Hello: self._hello,
             Lookup: self._lookup,
@@ -203,6 +241,10 @@ class CacheService:
         tiers = self.tiers
         tiers.make_pools(self.l2.spill if self.l2 is not None else None)
         self.pool = tiers.pools[0]
+        for pool in tiers.pools:  # each counts its values by namespace
+            if pool is not None:
+                pool.group_of = keys.namespace_tag_of
+                pool.on_group_empty = self._namespace_emptied
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
@@ -278,7 +320,8 @@ class CacheService:
         return session
 
     def close_session(self, session: Session) -> None:
-        """Release every pin and abort every pending value of an ended session."""
+        """Release every pin and abort every pending value of an ended session, then
+        free the namespaces that nothing uses any more."""
         if self.sessions.pop(session.session_id, None) is None:
             return
         if self.pool is None:
@@ -296,6 +339,7 @@ class CacheService:
                 session.session_id, session.pid, len(pinned), len(pending),
             )
         session.clear()
+        self._end_namespaces(session)
 
     # ---------------------------------------------------------------- dispatch
     def handle(self, session: Session, request) -> object:
@@ -304,11 +348,13 @@ class CacheService:
         PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
         root are refused with `forbidden`. With metrics on, the time from here to the
         reply Struct is observed in `latency` (decoding, encoding and sending are not).
+        A handler that prices the request by its work sets `work_units`.
 
         Returns:
             The reply Struct (an `Error` for a refused request), or None for a request
             of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
         """
+        self.work_units = 0
         if self.latency is None:
             return self._answer(session, request)
         started = time.perf_counter()
@@ -547,7 +593,17 @@ class CacheService:
             )
         if len(set(req.layouts)) != len(req.layouts):
             raise RequestError("bad_request", "the same layout twice in one HELLO")
-        namespaces = [self._register_layout(layout) for layout in req.layouts]
+        self._check_namespace_room(req.layouts)
+        namespaces = []
+        try:
+            for layout in req.layouts:
+                namespaces.append(self._register_layout(layout))
+        except RequestError:
+            for ns in namespaces:  # registered for this HELLO alone
+                self._free_namespace_if_unused(ns)
+            raise
+        for ns in namespaces:
+            self._ns_sessions[ns] = self._ns_sessions.get(ns, 0) + 1
         session.greeted = True
         session.name = req.name[:128]
         session.namespaces = namespaces
@@ -585,18 +641,78 @@ class CacheService:
                 "too_large",
                 f"a chunk record of {layout.record_bytes} bytes does not fit in the arena",
             )
-        if layout.fmt == "kv":  # a key-value adapter's record_bytes is only a size hint
-            layout = msgspec.structs.replace(layout, record_bytes=1)
+        layout = _namespace_layout(layout)
         ns = self.namespaces.get(layout)
         if ns is None:
-            ns = len(self.namespaces) + 1
+            if self._free_ns_ids:
+                ns = heapq.heappop(self._free_ns_ids)
+            else:
+                ns = self._next_ns
+                self._next_ns += 1
             self.namespaces[layout] = ns
+            self._ns_layout[ns] = layout
             self._ns_prefix[ns] = keys.chunk_prefix(ns)
-            self.stat_ns_hits.append(0)
-            self.stat_ns_misses.append(0)
+            self.stat_ns_hits[ns] = 0
+            self.stat_ns_misses[ns] = 0
             if self.l2 is not None:
                 self.l2.register_namespace(ns, layout)
         return ns
+
+    def _check_namespace_room(self, layouts: list[Layout]) -> None:
+        """Refuse a HELLO whose new layouts would take the namespaces alive over
+        MAX_NAMESPACES (before any is registered)."""
+        new = {_namespace_layout(layout) for layout in layouts} - self.namespaces.keys()
+        if len(self.namespaces) + len(new) > MAX_NAMESPACES:
+            raise RequestError(
+                "max_namespaces", f"this HELLO's {len(new)} new layout(s) would take the "
+                f"daemon over {MAX_NAMESPACES} namespaces, each used by an open session or "
+                f"a cached value ({len(self.namespaces)} now): close the sessions of layouts "
+                "no longer served, evict their chunks (lmcached clear), or run one daemon "
+                "per model (lmcached@NAME)"
+            )
+
+    def _end_namespaces(self, session: Session) -> None:
+        """An ended session no longer uses its namespaces: free those nothing else uses."""
+        for ns in session.namespaces:
+            left = self._ns_sessions[ns] - 1
+            if left:
+                self._ns_sessions[ns] = left
+            else:
+                del self._ns_sessions[ns]
+                self._free_namespace_if_unused(ns)
+
+    def _namespace_emptied(self, tag: bytes) -> None:
+        """`BlockPool.on_group_empty`: a pool's last value of a namespace left it."""
+        ns = int.from_bytes(tag, "little")
+        if ns in self._ns_layout:
+            self._free_namespace_if_unused(ns)
+
+    def _free_namespace_if_unused(self, ns: int) -> None:
+        """Free namespace `ns` when no open session and no cached value (any tier) uses
+        it: its id may then be given to another layout, which can never find a value of
+        this one (none is left, and the L2 tier drops the fetches still in flight for it,
+        `L2Tier.unregister_namespace`). Its hit and miss counts go to
+        `stat_freed_namespaces`."""
+        if ns in self._ns_sessions:
+            return
+        tag = keys.namespace_tag(ns)
+        if any(pool is not None and tag in pool.num_values_by_group for pool in self.tiers.pools):
+            return
+        layout = self._ns_layout.pop(ns)
+        del self.namespaces[layout]
+        del self._ns_prefix[ns]
+        hits, misses = self.stat_ns_hits.pop(ns), self.stat_ns_misses.pop(ns)
+        freed = self.stat_freed_namespaces
+        freed["namespaces"] += 1
+        freed["hit_chunks"] += hits
+        freed["miss_chunks"] += misses
+        freed["hit_tokens"] += hits * layout.chunk_size
+        freed["miss_tokens"] += misses * layout.chunk_size
+        if self.l2 is not None:
+            self.l2.unregister_namespace(ns)
+        heapq.heappush(self._free_ns_ids, ns)
+        logger.debug("namespace %d (%s) freed: no session and no cached value uses it", ns,
+                     layout.model_name)
 
     def _block_bytes_for(self, layout: Layout) -> int:
         """Block size derived from the first layout when `--block-size` is unset: its
@@ -867,18 +983,39 @@ class CacheService:
         return CountReply(int(self._require_pool().evict(key)))
 
     def _scan(self, session: Session, req: Scan) -> KeysReply:
+        """One page of a SCAN (after Redis's SCAN): walk at most `count` host blocks from
+        block `cursor` on, and list the string keys of `req.ns` starting with
+        `req.prefix` whose value begins in them, stopping early at `limit` keys.
+
+        The cursor is a block id: blocks never move, so a value cached for the whole
+        scan begins in one block and is listed exactly once, whatever is stored or
+        evicted meanwhile. String keys live in the host arena only (device tiers hold
+        KV chunks). Priced by the blocks walked (`work_units`).
+
+        Returns:
+            The keys found and the next page's cursor (0: the walk reached the last
+            block).
+        """
         self._check_namespace(session, req.ns)
+        pool = self.pool
+        limit = min(req.limit, MAX_SCAN_KEYS)
+        if pool is None or limit <= 0 or req.cursor >= pool.num_blocks:
+            return KeysReply([], 0)
         ns_prefix = keys.string_prefix(req.ns)
         prefix = ns_prefix + req.prefix.encode()
-        limit = min(req.limit, MAX_SCAN_KEYS)
+        start = req.cursor
+        end = min(pool.num_blocks, start + min(req.count or SCAN_DEFAULT_COUNT, MAX_SCAN_COUNT))
         names = []
-        if self.pool is not None and limit > 0:
-            for key in self.pool.cached:
-                if key.startswith(prefix):
-                    names.append(key[len(ns_prefix) :].decode())
-                    if len(names) >= limit:
-                        break
-        return KeysReply(names)
+        position = start
+        for block in pool.blocks[start:end]:
+            position += 1
+            key = block.block_hash  # not None: READY and indexed
+            if key is not None and key.startswith(prefix) and block.span[0] is block:
+                names.append(key[len(ns_prefix) :].decode())
+                if len(names) >= limit:
+                    break
+        self.work_units = 1 + (position - start) // SCAN_BLOCKS_PER_UNIT
+        return KeysReply(names, position if position < pool.num_blocks else 0)
 
     # ------------------------------------------------------------------- admin
     def _ping(self, session: Session, req: Ping) -> Ok:
@@ -925,7 +1062,22 @@ class CacheService:
                           tier.size_bytes)
 
     def _clients(self, session: Session, req: Clients) -> ClientsReply:
-        return ClientsReply(client_rows(self.sessions.values()))
+        """One page of CLIENTS: at most MAX_CLIENTS_PER_PAGE sessions (or `req.count`)
+        from session id `req.cursor` on, in id order; priced per row (`work_units`).
+
+        Returns:
+            Their rows and the next page's cursor: the id after the last row's, or 0
+            when no session follows.
+        """
+        sessions = self.sessions  # in id order: ids grow, a dict keeps insertion order
+        ids = list(sessions)
+        first = bisect.bisect_left(ids, req.cursor)
+        count = min(req.count or MAX_CLIENTS_PER_PAGE, MAX_CLIENTS_PER_PAGE)
+        page = ids[first : first + count]
+        self.work_units = max(1, CLIENT_ROW_UNITS * len(page))
+        more = first + count < len(ids)
+        return ClientsReply(client_rows(sessions[i] for i in page),
+                            page[-1] + 1 if more else 0)
 
     def _info(self, session: Session, req: Info) -> InfoReply:
         sections = info_sections(self)

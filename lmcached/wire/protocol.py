@@ -204,11 +204,19 @@ class Delete(msgspec.Struct, tag="delete", array_like=True):
 
 
 class Scan(msgspec.Struct, tag="scan", array_like=True):
-    """String keys of namespace `ns` starting with `prefix`, at most `limit`."""
+    """String keys of namespace `ns` starting with `prefix`, at most `limit`, found in
+    one page of the arena's blocks, after Redis's SCAN: `cursor` is where the page
+    starts (0: the first block; the reply's `cursor` for the next page) and `count`
+    how many blocks it walks (0: the daemon's default; it caps larger counts). Page
+    until the reply's cursor is 0: a key cached for the whole scan is returned exactly
+    once; one stored or removed meanwhile may or may not be. A page may hold no key.
+    A client of before the cursor (three fields) gets the first page."""
 
     ns: int
     prefix: str
     limit: int
+    cursor: Annotated[int, msgspec.Meta(ge=0)] = 0
+    count: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Info(msgspec.Struct, tag="info", array_like=True):
@@ -226,7 +234,13 @@ class OpenTier(msgspec.Struct, tag="open_tier", array_like=True):
 
 
 class Clients(msgspec.Struct, tag="clients", array_like=True):
-    """One entry per connected session."""
+    """One entry per connected session, a page at a time: the sessions from id `cursor`
+    on (0: the first), at most `count` of them (0: the daemon's page size, which also
+    caps larger counts). Page until the reply's cursor is 0 (`list_clients`); a client
+    of before the cursor (no field) gets the first page."""
+
+    cursor: Annotated[int, msgspec.Meta(ge=0)] = 0
+    count: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Evict(msgspec.Struct, tag="evict", array_like=True):
@@ -393,9 +407,11 @@ class CountReply(msgspec.Struct, tag="count_reply", array_like=True):
 
 
 class KeysReply(msgspec.Struct, tag="keys_reply", array_like=True):
-    """String keys (of the key-value adapters) a SCAN found."""
+    """String keys (of the key-value adapters) a SCAN found in its page, and the cursor
+    of the next page (0: the scan is complete)."""
 
     keys: list[str]
+    cursor: int = 0
 
 
 class InfoReply(msgspec.Struct, tag="info_reply", array_like=True):
@@ -405,9 +421,11 @@ class InfoReply(msgspec.Struct, tag="info_reply", array_like=True):
 
 
 class ClientsReply(msgspec.Struct, tag="clients_reply", array_like=True):
-    """One `field -> value` dict per connected session (CLIENTS)."""
+    """One `field -> value` dict per session of a CLIENTS page, and the cursor of the
+    next page (0: no more sessions)."""
 
     clients: list[dict[str, int | float | str]]
+    cursor: int = 0
 
 
 Reply = (
@@ -690,6 +708,21 @@ class Connection:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def list_clients(conn: Connection) -> list[dict[str, int | float | str]]:
+    """Every session's CLIENTS row, paging through the cursor (`Clients`).
+
+    Raises:
+        As `Connection.request`.
+    """
+    rows, cursor = [], 0
+    while True:
+        reply = conn.request(Clients(cursor))
+        rows.extend(reply.clients)
+        if not reply.cursor:
+            return rows
+        cursor = reply.cursor
 
 
 def hello(conn: Connection, name: str, layouts: list[Layout] | tuple[Layout, ...] = (),

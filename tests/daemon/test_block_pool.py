@@ -176,6 +176,31 @@ def test_evict_of_a_pinned_value_detaches_it_until_freed():
     pool.check_invariants()
 
 
+def test_values_are_counted_by_group_and_an_emptied_group_is_reported():
+    """The daemon counts values per namespace (`group_of`): every way a value enters or
+    leaves the index keeps the counts, and the last value of a group leaving calls
+    `on_group_empty` once."""
+    pool = BlockPool(4)
+    emptied = []
+    pool.group_of = lambda key: key[0]
+    pool.on_group_empty = emptied.append
+    store(pool, ("a", 1))
+    store(pool, ("a", 2), num_blocks=2)
+    store(pool, ("b", 1))
+    assert pool.num_values_by_group == {"a": 2, "b": 1}
+    replacement = pool.allocate(1)  # evicts ("a", 1), the least recently used
+    assert pool.num_values_by_group == {"a": 1, "b": 1} and emptied == []
+    pool.commit(replacement, ("b", 1), replace=True)  # a replacement: b stays counted
+    pool.free(replacement)
+    assert pool.num_values_by_group == {"a": 1, "b": 1}
+    reader = pool.acquire_prefix([("a", 2)])[0]  # pinned: evicted later, detached
+    assert pool.evict(("a", 2)) and emptied == ["a"]
+    pool.free(reader)
+    assert pool.clear() == 1 and emptied == ["a", "b"]
+    assert pool.num_values_by_group == {}
+    pool.check_invariants()
+
+
 def test_evict_lru_and_clear_spare_pinned_values():
     pool = BlockPool(4)
     for key in "abcd":

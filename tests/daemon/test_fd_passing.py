@@ -197,6 +197,7 @@ class TierService:
         self.stop_requested = False
         self.l2 = None
         self.num_requests = 0
+        self.work_units = 0  # fixed prices only (CacheService.work_units)
         self.tiers = {t: Arena.create_memfd(f"{name}-t{t}", 9, TIER_BYTES, prefault=False)
                       for t in (1, 2)}
         for t, arena in self.tiers.items():  # a pattern per tier, to tell them apart

@@ -25,6 +25,8 @@ from lmcached.client import CacheEngine, KVLayout
 from lmcached.config import ServerConfig
 from lmcached.daemon.metrics import (
     L2_COUNTERS,
+    MAX_NAMESPACE_ROWS,
+    OTHER_NAMESPACES,
     l2_families,
     LATENCY_BUCKETS_S,
     SNAPSHOT_MAX_AGE_S,
@@ -397,3 +399,42 @@ def test_docs_list_every_metric_and_the_dashboard_uses_only_those(service):
         assert needed in used, needed
     assert any("histogram_quantile(0.99" in e for e in exprs)
     assert any("histogram_quantile(0.5" in e for e in exprs)
+
+
+def test_namespace_rows_are_bounded_and_the_rest_add_up_in_an_other_row(service):
+    """One row per namespace for the MAX_NAMESPACE_ROWS busiest only: the rest, and the
+    namespaces freed, add up in one "other" row, so every counter's sum over rows still
+    equals the pools' and never goes down when a namespace is freed."""
+    num_namespaces = MAX_NAMESPACE_ROWS + 10
+    layouts = [Layout(f"m{i}", 1, 0, "vllm", "bfloat16", 2, 1, 4, 16, 1000)
+               for i in range(num_namespaces)]
+    sessions = []
+    for i, layout in enumerate(layouts):
+        session = service.open_session(os.getpid(), os.getuid(), os.getgid())
+        (ns,) = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", [layout])).namespaces
+        for _ in range(i):  # namespace i + 1 has i misses: the last ones are the busiest
+            service.handle(session, Acquire([ns], (0).to_bytes(16, "little")))
+        sessions.append(session)
+
+    def rows() -> dict[str, tuple[float, float]]:
+        families = {f.name: f for f in metric_families(take_snapshot(service))}
+        misses = {s.labels["namespace"]: s.value for s in families["lmcached_miss_chunks"].samples}
+        tokens = {s.labels["namespace"]: s.value for s in families["lmcached_miss_tokens"].samples}
+        assert {s.labels["model"] for s in families["lmcached_miss_chunks"].samples
+                if s.labels["namespace"] == OTHER_NAMESPACES} <= {OTHER_NAMESPACES}
+        return {ns: (misses[ns], tokens[ns]) for ns in misses}
+
+    before = rows()
+    assert len(before) == MAX_NAMESPACE_ROWS + 1
+    assert set(before) == {str(ns) for ns in range(11, num_namespaces + 1)} | {OTHER_NAMESPACES}
+    assert before[OTHER_NAMESPACES] == (sum(range(10)), 16 * sum(range(10)))
+    assert sum(m for m, _ in before.values()) == service.pool.stat_misses
+    service.close_session(sessions[-1])  # the busiest namespace is freed (no value)
+    after = rows()
+    assert str(num_namespaces) not in after and len(after) == MAX_NAMESPACE_ROWS + 1
+    # it moved to "other", and namespace 10 (9 misses) got a row of its own instead
+    assert after[OTHER_NAMESPACES][0] == before[OTHER_NAMESPACES][0] + (num_namespaces - 1) - 9
+    assert sum(m for m, _ in after.values()) == service.pool.stat_misses
+    for session in sessions[:-1]:
+        service.close_session(session)
+    assert rows() == {OTHER_NAMESPACES: (service.pool.stat_misses, 16 * service.pool.stat_misses)}

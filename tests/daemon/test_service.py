@@ -7,6 +7,7 @@ block pool's exact state. Every test that pins or allocates ends with
 no pinned and no WRITING block (docs/architecture.md, "Crash = EOF").
 """
 
+import itertools
 import os
 
 import msgspec
@@ -64,11 +65,19 @@ from lmcached.wire.protocol import (
     Shutdown,
     encode_frame,
     reply_decoder,
+    request_decoder,
 )
 from lmcached.daemon.service import (
+    CLIENT_ROW_UNITS,
     MAX_DERIVED_BLOCKS,
+    MAX_CLIENTS_PER_PAGE,
     MAX_LAYOUTS_PER_SESSION,
+    MAX_NAMESPACES,
+    MAX_SCAN_COUNT,
+    MAX_SCAN_KEYS,
     MIN_DERIVED_BLOCKS,
+    SCAN_BLOCKS_PER_UNIT,
+    SCAN_DEFAULT_COUNT,
     CacheService,
 )
 from lmcached.shm.arena import HEADER_BYTES, Arena
@@ -246,6 +255,82 @@ def test_hello_with_too_many_layouts_is_refused(service):
     assert not session.greeted and service.namespaces == {}
     reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", many[:-1]))
     assert reply.namespaces == list(range(1, MAX_LAYOUTS_PER_SESSION + 1))
+
+
+def test_a_namespace_nothing_uses_is_freed_when_its_last_session_ends(service):
+    first = greeted(service, *TP2)
+    second = greeted(service, TP2[0])
+    service.close_session(first)
+    assert service.namespaces == {TP2[0]: 1}  # rank 1 had no other session, no value
+    service.close_session(second)
+    assert service.namespaces == {} and service.stat_freed_namespaces["namespaces"] == 2
+    fields = service.handle(greeted(service), Info("clients")).sections["clients"]
+    assert (fields["namespaces"], fields["namespaces_freed"]) == (0, 2)
+    assert greeted(service, layout(model_name="next")).namespaces == [1]  # ids given again
+
+
+def test_a_namespace_outlives_its_sessions_while_a_value_is_cached(service):
+    """The chunk keeps its namespace (and id) for the next session of the layout; its
+    eviction frees the namespace; a freed id given to another layout finds nothing of
+    the old one."""
+    writer = greeted(service, LAYOUT, layout(fmt="kv"))
+    store(service, writer, 1, [7])
+    put(service, writer, 2, "key")
+    assert service.handle(writer, Acquire([1], chunk_hashes([7]))).lease  # a hit
+    service.close_session(writer)
+    other = greeted(service, layout(model_name="other"))
+    assert other.namespaces == [3]  # 1 and 2 still name the writer's layouts
+    reader = greeted(service, LAYOUT)
+    assert reader.namespaces == [1] and lookup(service, reader, [1], [7]) == 1
+    service.close_session(reader)
+    assert service.handle(greeted(service), Evict(key="key")) == CountReply(1)
+    assert LAYOUT in service.namespaces and layout(fmt="kv") not in service.namespaces
+    assert service.handle(greeted(service), Evict(lru=1)) == CountReply(1)  # chunk 7
+    assert LAYOUT not in service.namespaces  # freed with its last value
+    assert service.stat_freed_namespaces == {"namespaces": 2, "hit_chunks": 1,
+                                             "miss_chunks": 0, "hit_tokens": 16,
+                                             "miss_tokens": 0}
+    assert service.pool.stat_hits == 1 + sum(service.stat_ns_hits.values())
+    reused = greeted(service, layout(model_name="reuses-id-1"))
+    assert reused.namespaces == [1] and lookup(service, reused, [1], [7]) == 0
+    assert_everything_returned(service)
+
+
+def test_a_value_evicted_by_pressure_frees_its_namespace(make_service):
+    service = make_service(HEADER_BYTES + 2 * BLOCK_BYTES)
+    old = greeted(service, layout(model_name="old"))
+    store(service, old, 1, [1, 2])
+    service.close_session(old)
+    new = greeted(service, layout(model_name="new"))
+    assert new.namespaces == [2]
+    store(service, new, 2, [3])
+    assert 1 in service._ns_layout  # one of its chunks is still cached
+    store(service, new, 2, [4])  # evicts the old layout's last chunk
+    assert 1 not in service._ns_layout and service.namespaces == {layout(model_name="new"): 2}
+    assert_everything_returned(service)
+
+
+def test_hellos_beyond_max_namespaces_are_refused_until_one_is_freed(service):
+    sessions = [greeted(service, *(layout(rank, MAX_LAYOUTS_PER_SESSION, f"m{i}")
+                                   for rank in range(MAX_LAYOUTS_PER_SESSION)))
+                for i in range(MAX_NAMESPACES // MAX_LAYOUTS_PER_SESSION)]
+    assert len(service.namespaces) == MAX_NAMESPACES
+    session, reply = greet(service, layout(model_name="one-more"), LAYOUT)
+    assert error_code(reply) == "max_namespaces" and not session.greeted
+    assert f"over {MAX_NAMESPACES} namespaces" in reply.message
+    assert "close the sessions" in reply.message
+    assert len(service.namespaces) == MAX_NAMESPACES  # nothing registered
+    assert greeted(service, layout(0, MAX_LAYOUTS_PER_SESSION, "m0")).namespaces == [1]
+    service.close_session(sessions[-1])
+    assert greeted(service, layout(model_name="one-more"), LAYOUT).namespaces == [
+        MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 1, MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 2]
+
+
+def test_a_hello_refused_half_way_leaves_no_namespace(service):
+    _, reply = greet(service, LAYOUT, layout(model_name="huge", record_bytes=1 << 30))
+    assert error_code(reply) == "too_large"
+    assert service.namespaces == {}
+    assert greeted(service, layout(model_name="next")).namespaces == [1]
 
 
 def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
@@ -792,6 +877,61 @@ def test_scan_lists_string_keys_of_one_namespace_by_prefix_up_to_limit(service):
     assert_everything_returned(service)
 
 
+def test_scan_pages_through_blocks_with_a_cursor_and_lists_each_value_once(make_service):
+    """SCAN after Redis's: each page walks at most `count` blocks from `cursor`, is
+    priced by them, and a key cached for the whole scan comes exactly once, whatever
+    is stored or evicted meanwhile; the pre-cursor request shape gets the first page."""
+    num_blocks = MAX_SCAN_COUNT + SCAN_DEFAULT_COUNT
+    service = make_service(HEADER_BYTES + num_blocks * 4096, 4096)
+    session = greeted(service, layout(fmt="kv"))
+    stay = {f"k/{i}" for i in range(0, num_blocks, 7)}
+    for i in range(num_blocks - 1):
+        if f"k/{i}" in stay:
+            put(service, session, 1, f"k/{i}", 5000 if i == 700 else 100)  # 700: 2 blocks
+        else:
+            put(service, session, 1, f"x/{i}", 100)  # fills the rest: no free block left
+
+    def page(cursor, count=0, limit=MAX_SCAN_KEYS, prefix="k/"):
+        reply = service.handle(session, Scan(1, prefix, limit, cursor, count))
+        assert isinstance(reply, KeysReply), reply
+        return reply
+
+    first = page(0, 100)
+    assert first.cursor == 100 and service.work_units == 1 + 100 // SCAN_BLOCKS_PER_UNIT
+    listed, cursor, pages = [], 0, 0
+    churn = iter(i for i in range(num_blocks) if f"k/{i}" not in stay)
+    while True:
+        reply = page(cursor, 500)
+        listed += reply.keys
+        pages += 1
+        assert service.work_units <= 1 + 500 // SCAN_BLOCKS_PER_UNIT
+        for i in itertools.islice(churn, 3):  # values come and go between pages
+            assert service.handle(session, Delete(1, f"x/{i}")) == CountReply(1)
+            put(service, session, 1, f"new/{i}", 100)  # in the block just emptied
+        if not reply.cursor:
+            break
+        cursor = reply.cursor
+    assert pages == -(-num_blocks // 500)
+    assert sorted(listed) == sorted(stay)  # each once: no duplicate, none missing
+    legacy = request_decoder.decode(msgspec.msgpack.encode(["scan", 1, "", MAX_SCAN_KEYS]))
+    reply = service.handle(session, legacy)  # three fields: the first default page
+    assert reply.cursor == SCAN_DEFAULT_COUNT
+    assert service.work_units == 1 + SCAN_DEFAULT_COUNT // SCAN_BLOCKS_PER_UNIT
+    assert page(0, 10**9).cursor == MAX_SCAN_COUNT  # a larger count is capped
+    limited = page(0, limit=3)
+    assert len(limited.keys) == 3 and limited.cursor == 15  # stops at the third key
+    assert page(limited.cursor, limit=1).keys == ["k/21"]
+    assert page(num_blocks) == KeysReply([], 0) and page(10**12) == KeysReply([], 0)
+    assert_everything_returned(service)
+
+
+def test_scan_refuses_a_negative_cursor_or_count(service):
+    session = greeted(service, LAYOUT)
+    for bad in (["scan", 1, "", 10, -1, 0], ["scan", 1, "", 10, 0, -5]):
+        reply = answer_frame(service, session, msgspec.msgpack.encode(bad))[0]
+        assert error_code(reply_decoder.decode(reply[4:])) == "bad_request"
+
+
 # ------------------------------------------------------------------- INFO, CLIENTS
 def test_info_reports_every_section_from_the_service_state(service):
     session = greeted(service, LAYOUT)
@@ -815,7 +955,7 @@ def test_info_reports_every_section_from_the_service_state(service):
     assert blocks == {"num_blocks": NUM_BLOCKS, "free_blocks": 13, "cached_blocks": 2,
                       "pinned_blocks": 1, "writing_blocks": 1, "detached_blocks": 0,
                       "evictable_blocks": 1, "cached_values": 2}
-    assert clients == {"connected_clients": 1, "namespaces": 1}
+    assert clients == {"connected_clients": 1, "namespaces": 1, "namespaces_freed": 0}
     assert stats["requests"] == service.stat_requests == 8  # HELLO .. this INFO
     assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
     assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)
@@ -848,6 +988,30 @@ def test_clients_lists_one_row_per_session(service):
         "writing_blocks": 1, "requests": 6}
     assert rows[admin.session_id]["requests"] == 2
     assert_everything_returned(service)
+
+
+def test_clients_pages_through_sessions_by_id_priced_per_row(service):
+    sessions = [greeted(service) for _ in range(2 * MAX_CLIENTS_PER_PAGE + 3)]
+    admin = sessions[0]
+    first = service.handle(admin, Clients())  # no cursor (before the cursor): first page
+    assert [row["id"] for row in first.clients] == [
+        s.session_id for s in sessions[:MAX_CLIENTS_PER_PAGE]]
+    assert first.cursor == sessions[MAX_CLIENTS_PER_PAGE - 1].session_id + 1
+    assert service.work_units == CLIENT_ROW_UNITS * MAX_CLIENTS_PER_PAGE
+    for ended in sessions[MAX_CLIENTS_PER_PAGE : MAX_CLIENTS_PER_PAGE + 2]:
+        service.close_session(ended)  # gone between two pages: the cursor still works
+    later = greeted(service)  # opened during the listing: listed at the end
+    rows, cursor = list(first.clients), first.cursor
+    while cursor:
+        reply = service.handle(admin, Clients(cursor, 5))
+        assert len(reply.clients) <= 5 and service.work_units <= 5 * CLIENT_ROW_UNITS
+        rows += reply.clients
+        cursor = reply.cursor
+    assert [row["id"] for row in rows] == [s.session_id for s in sessions if s.session_id
+                                           in service.sessions] + [later.session_id]
+    assert service.handle(admin, Clients(10**9)) == ClientsReply([], 0)
+    assert service.work_units == 1
+    assert len(service.handle(admin, Clients(0, 10**6)).clients) == MAX_CLIENTS_PER_PAGE
 
 
 # ---------------------------------------------------------------- EVICT, CLEAR, admin

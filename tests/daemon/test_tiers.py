@@ -28,6 +28,7 @@ from lmcached.wire.protocol import (
     Acquire,
     Alloc,
     Clear,
+    Clients,
     Commit,
     Error,
     Evict,
@@ -423,7 +424,7 @@ def test_info_lists_each_device_tier_and_the_demotion_counters(tiered):
     assert blocks["tier1_cached_blocks"] == 2 and blocks["tier1_free_blocks"] == 6
     assert blocks["cached_blocks"] == 0  # host fields describe the host arena
     assert set(DEMOTION_STATS) <= set(stats) and stats["tier1_hits"] == 0
-    clients = service._clients(gpu, None).clients
+    clients = service.handle(gpu, Clients()).clients
     assert {row["devices"] for row in clients} == {DEVICE}
 
 

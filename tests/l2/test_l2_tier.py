@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from lmcached.daemon import keys
 from lmcached.config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import L2Tier
@@ -253,6 +254,33 @@ def test_a_partial_arena_hit_fetches_only_the_rest_of_the_chain(nodes):
     assert _answer(reader, Lookup([reader.ns], hashes)) == LookupReply(5)
     info = reader.tier.info()
     assert info["l2_fetch_hit_chunks"] == 3 and info["l2_fetch_miss_chunks"] == 1
+
+
+def test_a_fetch_for_a_namespace_freed_meanwhile_installs_nothing_under_its_reused_id(nodes):
+    """The reader's session ends while its fetch runs: its namespace is freed (nothing
+    of it is cached) and its id given to another model's layout, which must never find
+    the fetched chunks of the first under that id."""
+    store = FakeStore()
+    writer, reader = nodes(store), nodes(store)
+    prompt = make_prompt(0, 6)
+    writer.store(prompt)
+    writer.settle(lambda: writer.tier.info()["l2_writes"] == 6)
+    hashes = b"".join(h for h, _ in prompt)
+    parked = reader.service.handle(reader.session, Lookup([reader.ns], hashes))
+    assert isinstance(parked, Deferred)
+    reader.service.close_session(reader.session)  # before any batch is installed
+    assert LAYOUT not in reader.service.namespaces
+    other = reader.service.open_session(os.getpid(), os.geteuid(), 0)
+    other_layout = Layout("another-model", 1, 0, "vllm", "bfloat16", 2, 2, 4, CHUNK,
+                          RECORD_BYTES)
+    reply = reader.service.handle(other, Hello(PROTOCOL_VERSION, os.getpid(), "t",
+                                               [other_layout]))
+    assert reply.namespaces == [reader.ns]  # the freed id, given again
+    reader.settle(lambda: parked.job.done)
+    pool = reader.service.pool
+    assert len(pool.cached) == 0 and reader.tier.info()["l2_fetch_hit_chunks"] == 0
+    assert pool.acquire_prefix([keys.chunk_prefix(reader.ns) + h for h, _ in prompt]) == []
+    reader.service.close_session(other)
 
 
 @pytest.mark.parametrize("tamper", ["kv", "other_chunk", "foreign"])

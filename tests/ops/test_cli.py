@@ -18,6 +18,7 @@ from lmcached.wire import envs
 from lmcached.cli import main
 from lmcached.wire.protocol import Alloc, Commit, Connection, Layout, hello
 from lmcached.shm.janitor import list_segments
+from lmcached.daemon.service import MAX_CLIENTS_PER_PAGE
 
 MiB = 1 << 20
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
@@ -130,7 +131,8 @@ def test_info_with_block_size_has_blocks_from_the_start(daemon):
 
 # ------------------------------------------------------------------ clients and ping
 def test_clients_prints_one_line_per_client(daemon):
-    workers = [Connection(daemon.socket) for _ in range(2)]
+    # More workers than one CLIENTS page holds: the CLI pages through the cursor.
+    workers = [Connection(daemon.socket) for _ in range(MAX_CLIENTS_PER_PAGE + 2)]
     for i, conn in enumerate(workers):
         hello(conn, f"worker-{i}", [LAYOUT])
     try:
@@ -140,12 +142,11 @@ def test_clients_prints_one_line_per_client(daemon):
             conn.close()
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert len(lines) == 3  # the two workers and the CLI's own session
+    assert len(lines) == len(workers) + 1  # the workers and the CLI's own session
     pid = os.getpid()
     assert all(re.match(rf"^id=\d+ pid={pid} name=\S+ ", line) for line in lines), lines
-    assert sorted(re.search(r" name=(\S+)", line).group(1) for line in lines) == [
-        "lmcached-cli", "worker-0", "worker-1"
-    ]
+    assert sorted(re.search(r" name=(\S+)", line).group(1) for line in lines) == sorted(
+        ["lmcached-cli"] + [f"worker-{i}" for i in range(len(workers))])
     assert all(" pinned_blocks=0 " in line and " age_s=" in line for line in lines)
 
 

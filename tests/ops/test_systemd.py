@@ -26,7 +26,7 @@ from lmcached.daemon.server import Server
 from lmcached.shm.janitor import list_segments
 
 SYSTEMD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "systemd")
-UNITS = {"lmcached.daemon.service": "lmcached.daemon.service", "lmcached@.service": "lmcached@llama.service"}
+UNITS = {"lmcached.service": "lmcached.service", "lmcached@.service": "lmcached@llama.service"}
 EXAMPLE_TOML = os.path.join(SYSTEMD_DIR, "lmcached.toml.example")
 EXEC_PATH = "/usr/local/bin/lmcached"
 LMCACHED = os.path.join(os.path.dirname(sys.executable), "lmcached")
@@ -95,8 +95,8 @@ def test_unit_passes_systemd_analyze_verify(filename, tmp_path):
 @needs_systemd_analyze
 def test_verify_check_catches_a_bad_directive(tmp_path):
     """The check above can fail: verify exits 0 on an unknown key, but says so."""
-    text = unit_text("lmcached.daemon.service").replace("Type=notify\n", "Type=notify\nWatchdogSecs=1\n")
-    _, complaints = verify_unit(text, "lmcached.daemon.service", tmp_path)
+    text = unit_text("lmcached.service").replace("Type=notify\n", "Type=notify\nWatchdogSecs=1\n")
+    _, complaints = verify_unit(text, "lmcached.service", tmp_path)
     assert any("Unknown key" in line and "WatchdogSecs" in line for line in complaints)
 
 
@@ -167,7 +167,7 @@ def test_readme_installs_the_units_that_exist_with_their_system_user():
 
 def test_readme_names_the_paths_the_units_use():
     readme = unit_text("README.md")
-    plain, template = read_unit("lmcached.daemon.service")["Service"], read_unit("lmcached@.service")[
+    plain, template = read_unit("lmcached.service")["Service"], read_unit("lmcached@.service")[
         "Service"]
     runtime_dir = "/run/" + plain["RuntimeDirectory"][0]
     assert template["RuntimeDirectory"] == plain["RuntimeDirectory"]  # shared by all
@@ -305,12 +305,12 @@ def test_template_exec_start_serves_in_the_runtime_directory(unique_name, short_
 
 @pytest.mark.slow
 def test_plain_unit_exec_start_serves_where_the_readme_says(short_tmp):
-    """ExecStart of lmcached.daemon.service, with the optional EnvironmentFile the README shows
+    """ExecStart of lmcached.service, with the optional EnvironmentFile the README shows
     (`LMCACHED_CAPACITY=...`), under systemd's environment: it serves on
     $RUNTIME_DIRECTORY/lmcached.sock, tells systemd so in STATUS=, and the admin CLI
     finds it with no option. The daemon is the default instance, so its arena is
     /dev/shm/lmcached.default.<gen>: checked by hand, the leak fixture only sees test names."""
-    service = read_unit("lmcached.daemon.service")["Service"]
+    service = read_unit("lmcached.service")["Service"]
     (env_file,) = service["EnvironmentFile"]
     assert env_file.startswith("-")  # optional: the unit must also start without it
     env_path = os.path.join(short_tmp, "lmcached.env")

@@ -156,6 +156,20 @@ class L2Tier:
         else:
             self._ns[ns] = (namespace_fingerprint(layout), layout)
 
+    def unregister_namespace(self, ns: int) -> None:
+        """Forget a namespace the daemon freed (its id may be given to another layout):
+        a fetch still in flight for it installs nothing more (`_apply`)."""
+        self._ns.pop(ns, None)
+
+    def _fetching_for_current_namespaces(self, job: FetchJob) -> bool:
+        """Whether every namespace of `job` still names the layout it was started for
+        (none was freed, and its id given to another layout, meanwhile)."""
+        for ns, fp in zip(job.namespaces, job.fps):
+            entry = self._ns.get(ns)
+            if entry is None or entry[0] != fp:
+                return False
+        return True
+
     def _chunk_of(self, pool_key: bytes):
         """(fp, chunk hash) of a chunk key in an L2 namespace, else None."""
         if pool_key[0] != _CHUNK_KEY:
@@ -389,7 +403,10 @@ class L2Tier:
             if failure:
                 stats[f"fetch_{failure}"] += 1
             if pool is not None and not job.done and not job.stop:
-                install(pool, self.arena, job, start, records, stats)
+                if self._fetching_for_current_namespaces(job):
+                    install(pool, self.arena, job, start, records, stats)
+                else:  # a namespace was freed meanwhile: its id may name another layout
+                    job.stop = True
         elif kind == "oversize":
             stats["fetch_oversize"] += 1
         elif kind == "misses":
