@@ -3,7 +3,9 @@
 What lives here:
     server.py, connection.py   the selectors loop and one client connection's buffers
     startup.py                 the start-up steps before the loop serves
-    service.py, session.py     request semantics (no sockets) and what each session holds
+    service.py, session.py     request semantics (no sockets) and what each session holds;
+                               the handlers in namespaces.py, request_checks.py,
+                               value_handlers.py, admin_handlers.py (replies.py: refusals)
     keys.py                    the block pool's keys for chunks and string keys
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)

@@ -23,7 +23,8 @@ from lmcached.wire.protocol import (
     encode_frame,
     request_decoder,
 )
-from lmcached.daemon.service import CacheService, Deferred
+from lmcached.daemon.replies import Deferred
+from lmcached.daemon.service import CacheService
 from lmcached.daemon.session import Session
 
 logger = init_logger(__name__)

@@ -47,7 +47,8 @@ from lmcached.daemon.connection import (
 )
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
 from lmcached.wire.protocol import MAX_FRAME_BYTES, encode_frame
-from lmcached.daemon.service import CacheService, Deferred
+from lmcached.daemon.replies import Deferred
+from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import Arena
 from lmcached.shm.janitor import NameLock
 from lmcached.sizes import format_bytes

@@ -67,19 +67,21 @@ from lmcached.wire.protocol import (
     reply_decoder,
     request_decoder,
 )
-from lmcached.daemon.service import (
+from lmcached.daemon.admin_handlers import (
     CLIENT_ROW_UNITS,
-    MAX_DERIVED_BLOCKS,
     MAX_CLIENTS_PER_PAGE,
-    MAX_LAYOUTS_PER_SESSION,
-    MAX_NAMESPACES,
     MAX_SCAN_COUNT,
     MAX_SCAN_KEYS,
-    MIN_DERIVED_BLOCKS,
     SCAN_BLOCKS_PER_UNIT,
     SCAN_DEFAULT_COUNT,
-    CacheService,
 )
+from lmcached.daemon.namespaces import (
+    MAX_DERIVED_BLOCKS,
+    MAX_LAYOUTS_PER_SESSION,
+    MAX_NAMESPACES,
+    MIN_DERIVED_BLOCKS,
+)
+from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.daemon.free_queue import BlockState
 

@@ -35,7 +35,8 @@ from lmcached.wire.protocol import (
     Release,
 )
 from lmcached.wire.record_format import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC, ROOT_HASH, hash_block_tokens
-from lmcached.daemon.service import CacheService, Deferred
+from lmcached.daemon.replies import Deferred
+from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
 
 CHUNK = 16

@@ -18,7 +18,7 @@ from lmcached.wire import envs
 from lmcached.cli import main
 from lmcached.wire.protocol import Alloc, Commit, Connection, Layout, hello
 from lmcached.shm.janitor import list_segments
-from lmcached.daemon.service import MAX_CLIENTS_PER_PAGE
+from lmcached.daemon.admin_handlers import MAX_CLIENTS_PER_PAGE
 
 MiB = 1 << 20
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)

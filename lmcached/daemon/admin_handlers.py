@@ -1,0 +1,156 @@
+"""The daemon's admin requests: SCAN, PING, SHUTDOWN, CONFIG GET, EVICT, CLEAR, OPEN_TIER,
+CLIENTS, INFO.
+
+Why this file exists: these answer operators and tools (after Redis's admin commands);
+the ones that walk many blocks or sessions are paged and priced by their work
+(`work_units`). `AdminHandlers` is a part of `CacheService`: its state is the service's.
+"""
+
+import bisect
+
+from lmcached.daemon import keys
+from lmcached.daemon.info import INFO_SECTIONS, client_rows, info_sections
+from lmcached.wire.protocol import (
+    Clear,
+    Clients,
+    ClientsReply,
+    ConfigGet,
+    CountReply,
+    Evict,
+    Info,
+    InfoReply,
+    KeysReply,
+    Ok,
+    OpenTier,
+    Ping,
+    Scan,
+    Shutdown,
+    TierHandle,
+)
+from lmcached.daemon.session import Session
+from lmcached.daemon.replies import RequestError
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+MAX_SCAN_KEYS = 10_000  # keeps a SCAN reply far below the frame limit
+# A request's price in the server's per-pass budget (connection.py, PASS_BUDGET) follows
+# the work it costs the loop: a SCAN page walks blocks (~80 ns each here), a CLIENTS
+# row reads /proc twice (psutil, ~60 us here); one unit is about an ordinary request.
+SCAN_DEFAULT_COUNT = 1024  # blocks a SCAN page walks when it names no count
+MAX_SCAN_COUNT = 4096  # blocks a SCAN page walks at most (~0.3 ms)
+SCAN_BLOCKS_PER_UNIT = 256
+MAX_CLIENTS_PER_PAGE = 16  # sessions a CLIENTS page lists at most (~1 ms)
+CLIENT_ROW_UNITS = 2
+
+
+class AdminHandlers:
+    """The admin request handlers of `CacheService` (a part of it, no state of its own)."""
+
+    def _scan(self, session: Session, req: Scan) -> KeysReply:
+        """One page of a SCAN (after Redis's SCAN): walk at most `count` host blocks from
+        block `cursor` on, and list the string keys of `req.ns` starting with
+        `req.prefix` whose value begins in them, stopping early at `limit` keys.
+
+        The cursor is a block id: blocks never move, so a value cached for the whole
+        scan begins in one block and is listed exactly once, whatever is stored or
+        evicted meanwhile. String keys live in the host arena only (device tiers hold
+        KV chunks). Priced by the blocks walked (`work_units`).
+
+        Returns:
+            The keys found and the next page's cursor (0: the walk reached the last
+            block).
+        """
+        self._check_namespace(session, req.ns)
+        pool = self.pool
+        limit = min(req.limit, MAX_SCAN_KEYS)
+        if pool is None or limit <= 0 or req.cursor >= pool.num_blocks:
+            return KeysReply([], 0)
+        ns_prefix = keys.string_prefix(req.ns)
+        prefix = ns_prefix + req.prefix.encode()
+        start = req.cursor
+        end = min(pool.num_blocks, start + min(req.count or SCAN_DEFAULT_COUNT, MAX_SCAN_COUNT))
+        names = []
+        position = start
+        for block in pool.blocks[start:end]:
+            position += 1
+            key = block.block_hash  # not None: READY and indexed
+            if key is not None and key.startswith(prefix) and block.span[0] is block:
+                names.append(key[len(ns_prefix) :].decode())
+                if len(names) >= limit:
+                    break
+        self.work_units = 1 + (position - start) // SCAN_BLOCKS_PER_UNIT
+        return KeysReply(names, position if position < pool.num_blocks else 0)
+
+    def _ping(self, session: Session, req: Ping) -> Ok:
+        return Ok()
+
+    def _shutdown(self, session: Session, req: Shutdown) -> Ok:
+        logger.info("SHUTDOWN requested by session %d (pid %d)", session.session_id, session.pid)
+        self.stop_requested = True
+        return Ok()
+
+    def _config_get(self, session: Session, req: ConfigGet) -> InfoReply:
+        return InfoReply({"config": self.config.as_dict()})
+
+    def _evict(self, session: Session, req: Evict) -> CountReply:
+        if self.pool is None:
+            return CountReply(0)
+        if req.key is not None:
+            named = keys.keys_named(self._ns_prefix, req.key)
+            return CountReply(sum(self.tiers.evict(key) for key in named))
+        if req.lru < 0:
+            raise RequestError("bad_request", "EVICT needs lru >= 0")
+        return CountReply(self.pool.evict_lru(req.lru))
+
+    def _clear(self, session: Session, req: Clear) -> CountReply:
+        return CountReply(self.tiers.clear() if self.pool is not None else 0)
+
+    def _open_tier(self, session: Session, req: OpenTier) -> TierHandle:
+        tier = self.tiers.device_tier(req.tier_id)
+        if tier is None or tier.device not in session.devices:
+            raise RequestError(
+                "bad_tier", f"OPEN_TIER of tier {req.tier_id}: not a device tier of this "
+                f"session (HELLO devices {session.devices}; the daemon has "
+                f"{[t.device for t in self.tiers.device_tiers]})"
+            )
+        if tier.tier_id in session.opened_tiers:
+            # Once per session: every descriptor in flight on a Unix socket counts against
+            # the daemon's open-file limit until the peer reads it (unix(7), ETOOMANYREFS),
+            # so a client that asks again and again without reading cannot exhaust it.
+            raise RequestError("bad_request", f"tier {tier.tier_id} was already opened on "
+                               "this connection: map the descriptor you were sent")
+        session.opened_tiers.add(tier.tier_id)
+        session.reply_fds = [tier.memory.export_fd()]  # the server sends it with the reply
+        return TierHandle(tier.tier_id, self.arena.generation, tier.kind, tier.device,
+                          tier.size_bytes)
+
+    def _clients(self, session: Session, req: Clients) -> ClientsReply:
+        """One page of CLIENTS: at most MAX_CLIENTS_PER_PAGE sessions (or `req.count`)
+        from session id `req.cursor` on, in id order; priced per row (`work_units`).
+
+        Returns:
+            Their rows and the next page's cursor: the id after the last row's, or 0
+            when no session follows.
+        """
+        sessions = self.sessions  # in id order: ids grow, a dict keeps insertion order
+        ids = list(sessions)
+        first = bisect.bisect_left(ids, req.cursor)
+        count = min(req.count or MAX_CLIENTS_PER_PAGE, MAX_CLIENTS_PER_PAGE)
+        page = ids[first : first + count]
+        self.work_units = max(1, CLIENT_ROW_UNITS * len(page))
+        more = first + count < len(ids)
+        return ClientsReply(client_rows(sessions[i] for i in page),
+                            page[-1] + 1 if more else 0)
+
+    def _info(self, session: Session, req: Info) -> InfoReply:
+        sections = info_sections(self)
+        if req.section is not None:
+            name = req.section.lower()
+            if name not in sections:
+                raise RequestError(
+                    "bad_request", f"no INFO section {req.section!r}; sections: "
+                    f"{', '.join(INFO_SECTIONS)}"
+                )
+            sections = {name: sections[name]}
+        return InfoReply(sections)

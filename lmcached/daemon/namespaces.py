@@ -1,0 +1,200 @@
+"""The namespace registry of the daemon: HELLO, and a namespace id per layout.
+
+Why this file exists: a namespace (docs/architecture.md, "Namespaces") lives while an open
+session or a cached value uses it, and its id is given again once freed; how ids are
+given, counted and freed, and how the first layout sets the block size, is apart from
+the value and admin handlers. `NamespaceRegistry` is a part of `CacheService`: its
+state (namespaces, _ns_layout, _ns_prefix, _ns_sessions, _free_ns_ids) is the
+service's.
+"""
+
+import heapq
+import os
+
+import msgspec
+
+from lmcached.daemon import keys
+from lmcached.wire.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    HelloReply,
+    Layout,
+)
+from lmcached.daemon.session import Session
+from lmcached.shm.arena import HEADER_BYTES
+from lmcached.sizes import MIN_BLOCK_BYTES
+from lmcached.daemon.replies import RequestError
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
+MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
+MAX_DERIVED_BLOCKS = 1 << 16  # ... and at most this many (a client may not choose more)
+# Namespaces (docs/architecture.md, "Namespaces"): one HELLO registers one layout per
+# rank it serves (a vLLM scheduler: TP x PP ranks, 8 on a node, 64 across 8 nodes'
+# pipeline); the daemon keeps a namespace while a session or a cached value uses it,
+# and at most MAX_NAMESPACES at once (~1 KiB each: a few MiB at most).
+MAX_LAYOUTS_PER_SESSION = 64
+MAX_NAMESPACES = 4096
+
+
+def _namespace_layout(layout: Layout) -> Layout:
+    """The layout as its namespace is keyed: a key-value adapter's record_bytes is only a
+    size hint, so its layouts of every hint share one namespace."""
+    if layout.fmt == "kv":
+        return msgspec.structs.replace(layout, record_bytes=1)
+    return layout
+
+
+class NamespaceRegistry:
+    """HELLO and the namespaces of `CacheService` (a part of it, no state of its own)."""
+
+    def _hello(self, session: Session, req: Hello) -> HelloReply:
+        if session.greeted:
+            raise RequestError("bad_request", "HELLO was already sent on this connection")
+        if req.version != PROTOCOL_VERSION:
+            raise RequestError(
+                "version", f"protocol version {req.version}; this daemon speaks {PROTOCOL_VERSION}"
+            )
+        if len(req.layouts) > MAX_LAYOUTS_PER_SESSION:
+            raise RequestError(
+                "bad_request", f"{len(req.layouts)} layouts in one HELLO (at most "
+                f"{MAX_LAYOUTS_PER_SESSION})"
+            )
+        if len(set(req.layouts)) != len(req.layouts):
+            raise RequestError("bad_request", "the same layout twice in one HELLO")
+        self._check_namespace_room(req.layouts)
+        namespaces = []
+        try:
+            for layout in req.layouts:
+                namespaces.append(self._register_layout(layout))
+        except RequestError:
+            for ns in namespaces:  # registered for this HELLO alone
+                self._free_namespace_if_unused(ns)
+            raise
+        for ns in namespaces:
+            self._ns_sessions[ns] = self._ns_sessions.get(ns, 0) + 1
+        session.greeted = True
+        session.name = req.name[:128]
+        session.namespaces = namespaces
+        session.record_bytes = {ns: layout.record_bytes for ns, layout in
+                                zip(namespaces, req.layouts) if layout.fmt != "kv"}
+        session.devices = list(req.devices)
+        session.readable = self.tiers.readable_for(session.devices)
+        return HelloReply(
+            session.session_id,
+            self.config.name,
+            self.arena.generation,
+            self.arena.block_bytes,
+            self.arena.num_blocks,
+            self.arena.capacity_bytes,
+            namespaces,
+            os.getpid(),
+            self.tiers.infos(),
+        )
+
+    def _register_layout(self, layout: Layout) -> int:
+        # The schema (protocol.Layout) has already checked every field's range.
+        if self.pool is None:
+            block_bytes = self.config.block_bytes or self._block_bytes_for(layout)
+            try:
+                self.arena.set_block_bytes(block_bytes)
+            except ValueError as exc:
+                raise RequestError("too_large", str(exc)) from None
+            self._make_pool()
+            logger.info(
+                "first layout (%s, chunk record %d bytes) set block_bytes=%d: %d blocks",
+                layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
+            )
+        if layout.record_bytes > self.arena.num_blocks * self.arena.block_bytes:
+            raise RequestError(
+                "too_large",
+                f"a chunk record of {layout.record_bytes} bytes does not fit in the arena",
+            )
+        layout = _namespace_layout(layout)
+        ns = self.namespaces.get(layout)
+        if ns is None:
+            if self._free_ns_ids:
+                ns = heapq.heappop(self._free_ns_ids)
+            else:
+                ns = self._next_ns
+                self._next_ns += 1
+            self.namespaces[layout] = ns
+            self._ns_layout[ns] = layout
+            self._ns_prefix[ns] = keys.chunk_prefix(ns)
+            self.stat_ns_hits[ns] = 0
+            self.stat_ns_misses[ns] = 0
+            if self.l2 is not None:
+                self.l2.register_namespace(ns, layout)
+        return ns
+
+    def _check_namespace_room(self, layouts: list[Layout]) -> None:
+        """Refuse a HELLO whose new layouts would take the namespaces alive over
+        MAX_NAMESPACES (before any is registered)."""
+        new = {_namespace_layout(layout) for layout in layouts} - self.namespaces.keys()
+        if len(self.namespaces) + len(new) > MAX_NAMESPACES:
+            raise RequestError(
+                "max_namespaces", f"this HELLO's {len(new)} new layout(s) would take the "
+                f"daemon over {MAX_NAMESPACES} namespaces, each used by an open session or "
+                f"a cached value ({len(self.namespaces)} now): close the sessions of layouts "
+                "no longer served, evict their chunks (lmcached clear), or run one daemon "
+                "per model (lmcached@NAME)"
+            )
+
+    def _end_namespaces(self, session: Session) -> None:
+        """An ended session no longer uses its namespaces: free those nothing else uses."""
+        for ns in session.namespaces:
+            left = self._ns_sessions[ns] - 1
+            if left:
+                self._ns_sessions[ns] = left
+            else:
+                del self._ns_sessions[ns]
+                self._free_namespace_if_unused(ns)
+
+    def _namespace_emptied(self, tag: bytes) -> None:
+        """`BlockPool.on_group_empty`: a pool's last value of a namespace left it."""
+        ns = int.from_bytes(tag, "little")
+        if ns in self._ns_layout:
+            self._free_namespace_if_unused(ns)
+
+    def _free_namespace_if_unused(self, ns: int) -> None:
+        """Free namespace `ns` when no open session and no cached value (any tier) uses
+        it: its id may then be given to another layout, which can never find a value of
+        this one (none is left, and the L2 tier drops the fetches still in flight for it,
+        `L2Tier.unregister_namespace`). Its hit and miss counts go to
+        `stat_freed_namespaces`."""
+        if ns in self._ns_sessions:
+            return
+        tag = keys.namespace_tag(ns)
+        if any(pool is not None and tag in pool.num_values_by_group for pool in self.tiers.pools):
+            return
+        layout = self._ns_layout.pop(ns)
+        del self.namespaces[layout]
+        del self._ns_prefix[ns]
+        hits, misses = self.stat_ns_hits.pop(ns), self.stat_ns_misses.pop(ns)
+        freed = self.stat_freed_namespaces
+        freed["namespaces"] += 1
+        freed["hit_chunks"] += hits
+        freed["miss_chunks"] += misses
+        freed["hit_tokens"] += hits * layout.chunk_size
+        freed["miss_tokens"] += misses * layout.chunk_size
+        if self.l2 is not None:
+            self.l2.unregister_namespace(ns)
+        heapq.heappush(self._free_ns_ids, ns)
+        logger.debug("namespace %d (%s) freed: no session and no cached value uses it", ns,
+                     layout.model_name)
+
+    def _block_bytes_for(self, layout: Layout) -> int:
+        """Block size derived from the first layout when `--block-size` is unset: its
+        record size rounded up to BLOCK_ALIGN_BYTES, but never so large that the arena
+        has fewer than MIN_DERIVED_BLOCKS blocks (a larger record then spans several
+        blocks), so that no client can shrink the usable arena for the others, and never
+        so small that it has more than MAX_DERIVED_BLOCKS blocks or blocks below
+        MIN_BLOCK_BYTES (a smaller record then leaves the rest of its block unused), so
+        that no client can make every walk over the cached values long."""
+        wanted = -(-layout.record_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+        usable = self.arena.capacity_bytes - HEADER_BYTES
+        ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
+        floor = -(-usable // (MAX_DERIVED_BLOCKS * BLOCK_ALIGN_BYTES)) * BLOCK_ALIGN_BYTES
+        return max(MIN_BLOCK_BYTES, floor, min(wanted, ceiling))

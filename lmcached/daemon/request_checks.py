@@ -1,0 +1,190 @@
+"""Validation and room of the daemon's requests: keys, sizes, a session's share, leases.
+
+Why this file exists: every value handler checks its namespace and hashes, and every
+allocation or pin is bounded by the session's share of the host arena
+(`--max-session-share`); those checks are written once here. `RequestChecks` is a part
+of `CacheService`: its state is the service's.
+"""
+
+
+from lmcached.daemon import keys
+from lmcached.wire.protocol import (
+    HASH_BYTES,
+    MAX_CHUNKS_PER_REQUEST,
+    BlocksReply,
+    tier_of,
+)
+from lmcached.daemon.session import PendingValue, Session
+from lmcached.daemon.block_pool import BlockPool
+from lmcached.daemon.free_queue import KVCacheBlock
+from lmcached.daemon.replies import RequestError
+
+
+class RequestChecks:
+    """Request validation and a session's room, for `CacheService` (a part of it)."""
+
+    def _check_namespace(self, session: Session, ns: int) -> None:
+        """Refuse a namespace that is not one of this session's HELLO layouts."""
+        if ns not in session.namespaces:
+            raise RequestError(
+                "bad_namespace",
+                f"namespace {ns} is not this session's (HELLO gave {session.namespaces})",
+            )
+
+    def _check_hashes(self, hashes: bytes, num_namespaces: int = 1) -> int:
+        """The chunk count of a request's hashes, after validating their length."""
+        if len(hashes) % HASH_BYTES:
+            raise RequestError(
+                "bad_request", f"hashes are {len(hashes)} bytes, not a multiple of {HASH_BYTES}"
+            )
+        num_chunks = len(hashes) // HASH_BYTES
+        if num_chunks * max(num_namespaces, 1) > MAX_CHUNKS_PER_REQUEST:
+            raise RequestError(
+                "bad_request", f"more than {MAX_CHUNKS_PER_REQUEST} chunks (over all "
+                "namespaces) in one request: split it"
+            )
+        return num_chunks
+
+    def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
+        """The block-pool keys of a request's chunk hashes, after validating them."""
+        self._check_namespace(session, ns)
+        self._check_hashes(hashes)
+        return keys.chunk_keys(self._ns_prefix[ns], hashes)
+
+    def _chunk_keys_per_namespace(self, session: Session, namespaces: list[int],
+                                  hashes: bytes) -> list[list[bytes]]:
+        """The block-pool keys of `hashes` in each listed namespace (LOOKUP, ACQUIRE)."""
+        if not namespaces:
+            raise RequestError("bad_request", "no namespace listed")
+        if len(set(namespaces)) != len(namespaces):
+            raise RequestError("bad_request", f"namespace listed twice in {namespaces}")
+        for ns in namespaces:
+            self._check_namespace(session, ns)
+        self._check_hashes(hashes, len(namespaces))
+        return [keys.chunk_keys(self._ns_prefix[ns], hashes) for ns in namespaces]
+
+    def _string_key(self, session: Session, ns: int, key: str) -> bytes:
+        """The block-pool key of a request's string key, after validating it."""
+        self._check_namespace(session, ns)
+        if not key:
+            raise RequestError("bad_request", "empty key")
+        return keys.string_key(ns, key)
+
+    def _require_pool(self) -> BlockPool:
+        if self.pool is None:
+            raise RequestError("no_layout", "no layout has attached yet: the arena has no blocks")
+        return self.pool
+
+    def _allocate_value(self, session: Session, key: bytes, num_bytes: int, replace: bool,
+                        device_pool: BlockPool | None = None):
+        """Allocate WRITING blocks for one value of `num_bytes`: in `device_pool` when it
+        has an empty block for a one-block value, else in the host arena (which may
+        evict); None when nothing is evictable, or when the session would then hold
+        more than its share of the host arena (`_session_room`): nothing is evicted."""
+        block_bytes = self.arena.block_bytes
+        num_blocks = -(-num_bytes // block_bytes)
+        blocks = None
+        if device_pool is not None and num_blocks == 1:
+            blocks = device_pool.allocate_empty(1)
+        if blocks is None:
+            if num_blocks > self._session_room(session):
+                return None
+            blocks = self.pool.allocate(num_blocks)
+        if blocks is None:
+            return None
+        for block in blocks:
+            block.num_bytes = block_bytes
+        blocks[-1].num_bytes = num_bytes - (num_blocks - 1) * block_bytes
+        session.add_pending(PendingValue(key, blocks, replace, session.last_request_at))
+        return blocks
+
+    def _session_cap_blocks(self) -> int:
+        """Host arena blocks one session may hold, WRITING and pinned together:
+        `--max-session-share` percent of them, at least one."""
+        return max(1, int(self.pool.num_blocks * self.config.max_session_share / 100))
+
+    def _session_room(self, session: Session) -> int:
+        """Host arena blocks `session` may still allocate or pin (its share, less what it
+        holds), so that one session never keeps the rest of the arena from the others."""
+        return self._session_cap_blocks() - session.num_host_blocks_held
+
+    def _max_value_bytes(self) -> int:
+        """The largest value a PUT (or an ALLOC in a key-value namespace) may ask for:
+        the blocks of one session's share."""
+        return self._session_cap_blocks() * self.arena.block_bytes
+
+    def _check_value_sizes(self, session: Session, ns: int, num_bytes: list[int]) -> None:
+        """Refuse an ALLOC's record sizes beyond the namespace's full chunk record (or, in
+        a key-value namespace, beyond `_max_value_bytes`), before anything is allocated
+        or evicted.
+
+        Raises:
+            RequestError: `bad_request`, naming the size asked for and the limit.
+        """
+        limit = session.record_bytes.get(ns)
+        largest = max(num_bytes)
+        if limit is not None and largest > limit:
+            raise RequestError(
+                "bad_request", f"ALLOC of a {largest}-byte record in namespace {ns}, whose "
+                f"layout's full chunk record is {limit} bytes: num_bytes is at most that"
+            )
+        if limit is None and largest > self._max_value_bytes():
+            raise RequestError(
+                "bad_request", f"ALLOC of a {largest}-byte value in key-value namespace "
+                f"{ns}: a value is at most {self._max_value_bytes()} bytes "
+                f"(--max-session-share {self.config.max_session_share:g}% of the arena)"
+            )
+
+    def _pinnable_prefix(self, session: Session, namespaces: list[int],
+                         per_namespace: list[list[bytes]], num_chunks: int) -> int:
+        """How many of the first `num_chunks` chunks (in every namespace) `session` may
+        pin without holding more than its share of the host arena (`_session_room`);
+        fewer where a chunk is not READY.
+
+        A block the session already pins takes no more room. The chunks' spans are
+        walked only when the room may be too small for them: a chunk takes at most the
+        blocks of its namespace's full record (ALLOC refuses larger ones), a value of a
+        key-value namespace at most a share.
+        """
+        room = self._session_room(session)
+        block_bytes, cap = self.arena.block_bytes, self._session_cap_blocks()
+        record_bytes = session.record_bytes
+        most = sum(-(-record_bytes[ns] // block_bytes) if ns in record_bytes else cap
+                   for ns in namespaces)
+        if num_chunks * most <= room:
+            return num_chunks
+        find, readable, pins = self.tiers.find, session.readable, session.pins
+        taken: set[int] = set()  # host blocks the chunks so far would newly pin
+        for i in range(num_chunks):
+            for chunk_keys in per_namespace:
+                span = find(chunk_keys[i], readable)
+                if span is None:
+                    return i
+                taken.update(b.ref for b in span if not tier_of(b.ref) and b.ref not in pins)
+            if len(taken) > room:
+                return i
+        return num_chunks
+
+    def _lease(self, session: Session, spans: list[list[KVCacheBlock]]) -> int:
+        """A new lease holding the pins of `spans` (0, and no lease, when empty)."""
+        if not spans:
+            return 0
+        lease = self._next_lease
+        self._next_lease += 1
+        session.add_lease(lease, [block for span in spans for block in span])
+        return lease
+
+    def _blocks_reply(self, lease: int, spans: list[list[KVCacheBlock]]) -> BlocksReply:
+        """The reply to a pinning request; counts the bytes served."""
+        if all(len(span) == 1 for span in spans):  # one block per value: the usual case
+            num_bytes = [span[0].num_bytes for span in spans]
+            self.stat_served_bytes += sum(num_bytes)
+            return BlocksReply(lease, [span[0].ref for span in spans], [1] * len(spans),
+                               num_bytes)
+        block_ids, span_lengths, num_bytes = [], [], []
+        for span in spans:
+            block_ids.extend(b.ref for b in span)
+            span_lengths.append(len(span))
+            num_bytes.append(sum(b.num_bytes for b in span))
+        self.stat_served_bytes += sum(num_bytes)
+        return BlocksReply(lease, block_ids, span_lengths, num_bytes)
