@@ -1,7 +1,9 @@
 """The daemon (import name `lmcached.daemon`): the one process that owns the arenas.
 
 What lives here:
-    server.py, connection.py   the selectors loop and one client connection's buffers
+    server.py, connection.py   the selectors loop and one client connection's buffers;
+                               server_io.py (a connection's bytes), server_clients.py
+                               (accept, limits, drops) are parts of the server
     startup.py                 the start-up steps before the loop serves
     service.py, session.py     request semantics (no sockets) and what each session holds;
                                the handlers in namespaces.py, request_checks.py,
