@@ -12,6 +12,8 @@ What lives here:
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)
     tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
+    jobs.py                    the background job runner (worker threads, completions the
+                               loop applies): demotion and L2 are its queues
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
     info.py                    INFO / CLIENTS fields
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against

@@ -23,13 +23,12 @@ Rules (each one has a test, tests/daemon/test_demotion_model.py and tests/daemon
   and leaves its values readable where they are.
 """
 
-import collections
-import threading
 import time
 from collections.abc import Callable
 
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
+from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.tiers import Tier, TierSet
 
 logger = init_logger(__name__)
@@ -57,9 +56,10 @@ class DemotionJob:
         device_blocks: its blocks in the device tier (pinned by the planner).
         host_blocks: WRITING blocks of the host arena, one per device block.
         error: the copy's exception, or None.
+        busy_us: how long the worker copied, in microseconds.
     """
 
-    __slots__ = ("tier", "key", "device_blocks", "host_blocks", "num_bytes", "error")
+    __slots__ = ("tier", "key", "device_blocks", "host_blocks", "num_bytes", "error", "busy_us")
 
     def __init__(self, tier: Tier, key: BlockHash, device_blocks: list[KVCacheBlock],
                  host_blocks: list[KVCacheBlock]) -> None:
@@ -69,15 +69,17 @@ class DemotionJob:
         self.host_blocks = host_blocks
         self.num_bytes = sum(b.num_bytes for b in device_blocks)
         self.error: BaseException | None = None
+        self.busy_us = 0
 
 
 class Demoter:
-    """Plans demotions on the loop thread and copies on one worker thread.
+    """Plans demotions on the loop thread and copies on one worker thread (a job queue
+    of the daemon's `JobRunner`, named "demotion").
 
     Args:
         tiers: the daemon's tiers (pools made).
-        wake: wakes the loop from the worker (the server's wakeup socket); the loop
-            then calls `finish`.
+        jobs: the daemon's background job runner; the loop finishes the copies through
+            `JobRunner.process_completions`.
         on_host_commit: called on the loop thread as `on_host_commit([(key, blocks)])`
             for values committed on the host (the L2 tier's write-through), or None.
 
@@ -86,21 +88,15 @@ class Demoter:
         demoting_blocks: device blocks being copied, per tier id.
     """
 
-    def __init__(self, tiers: TierSet, wake: Callable[[], None],
+    def __init__(self, tiers: TierSet, jobs: JobRunner,
                  on_host_commit: Callable | None = None) -> None:
         self.tiers = tiers
-        self._wake = wake
         self.on_host_commit = on_host_commit
         self.stats = dict.fromkeys(DEMOTION_STATS, 0)
         self.demoting_blocks = [0] * len(tiers.tiers)
         self._inflight_bytes = 0
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._queue: collections.deque[DemotionJob] = collections.deque()
-        self._done: collections.deque[DemotionJob] = collections.deque()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="lmcached-demotion", daemon=True)
-        self._thread.start()
+        self._jobs = jobs
+        self._queue = jobs.add_queue("demotion", self._copy, self._finish)
 
     # ------------------------------------------------------------ loop thread
     def plan(self, overflow: dict[int, int] | None = None) -> int:
@@ -148,27 +144,16 @@ class Demoter:
                 job = DemotionJob(tier, key, span, host_blocks)
                 self.demoting_blocks[tier.tier_id] += len(span)
                 self._inflight_bytes += job.num_bytes
-                with self._work:
-                    self._queue.append(job)
-                    self._work.notify()
+                self._queue.submit(job)
         return started
 
-    def finish(self) -> int:
+    def _finish(self, jobs: list[DemotionJob]) -> None:
         """Commit the copies the worker completed, free their device blocks, and plan
-        again. Loop thread only.
-
-        Returns:
-            How many jobs were finished.
-        """
+        again. Loop thread (`JobRunner.process_completions`)."""
         host = self.tiers.host.pool
-        finished = 0
         committed = []
-        while True:
-            with self._lock:
-                if not self._done:
-                    break
-                job = self._done.popleft()
-            finished += 1
+        for job in jobs:
+            self.stats["demotion_busy_us"] += job.busy_us
             pool = job.tier.pool
             pool.free(job.device_blocks)
             self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
@@ -198,35 +183,29 @@ class Demoter:
             if self.on_host_commit is not None:
                 self.on_host_commit(committed)
             host.free([b for _, blocks in committed for b in blocks])
-        if finished and not self._stopping:
+        if jobs and not self._queue.stopping:
             self.plan()
-        return finished
 
     def close(self) -> None:
-        """Stop the worker (after its current copy) and undo the jobs not finished:
-        host blocks aborted, device pins dropped. Loop thread, at shutdown."""
-        with self._work:
-            self._stopping = True
-            self._work.notify_all()
-        self._thread.join()
-        self.finish()
-        while self._queue:
-            job = self._queue.popleft()
+        """Stop the worker (after its current copy), finish what it completed and undo
+        the jobs not started: host blocks aborted, device pins dropped. Loop thread, at
+        shutdown."""
+        self._queue.stop()
+        left = self._queue.join()
+        self._queue.finish_done()
+        self._jobs.remove_queue(self._queue)
+        for job in left:
             self.tiers.host.pool.abort(job.host_blocks)
             job.tier.pool.free(job.device_blocks)
             self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
             self._inflight_bytes -= job.num_bytes
 
     # ---------------------------------------------------------- worker thread
-    def _run(self) -> None:
+    def _copy(self, jobs: list[DemotionJob]) -> None:
+        """Copy each job's device blocks into its host blocks; errors are the loop's
+        to report (`_finish`)."""
         arena = self.tiers.host.memory
-        while True:
-            with self._work:
-                while not self._queue and not self._stopping:
-                    self._work.wait()
-                if self._stopping:
-                    return
-                job = self._queue.popleft()
+        for job in jobs:
             started = time.perf_counter()
             try:
                 memory = job.tier.memory
@@ -234,10 +213,7 @@ class Demoter:
                     dst = arena.numpy_view(arena.block_offset(host_block.block_id),
                                            device_block.num_bytes)
                     memory.copy_to_host(device_block.block_id, device_block.num_bytes, dst)
-            except Exception as exc:  # a device error: reported by `finish`
+            except Exception as exc:  # a device error: reported by `_finish`
                 job.error = exc
-            busy_us = int((time.perf_counter() - started) * 1e6)
-            with self._lock:
-                self.stats["demotion_busy_us"] += busy_us
-                self._done.append(job)
-            self._wake()
+            job.busy_us = int((time.perf_counter() - started) * 1e6)
+            self._queue.post(job)

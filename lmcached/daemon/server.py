@@ -28,6 +28,7 @@ from lmcached.config import ServerConfig, load_config
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
 from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
+from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import Arena
@@ -125,10 +126,10 @@ class Server(ClientIO, ClientAccounting):
         self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
                                   lambda: self._stop_signal)
         self._device_memories = self._open_device_tiers()
-        self.service = CacheService(cfg, self.arena, self._device_memories)
-        self.service.wake = self._wake
+        self.service = CacheService(cfg, self.arena, self._device_memories,
+                                    JobRunner(self._wake))
         if cfg.l2_url:
-            self.service.attach_l2(create_l2_tier(cfg, self.arena, self._wake))
+            self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
         self._listen(cfg.socket)
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
@@ -143,7 +144,8 @@ class Server(ClientIO, ClientAccounting):
         return open_device_tiers(self.config, self.config.name, self.arena.generation)
 
     def _wake(self) -> None:
-        """Wake the loop from another thread (a scrape waiting for a snapshot)."""
+        """Wake the loop from another thread (a scrape waiting for a snapshot, a
+        background job's completion)."""
         wakeup = self._wakeup_w
         if wakeup is not None:
             try:
@@ -261,9 +263,7 @@ class Server(ClientIO, ClientAccounting):
         if self._reload_requested:
             self._reload_requested = False
             self._reload()
-        if self.service.l2 is not None:  # L2 threads wake the loop when they finish work
-            self.service.l2.process_completions(self.service.pool)
-        self.service.process_completions()  # demotions
+        self.service.jobs.process_completions()  # demotions, L2 writes and fetches
 
     def _reload(self) -> None:
         """SIGHUP: re-read the log level from the environment and the config file."""
@@ -302,7 +302,7 @@ class Server(ClientIO, ClientAccounting):
             except FileNotFoundError:
                 pass
         if self.service is not None and self.service.l2 is not None:
-            self.service.l2.close(self.service.pool)  # its threads read the arena
+            self.service.l2.close()  # its threads read the arena
         if self.service is not None:
             self.service.close()  # the demotion thread reads device tiers and the arena
         for memory in self._device_memories:

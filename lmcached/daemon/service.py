@@ -53,6 +53,7 @@ from lmcached.daemon.session import Session
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.tiers import TierSet
+from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.namespaces import NamespaceRegistry
 from lmcached.daemon.replies import Deferred, RequestError
@@ -81,6 +82,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         device_memories: one device tier memory per `--gpu-device`
             (shm/device_memory.py), tiers 1, 2, ...; cut into blocks of the
             arena's block size with it.
+        jobs: the background job runner, whose `wake` wakes the server's loop; a new
+            one that wakes nothing by default (tests apply completions themselves).
 
     Attributes:
         pool: the host arena's block pool (tier 0), or None until the block size is
@@ -88,8 +91,9 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         tiers: every tier and its pool (lmcached/daemon/tiers.py).
         demoter: moves device-tier chunks to the host arena (lmcached/daemon/demotion.py);
             None without device tiers or before the block size is known.
-        wake: wakes the server's loop from another thread (set by the server); the
-            loop then calls `process_completions`.
+        jobs: the daemon's background job runner (`jobs.py`): demotions and the L2
+            tier's threads; the server applies their completions
+            (`JobRunner.process_completions`).
         sessions: session id -> Session.
         namespaces: layout -> namespace id, of every namespace alive: used by an open
             session or by a value cached in some tier. A freed id is given again, the
@@ -109,12 +113,13 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             before it serves.
     """
 
-    def __init__(self, config: ServerConfig, arena: Arena, device_memories=()) -> None:
+    def __init__(self, config: ServerConfig, arena: Arena, device_memories=(),
+                 jobs: JobRunner | None = None) -> None:
         self.config = config
         self.arena = arena
         self.tiers = TierSet(arena, device_memories)
         self.demoter: "Demoter | None" = None
-        self.wake = lambda: None
+        self.jobs = jobs if jobs is not None else JobRunner()
         self.pool: BlockPool | None = None
         self.l2: "L2Tier | None" = None
         self._resuming = False  # answering a Deferred: do not start another fetch
@@ -176,11 +181,14 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             tier.register_namespace(ns, layout)
         if self.pool is not None:
             self.pool.on_evict = tier.spill
+            tier.pool = self.pool
 
     def _make_pool(self) -> None:
         tiers = self.tiers
         tiers.make_pools(self.l2.spill if self.l2 is not None else None)
         self.pool = tiers.pools[0]
+        if self.l2 is not None:
+            self.l2.pool = self.pool
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
                 pool.group_of = keys.namespace_tag_of
@@ -188,7 +196,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
-            self.demoter = Demoter(tiers, lambda: self.wake(), self._host_committed)
+            self.demoter = Demoter(tiers, self.jobs, self._host_committed)
         for tier in tiers.device_tiers:
             logger.info("device tier %d (%s %s): %d blocks of %d bytes", tier.tier_id,
                         tier.kind, tier.device, tier.memory.num_blocks, tier.memory.block_bytes)
@@ -197,12 +205,6 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         """Values just committed in the host arena by a demotion: L2 write-through."""
         if self.l2 is not None:
             self.l2.write_through(self.pool, values)
-
-    def process_completions(self) -> None:
-        """Finish what the daemon's threads completed (demotions); loop thread, after
-        a wake-up."""
-        if self.demoter is not None:
-            self.demoter.finish()
 
     def housekeeping(self) -> None:
         """Periodic work of the loop thread: start demotions a device tier needs, and

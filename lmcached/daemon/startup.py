@@ -27,6 +27,7 @@ from collections.abc import Callable
 from lmcached.config import ServerConfig, shm_free_bytes
 from lmcached.sizes import echo_size, format_bytes, format_size, size_style
 from lmcached.wire.logger import init_logger
+from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter
 from lmcached.daemon.notify import SystemdNotifier
 from lmcached.daemon.progress import PrefaultProgress
@@ -226,7 +227,7 @@ def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNo
 L2_SOCKET_TIMEOUT_S = 2.0  # a Redis operation slower than this counts as an outage
 
 
-def create_l2_tier(cfg: ServerConfig, arena: Arena, wake: Callable[[], None]):
+def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
     """The L2 tier of `--l2` (docs/l2.md): its threads start; it does not wait for Redis.
 
     An L2 that is down at start is not a start-up error: the tier backs off, counts it,
@@ -235,7 +236,7 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, wake: Callable[[], None]):
     Args:
         cfg: the l2_* settings.
         arena: the daemon's arena.
-        wake: wakes the loop (the threads' completions).
+        jobs: the daemon's background job runner (the tier's threads are its queues).
 
     Raises:
         StartupError: redis-py is not installed, or the URL is malformed.
@@ -255,4 +256,4 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, wake: Callable[[], None]):
                 format_bytes(cfg.l2_queue_bytes), cfg.l2_fetch_wait_s, cfg.l2_threads)
     return L2Tier(store, arena, url=cfg.l2_url, policy=cfg.l2_policy, ttl_s=cfg.l2_ttl_s,
                   queue_bytes=cfg.l2_queue_bytes, fetch_wait_s=cfg.l2_fetch_wait_s,
-                  num_threads=cfg.l2_threads, wake=wake)
+                  num_threads=cfg.l2_threads, jobs=jobs)

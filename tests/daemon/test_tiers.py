@@ -146,7 +146,7 @@ def drain_demotions(service, deadline_s: float = 10.0) -> None:
     while any(demoter.demoting_blocks):
         assert time.monotonic() < end, "demotions did not finish"
         time.sleep(0.005)
-        service.process_completions()
+        service.jobs.process_completions()
 
 
 def tier_keys(service, tier_id) -> set:

@@ -36,6 +36,7 @@ from lmcached.wire.protocol import (
 )
 from lmcached.wire.record_format import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC, ROOT_HASH, hash_block_tokens
 from lmcached.daemon.replies import Deferred
+from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
 
@@ -98,14 +99,14 @@ class Node:
         self.arena = Arena.create(name, HEADER_BYTES + num_blocks * BLOCK_BYTES, BLOCK_BYTES,
                                   prefault=False)
         # One session stands for every client of the node: it may hold the whole arena.
+        self.woken = threading.Semaphore(0)
         self.service = CacheService(ServerConfig(name=name, socket="/nonexistent",
                                                  max_session_share=100.0),
-                                    self.arena, device_memories)
-        self.woken = threading.Semaphore(0)
+                                    self.arena, device_memories, JobRunner(self.woken.release))
         args = dict(url="fake://", policy="write-through", ttl_s=0.0, queue_bytes=1 << 20,
                     fetch_wait_s=5.0, num_threads=2)
         args.update(tier_args)
-        self.tier = L2Tier(store, self.arena, wake=self.woken.release, **args)
+        self.tier = L2Tier(store, self.arena, jobs=self.service.jobs, **args)
         self.service.attach_l2(self.tier)
         self.session = self.service.open_session(os.getpid(), os.geteuid(), 0)
         reply = self.service.handle(self.session, Hello(PROTOCOL_VERSION, os.getpid(), "t",
@@ -115,7 +116,7 @@ class Node:
     def settle(self, until) -> None:
         """Apply completions until `until()` holds (as the loop does when woken)."""
         for _ in range(200):
-            self.tier.process_completions(self.service.pool)
+            self.service.jobs.process_completions()
             if until():
                 return
             self.woken.acquire(timeout=0.05)
@@ -141,7 +142,7 @@ class Node:
                         for b in block_ids)[:num_bytes]
 
     def close(self) -> None:
-        self.tier.close(self.service.pool)
+        self.tier.close()
         self.service.close()
         self.service.pool.check_invariants()
         self.arena.close()

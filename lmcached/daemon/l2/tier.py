@@ -4,13 +4,14 @@ Why this file exists: the daemon's loop is one thread (`server.py`) and must nev
 for the network, yet chunks have to reach Redis and come back from it. This module owns
 the threads that talk to Redis (`redis_store.RedisL2`), the bounded queue of writes, and
 the completions that the threads hand back to the loop. Everything that touches the
-block pool or the arena's blocks runs on the loop thread, in `process_completions`;
-the threads only read bytes the loop pinned for them, and talk to Redis.
+block pool or the arena's blocks runs on the loop thread, when the daemon's job runner
+(`lmcached/daemon/jobs.py`) hands back what the threads finished (`_apply_all`); the
+threads only read bytes the loop pinned for them, and talk to Redis.
 
 Flows (docs/l2.md):
 
 - write-through: a committed chunk is pinned and queued (`write_through`); a writer
-  thread reads its bytes in place, SETs them; the loop unpins it (`process_completions`).
+  thread reads its bytes in place, SETs them; the loop unpins it (`_apply_all`).
 - on-evict: the block pool's `on_evict` hook copies an evicted chunk's bytes into the
   queue (`spill`) before its blocks are handed to the next writer.
 - fetch on miss: a LOOKUP / ACQUIRE that misses in the arena starts a `FetchJob`
@@ -26,7 +27,6 @@ dropped and fetches answer "miss" at once; `redis_store.RedisL2` backs off and r
 
 import collections
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 
@@ -39,6 +39,7 @@ from lmcached.wire.record_format import ROOT_HASH
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
+from lmcached.daemon.jobs import JobRunner
 
 logger = init_logger(__name__)
 
@@ -77,6 +78,18 @@ class WriteJob:
     blocks: list[KVCacheBlock] | None
 
 
+def _take_write_batch(writes: collections.deque) -> list[WriteJob]:
+    """A writer's next batch: queued writes in order, up to WRITE_BATCH_VALUES values
+    and WRITE_BATCH_BYTES (at least one)."""
+    batch, num_bytes = [], 0
+    while writes and len(batch) < WRITE_BATCH_VALUES and (
+            not batch or num_bytes + writes[0].num_bytes <= WRITE_BATCH_BYTES):
+        job = writes.popleft()
+        batch.append(job)
+        num_bytes += job.num_bytes
+    return batch
+
+
 class L2Tier:
     """Writes chunks to an L2 store and fetches misses back (docs/l2.md).
 
@@ -92,7 +105,13 @@ class L2Tier:
         fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a fetch; 0 = never (the fetch
             still runs and a later lookup sees its chunks).
         num_threads: writer threads, and as many fetch threads.
-        wake: wakes the loop (thread-safe); called after each completion is posted.
+        jobs: the daemon's background job runner: the tier adds its writer and fetch
+            queues ("l2-writer", "l2-fetch", `num_threads` threads each); the loop
+            applies their completions through `JobRunner.process_completions`.
+
+    Attributes:
+        pool: the host arena's block pool, set by the service once it exists (the
+            completions unpin and install there; before it, they touch no pool).
 
     Raises:
         ValueError: unknown policy, queue_bytes < 1, num_threads < 1, fetch_wait_s < 0.
@@ -100,7 +119,7 @@ class L2Tier:
 
     def __init__(self, store: RedisL2, arena: Arena, *, url: str, policy: str, ttl_s: float,
                  queue_bytes: int, fetch_wait_s: float, num_threads: int,
-                 wake: Callable[[], None]) -> None:
+                 jobs: JobRunner) -> None:
         if policy not in POLICIES:
             raise ValueError(f"L2 policy {policy!r}: use one of {', '.join(POLICIES)}")
         if queue_bytes < 1 or num_threads < 1 or fetch_wait_s < 0:
@@ -115,30 +134,19 @@ class L2Tier:
         self.pinned_limit_bytes = min(queue_bytes, arena.capacity_bytes // PINNED_SHARE)
         self.max_fetch_jobs = FETCH_JOBS_PER_THREAD * num_threads
         self.fetch_wait_s = fetch_wait_s
-        self._wake = wake
         self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
-        self._writes: collections.deque[WriteJob] = collections.deque()
-        self._fetches: collections.deque[FetchJob] = collections.deque()
         self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
-        self._lock = threading.Lock()  # the two queues; each kind of thread waits on its own condition
-        self._writes_cv = threading.Condition(self._lock)
-        self._fetches_cv = threading.Condition(self._lock)
-        self._completions: collections.deque = collections.deque()  # appended by threads
-        self._stopping = False
+        self.pool: BlockPool | None = None
         self._down_until = 0.0
         self._config_error_logged = False
         self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
         self.num_writes_in_flight = 0
         self.stats = collections.Counter()
-        self._threads = [
-            threading.Thread(target=self._writer, name=f"lmcached-l2-writer-{i}", daemon=True)
-            for i in range(num_threads)
-        ] + [
-            threading.Thread(target=self._fetcher, name=f"lmcached-l2-fetch-{i}", daemon=True)
-            for i in range(num_threads)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._runner = jobs
+        self._writes = jobs.add_queue("l2-writer", self._write, self._apply_all,
+                                      num_threads=num_threads, take=_take_write_batch)
+        self._fetches = jobs.add_queue("l2-fetch", self._fetch, self._apply_all,
+                                       num_threads=num_threads, max_jobs=self.max_fetch_jobs)
 
     # ------------------------------------------------------------ namespaces
     def register_namespace(self, ns: int, layout: Layout) -> None:
@@ -193,10 +201,7 @@ class L2Tier:
             return False
         self.queued_bytes += job.num_bytes
         self.num_writes_in_flight += 1
-        with self._writes_cv:
-            self._writes.append(job)
-            self._writes_cv.notify()
-        return True
+        return self._writes.submit(job)
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
         """Queue newly committed values (write-through policy; loop thread).
@@ -256,32 +261,20 @@ class L2Tier:
             job.pieces = [b"".join(self._record_pieces(blocks))]  # a copy: the blocks go now
             self._enqueue(job)
 
-    def _writer(self) -> None:
-        """Writer thread: pipelines queued SETs, then posts them back to the loop."""
-        while True:
-            with self._writes_cv:
-                while not self._writes and not self._stopping:
-                    self._writes_cv.wait()
-                if not self._writes:
-                    return
-                batch, num_bytes = [], 0
-                while self._writes and len(batch) < WRITE_BATCH_VALUES and (
-                        not batch or num_bytes + self._writes[0].num_bytes <= WRITE_BATCH_BYTES):
-                    job = self._writes.popleft()
-                    batch.append(job)
-                    num_bytes += job.num_bytes
-            outcome = "written"
-            stored = 0
-            try:
-                items = [(job.key, encode_value(job.ns_fp, job.chunk_hash, job.pieces))
-                         for job in batch]
-                stored = self.store.set_many(items)
-            except L2Unavailable:
-                outcome = "down"
-            except Exception as exc:  # noqa: BLE001 - a writer never dies: count, log, go on
-                self._log_failure("write", exc)
-                outcome = "error"
-            self._post(("written", batch, outcome, stored))
+    def _write(self, batch: list[WriteJob]) -> None:
+        """Writer thread: pipelines a batch of SETs, then posts them back to the loop."""
+        outcome = "written"
+        stored = 0
+        try:
+            items = [(job.key, encode_value(job.ns_fp, job.chunk_hash, job.pieces))
+                     for job in batch]
+            stored = self.store.set_many(items)
+        except L2Unavailable:
+            outcome = "down"
+        except Exception as exc:  # noqa: BLE001 - a writer never dies: count, log, go on
+            self._log_failure("write", exc)
+            outcome = "error"
+        self._writes.post(("written", batch, outcome, stored))
 
     def _log_failure(self, what: str, exc: Exception) -> None:
         """Log a failure that is not an outage: a configuration error (ValueError, e.g.
@@ -333,52 +326,38 @@ class L2Tier:
         pool.touch(job.held)
         self._jobs[key] = job
         self.stats["fetches"] += 1
-        with self._fetches_cv:
-            self._fetches.append(job)
-            self._fetches_cv.notify()
+        self._fetches.submit(job)  # never full: at most max_fetch_jobs are in flight
         return job
 
-    def _fetcher(self) -> None:
-        """Fetch thread: runs queued FetchJobs one at a time."""
-        while True:
-            with self._fetches_cv:
-                while not self._fetches and not self._stopping:
-                    self._fetches_cv.wait()
-                if self._stopping:
-                    return
-                job = self._fetches.popleft()
+    def _fetch(self, jobs: list[FetchJob]) -> None:
+        """Fetch thread: runs a queued FetchJob."""
+        post = self._fetches.post
+        for job in jobs:
             try:
-                fetch_chain(self.store, job, self._post, lambda: self._stopping)
+                fetch_chain(self.store, job, post, lambda: self._fetches.stopping)
             except L2Unavailable:
-                self._post(("down", job))
+                post(("down", job))
             except Exception as exc:  # noqa: BLE001 - a fetch thread never dies
                 self._log_failure("fetch", exc)
-                self._post(("fetch_error", job))
-            self._post(("fetched", job))
+                post(("fetch_error", job))
+            post(("fetched", job))
 
     # ------------------------------------------------------------ loop side
-    def _post(self, message) -> None:
-        self._completions.append(message)  # deque.append is atomic
-        self._wake()
-
-    def process_completions(self, pool: BlockPool | None) -> bool:
-        """Apply what the threads finished (loop thread): unpin written chunks, install
-        fetched ones, count. Returns True when a fetch job ended."""
-        ended = False
-        completions = self._completions
-        while completions:
-            message = completions.popleft()
+    def _apply_all(self, messages: list[tuple]) -> None:
+        """Apply what the threads finished (loop thread, the job queues' `finish`):
+        unpin written chunks, install fetched ones, count."""
+        pool = self.pool
+        for message in messages:
             try:
-                ended |= self._apply(pool, message)
+                self._apply(pool, message)
             except Exception:  # noqa: BLE001 - a bug here must not stop the loop
                 logger.exception("applying an L2 completion %s failed", message[0])
             finally:
                 if message[0] == "batch":
                     message[1].credits.release()
-        return ended
 
-    def _apply(self, pool: BlockPool | None, message: tuple) -> bool:
-        """Apply one completion; True when it ends a fetch job."""
+    def _apply(self, pool: BlockPool | None, message: tuple) -> None:
+        """Apply one completion."""
         stats = self.stats
         kind = message[0]
         if kind == "written":
@@ -423,8 +402,6 @@ class L2Tier:
             if job.held and pool is not None:
                 pool.free(job.held)  # tail first: the chain's end is evicted first
             job.held = []
-            return True
-        return False
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, int | float | str]:
@@ -457,24 +434,21 @@ class L2Tier:
         return out
 
     # --------------------------------------------------------------- teardown
-    def close(self, pool: BlockPool | None) -> None:
+    def close(self) -> None:
         """Stop the threads: queued writes get CLOSE_DRAIN_S to reach L2 (then are
         dropped); fetches stop. Loop thread, before the arena is unmapped."""
         deadline = time.monotonic() + CLOSE_DRAIN_S
-        with self._lock:
-            self._stopping = True
-            self._fetches.clear()
-            self._writes_cv.notify_all()
-            self._fetches_cv.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            dropped = len(self._writes)
-            self._writes.clear()
+        self._writes.stop(drain=True)
+        self._fetches.stop()
+        dropped = len(self._writes.join(deadline))
+        self._fetches.join(deadline)
         if dropped:
             logger.warning("stopping: %d chunk writes to L2 were still queued: dropped", dropped)
-        self.process_completions(pool)
-        alive = [t.name for t in self._threads if t.is_alive()]
+        alive = []
+        for queue in (self._writes, self._fetches):
+            queue.finish_done()
+            self._runner.remove_queue(queue)
+            alive += queue.busy_threads()
         if alive:
             logger.warning("L2 threads still busy at stop: %s", ", ".join(alive))
         self.store.close()
