@@ -61,7 +61,7 @@ from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.launcher import temporary_daemon
-from lmcached.daemon.metrics import RequestLatency
+from lmcached.daemon.stats import RequestLatency
 from lmcached.wire.protocol import Clear, Connection, Lookup, hello
 
 LAYOUT = LLAMA_8B
@@ -271,7 +271,7 @@ def observe_cost_ns(n: int = 200_000) -> tuple[float, float]:
     child .observe with the same buckets), median of 5 runs of n each."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from lmcached.daemon.metrics import LATENCY_BUCKETS_S
+    from lmcached.daemon.stats import LATENCY_BUCKETS_S
 
     ours = RequestLatency([Lookup])
     theirs = Histogram("bench_seconds", "bench", ["type"], registry=CollectorRegistry(),

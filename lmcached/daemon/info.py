@@ -11,8 +11,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Iterable
 
-import psutil
-
 from lmcached import __version__
 from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.wire.protocol import PROTOCOL_VERSION
@@ -25,11 +23,15 @@ if TYPE_CHECKING:  # service.py imports this module
 INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
 
 InfoFields = dict[str, int | float | str]
-_own_process: psutil.Process | None = None  # made once: psutil.Process() reads /proc
+_own_process = None  # a psutil.Process, made once: psutil.Process() reads /proc
 
 
 def _memory_info():
-    """This process's memory (psutil), through one `psutil.Process` per pid."""
+    """This process's memory (psutil), through one `psutil.Process` per pid. psutil is
+    imported here, not with the module: request semantics never load it (only INFO and
+    CLIENTS read /proc)."""
+    import psutil
+
     global _own_process
     if _own_process is None or _own_process.pid != os.getpid():
         _own_process = psutil.Process()
@@ -172,6 +174,8 @@ def client_rows(sessions: Iterable[Session]) -> list[InfoFields]:
     The process name and RSS come from psutil; a process that is gone or may not be
     inspected shows as `proc` "?" and `rss_bytes` 0.
     """
+    import psutil
+
     now = time.monotonic()
     out = []
     for s in sessions:

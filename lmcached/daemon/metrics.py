@@ -5,7 +5,7 @@ LMCache (`lmcached serve --metrics-port PORT`; docs/metrics.md lists every metri
 daemon already counts what INFO shows (`info.py`), so this module exports those numbers
 through a custom collector (prometheus_client's `Collector` protocol) instead of keeping
 a second set of counters. The one thing only the loop can measure is how long a request
-takes, so `RequestLatency` is observed there, with plain ints (docs/architecture.md,
+takes, so `stats.RequestLatency` is observed there, with plain ints (docs/architecture.md,
 "Performance rules": stats stay off the hot path).
 
 Threads, and why a scrape's numbers agree with each other::
@@ -36,7 +36,6 @@ interval; the HTTP server (`metrics_http.py`) bounds connections, their threads,
 rate, their size and their time.
 """
 
-import bisect
 import collections
 import dataclasses
 import heapq
@@ -55,64 +54,18 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
+from lmcached.daemon.stats import LATENCY_BUCKETS_S
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.metrics_http import ScrapeServer
 
 logger = init_logger(__name__)
 
-# Upper bounds (seconds) of the request latency buckets. A handler takes microseconds
-# (a LOOKUP of a few chunks) to milliseconds (an ACQUIRE of thousands of chunks, a CLEAR).
-LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-                     1e-2, 2.5e-2, 0.1, 1.0)
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the loop, then reports lmcached_up 0
 SNAPSHOT_MAX_AGE_S = 0.5  # a snapshot this young answers later scrapes without the loop
 # Namespaces with rows of their own in a scrape, the busiest (hits + misses) first; the
 # others, and the namespaces freed since start, add up in one row labelled "other".
 MAX_NAMESPACE_ROWS = 64
 OTHER_NAMESPACES = "other"
-
-
-class _LatencyRow:
-    """Latency observations of one request type: per-bucket counts (not cumulative; the
-    last one is +Inf) and their sum in seconds."""
-
-    __slots__ = ("label", "counts", "sum_s")
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
-        self.sum_s = 0.0
-
-
-class RequestLatency:
-    """How long the daemon takes to answer each request type: a histogram in plain ints.
-
-    Observed on the loop thread only (no lock); copied by `take_snapshot` on that thread.
-    prometheus_client's own `Histogram` would take a lock per observation and per label
-    lookup; `benchmarks/bench_engine.py --metrics-cost` times both.
-
-    Args:
-        request_types: the request Structs; each is labelled by its wire tag
-            (`Lookup` -> "lookup", `ConfigGet` -> "config_get").
-    """
-
-    def __init__(self, request_types) -> None:
-        self._rows = {t: _LatencyRow(t.__struct_config__.tag) for t in request_types}
-
-    def observe(self, request_type: type, seconds: float) -> None:
-        """Count one request of `request_type` that took `seconds` (wall clock).
-
-        Raises:
-            KeyError: `request_type` was not given at construction (a bug).
-        """
-        row = self._rows[request_type]
-        row.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-        row.sum_s += seconds
-
-    def copy(self) -> dict[str, tuple[list[int], float]]:
-        """{wire tag: (per-bucket counts, sum of seconds)} of the types seen so far."""
-        return {row.label: (row.counts[:], row.sum_s) for row in self._rows.values()
-                if row.sum_s or any(row.counts)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from lmcached.daemon import keys
 from lmcached.config import ServerConfig
 from lmcached.wire.logger import init_logger
-from lmcached.daemon.metrics import RequestLatency
+from lmcached.daemon.stats import RequestLatency
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
     Abort,

@@ -28,16 +28,15 @@ from lmcached.daemon.metrics import (
     MAX_NAMESPACE_ROWS,
     OTHER_NAMESPACES,
     l2_families,
-    LATENCY_BUCKETS_S,
     SNAPSHOT_MAX_AGE_S,
     DaemonCollector,
-    RequestLatency,
     SnapshotChannel,
     device_tier_families,
     metric_families,
     take_snapshot,
 )
 from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.daemon.stats import LATENCY_BUCKETS_S, RequestLatency
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     Acquire,
