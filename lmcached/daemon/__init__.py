@@ -15,6 +15,8 @@ What lives here:
     jobs.py                    the background job runner (worker threads, completions the
                                loop applies): demotion and L2 are its queues
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
+    stats.py                   every counter of the request semantics and the block pools,
+                               one typed snapshot (INFO and the metrics read it); latency
     info.py                    INFO / CLIENTS fields
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against
                                hostile local processes

@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable
 from lmcached.wire.protocol import block_ref
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
+from lmcached.daemon.stats import PoolStats
 
 # Plain-int aliases of the states for the hot paths (no enum attribute lookups).
 _FREE, _WRITING, _READY = int(BlockState.FREE), int(BlockState.WRITING), int(BlockState.READY)
@@ -49,8 +50,7 @@ class BlockPool:
         blocks: every block, indexed by block id.
         free_block_queue: blocks with ref_cnt == 0 in eviction order.
         cached: value key -> its blocks (one or more), for READY values.
-        stat_hits / stat_misses: chunks found / not found by `acquire_prefix`.
-        stat_evictions: values removed from the index by pressure or by `evict*`.
+        stats: its hits, misses and evictions (`stats.PoolStats`).
         on_evict: called as `on_evict(key, blocks)` when pressure (`allocate`) evicts a
             value, before its blocks are handed out, while their bytes and `num_bytes`
             are intact (the daemon's L2 tier copies them, lmcached/daemon/l2/tier.py); None = no
@@ -78,9 +78,7 @@ class BlockPool:
         self.num_detached_blocks = 0  # READY, pinned, removed from the index
         self.num_pinned_blocks = 0  # READY with ref_cnt > 0 (indexed or detached)
         self.num_cached_bytes = 0  # sum of num_bytes over READY indexed blocks
-        self.stat_hits = 0
-        self.stat_misses = 0
-        self.stat_evictions = 0
+        self.stats = PoolStats()
         self.on_evict: Callable[[BlockHash, list[KVCacheBlock]], None] | None = None
         self.group_of: Callable[[BlockHash], Hashable] | None = None
         self.num_values_by_group: dict[Hashable, int] = {}
@@ -209,7 +207,7 @@ class BlockPool:
         block.span = None
         self.num_cached_blocks -= len(span)
         block.num_bytes = 0
-        self.stat_evictions += 1
+        self.stats.evictions += 1
 
     @staticmethod
     def _reset(block: KVCacheBlock) -> None:
@@ -346,8 +344,8 @@ class BlockPool:
                 break
             self.touch(span)
             spans.append(span)
-        self.stat_hits += len(spans)
-        self.stat_misses += len(block_hashes) - len(spans)
+        self.stats.hits += len(spans)
+        self.stats.misses += len(block_hashes) - len(spans)
         return spans
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -414,7 +412,7 @@ class BlockPool:
         """
         if not self._unindex(block_hash):
             return False
-        self.stat_evictions += 1
+        self.stats.evictions += 1
         return True
 
     def _unindex(self, block_hash: BlockHash, replacing: bool = False) -> bool:

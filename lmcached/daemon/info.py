@@ -15,6 +15,7 @@ from lmcached import __version__
 from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
+from lmcached.daemon.stats import StatsSnapshot
 from lmcached.sizes import format_bytes
 
 if TYPE_CHECKING:  # service.py imports this module
@@ -38,11 +39,37 @@ def _memory_info():
     return _own_process.memory_info()
 
 
-def info_sections(service: "CacheService") -> dict[str, InfoFields]:
+def stats_fields(counters: StatsSnapshot) -> InfoFields:
+    """INFO's `stats` section of a counter snapshot (without the device tiers' fields)."""
+    stats: InfoFields = {
+        "requests": counters.requests,
+        "connections_received": counters.connections_received,
+        "lookups": counters.lookups,
+        "stores": counters.stores,
+        "hits": counters.hits,
+        "misses": counters.misses,
+        "hit_rate": counters.hit_rate,
+        "evictions": counters.evictions,
+        "total_stored_bytes": counters.total_stored_bytes,
+        "total_stored_human": format_bytes(counters.total_stored_bytes),
+        "total_served_bytes": counters.total_served_bytes,
+        "total_served_human": format_bytes(counters.total_served_bytes),
+        "writing_expired": counters.writing_expired,
+        "invalidated_chunks": counters.invalidated_chunks,
+        "errors": sum(counters.errors.values()),
+    }
+    for code in sorted(counters.errors):
+        stats[f"errors_{code}"] = counters.errors[code]
+    return stats
+
+
+def info_sections(service: "CacheService",
+                  counters: StatsSnapshot | None = None) -> dict[str, InfoFields]:
     """INFO fields by section (INFO_SECTIONS, in that order) of a running daemon.
 
     Args:
         service: the daemon's state; its block pool may not exist yet (no layout).
+        counters: its counters (`service.stats.snapshot`), taken now when None.
 
     Returns:
         section name -> {field name: value}; names never change once shipped.
@@ -55,32 +82,13 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
     detached = pool.num_detached_blocks if pool else 0
     used_bytes = (cached + writing + detached) * block_bytes
     stored_bytes = pool.num_cached_bytes if pool else 0
-    pools = [p for p in service.tiers.pools if p is not None]
-    hits = sum(p.stat_hits for p in pools)
-    misses = sum(p.stat_misses for p in pools)
+    if counters is None:
+        counters = service.stats.snapshot([p.stats if p else None for p in service.tiers.pools])
     memory = _memory_info()
     rss = memory.rss
     rss_private = rss - getattr(memory, "shared", 0)  # the arena is shared memory
-    stats = {
-        "requests": service.stat_requests,
-        "connections_received": service.stat_connections,
-        "lookups": service.stat_lookups,
-        "stores": service.stat_stores,
-        "hits": hits,
-        "misses": misses,
-        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-        "evictions": sum(p.stat_evictions for p in pools),
-        "total_stored_bytes": service.stat_stored_bytes,
-        "total_stored_human": format_bytes(service.stat_stored_bytes),
-        "total_served_bytes": service.stat_served_bytes,
-        "total_served_human": format_bytes(service.stat_served_bytes),
-        "writing_expired": service.stat_writing_expired,
-        "invalidated_chunks": service.stat_invalidated,
-        "errors": sum(service.stat_errors.values()),
-    }
-    for code in sorted(service.stat_errors):
-        stats[f"errors_{code}"] = service.stat_errors[code]
-    device_memory, device_blocks = _device_tier_info(service, stats)
+    stats = stats_fields(counters)
+    device_memory, device_blocks = _device_tier_info(service, counters, stats)
     return {
         "server": {
             "version": __version__,
@@ -122,14 +130,15 @@ def info_sections(service: "CacheService") -> dict[str, InfoFields]:
         "clients": {
             "connected_clients": len(service.sessions),
             "namespaces": len(service.namespaces),
-            "namespaces_freed": service.stat_freed_namespaces["namespaces"],
+            "namespaces_freed": service.stats.freed_namespaces["namespaces"],
         },
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
     }
 
 
-def _device_tier_info(service: "CacheService", stats: InfoFields) -> tuple[InfoFields, InfoFields]:
+def _device_tier_info(service: "CacheService", counters: StatsSnapshot,
+                      stats: InfoFields) -> tuple[InfoFields, InfoFields]:
     """The `memory` and `blocks` fields of each device tier (`tier<i>_...`, i >= 1),
     and its hits and the demotion counters added to `stats`; the host arena's fields
     keep their names. Nothing without device tiers."""
@@ -162,7 +171,7 @@ def _device_tier_info(service: "CacheService", stats: InfoFields) -> tuple[InfoF
             t + "detached_blocks": pool.num_detached_blocks if pool else 0,
             t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
         })
-        stats[t + "hits"] = pool.stat_hits if pool else 0
+        stats[t + "hits"] = counters.tier_hits[tier.tier_id]
     for name in DEMOTION_STATS:
         stats[name] = demoter.stats[name] if demoter else 0
     return memory, blocks

@@ -54,7 +54,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
-from lmcached.daemon.stats import LATENCY_BUCKETS_S
+from lmcached.daemon.stats import LATENCY_BUCKETS_S, StatsSnapshot
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.metrics_http import ScrapeServer
 
@@ -88,6 +88,7 @@ class Snapshot:
 
     Attributes:
         info: INFO's sections (`info.info_sections`).
+        stats: the counters INFO's `stats` section shows, typed (`stats.StatsSnapshot`).
         namespaces: a row per namespace, by id, for the MAX_NAMESPACE_ROWS busiest
             namespaces alive, then the OTHER_NAMESPACES row of the rest (present once
             a namespace was left out or freed).
@@ -96,6 +97,7 @@ class Snapshot:
     """
 
     info: dict[str, InfoFields]
+    stats: StatsSnapshot
     namespaces: list[NamespaceRow]
     latency: dict[str, tuple[list[int], float]]
     start_time_s: float
@@ -104,8 +106,9 @@ class Snapshot:
 def take_snapshot(service) -> Snapshot:
     """Copy the numbers of `service` (a `CacheService`); on the loop thread only."""
     latency = service.latency.copy() if service.latency is not None else {}
-    return Snapshot(info_sections(service), namespace_rows(service), latency,
-                    service.started_at)
+    counters = service.stats.snapshot([p.stats if p else None for p in service.tiers.pools])
+    return Snapshot(info_sections(service, counters), counters, namespace_rows(service),
+                    latency, service.started_at)
 
 
 def namespace_rows(service) -> list[NamespaceRow]:
@@ -115,13 +118,13 @@ def namespace_rows(service) -> list[NamespaceRow]:
     The OTHER_NAMESPACES row keeps every counter's sum over rows equal to its INFO twin,
     and monotonic: a namespace that loses its own row or is freed moves its counts there.
     """
-    hits, misses = service.stat_ns_hits, service.stat_ns_misses
+    hits, misses = service.stats.ns_hits, service.stats.ns_misses
     alive = [(hits[ns] + misses[ns], -ns, ns, layout) for layout, ns in service.namespaces.items()]
     busiest = heapq.nlargest(MAX_NAMESPACE_ROWS, alive)
     rows = [NamespaceRow(str(ns), layout.model_name, hits[ns], misses[ns],
                          hits[ns] * layout.chunk_size, misses[ns] * layout.chunk_size)
             for _, _, ns, layout in sorted(busiest, key=lambda entry: entry[2])]
-    freed = service.stat_freed_namespaces
+    freed = service.stats.freed_namespaces
     if len(alive) > len(busiest) or freed["namespaces"]:
         other = dict(freed)
         kept = {entry[2] for entry in busiest}
@@ -309,6 +312,7 @@ def device_tier_families(memory: InfoFields, blocks: InfoFields,
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
     server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS[:5])
+    counters = snap.stats
     yield InfoMetricFamily("lmcached", "The daemon: version, name, arena generation.", value={
         "version": str(server["version"]), "name": str(server["name"]),
         "generation": str(server["generation"]),
@@ -316,27 +320,27 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_start_time_seconds", "When the daemon started (Unix time).",
                  snap.start_time_s)
     yield _counter("lmcached_requests", "Requests answered, every type (INFO requests).",
-                   stats["requests"])
+                   counters.requests)
     yield _counter("lmcached_connections", "Connections accepted (INFO connections_received).",
-                   stats["connections_received"])
+                   counters.connections_received)
     yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
     yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
                  "cached value (INFO namespaces).", clients["namespaces"])
-    yield _counter("lmcached_lookups", "LOOKUP requests answered.", stats["lookups"])
+    yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
     yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
-                   stats["stores"])
+                   counters.stores)
     yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",
-                   stats["evictions"])
+                   counters.evictions)
     yield _counter("lmcached_writing_expired", "Values allocated and not committed within "
                    "--writing-timeout, aborted by the daemon (INFO writing_expired).",
-                   stats["writing_expired"])
+                   counters.writing_expired)
     yield _counter("lmcached_invalidated_chunks", "Chunks a reader found corrupt and "
                    "dropped from the index by INVALIDATE (INFO invalidated_chunks).",
-                   stats["invalidated_chunks"])
+                   counters.invalidated_chunks)
     yield _counter("lmcached_stored_bytes", "Bytes of the values committed (INFO "
-                   "total_stored_bytes).", stats["total_stored_bytes"])
+                   "total_stored_bytes).", counters.total_stored_bytes)
     yield _counter("lmcached_served_bytes", "Bytes of the values pinned for readers by "
-                   "ACQUIRE and GET (INFO total_served_bytes).", stats["total_served_bytes"])
+                   "ACQUIRE and GET (INFO total_served_bytes).", counters.total_served_bytes)
     per_ns = {
         ("hit_chunks", "Chunks found by ACQUIRE and values by GET."):
             lambda r: r.hit_chunks,
@@ -354,7 +358,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         yield family
     errors = CounterMetricFamily("lmcached_errors", "Refused requests and dropped connections, "
                                  "by error code (INFO errors_<code>).", labels=["code"])
-    for field, value in stats.items():
+    for field, value in stats.items():  # INFO's errors_<code>, errors_demotion included
         if field.startswith("errors_"):
             errors.add_metric([field[len("errors_"):]], value)
     yield errors

@@ -123,8 +123,8 @@ class NamespaceRegistry:
             self.namespaces[layout] = ns
             self._ns_layout[ns] = layout
             self._ns_prefix[ns] = keys.chunk_prefix(ns)
-            self.stat_ns_hits[ns] = 0
-            self.stat_ns_misses[ns] = 0
+            self.stats.ns_hits[ns] = 0
+            self.stats.ns_misses[ns] = 0
             if self.l2 is not None:
                 self.l2.register_namespace(ns, layout)
         return ns
@@ -163,7 +163,7 @@ class NamespaceRegistry:
         it: its id may then be given to another layout, which can never find a value of
         this one (none is left, and the L2 tier drops the fetches still in flight for it,
         `L2Tier.unregister_namespace`). Its hit and miss counts go to
-        `stat_freed_namespaces`."""
+        `stats.freed_namespaces`."""
         if ns in self._ns_sessions:
             return
         tag = keys.namespace_tag(ns)
@@ -172,8 +172,8 @@ class NamespaceRegistry:
         layout = self._ns_layout.pop(ns)
         del self.namespaces[layout]
         del self._ns_prefix[ns]
-        hits, misses = self.stat_ns_hits.pop(ns), self.stat_ns_misses.pop(ns)
-        freed = self.stat_freed_namespaces
+        hits, misses = self.stats.ns_hits.pop(ns), self.stats.ns_misses.pop(ns)
+        freed = self.stats.freed_namespaces
         freed["namespaces"] += 1
         freed["hit_chunks"] += hits
         freed["miss_chunks"] += misses

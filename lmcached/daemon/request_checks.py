@@ -178,7 +178,7 @@ class RequestChecks:
         """The reply to a pinning request; counts the bytes served."""
         if all(len(span) == 1 for span in spans):  # one block per value: the usual case
             num_bytes = [span[0].num_bytes for span in spans]
-            self.stat_served_bytes += sum(num_bytes)
+            self.stats.served_bytes += sum(num_bytes)
             return BlocksReply(lease, [span[0].ref for span in spans], [1] * len(spans),
                                num_bytes)
         block_ids, span_lengths, num_bytes = [], [], []
@@ -186,5 +186,5 @@ class RequestChecks:
             block_ids.extend(b.ref for b in span)
             span_lengths.append(len(span))
             num_bytes.append(sum(b.num_bytes for b in span))
-        self.stat_served_bytes += sum(num_bytes)
+        self.stats.served_bytes += sum(num_bytes)
         return BlocksReply(lease, block_ids, span_lengths, num_bytes)

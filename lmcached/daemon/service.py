@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from lmcached.daemon import keys
 from lmcached.config import ServerConfig
 from lmcached.wire.logger import init_logger
-from lmcached.daemon.stats import RequestLatency
+from lmcached.daemon.stats import DaemonStats, RequestLatency
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
     Abort,
@@ -99,11 +99,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             session or by a value cached in some tier. A freed id is given again, the
             smallest first, once no value and no session uses it.
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
-        stat_ns_hits / stat_ns_misses: chunks (and GET values) found / not found, by
-            namespace id, of the namespaces alive; with `stat_freed_namespaces` they add
-            up to the pools' stat_hits / stat_misses.
-        stat_freed_namespaces: namespaces freed since start ("namespaces") and the
-            hits and misses they had, in chunks and in tokens.
+        stats: every counter of the request semantics (`stats.DaemonStats`); the
+            pools count their hits, misses and evictions (`stats.PoolStats`).
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
         work_units: what the last request cost in the server's per-pass budget, when
@@ -134,19 +131,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self._next_ns = 1
         self.started_at = time.time()
         self.stop_requested = False
-        self.stat_requests = 0
-        self.stat_stores = 0
-        self.stat_lookups = 0
-        self.stat_connections = 0
-        self.stat_errors: dict[str, int] = {}
-        self.stat_stored_bytes = 0  # bytes of the values committed, since start
-        self.stat_served_bytes = 0  # bytes of the values pinned for readers, since start
-        self.stat_writing_expired = 0  # values aborted after --writing-timeout
-        self.stat_invalidated = 0  # chunks dropped by INVALIDATE
-        self.stat_ns_hits: dict[int, int] = {}
-        self.stat_ns_misses: dict[int, int] = {}
-        self.stat_freed_namespaces = dict.fromkeys(
-            ("namespaces", "hit_chunks", "miss_chunks", "hit_tokens", "miss_tokens"), 0)
+        self.stats = DaemonStats()
         self.work_units = 0
         self._handlers = {
             Hello: self._hello,
@@ -237,7 +222,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             num_expired += len(values)
             pids.append(session.pid)
         if num_expired:  # one line per pass, however many sessions
-            self.stat_writing_expired += num_expired
+            self.stats.writing_expired += num_expired
             logger.warning(
                 "aborted %d values left WRITING for more than %g s (--writing-timeout) by "
                 "%d sessions (pids %s); their COMMIT will be refused", num_expired,
@@ -258,7 +243,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         session = Session(self._next_session_id, pid, uid, gid)
         self._next_session_id += 1
         self.sessions[session.session_id] = session
-        self.stat_connections += 1
+        self.stats.connections += 1
         return session
 
     def close_session(self, session: Session) -> None:
@@ -317,7 +302,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
 
     def _answer(self, session: Session, request, count: bool = True) -> object:
         if count:
-            self.stat_requests += 1
+            self.stats.requests += 1
             session.num_requests += 1
         session.last_request_at = time.monotonic()
         try:
@@ -349,7 +334,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
 
     def error(self, code: str, message: str) -> Error:
         """An Error reply, counted under its code."""
-        self.stat_errors[code] = self.stat_errors.get(code, 0) + 1
+        self.stats.errors[code] = self.stats.errors.get(code, 0) + 1
         logger.debug("refused request: %s: %s", code, message)
         return Error(code, message)
 

@@ -1,12 +1,17 @@
-"""The daemon's counters that the request semantics keep: plain ints off the hot path.
+"""The daemon's counters: plain ints off the hot path, one typed snapshot for readers.
 
-Why this file exists: the service counts on every request, and INFO (`info.py`) and the
-metrics (`metrics.py`) read the counts; the counting must not import what exports them
-(prometheus_client is loaded only with --metrics-port). docs/architecture.md,
-"Performance rules": stats stay off the hot path.
+Why this file exists: the service and the block pools count on every request, and INFO
+(`info.py`) and the metrics (`metrics.py`) read the counts. Every counter is declared
+here (`DaemonStats`, `PoolStats`, `RequestLatency`), and readers get one typed
+`StatsSnapshot`, so a renamed counter breaks where it is read, not an INFO field at run
+time. The counting imports no exporter (prometheus_client is loaded only with
+--metrics-port). docs/architecture.md, "Performance rules": stats stay off the hot path.
+The demotion and L2 counters stay with their owners (`Demoter.stats`, `L2Tier.stats`),
+reported through INFO's `stats` and `l2` sections.
 """
 
 import bisect
+import dataclasses
 
 # Upper bounds (seconds) of the request latency buckets. A handler takes microseconds
 # (a LOOKUP of a few chunks) to milliseconds (an ACQUIRE of thousands of chunks, a CLEAR).
@@ -55,3 +60,104 @@ class RequestLatency:
         """{wire tag: (per-bucket counts, sum of seconds)} of the types seen so far."""
         return {row.label: (row.counts[:], row.sum_s) for row in self._rows.values()
                 if row.sum_s or any(row.counts)}
+
+
+class PoolStats:
+    """The counters of one block pool (one tier), updated by `BlockPool` and `TierSet`.
+
+    Attributes:
+        hits / misses: chunks found / not found by `acquire_prefix` (and GET).
+        evictions: values removed from the index by pressure or by `evict*`.
+    """
+
+    __slots__ = ("hits", "misses", "evictions")
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+
+class DaemonStats:
+    """Every counter of the daemon's request semantics, in one place (Redis's
+    `server.stat_*`); plain ints, updated on the loop thread only.
+
+    Attributes:
+        requests, connections, lookups, stores: requests answered, connections
+            accepted, LOOKUPs, values committed.
+        stored_bytes / served_bytes: bytes of the values committed / pinned for readers.
+        writing_expired: values aborted after --writing-timeout.
+        invalidated: chunks dropped by INVALIDATE.
+        errors: refusals and drops by error code.
+        ns_hits / ns_misses: chunks (and GET values) found / not found, by namespace id,
+            of the namespaces alive; with `freed_namespaces` they add up to the pools'
+            hits / misses.
+        freed_namespaces: namespaces freed since start ("namespaces") and the hits and
+            misses they had, in chunks and in tokens.
+    """
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.connections = 0
+        self.lookups = 0
+        self.stores = 0
+        self.stored_bytes = 0
+        self.served_bytes = 0
+        self.writing_expired = 0
+        self.invalidated = 0
+        self.errors: dict[str, int] = {}
+        self.ns_hits: dict[int, int] = {}
+        self.ns_misses: dict[int, int] = {}
+        self.freed_namespaces = dict.fromkeys(
+            ("namespaces", "hit_chunks", "miss_chunks", "hit_tokens", "miss_tokens"), 0)
+
+    def snapshot(self, pools: list[PoolStats | None]) -> "StatsSnapshot":
+        """The counters now, with the pools' (one per tier, None for a tier without
+        a pool yet) summed; loop thread."""
+        made = [p for p in pools if p is not None]
+        return StatsSnapshot(
+            requests=self.requests,
+            connections_received=self.connections,
+            lookups=self.lookups,
+            stores=self.stores,
+            hits=sum(p.hits for p in made),
+            misses=sum(p.misses for p in made),
+            evictions=sum(p.evictions for p in made),
+            total_stored_bytes=self.stored_bytes,
+            total_served_bytes=self.served_bytes,
+            writing_expired=self.writing_expired,
+            invalidated_chunks=self.invalidated,
+            errors=dict(self.errors),
+            tier_hits=tuple(p.hits if p is not None else 0 for p in pools),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSnapshot:
+    """The daemon's counters at one instant, typed: INFO's `stats` section
+    (`info_fields`) and the metrics (`metrics.metric_families`) both read it, so a
+    renamed counter fails where it is read, not as a missing INFO field.
+
+    Attributes are named as their INFO fields; `errors` by code (INFO errors_<code>),
+    `tier_hits` by tier id (INFO tier<i>_hits for device tiers i >= 1).
+    """
+
+    requests: int
+    connections_received: int
+    lookups: int
+    stores: int
+    hits: int
+    misses: int
+    evictions: int
+    total_stored_bytes: int
+    total_served_bytes: int
+    writing_expired: int
+    invalidated_chunks: int
+    errors: dict[str, int]
+    tier_hits: tuple[int, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses), 4 digits; 0.0 before any lookup."""
+        total = self.hits + self.misses
+        return round(self.hits / total, 4) if total else 0.0

@@ -180,9 +180,9 @@ class TierSet:
                 break
             pool = pools[tier_of(span[0].ref)]
             pool.touch(span)
-            pool.stat_hits += 1
+            pool.stats.hits += 1
             spans.append(span)
-        pools[0].stat_misses += len(keys) - len(spans)
+        pools[0].stats.misses += len(keys) - len(spans)
         return spans
 
     def touch(self, span: list[KVCacheBlock]) -> None:

@@ -68,7 +68,7 @@ class ValueHandlers:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
         self._require_pool()
         if not self._resuming:
-            self.stat_lookups += 1
+            self.stats.lookups += 1
         num_chunks = len(per_namespace[0])
         readable = session.readable
         for chunk_keys in per_namespace:
@@ -93,9 +93,9 @@ class ValueHandlers:
         for ns, chunk_keys in zip(req.namespaces, per_namespace):
             found = tiers.acquire_prefix(chunk_keys[:num_chunks], readable)
             spans.extend(found)
-            pool.stat_misses += len(chunk_keys) - num_chunks
-            self.stat_ns_hits[ns] += len(found)
-            self.stat_ns_misses[ns] += len(chunk_keys) - len(found)
+            pool.stats.misses += len(chunk_keys) - num_chunks
+            self.stats.ns_hits[ns] += len(found)
+            self.stats.ns_misses[ns] += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:
@@ -198,10 +198,10 @@ class ValueHandlers:
             for value, ok in zip(group, indexed):
                 if ok:
                     committed.extend(value.blocks)
-                    self.stat_stored_bytes += sum(b.num_bytes for b in value.blocks)
+                    self.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
                 else:  # another session committed the same chunk first
                     pool.abort(value.blocks)
-            self.stat_stores += sum(indexed)
+            self.stats.stores += sum(indexed)
             if self.l2 is not None and not replace:
                 self.l2.write_through(pool, [(v.key, v.blocks) for v, ok in zip(group, indexed)
                                              if ok])
@@ -215,8 +215,8 @@ class ValueHandlers:
         for value in values:
             pool = pools[value.tier_id]
             if pool.commit_many([value.blocks], [value.key])[0]:
-                self.stat_stores += 1
-                self.stat_stored_bytes += sum(b.num_bytes for b in value.blocks)
+                self.stats.stores += 1
+                self.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
                 pool.free(value.blocks)
             else:
                 pool.abort(value.blocks)
@@ -267,12 +267,12 @@ class ValueHandlers:
         pool = self._require_pool()
         span = pool.cached.get(key)
         if span is not None and session.num_new_host_blocks(span) > self._session_room(session):
-            pool.stat_misses += 1  # this session holds its share: a miss for it alone
+            pool.stats.misses += 1  # this session holds its share: a miss for it alone
             spans = []
         else:
             spans = pool.acquire_prefix([key])
-        self.stat_ns_hits[req.ns] += len(spans)
-        self.stat_ns_misses[req.ns] += 1 - len(spans)
+        self.stats.ns_hits[req.ns] += len(spans)
+        self.stats.ns_misses[req.ns] += 1 - len(spans)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _invalidate(self, session: Session, req: Invalidate) -> None:
@@ -291,7 +291,7 @@ class ValueHandlers:
             pool = pools[tier_id] if 0 <= tier_id < len(pools) else None
             span = pool.cached.get(key) if pool is not None else None
             if span is not None and span[0].ref == ref and pool.evict(key):
-                self.stat_invalidated += 1
+                self.stats.invalidated += 1
         return None
 
     def _delete(self, session: Session, req: Delete) -> CountReply:

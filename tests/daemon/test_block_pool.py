@@ -58,7 +58,7 @@ def test_allocate_evicts_the_least_recently_used_value():
     assert block_ids(blocks) == [3, 2]  # the empty block, then the chain's tail
     assert pool.get_cached(2) is None
     assert pool.get_cached(1) is not None
-    assert pool.stat_evictions == 1
+    assert pool.stats.evictions == 1
     assert queue_ids(pool) == [1, 0]
     pool.check_invariants()
 
@@ -111,7 +111,7 @@ def test_a_multi_block_value_is_evicted_together():
     assert block_ids(blocks) == [2, 3, 1]
     assert queue_ids(pool) == [0]
     assert pool.get_cached("big") is None
-    assert pool.stat_evictions == 1
+    assert pool.stats.evictions == 1
     assert pool.num_cached_blocks == 0
     pool.check_invariants()
 
@@ -129,7 +129,7 @@ def test_evicting_a_multi_block_value_hands_out_its_other_blocks_next():
     assert block_ids(blocks) == [1, 0]
     assert queue_ids(pool) == [2, 3]
     assert pool.get_cached("x") is not None and pool.get_cached("big") is None
-    assert pool.stat_evictions == 1
+    assert pool.stats.evictions == 1
     pool.check_invariants()
 
 
@@ -139,7 +139,7 @@ def test_acquire_prefix_pins_the_cached_prefix_and_counts():
         store(pool, key)
     spans = pool.acquire_prefix(["h0", "h1", "h2", "h3"])
     assert [block_ids(s) for s in spans] == [[0], [1]]
-    assert (pool.stat_hits, pool.stat_misses) == (2, 2)
+    assert (pool.stats.hits, pool.stats.misses) == (2, 2)
     assert all(s[0].ref_cnt == 1 for s in spans)
     assert pool.num_ready_prefix(["h0", "h1", "h2"]) == 2
     pool.check_invariants()
@@ -158,7 +158,7 @@ def test_commit_of_an_existing_key_is_refused_unless_replacing():
     pool.free(old)
     assert old[0].state == BlockState.FREE
     assert queue_ids(pool)[0] == old[0].block_id
-    assert pool.stat_evictions == 0
+    assert pool.stats.evictions == 0
     pool.check_invariants()
 
 
@@ -210,7 +210,7 @@ def test_evict_lru_and_clear_spare_pinned_values():
     assert pool.get_cached("b") is None and pool.get_cached("c") is None
     assert pool.clear() == 1  # "d"; "a" is pinned
     assert pool.get_cached("a") is not None
-    assert pool.stat_evictions == 3
+    assert pool.stats.evictions == 3
     pool.check_invariants()
 
 

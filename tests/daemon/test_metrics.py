@@ -333,8 +333,8 @@ def test_hits_and_misses_per_namespace_add_up_to_the_pools(service):
     hits = {s.labels["namespace"]: s.value for s in families["lmcached_hit_chunks"].samples}
     misses = {s.labels["namespace"]: s.value for s in families["lmcached_miss_chunks"].samples}
     assert (hits, misses) == ({"1": 1 + 3, "2": 1}, {"1": 2 + 0, "2": 2})
-    assert sum(hits.values()) == service.pool.stat_hits
-    assert sum(misses.values()) == service.pool.stat_misses
+    assert sum(hits.values()) == service.pool.stats.hits
+    assert sum(misses.values()) == service.pool.stats.misses
     tokens = {s.labels["namespace"]: s.value for s in families["lmcached_hit_tokens"].samples}
     assert tokens == {"1": 4 * 16, "2": 16}
     service.close_session(session)
@@ -354,8 +354,8 @@ def test_get_counts_a_hit_or_a_miss_in_its_namespace(service):
         service.handle(session, Get(1, key))
     row, = take_snapshot(service).namespaces
     assert (row.model, row.hit_chunks, row.miss_chunks) == ("store", 1, 2)
-    assert (service.pool.stat_hits, service.pool.stat_misses) == (1, 2)
-    assert service.stat_served_bytes == 1000 and service.stat_stored_bytes == 1000
+    assert (service.pool.stats.hits, service.pool.stats.misses) == (1, 2)
+    assert service.stats.served_bytes == 1000 and service.stats.stored_bytes == 1000
     service.close_session(session)
 
 
@@ -427,13 +427,13 @@ def test_namespace_rows_are_bounded_and_the_rest_add_up_in_an_other_row(service)
     assert len(before) == MAX_NAMESPACE_ROWS + 1
     assert set(before) == {str(ns) for ns in range(11, num_namespaces + 1)} | {OTHER_NAMESPACES}
     assert before[OTHER_NAMESPACES] == (sum(range(10)), 16 * sum(range(10)))
-    assert sum(m for m, _ in before.values()) == service.pool.stat_misses
+    assert sum(m for m, _ in before.values()) == service.pool.stats.misses
     service.close_session(sessions[-1])  # the busiest namespace is freed (no value)
     after = rows()
     assert str(num_namespaces) not in after and len(after) == MAX_NAMESPACE_ROWS + 1
     # it moved to "other", and namespace 10 (9 misses) got a row of its own instead
     assert after[OTHER_NAMESPACES][0] == before[OTHER_NAMESPACES][0] + (num_namespaces - 1) - 9
-    assert sum(m for m, _ in after.values()) == service.pool.stat_misses
+    assert sum(m for m, _ in after.values()) == service.pool.stats.misses
     for session in sessions[:-1]:
         service.close_session(session)
-    assert rows() == {OTHER_NAMESPACES: (service.pool.stat_misses, 16 * service.pool.stat_misses)}
+    assert rows() == {OTHER_NAMESPACES: (service.pool.stats.misses, 16 * service.pool.stats.misses)}

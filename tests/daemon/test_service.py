@@ -265,7 +265,7 @@ def test_a_namespace_nothing_uses_is_freed_when_its_last_session_ends(service):
     service.close_session(first)
     assert service.namespaces == {TP2[0]: 1}  # rank 1 had no other session, no value
     service.close_session(second)
-    assert service.namespaces == {} and service.stat_freed_namespaces["namespaces"] == 2
+    assert service.namespaces == {} and service.stats.freed_namespaces["namespaces"] == 2
     fields = service.handle(greeted(service), Info("clients")).sections["clients"]
     assert (fields["namespaces"], fields["namespaces_freed"]) == (0, 2)
     assert greeted(service, layout(model_name="next")).namespaces == [1]  # ids given again
@@ -289,10 +289,10 @@ def test_a_namespace_outlives_its_sessions_while_a_value_is_cached(service):
     assert LAYOUT in service.namespaces and layout(fmt="kv") not in service.namespaces
     assert service.handle(greeted(service), Evict(lru=1)) == CountReply(1)  # chunk 7
     assert LAYOUT not in service.namespaces  # freed with its last value
-    assert service.stat_freed_namespaces == {"namespaces": 2, "hit_chunks": 1,
+    assert service.stats.freed_namespaces == {"namespaces": 2, "hit_chunks": 1,
                                              "miss_chunks": 0, "hit_tokens": 16,
                                              "miss_tokens": 0}
-    assert service.pool.stat_hits == 1 + sum(service.stat_ns_hits.values())
+    assert service.pool.stats.hits == 1 + sum(service.stats.ns_hits.values())
     reused = greeted(service, layout(model_name="reuses-id-1"))
     assert reused.namespaces == [1] and lookup(service, reused, [1], [7]) == 0
     assert_everything_returned(service)
@@ -418,7 +418,7 @@ def test_a_version_1_hello_frame_gets_a_version_error(service, v1_layout):
                       msgspec.msgpack.encode(V1Hello(1, 1, "old client", v1_layout)))
     assert error_code(reply) == "version"
     assert "protocol version 1" in reply.message and f"speaks {PROTOCOL_VERSION}" in reply.message
-    assert service.stat_errors == {"version": 1}
+    assert service.stats.errors == {"version": 1}
     assert not session.greeted
 
 
@@ -443,7 +443,7 @@ def test_a_release_frame_gets_no_reply(service):
     assert answer(service, session, Release([acquired.lease])) == (None, cost)
     assert service.pool.num_pinned_blocks == 0
     assert answer(service, session, Release([acquired.lease]))[0] is None  # refused: silent
-    assert service.stat_errors == {"not_owner": 1}
+    assert service.stats.errors == {"not_owner": 1}
     assert_everything_returned(service)
 
 
@@ -454,7 +454,7 @@ def test_an_undecodable_release_frame_gets_no_reply_either(service, payload):
     # request
     session = greeted(service, LAYOUT)
     assert answer(service, session, msgspec.msgpack.encode(payload))[0] is None
-    assert service.stat_errors == {"bad_request": 1}
+    assert service.stats.errors == {"bad_request": 1}
 
 
 def test_the_same_layout_twice_in_one_hello_is_refused(service):
@@ -475,8 +475,8 @@ def test_lookup_counts_the_ready_prefix_without_pinning_or_touching(service):
     assert lookup(service, session, [1], []) == 0
     assert queue_ids(service) == order  # no LRU change
     assert service.pool.num_pinned_blocks == 0
-    assert (service.pool.stat_hits, service.pool.stat_misses) == (0, 0)
-    assert service.stat_lookups == 4
+    assert (service.pool.stats.hits, service.pool.stats.misses) == (0, 0)
+    assert service.stats.lookups == 4
 
 
 def test_lookup_of_several_namespaces_is_the_prefix_ready_in_all(service):
@@ -502,7 +502,7 @@ def test_lookup_refuses_a_namespace_that_is_not_this_sessions(service):
     assert error_code(service.handle(session, Lookup([], chunk_hashes([0])))) == "bad_request"
     reply = service.handle(session, Lookup([1, 1], chunk_hashes([0])))
     assert error_code(reply) == "bad_request" and "twice" in reply.message
-    assert service.stat_errors == {"bad_namespace": 3, "bad_request": 2}
+    assert service.stats.errors == {"bad_namespace": 3, "bad_request": 2}
 
 
 @pytest.mark.parametrize("request_type", [Lookup, Acquire])
@@ -544,7 +544,7 @@ def test_acquire_pins_the_ready_prefix_under_one_lease(service):
     assert list(session.leases) == [reply.lease]
     assert ref_cnts(service, blocks) == [1, 1, 1]
     assert not set(blocks) & set(queue_ids(service))  # pinned blocks are not evictable
-    assert (service.pool.stat_hits, service.pool.stat_misses) == (3, 2)
+    assert (service.pool.stats.hits, service.pool.stats.misses) == (3, 2)
     stats = service.handle(session, Info("stats")).sections["stats"]
     assert (stats["hits"], stats["misses"], stats["hit_rate"]) == (3, 2, 0.6)
     assert_everything_returned(service)
@@ -556,7 +556,7 @@ def test_acquire_of_a_miss_takes_no_lease(service):
     reply = service.handle(session, Acquire([1], chunk_hashes([7, 0])))
     assert reply == BlocksReply(0, [], [], [])
     assert session.leases == {} and service.pool.num_pinned_blocks == 0
-    assert (service.pool.stat_hits, service.pool.stat_misses) == (0, 2)
+    assert (service.pool.stats.hits, service.pool.stats.misses) == (0, 2)
     assert service.handle(session, Acquire([1], b"")) == BlocksReply(0, [], [], [])
     assert_everything_returned(service)
 
@@ -593,7 +593,7 @@ def test_acquire_of_several_namespaces_returns_values_namespace_major(service):
     reversed_order = service.handle(session, Acquire([2, 1], chunk_hashes(range(3))))
     assert reversed_order.block_ids == b + a[:2]
     assert ref_cnts(service, a + b) == [2, 2, 0, 2, 2]
-    assert (service.pool.stat_hits, service.pool.stat_misses) == (8, 4)  # 1 miss per ns
+    assert (service.pool.stats.hits, service.pool.stats.misses) == (8, 4)  # 1 miss per ns
     service.handle(session, Release([reply.lease, reversed_order.lease]))
     assert ref_cnts(service, a + b) == [0] * 5 and session.leases == {}
     assert_everything_returned(service)
@@ -614,7 +614,7 @@ def test_lease_ids_are_unique_across_sessions_and_die_with_their_session(service
     for session in (two, three):  # a lease of an ended session is valid nowhere
         assert service.handle(session, Release([first])) is None
         assert service.handle(session, Release([third])) is None
-    assert service.stat_errors == {"not_owner": 4}
+    assert service.stats.errors == {"not_owner": 4}
     assert ref_cnts(service, blocks) == [1, 2]
     assert_everything_returned(service)
 
@@ -645,8 +645,8 @@ def test_release_unpins_tail_first_and_answers_nothing(service):
     assert session.leases == {} and ref_cnts(service, chain) == [0, 0, 0]
     # the end of the chain is evicted before its beginning, both after `other`
     assert queue_ids(service)[-4:] == [other] + chain[::-1]
-    assert service.pool.num_pinned_blocks == 0 and service.stat_errors == {}
-    assert service.handle(session, Release([])) is None and service.stat_errors == {}
+    assert service.pool.num_pinned_blocks == 0 and service.stats.errors == {}
+    assert service.handle(session, Release([])) is None and service.stats.errors == {}
     assert_everything_returned(service)
 
 
@@ -659,12 +659,12 @@ def test_release_of_a_lease_not_held_is_counted_and_changes_nothing(service):
     for leases in refused:
         assert service.handle(one, Release(leases)) is None
         assert ref_cnts(service, blocks) == [2], leases  # all or nothing
-    assert service.stat_errors == {"not_owner": len(refused)}
+    assert service.stats.errors == {"not_owner": len(refused)}
     stats = service.handle(one, Info("stats")).sections["stats"]
     assert stats["errors_not_owner"] == len(refused)
     assert service.handle(one, Release([mine])) is None
     assert service.handle(one, Release([mine])) is None  # repeated: refused
-    assert service.stat_errors == {"not_owner": len(refused) + 1}
+    assert service.stats.errors == {"not_owner": len(refused) + 1}
     assert ref_cnts(service, blocks) == [1] and list(two.leases) == [theirs]
     assert_everything_returned(service)
 
@@ -682,7 +682,7 @@ def test_alloc_answers_allocated_exists_and_nospace(service):
     assert alloc.span_lengths == [1] * 15 and len(set(alloc.block_ids)) == 15
     assert alloc.spans()[0] is None and alloc.spans()[-1] is None
     assert lookup(service, session, [1], [0]) == 1 and lookup(service, session, [1], [1]) == 0
-    assert service.pool.stat_evictions == 1
+    assert service.pool.stats.evictions == 1
     assert service.pool.num_writing_blocks == 15 and session.num_writing_blocks == 15
     assert all(service.pool.blocks[i].state == BlockState.WRITING for i in alloc.block_ids)
     assert lookup(service, session, [1], new) == 0  # WRITING is invisible to readers
@@ -695,7 +695,7 @@ def test_alloc_answers_nospace_while_every_block_is_pinned(service):
     service.handle(session, Acquire([1], chunk_hashes(range(NUM_BLOCKS))))
     alloc = service.handle(session, Alloc(1, chunk_hashes([99, 3, 98]), [1, 1, 1]))
     assert alloc == AllocReply([NOSPACE, EXISTS, NOSPACE], [], [])
-    assert service.pool.num_writing_blocks == 0 and service.pool.stat_evictions == 0
+    assert service.pool.num_writing_blocks == 0 and service.pool.stats.evictions == 0
     assert_everything_returned(service)
 
 
@@ -738,10 +738,10 @@ def test_commit_and_abort_only_what_this_session_allocated(service):
     theirs = service.handle(two, Alloc(1, chunk_hashes([1]), [RECORD_BYTES])).block_ids
     for request in (Commit(theirs), Abort(theirs), Commit(mine + theirs), Commit([10_000])):
         assert error_code(service.handle(one, request)) == "not_owner"
-    assert service.stat_errors == {"not_owner": 4}
+    assert service.stats.errors == {"not_owner": 4}
     assert service.pool.num_writing_blocks == 2  # all or nothing: nothing changed
     assert service.handle(one, Commit(mine)) == Ok()
-    assert lookup(service, one, [1], [0]) == 1 and service.stat_stores == 1
+    assert lookup(service, one, [1], [0]) == 1 and service.stats.stores == 1
     assert error_code(service.handle(one, Commit(mine))) == "not_owner"  # already done
     assert error_code(service.handle(one, Abort(mine))) == "not_owner"
     assert service.handle(two, Abort(theirs)) == Ok()
@@ -760,7 +760,7 @@ def test_the_same_chunk_committed_by_two_sessions_is_stored_once(service):
     assert first.block_ids != second.block_ids
     assert service.handle(two, Commit(second.block_ids)) == Ok()
     assert service.handle(one, Commit(first.block_ids)) == Ok()  # loses: its blocks freed
-    assert service.stat_stores == 1 and service.pool.num_cached_blocks == 1
+    assert service.stats.stores == 1 and service.pool.num_cached_blocks == 1
     assert service.pool.blocks[first.block_ids[0]].state == BlockState.FREE
     assert service.pool.num_writing_blocks == 0
     assert service.handle(one, Acquire([1], chunk_hashes([0]))).block_ids == second.block_ids
@@ -958,7 +958,7 @@ def test_info_reports_every_section_from_the_service_state(service):
                       "pinned_blocks": 1, "writing_blocks": 1, "detached_blocks": 0,
                       "evictable_blocks": 1, "cached_values": 2}
     assert clients == {"connected_clients": 1, "namespaces": 1, "namespaces_freed": 0}
-    assert stats["requests"] == service.stat_requests == 8  # HELLO .. this INFO
+    assert stats["requests"] == service.stats.requests == 8  # HELLO .. this INFO
     assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
     assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)
     assert service.handle(session, Info("BLOCKS")).sections == {"blocks": blocks}
@@ -1028,7 +1028,7 @@ def test_evict_lru_removes_the_least_recently_used_unpinned_values(service):
     assert [lookup(service, session, [1], [i]) for i in range(4)] == [1, 0, 0, 0]
     assert service.handle(session, Evict(lru=0)) == CountReply(0)
     assert error_code(service.handle(session, Evict(lru=-1))) == "bad_request"
-    assert service.pool.stat_evictions == 3
+    assert service.pool.stats.evictions == 3
     assert_everything_returned(service)
 
 
@@ -1094,7 +1094,7 @@ def test_privileged_requests_of_another_uid_are_forbidden(service, request_, num
     reply = service.handle(stranger, request_)
     assert error_code(reply) == "forbidden" and f"not to uid {OTHER_UID}" in reply.message
     assert service.pool.num_cached_blocks == 2 and not service.stop_requested
-    assert service.stat_errors == {"forbidden": 1}
+    assert service.stats.errors == {"forbidden": 1}
     for allowed in (Info("clients"), Clients(), Ping(), ConfigGet()):
         assert error_code(service.handle(stranger, allowed)) is None
     root = greeted(service, uid=0)
@@ -1118,14 +1118,14 @@ def test_data_requests_before_hello_get_no_session(service, request_):
     session = service.open_session(1, os.geteuid(), 0)
     reply = service.handle(session, request_)
     assert error_code(reply) == "no_session" and "HELLO" in reply.message
-    assert service.stat_errors == {"no_session": 1}
+    assert service.stats.errors == {"no_session": 1}
     assert service.pool.num_writing_blocks == 0 and session.leases == {}
 
 
 def test_release_before_hello_is_counted_without_a_reply(service):
     session = service.open_session(1, os.geteuid(), 0)
     assert service.handle(session, Release([1])) is None
-    assert service.stat_errors == {"no_session": 1}
+    assert service.stats.errors == {"no_session": 1}
 
 
 # ----------------------------------------------------------- stateful property test
@@ -1218,7 +1218,7 @@ class TwoSessionsMachine(RuleBasedStateMachine):
                 del self.leases[who][lease]
         else:
             self.num_not_owner += 1
-        assert self.service.stat_errors.get("not_owner", 0) == self.num_not_owner
+        assert self.service.stats.errors.get("not_owner", 0) == self.num_not_owner
 
     def held(self, who) -> int:
         """Blocks session `who` holds in the model: the blocks it pins (each once),

@@ -69,7 +69,7 @@ def half(make_service):
 def stats(service) -> tuple[int, int, int]:
     """(evictions, cached values, WRITING blocks) of the host pool."""
     pool = service.pool
-    return pool.stat_evictions, len(pool.cached), pool.num_writing_blocks
+    return pool.stats.evictions, len(pool.cached), pool.num_writing_blocks
 
 
 # ------------------------------------------------------------ ALLOC and PUT sizes
@@ -180,7 +180,7 @@ def test_values_writing_too_long_are_aborted_counted_and_their_commit_expires(ha
     other = greeted(half, LAYOUT)
     cutoff = time.monotonic() - 60
     assert half.expire_writing(cutoff) == 2
-    assert half.stat_writing_expired == 2
+    assert half.stats.writing_expired == 2
     assert half.pool.num_writing_blocks == 1 and session.num_host_writing == 1
     assert [half.pool.blocks[b].state for b in old.block_ids] == [BlockState.FREE] * 2
     assert half.expire_writing(cutoff) == 0  # the young one stays
@@ -195,7 +195,7 @@ def test_values_writing_too_long_are_aborted_counted_and_their_commit_expires(ha
     late = half.handle(session, Alloc(1, chunk_hashes([4]), [RECORD_BYTES]))
     assert half.expire_writing(session.last_request_at + 1) == 1
     assert half.handle(session, Abort(late.block_ids)) == Ok()
-    assert half.stat_errors["expired"] == 1
+    assert half.stats.errors["expired"] == 1
     assert_everything_returned(half)
 
 
@@ -220,7 +220,7 @@ def test_housekeeping_expires_only_with_a_writing_timeout(make_service):
     assert service.pool.num_writing_blocks == 1
     service.config.writing_timeout_s = 60.0
     service.housekeeping()
-    assert service.pool.num_writing_blocks == 0 and service.stat_writing_expired == 1
+    assert service.pool.num_writing_blocks == 0 and service.stats.writing_expired == 1
     assert_everything_returned(service)
 
 
@@ -231,12 +231,12 @@ def test_invalidate_drops_the_chunk_still_at_the_block_read_and_counts_it(servic
     # A stale report (another block than the one indexed) and an unknown tier: ignored.
     assert service.handle(reader, Invalidate(1, chunk_hashes([1, 2]),
                                              [blocks[2], (7 << 32) | blocks[2]])) is None
-    assert lookup(service, reader, [1], range(3)) == 3 and service.stat_invalidated == 0
+    assert lookup(service, reader, [1], range(3)) == 3 and service.stats.invalidated == 0
     assert service.handle(reader, Invalidate(1, chunk_hashes([1]), [blocks[1]])) is None
-    assert lookup(service, reader, [1], range(3)) == 1 and service.stat_invalidated == 1
+    assert lookup(service, reader, [1], range(3)) == 1 and service.stats.invalidated == 1
     # Dropped once; a repeat changes nothing. The next store writes the chunk again.
     service.handle(reader, Invalidate(1, chunk_hashes([1]), [blocks[1]]))
-    assert service.stat_invalidated == 1
+    assert service.stats.invalidated == 1
     reply = service.handle(writer, Alloc(1, chunk_hashes(range(3)), [RECORD_BYTES] * 3))
     assert reply.status == [EXISTS, ALLOCATED, EXISTS]
     service.handle(writer, Commit(reply.block_ids))
@@ -267,11 +267,11 @@ def test_invalidate_is_validated_and_unanswered(service):
     for request in (Invalidate(1, chunk_hashes([0]), []), Invalidate(2, chunk_hashes([0]), blocks),
                     Invalidate(1, b"short", blocks)):
         assert service.handle(session, request) is None  # counted, never answered
-    assert service.stat_errors == {"bad_request": 2, "bad_namespace": 1}
+    assert service.stats.errors == {"bad_request": 2, "bad_namespace": 1}
     # A frame tagged INVALIDATE that does not decode gets no reply either: its sender
     # reads none.
     assert answer(service, session, msgspec.msgpack.encode(["invalidate", "x"])) == (None, 1)
-    assert service.stat_errors["bad_request"] == 3
+    assert service.stats.errors["bad_request"] == 3
     assert lookup(service, session, [1], [0]) == 1
     assert_everything_returned(service)
 

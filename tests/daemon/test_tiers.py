@@ -217,7 +217,7 @@ def test_chunks_go_to_the_device_tier_while_it_has_empty_blocks_then_to_the_host
     alloc = service.handle(gpu, Alloc(1, hashes(ids), [RECORD_BYTES] * 12, 1))
     assert alloc.status == [ALLOCATED] * 12
     assert [tier_of(r) for r in alloc.block_ids] == [1] * DEVICE_BLOCKS + [0] * 4
-    assert service.tiers.pools[1].stat_evictions == 0  # placement never evicts a device
+    assert service.tiers.pools[1].stats.evictions == 0  # placement never evicts a device
     service.handle(gpu, Commit(alloc.block_ids))
     service.tiers.check_invariants()
 
