@@ -32,12 +32,13 @@ import numpy as np
 import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, chunks_per_request
+from lmcached.client.chain import PinnedChunks, acquire_chain, chunks_per_request, fill_and_commit
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, KVSource
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import RecordIO, TieredRecords
-from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_out
+from lmcached.client.retrieve import PinnedLookups, copy_records_out
 from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
@@ -386,7 +387,7 @@ class CacheEngine:
             if end < len(hashes) and not num_nospace:
                 num_later = self._store_from(tokens, source, kv_start, hashes, chunks, end)
 
-        if not link.fill_and_commit(reply.block_ids, generation, fill):
+        if not fill_and_commit(link, reply.block_ids, generation, fill):
             return num_later
         if num_nospace:
             num_nospace += len(hashes) - end  # never asked for: they would not fit either
@@ -431,7 +432,7 @@ class CacheEngine:
             return None
 
         def acquire(snapshot) -> PinnedChunks:
-            (spans,) = snapshot.acquire_chain(hashes, layout)
+            (spans,) = acquire_chain(snapshot, hashes, layout)
             return PinnedChunks(self.link, token_array, first_chunk, spans,
                                 self._chunks(len(token_array), first_chunk)[: len(spans)],
                                 self._record_io(snapshot), snapshot.session_id,

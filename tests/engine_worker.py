@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import lmcached.client.engine as engine_module
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 
 
@@ -105,7 +106,7 @@ def run_to_step(socket: str, step: str) -> None:
     engine = CacheEngine.connect(layout, socket=socket, strict=True, copy_threads=1,
                                  data_timeout_s=10.0)
     if step == "alloc":
-        engine.link.fill_and_commit = lambda *args: stop_at(step)
+        engine_module.fill_and_commit = lambda *args: stop_at(step)
     elif step == "copy":
         records = engine._record_io(engine.link.snapshot())
         write = records.write

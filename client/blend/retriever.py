@@ -41,12 +41,12 @@ from lmcached.client.blend.interfaces import (
     BlendRetrieverResult,
     BlendRetrieverTask,
 )
+from lmcached.client.chain import PinnedChunks
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.engine import CacheEngine, Tokens
 from lmcached.client.hashing import as_token_array
 from lmcached.client.kv_io import copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
-from lmcached.client.retrieve import PinnedChunks
 from lmcached.client.views import PinsLost
 from lmcached.wire.logger import init_logger
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcached.client.chain import acquire_chain
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
@@ -198,7 +199,7 @@ class LMCachedConnectorScheduler:
         layout = self.settings.layouts[0]
 
         def acquire(snapshot):
-            rank_spans = snapshot.acquire_chain(hashes, layout)
+            rank_spans = acquire_chain(snapshot, hashes, layout)
             pins = ([_Pins(snapshot.session_id, snapshot.generation, list(snapshot.leases))]
                     if snapshot.leases else [])
             return rank_spans, [snapshot.generation] * world_size, pins

@@ -16,7 +16,8 @@ import torch
 import xxhash
 
 from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister_arena
-from lmcached.client.daemon_link import DaemonLink, chunks_per_request
+from lmcached.client.chain import chunks_per_request, fill_and_commit
+from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
@@ -335,7 +336,7 @@ class LMCachedConnectorWorker:
                                    lambda dst, ids=block_ids, sp=span: gather_into(dst, ids, sp))
             self._paged.wait()  # every record's bytes are in the arena before COMMIT
 
-        if link.fill_and_commit(reply.block_ids, generation, fill):
+        if fill_and_commit(link, reply.block_ids, generation, fill):
             self.num_saved_chunks += len(writes)
 
     def request_finished(self, req_ids: set[str]) -> None:
