@@ -130,6 +130,59 @@ def fill_and_commit(link: DaemonLink, block_ids: list[int], generation: int,
 
 
 @dataclasses.dataclass
+class Pins:
+    """The leases one `DaemonLink.call` took: they pin their blocks only while the
+    session that took them is the link's open one.
+
+    A reconnect (after a timeout, a restart, a closed engine) or the daemon closing the
+    connection (`--idle-timeout`, a dropped client) releases them all, and their blocks
+    may then hold another chunk: `hold()` says whether they still pin (no request sent).
+
+    Attributes:
+        link: the link whose session took them.
+        session_id: that daemon session.
+        generation: the arena generation of that session.
+        leases: the daemon leases.
+        released: `release()` was called.
+    """
+
+    link: DaemonLink
+    session_id: int
+    generation: int
+    leases: list[int]
+    released: bool = False
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> "Pins":
+        """The leases taken so far in `snapshot` (`Snapshot.acquire`)."""
+        return cls(snapshot.link, snapshot.session_id, snapshot.generation,
+                   list(snapshot.leases))
+
+    def hold(self) -> bool:
+        """Whether the leases still pin their blocks: not released, and their session is
+        the link's open one (`DaemonLink.holds`)."""
+        return not self.released and self.link.holds(self.session_id, self.generation)
+
+    def release(self) -> None:
+        """RELEASE the leases (fire-and-forget; idempotent; never raises)."""
+        release_all([self])
+
+
+def release_all(pins: list[Pins]) -> None:
+    """RELEASE every lease of `pins` not released yet: one frame per session, not waited
+    for (leases of a session that ended are not sent). Never raises."""
+    by_session: dict[tuple[int, int], list[Pins]] = {}
+    for pin in pins:
+        if not pin.released:
+            pin.released = True
+            by_session.setdefault((id(pin.link), pin.session_id), []).append(pin)
+    for session_pins in by_session.values():
+        first = session_pins[0]
+        first.link.release([lease for pin in session_pins for lease in pin.leases],
+                           first.session_id)
+
+
+@dataclasses.dataclass
 class PinnedChunks:
     """A run of chunk records, pinned in the daemon and verified, from one request.
 
@@ -137,30 +190,36 @@ class PinnedChunks:
         tokens: int64 `[num_tokens]` token ids of the request.
         first_chunk: index (in the request) of the first chunk of the run.
         spans: block ids of each verified chunk record, in chain order.
-        chunks: `[start, end)` token range (in the request) of each verified chunk.
-        records: reader of the arena generation the blocks belong to.
-        session_id: the daemon session that holds the leases.
-        generation: the arena generation of that session.
-        leases: the daemon leases pinning the blocks (also those of chunks that failed
-            verification, which are not in `spans`).
         hashes: the prefix hash of each verified chunk, aligned with `spans`.
+        records: reader of the arena generation the blocks belong to.
+        pins: the leases pinning the blocks (also those of chunks that failed
+            verification, which are not in `spans`).
+        chunks: `[start, end)` token range (in the request) of each verified chunk
+            (derived from the others).
 
     The pins hold only while their session does: `holds_pins()` says whether they still
     do, and readers ask it after reading (a reconnect or the daemon closing the
     connection releases them, and the blocks may then hold another prompt's KV).
     """
 
-    link: DaemonLink
     tokens: np.ndarray
     first_chunk: int
     spans: list[list[int]]
-    chunks: list[tuple[int, int]]
-    records: RecordIO
-    session_id: int
-    generation: int
-    leases: list[int]
     hashes: list[bytes]
-    released: bool = False
+    records: RecordIO
+    pins: Pins
+    chunks: list[tuple[int, int]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        size, num_tokens = self.records.layout.chunk_size, len(self.tokens)
+        first = self.first_chunk * size
+        self.chunks = [(s, min(s + size, num_tokens))
+                       for s in range(first, first + len(self.spans) * size, size)]
+
+    @property
+    def session_id(self) -> int:
+        """The daemon session that holds the pins."""
+        return self.pins.session_id
 
     @property
     def block_ids(self) -> list[int]:
@@ -174,19 +233,20 @@ class PinnedChunks:
     def holds_pins(self) -> bool:
         """Whether the blocks still hold what was pinned (no request is sent).
 
-        True while the leases' session is the link's open session (`DaemonLink.holds`).
-        Once the link is on a newer arena generation, the daemon that pinned the blocks
-        is gone and hands none of them out again; the only writers left are those it
-        gave a block before it stopped, and a writer writes a record's header first, so
-        the records are checked (`records_match`). Otherwise (the session ended but its
-        daemon may still run: a timeout, `--idle-timeout`, or no session now) False.
+        True while the pins hold (`Pins.hold`). Once the link is on a newer arena
+        generation, the daemon that pinned the blocks is gone and hands none of them
+        out again; the only writers left are those it gave a block before it stopped,
+        and a writer writes a record's header first, so the records are checked
+        (`records_match`). Otherwise (released, or the session ended but its daemon
+        may still run: a timeout, `--idle-timeout`, or no session now) False.
         """
-        if self.released:
+        pins = self.pins
+        if pins.released:
             return False
-        if self.link.holds(self.session_id, self.generation):
+        if pins.hold():
             return True
-        current = self.link.generation
-        return current is not None and current != self.generation and self.records_match()
+        current = pins.link.generation
+        return current is not None and current != pins.generation and self.records_match()
 
     def records_match(self) -> bool:
         """Whether every verified record still holds exactly its chunk (header, hash
@@ -205,6 +265,4 @@ class PinnedChunks:
 
     def release(self) -> None:
         """RELEASE the leases (fire-and-forget; idempotent; never raises)."""
-        if not self.released:
-            self.released = True
-            self.link.release(self.leases, self.session_id)
+        self.pins.release()

@@ -32,7 +32,13 @@ import numpy as np
 import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.chain import PinnedChunks, acquire_chain, chunks_per_request, fill_and_commit
+from lmcached.client.chain import (
+    PinnedChunks,
+    Pins,
+    acquire_chain,
+    chunks_per_request,
+    fill_and_commit,
+)
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.hashing import as_token_array, hash_request_tokens
 from lmcached.client.kv_io import ChunkCopier, KVSource
@@ -433,11 +439,8 @@ class CacheEngine:
 
         def acquire(snapshot) -> PinnedChunks:
             (spans,) = acquire_chain(snapshot, hashes, layout)
-            return PinnedChunks(self.link, token_array, first_chunk, spans,
-                                self._chunks(len(token_array), first_chunk)[: len(spans)],
-                                self._record_io(snapshot), snapshot.session_id,
-                                snapshot.generation, list(snapshot.leases),
-                                hashes[: len(spans)])
+            return PinnedChunks(token_array, first_chunk, spans, hashes[: len(spans)],
+                                self._record_io(snapshot), Pins.of(snapshot))
 
         run = self.link.call("ACQUIRE", acquire, None)
         if run is None or not run.spans:
