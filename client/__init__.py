@@ -8,7 +8,7 @@
 
 What lives here:
     engine.py, builder.py      CacheEngine (store / retrieve / lookup) and one engine per id
-    chain.py                   the ONE chunk-chain core every caller uses: request
+    chain/                     the ONE chunk-chain core every caller uses: request
                                splitting, lookup, ACQUIRE + pins + record checks, store
                                (ALLOC -> fill -> COMMIT | ABORT)
     retrieve.py                the engine's read side: pinned lookups, copies out

@@ -5,7 +5,7 @@ the ONE client call path, used by the engine, the adapters and the vLLM schedule
 worker: `DaemonLink.call` holds the lock, takes one snapshot of the session (namespaces,
 arena generation, arena), runs the caller's requests on it, releases the leases they
 took if anything fails, and maps every failure in one place (the chunk-chain requests
-sent through it are in client/chain.py; the device tiers it maps, in
+sent through it are in client/chain/; the device tiers it maps, in
 client/link_tiers.py). Every (re)connect goes through
 `DaemonLink.try_connect` or `ensure_connected`, which turn any failure -- no socket (ENOENT), a refused or
 forbidden socket (ECONNREFUSED, EACCES), an arena segment the process may not map
@@ -468,7 +468,6 @@ class DaemonLink:
                                         list(block_ids)), reply.generation)
             except (CacheUnavailable, DaemonError):
                 pass  # a chunk not dropped is only read as a miss again
-
 
     def close(self) -> None:
         """End the session (the daemon releases its pins) and unmap the arena and the

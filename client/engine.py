@@ -19,7 +19,7 @@ protocol requests (`chunks_per_request`), so no legal request meets the frame li
               each record's header and token ids (and, with verify="checksum", its
               payload checksum) -> copy KV out -> RELEASE the lease (no reply)
 
-The chunk-chain requests and record checks are in client/chain.py (`Chain`, shared with
+The chunk-chain requests and record checks are in client/chain/ (`Chain`, shared with
 the vLLM worker); pinned lookups and the copies out, in client/retrieve.py.
 """
 

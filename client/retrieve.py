@@ -2,7 +2,7 @@
 
 Why this file exists: `CacheEngine.retrieve`, `retrieve_views` and `lookup(pin=True)`
 share one object, a run of verified chunk records pinned under daemon leases
-(`PinnedChunks`, client/chain.py). A pinned lookup keeps its run (`PinnedLookups`) so that the retrieve of
+(`PinnedChunks`, client/chain/). A pinned lookup keeps its run (`PinnedLookups`) so that the retrieve of
 the same tokens that follows reuses its prefix hashes and its pins instead of hashing and
 asking the daemon again: lookup then retrieve costs one synchronous round trip, as a
 retrieve alone does (protocol v2: ACQUIRE answers a lease, RELEASE is sent without

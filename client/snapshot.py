@@ -3,7 +3,7 @@
 Why this file exists: namespace ids, block ids and leases mean something only in the
 session and arena generation they came from. `DaemonLink.call` (client/daemon_link.py)
 hands its body one `Snapshot`, so that nothing read from it goes stale after a reconnect;
-the chunk-chain operations (client/chain.py) send their requests through it.
+the chunk-chain operations (client/chain/) send their requests through it.
 """
 
 import dataclasses
@@ -79,35 +79,7 @@ class Snapshot:
         Raises:
             CacheUnavailable, DaemonError: as `DaemonLink.request`.
         """
-        reply = self.request(Acquire(self.namespaces, hashes))
-        if reply.lease:
-            self.leases.append(reply.lease)
-        return reply
-
-    def acquire_chain(self, hashes: list[bytes], layout: "KVLayout") -> list[list[list[int]]]:
-        """ACQUIRE the longest prefix of the chunk chain `hashes` READY in every namespace
-        of the link, in as few requests as frames allow (`chunks_per_request`), recording
-        the leases.
-
-        Returns:
-            Per namespace (in the link's order), the block ids of each pinned chunk; every
-            namespace gets the same number of chunks.
-
-        Raises:
-            CacheUnavailable, DaemonError: as `DaemonLink.request`.
-        """
-        num_namespaces = len(self.namespaces)
-        per_request = chunks_per_request(layout, self.block_bytes, num_namespaces)
-        chains: list[list[list[int]]] = [[] for _ in range(num_namespaces)]
-        for pos in range(0, len(hashes), per_request):
-            batch = hashes[pos : pos + per_request]
-            spans = self.acquire(b"".join(batch)).spans()
-            found = len(spans) // num_namespaces  # namespace-major
-            for i, chain in enumerate(chains):
-                chain.extend(spans[i * found : (i + 1) * found])
-            if found < len(batch):
-                break
-        return chains
+        return self._pin(Acquire(self.namespaces, hashes))
 
     def release(self) -> None:
         """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget
@@ -122,7 +94,11 @@ class Snapshot:
         Raises:
             CacheUnavailable, DaemonError: as `DaemonLink.request`.
         """
-        reply = self.request(Get(self.ns, key))
+        return self._pin(Get(self.ns, key))
+
+    def _pin(self, message) -> BlocksReply:
+        """Send a pinning request (ACQUIRE, GET) and record the lease it answers."""
+        reply = self.request(message)
         if reply.lease:
             self.leases.append(reply.lease)
         return reply

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import lmcached.client.chain as chain_module
+import lmcached.client.chain.core as chain_core
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 
 
@@ -106,7 +106,7 @@ def run_to_step(socket: str, step: str) -> None:
     engine = CacheEngine.connect(layout, socket=socket, strict=True, copy_threads=1,
                                  data_timeout_s=10.0)
     if step == "alloc":
-        chain_module.fill_and_commit = lambda *args: stop_at(step)
+        chain_core.fill_and_commit = lambda *args: stop_at(step)
     elif step == "copy":
         records = engine.chain.records(engine.link.snapshot())
         write = records.write

@@ -34,7 +34,7 @@ class ConnectorSettings:
         timeout_s: per-request timeout of a daemon session, seconds.
         verify: "tokens" (default): workers check each record's header and token ids
             before a load. "checksum": saves also seal a payload checksum into every
-            record, and loads check it (client/chain.py, `Chain`).
+            record, and loads check it (client/chain/, `Chain`).
 
     Raises:
         ValueError: verify is neither "tokens" nor "checksum".

@@ -1,5 +1,5 @@
 """DaemonLink: a failed fill never leaves a readable or a stuck record
-(client/chain.py's `fill_and_commit` on a link); a link maps the device tiers it asked for and only those, closes
+(`fill_and_commit` of client/chain/ on a link); a link maps the device tiers it asked for and only those, closes
 their descriptors, and a tier it cannot map is one warning per process and a session
 without that device (the daemon then refuses that tier to it); an ACQUIRE reply of
 device block refs stays within one frame (`chunks_per_request`)."""
