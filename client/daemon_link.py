@@ -443,32 +443,6 @@ class DaemonLink:
             except CacheUnavailable:
                 pass
 
-    def invalidate(self, chunk_hashes: list[bytes], block_ids: list[int],
-                   session_id: int) -> None:
-        """Tell the daemon that the records of these chunks of the link's first namespace
-        are corrupt (INVALIDATE, fire-and-forget: no reply is awaited), so that the next
-        store replaces them. Never raises.
-
-        Args:
-            chunk_hashes: the chunks' hashes.
-            block_ids: the first block of each chunk's value, as read.
-            session_id: the session whose pins hold those blocks. Sent only while it is
-                the current one, and before those pins are released: then the daemon
-                sees the blocks as they were read (a block is never reused while
-                pinned).
-        """
-        if not block_ids:
-            return
-        with self.lock:
-            reply = self.hello_reply
-            if reply is None or reply.session_id != session_id:
-                return
-            try:
-                self.request(Invalidate(reply.namespaces[0], b"".join(chunk_hashes),
-                                        list(block_ids)), reply.generation)
-            except (CacheUnavailable, DaemonError):
-                pass  # a chunk not dropped is only read as a miss again
-
     def close(self) -> None:
         """End the session (the daemon releases its pins) and unmap the arena and the
         device tiers."""

@@ -23,7 +23,15 @@ from lmcached.client.snapshot import Snapshot
 from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
+from lmcached.wire.protocol import (
+    NOSPACE,
+    Abort,
+    Alloc,
+    DaemonError,
+    Invalidate,
+    Lookup,
+    tier_of,
+)
 
 logger = init_logger(__name__)
 
@@ -167,7 +175,7 @@ class Chain:
                             "mapped): treated as a miss; further mismatches are only "
                             "counted", span)
             if session_id is not None and records.maps(span):
-                self.link.invalidate([hashes[num_ok]], [span[0]], session_id)
+                self._invalidate([hashes[num_ok]], [span[0]], session_id)
         if self.verify == "checksum" and num_ok:
             num_ok = self._check_checksums(records, spans[:num_ok], hashes, chunks, session_id)
         return num_ok
@@ -189,13 +197,40 @@ class Chain:
         self.num_checksum_failures += 1
         failed = [i for i, good in enumerate(ok) if not good]
         if session_id is not None:
-            self.link.invalidate([hashes[i] for i in failed], [spans[i][0] for i in failed],
-                                 session_id)
+            self._invalidate([hashes[i] for i in failed], [spans[i][0] for i in failed],
+                             session_id)
         self._warn_once("checksum", "block %s holds the requested tokens but no payload "
                         "checksum or a wrong one (written by a writer without "
                         "verify='checksum', or its KV bytes changed after COMMIT): treated "
                         "as a miss; further failures are only counted", spans[num_ok])
         return num_ok
+
+    def _invalidate(self, chunk_hashes: list[bytes], block_ids: list[int],
+                    session_id: int) -> None:
+        """Tell the daemon that the records of these chunks are corrupt (INVALIDATE in the
+        link's first namespace, fire-and-forget: no reply is awaited), so that the next
+        store replaces them. Never raises.
+
+        Args:
+            chunk_hashes: the chunks' hashes.
+            block_ids: the first block of each chunk's value, as read.
+            session_id: the session whose pins hold those blocks. Sent only while it is
+                the current one, and before those pins are released: then the daemon
+                sees the blocks as they were read (a block is never reused while
+                pinned).
+        """
+        link = self.link
+        if not block_ids:
+            return
+        with link.lock:
+            reply = link.hello_reply
+            if reply is None or reply.session_id != session_id:
+                return
+            try:
+                link.request(Invalidate(reply.namespaces[0], b"".join(chunk_hashes),
+                                        list(block_ids)), reply.generation)
+            except (CacheUnavailable, DaemonError):
+                pass  # a chunk not dropped is only read as a miss again
 
     # ------------------------------------------------------------------ store
     def store(self, hashes: list[bytes], num_tokens: list[int], write: ChunkWrite,
