@@ -8,9 +8,13 @@
 
 What lives here:
     engine.py, builder.py      CacheEngine (store / retrieve / lookup) and one engine per id
-    retrieve.py                the read side: pinned chunk runs, pinned lookups, copies out
-    daemon_link.py             the one call path to the daemon: sessions, snapshots,
-                               reconnects, leases, fill-then-COMMIT
+    chain/                     the ONE chunk-chain core every caller uses: request
+                               splitting, lookup, ACQUIRE + pins + record checks, store
+                               (ALLOC -> fill -> COMMIT | ABORT)
+    retrieve.py                the engine's read side: pinned lookups, copies out
+    daemon_link.py             the one call path to the daemon: sessions, reconnects,
+                               leases; snapshot.py (one call's session state) and
+                               link_tiers.py (the device tiers a session maps)
     layout.py, records.py      the key namespace and the chunk records in arena blocks
     hashing.py                 the xxh3_128 prefix chain of chunk hashes
     kv_io.py, views.py         KV formats in and out, zero-copy views of arena blocks

@@ -4,8 +4,9 @@ Why this file exists: a serving process must never fail because its cache did. T
 the ONE client call path, used by the engine, the adapters and the vLLM scheduler and
 worker: `DaemonLink.call` holds the lock, takes one snapshot of the session (namespaces,
 arena generation, arena), runs the caller's requests on it, releases the leases they
-took if anything fails, and maps every failure in one place; `fill_and_commit` fills
-allocated blocks then COMMITs, or ABORTs. Every (re)connect goes through
+took if anything fails, and maps every failure in one place (the chunk-chain requests
+sent through it are in client/chain/; the device tiers it maps, in
+client/link_tiers.py). Every (re)connect goes through
 `DaemonLink.try_connect` or `ensure_connected`, which turn any failure -- no socket (ENOENT), a refused or
 forbidden socket (ECONNREFUSED, EACCES), an arena segment the process may not map
 (posix_ipc.PermissionsError, which is not an OSError), a protocol version the daemon
@@ -22,24 +23,21 @@ $LMCACHED_DATA_TIMEOUT_MS), so a stopped daemon costs a serving step one short t
 not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 """
 
-import dataclasses
 import math
-import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
+from lmcached.client.link_tiers import TierUnusable, close_other, describe, map_tiers
+from lmcached.client.snapshot import Snapshot
+from lmcached.shm.arena import Arena
 from lmcached.wire import envs
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import (
-    HASH_BYTES,
-    MAX_CHUNKS_PER_REQUEST,
-    MAX_FRAME_BYTES,
     NO_REPLY_REQUESTS,
     Abort,
     Acquire,
     Alloc,
-    BlocksReply,
     Commit,
     Connection,
     DaemonError,
@@ -49,18 +47,12 @@ from lmcached.wire.protocol import (
     Invalidate,
     Layout,
     Lookup,
-    OpenTier,
     Put,
     Release,
     Scan,
-    TierInfo,
     hello,
 )
-from lmcached.shm.arena import Arena
 from lmcached.wire.socket_path import check_client_socket_directory, default_socket_path
-
-if TYPE_CHECKING:
-    from lmcached.client.layout import KVLayout
 
 logger = init_logger(__name__)
 
@@ -95,194 +87,15 @@ def default_data_timeout_s() -> float:
     return timeout_ms / 1000
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-# What a frame spends outside its per-chunk fields (tag, namespace id, list headers).
-_FRAME_OVERHEAD_BYTES = 256
-# Widest msgpack encodings: any int (a record size), and an int below 2**32 (a block id
-# or a span length).
-_INT_BYTES = 9
-_BLOCK_ID_BYTES = 9  # a block reference (`block_ref`): a msgpack uint64
-
-
-def chunks_per_request(layout: "KVLayout", block_bytes: int, num_namespaces: int = 1) -> int:
-    """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
-
-    Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
-    its reply (ACQUIRE: the block ids, span length and record size of each chunk in each
-    namespace), nor the COMMIT of the blocks an ALLOC returns, exceeds MAX_FRAME_BYTES,
-    and so that the daemon's MAX_CHUNKS_PER_REQUEST (over all namespaces) holds. Callers
-    split longer requests.
-
-    Args:
-        layout: the chunks' layout (their record size).
-        block_bytes: the daemon's block size (HELLO), bytes.
-        num_namespaces: namespaces one ACQUIRE / LOOKUP lists (tensor parallel ranks).
-
-    Returns:
-        A chunk count >= 1.
-    """
-    blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
-    request_bytes = HASH_BYTES + _INT_BYTES
-    reply_bytes = num_namespaces * (_INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1))
-    fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
-    return max(1, min(MAX_CHUNKS_PER_REQUEST // num_namespaces, fit))
 
 
 class CacheUnavailable(Exception):
     """The daemon cannot be reached now; the caller degrades to a miss."""
 
 
-class _TierUnusable(Exception):
-    """A device tier this session asked for cannot be mapped in this process."""
-
-    def __init__(self, device: str, reason: str) -> None:
-        super().__init__(f"{device}: {reason}")
-        self.device = device
-        self.reason = reason
-
-
 _WARNED_DEVICES: set[str] = set()
 
 
-def _close_other(tiers: dict, kept: dict) -> None:
-    """Unmap each tier mapping of `tiers` that `kept` does not hold (the same object)."""
-    for tier_id, mapping in tiers.items():
-        if kept.get(tier_id) is not mapping:
-            mapping.close()  # devices whose unusable tier was warned about
-
-
-def map_tier(info: TierInfo, handle, fd: int):
-    """Map a device tier's memory from the descriptor OPEN_TIER sent.
-
-    A "fake" tier is an anonymous arena (`Arena.from_fd`); a "cuda" tier is imported
-    with CUDA VMM (client/tier_map.py).
-
-    Raises:
-        ValueError: another generation's memory, or a kind this client cannot map.
-        Whatever the CUDA import raises (ImportError without cuda-bindings, CudaError).
-    """
-    if handle.kind == "fake":
-        return Arena.from_fd(fd, handle.generation, info.block_bytes, handle.size_bytes)
-    if handle.kind == "cuda":
-        from lmcached.client.tier_map import CudaTierMap
-
-        return CudaTierMap(info, handle, fd)
-    raise ValueError(f"a device tier of kind {handle.kind!r} cannot be mapped by this client")
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """One session's state, fixed for the duration of one `DaemonLink.call`.
-
-    Namespace ids and block ids mean something only in the session and arena
-    generation they came from; a snapshot keeps them together, so that nothing read from
-    it goes stale after a reconnect. Its requests are refused (CacheUnavailable) once
-    the link is on another generation.
-
-    Attributes:
-        hello: the session's HELLO reply (namespace ids, block size, generation).
-        arena: the arena of that generation, mapped.
-        leases: leases taken through `acquire` in this snapshot (released by
-            `DaemonLink.call` if the call fails).
-        tiers: the device tiers of that generation this session mapped, by tier id
-            (block references `block_ref(tier, block)` of these tiers are readable here).
-        home_tier: the tier id of the link's first device, 0 (the host arena) when
-            none is mapped: where ALLOC asks for new chunks to go.
-    """
-
-    link: "DaemonLink"
-    hello: HelloReply
-    arena: Arena
-    leases: list[int] = dataclasses.field(default_factory=list)
-    tiers: dict = dataclasses.field(default_factory=dict)
-    home_tier: int = 0
-
-    @property
-    def generation(self) -> int:
-        """The arena generation of this session."""
-        return self.hello.generation
-
-    @property
-    def session_id(self) -> int:
-        """The daemon's id of this session (leases belong to it)."""
-        return self.hello.session_id
-
-    @property
-    def namespaces(self) -> list[int]:
-        """Namespace id of each layout of the link, in order."""
-        return self.hello.namespaces
-
-    @property
-    def ns(self) -> int:
-        """The namespace of the link's first (usually only) layout."""
-        return self.hello.namespaces[0]
-
-    @property
-    def block_bytes(self) -> int:
-        """The daemon's block size, bytes."""
-        return self.hello.block_bytes
-
-    def request(self, message):
-        """Send one request in this snapshot's generation (see `DaemonLink.request`)."""
-        return self.link.request(message, self.generation)
-
-    def acquire(self, hashes: bytes) -> BlocksReply:
-        """ACQUIRE the prefix of `hashes` READY in every namespace of the link, recording
-        its lease in `leases`.
-
-        Raises:
-            CacheUnavailable, DaemonError: as `DaemonLink.request`.
-        """
-        reply = self.request(Acquire(self.namespaces, hashes))
-        if reply.lease:
-            self.leases.append(reply.lease)
-        return reply
-
-    def acquire_chain(self, hashes: list[bytes], layout: "KVLayout") -> list[list[list[int]]]:
-        """ACQUIRE the longest prefix of the chunk chain `hashes` READY in every namespace
-        of the link, in as few requests as frames allow (`chunks_per_request`), recording
-        the leases.
-
-        Returns:
-            Per namespace (in the link's order), the block ids of each pinned chunk; every
-            namespace gets the same number of chunks.
-
-        Raises:
-            CacheUnavailable, DaemonError: as `DaemonLink.request`.
-        """
-        num_namespaces = len(self.namespaces)
-        per_request = chunks_per_request(layout, self.block_bytes, num_namespaces)
-        chains: list[list[list[int]]] = [[] for _ in range(num_namespaces)]
-        for pos in range(0, len(hashes), per_request):
-            batch = hashes[pos : pos + per_request]
-            spans = self.acquire(b"".join(batch)).spans()
-            found = len(spans) // num_namespaces  # namespace-major
-            for i, chain in enumerate(chains):
-                chain.extend(spans[i * found : (i + 1) * found])
-            if found < len(batch):
-                break
-        return chains
-
-    def release(self) -> None:
-        """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget
-        them."""
-        leases = list(self.leases)
-        self.leases.clear()
-        self.link.release(leases, self.session_id)
-
-    def acquire_value(self, key: str) -> BlocksReply:
-        """GET the value under string `key` in the first namespace, recording its lease.
-
-        Raises:
-            CacheUnavailable, DaemonError: as `DaemonLink.request`.
-        """
-        reply = self.request(Get(self.ns, key))
-        if reply.lease:
-            self.leases.append(reply.lease)
-        return reply
 
 
 class DaemonLink:
@@ -380,11 +193,11 @@ class DaemonLink:
             for _ in range(len(self.devices)):  # each failure drops one device
                 try:
                     return self._connect(timeout_s)
-                except _TierUnusable as exc:  # again, without that device
+                except TierUnusable as exc:  # again, without that device
                     self._tier_failed(exc.device, exc.reason)
             try:
                 return self._connect(timeout_s)
-            except _TierUnusable as exc:  # never loop: a daemon out of protocol
+            except TierUnusable as exc:  # never loop: a daemon out of protocol
                 raise ConnectionError(f"device tier {exc}") from None
 
     def _connect(self, timeout_s: float | None) -> None:
@@ -395,7 +208,7 @@ class DaemonLink:
             tiers = {}
             try:
                 reply = hello(conn, self.client_name, self.layouts, devices)
-                tiers = self._map_tiers(conn, reply, devices)
+                tiers = map_tiers(conn, reply, devices, self.tiers)
                 arena = self.arena
                 if arena is None or arena.generation != reply.generation:
                     new_arena = Arena.attach(reply.arena_name, reply.generation,
@@ -411,57 +224,17 @@ class DaemonLink:
                     arena = new_arena
             except BaseException:
                 conn.close()
-                _close_other(tiers, self.tiers)  # mapped by this attempt only
+                close_other(tiers, self.tiers)  # mapped by this attempt only
                 raise
             self._conn, self.hello_reply, self.arena = conn, reply, arena
             self._replace_tiers(tiers)
             home = [t for t in reply.tiers if devices and t.device == devices[0]]
             self.home_tier = home[0].tier_id if home and home[0].tier_id in tiers else 0
 
-    def _map_tiers(self, conn: Connection, reply: HelloReply, devices: list[str]) -> dict:
-        """The device tiers of `devices` in `reply`, mapped (the ones already mapped in
-        this generation are kept).
-
-        Raises:
-            _TierUnusable: a tier cannot be opened or mapped here (the session asked for
-                it, so the daemon may hand it blocks of it: reconnect without it).
-        """
-        tiers: dict = {}
-        try:
-            self._open_tiers(conn, reply, devices, tiers)
-        except BaseException:
-            _close_other(tiers, self.tiers)
-            raise
-        return tiers
-
-    def _open_tiers(self, conn: Connection, reply: HelloReply, devices: list[str],
-                    tiers: dict) -> None:
-        for info in reply.tiers:
-            if not info.tier_id or info.device not in devices:
-                continue
-            current = self.tiers.get(info.tier_id)
-            if current is not None and current.generation == reply.generation:
-                tiers[info.tier_id] = current
-                continue
-            try:
-                handle, fds = conn.request_with_fds(OpenTier(info.tier_id))
-            except (DaemonError, ConnectionError) as exc:
-                raise _TierUnusable(info.device, _describe(exc)) from None
-            try:
-                if len(fds) != 1:
-                    raise _TierUnusable(info.device, f"OPEN_TIER sent {len(fds)} descriptors")
-                tiers[info.tier_id] = map_tier(info, handle, fds[0])
-            except _TierUnusable:
-                raise
-            except Exception as exc:  # no CUDA here, another device, a stale generation...
-                raise _TierUnusable(info.device, _describe(exc)) from None
-            finally:
-                for fd in fds:
-                    os.close(fd)
 
     def _replace_tiers(self, tiers: dict) -> None:
         """Make `tiers` current and unmap the ones no longer in it (another generation)."""
-        _close_other(self.tiers, tiers)
+        close_other(self.tiers, tiers)
         self.tiers = tiers
 
     def _tier_failed(self, device: str, reason: str) -> None:
@@ -490,7 +263,7 @@ class DaemonLink:
         except Exception as exc:
             if strict:
                 raise
-            self.mark_down(_describe(exc))
+            self.mark_down(describe(exc))
             return False
         return True
 
@@ -538,8 +311,8 @@ class DaemonLink:
             try:
                 self.connect(self.data_timeout_s)
             except Exception as exc:  # any failure to open a session means "no cache now"
-                self.mark_down(_describe(exc))
-                raise CacheUnavailable(_describe(exc)) from None
+                self.mark_down(describe(exc))
+                raise CacheUnavailable(describe(exc)) from None
             return self.hello_reply
 
     def request(self, message, generation: int | None = None):
@@ -575,8 +348,8 @@ class DaemonLink:
             except DaemonError:
                 raise
             except Exception as exc:  # timeout, loss, a reply out of protocol, too large
-                self.mark_down(_describe(exc))
-                raise CacheUnavailable(_describe(exc)) from None
+                self.mark_down(describe(exc))
+                raise CacheUnavailable(describe(exc)) from None
             except BaseException:  # interrupted half-way: the stream is out of step
                 self._drop_session()
                 raise
@@ -670,70 +443,6 @@ class DaemonLink:
             except CacheUnavailable:
                 pass
 
-    def invalidate(self, chunk_hashes: list[bytes], block_ids: list[int],
-                   session_id: int) -> None:
-        """Tell the daemon that the records of these chunks of the link's first namespace
-        are corrupt (INVALIDATE, fire-and-forget: no reply is awaited), so that the next
-        store replaces them. Never raises.
-
-        Args:
-            chunk_hashes: the chunks' hashes.
-            block_ids: the first block of each chunk's value, as read.
-            session_id: the session whose pins hold those blocks. Sent only while it is
-                the current one, and before those pins are released: then the daemon
-                sees the blocks as they were read (a block is never reused while
-                pinned).
-        """
-        if not block_ids:
-            return
-        with self.lock:
-            reply = self.hello_reply
-            if reply is None or reply.session_id != session_id:
-                return
-            try:
-                self.request(Invalidate(reply.namespaces[0], b"".join(chunk_hashes),
-                                        list(block_ids)), reply.generation)
-            except (CacheUnavailable, DaemonError):
-                pass  # a chunk not dropped is only read as a miss again
-
-    def fill_and_commit(self, block_ids: list[int], generation: int,
-                        fill: Callable[[], None]) -> bool:
-        """Fill blocks this session ALLOCated with `fill()`, then COMMIT them (WRITING ->
-        READY, docs/architecture.md, "Block states"); ABORT them if `fill` raises, so no
-        half-written record is ever readable.
-
-        Args:
-            block_ids: the ALLOC reply's block ids (may be empty: nothing to commit).
-            generation: the arena generation they were allocated in.
-            fill: copies the records' bytes into the blocks.
-
-        Returns:
-            True once committed; False when the daemon is gone or refused the COMMIT
-            (logged): the chunks are then simply not stored.
-
-        Raises:
-            Whatever `fill` raises, after the ABORT.
-        """
-        try:
-            fill()
-        except BaseException:
-            if block_ids:
-                try:
-                    self.request(Abort(block_ids), generation)
-                except (CacheUnavailable, DaemonError):
-                    pass  # the session's end aborts them anyway
-            raise
-        if not block_ids:
-            return True
-        try:
-            self.request(Commit(block_ids), generation)
-        except CacheUnavailable:
-            return False
-        except DaemonError as exc:
-            logger.warning("COMMIT refused, chunks not stored: %s", exc)
-            return False
-        return True
-
     def close(self) -> None:
         """End the session (the daemon releases its pins) and unmap the arena and the
         device tiers."""
@@ -774,6 +483,6 @@ class DaemonLink:
                 self.on_detach(arena)
         except Exception as exc:
             logger.warning("detach hook failed for arena generation %d (%s); unmapping it",
-                           arena.generation, _describe(exc))
+                           arena.generation, describe(exc))
         finally:
             arena.close()

@@ -19,7 +19,8 @@ protocol requests (`chunks_per_request`), so no legal request meets the frame li
               each record's header and token ids (and, with verify="checksum", its
               payload checksum) -> copy KV out -> RELEASE the lease (no reply)
 
-The read side's pinned runs and copies are in client/retrieve.py.
+The chunk-chain requests and record checks are in client/chain/ (`Chain`, shared with
+the vLLM worker); pinned lookups and the copies out, in client/retrieve.py.
 """
 
 import concurrent.futures
@@ -31,18 +32,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from lmcached.client.chain import Chain, PinnedChunks, check_verify, chunk_ranges
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, chunks_per_request
+from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import as_token_array, hash_request_tokens
-from lmcached.client.kv_io import ChunkCopier, KVSource
+from lmcached.client.kv_io import ChunkCopier, KVSource, suffix_mask_skip
 from lmcached.client.layout import KVLayout
-from lmcached.client.records import RecordIO, TieredRecords
-from lmcached.client.retrieve import PinnedChunks, PinnedLookups, copy_records_out
-from lmcached.client.tier_map import DeviceRecordIO
+from lmcached.client.records import TieredRecords
+from lmcached.client.retrieve import PinnedLookups, copy_records_out
 from lmcached.client.views import RetrievedViews
-from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
 
 logger = init_logger(__name__)
 
@@ -73,27 +72,17 @@ class CacheEngine:
 
     def __init__(self, layout: KVLayout, link: DaemonLink, copy_threads: int | None = None,
                  verify: str = "tokens") -> None:
-        _check_verify(verify)
+        self.copier = ChunkCopier(copy_threads or min(2, os.cpu_count() or 1))
+        self.chain = Chain(link, layout, verify, self.copier)
         self.verify = verify
         self.layout = layout
         self.link = link
-        self.copier = ChunkCopier(copy_threads or min(2, os.cpu_count() or 1))
         self.hit_tokens = 0
         self.miss_tokens = 0
-        self.num_stored_chunks = 0
-        self.num_nospace_chunks = 0
-        self.num_verify_failures = 0
-        self.num_checksum_failures = 0
         self.num_stale_pins = 0
-        self._fingerprint = layout.fingerprint
-        self._records: RecordIO | None = None
-        self._tiered: TieredRecords | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         self._pending_lock = threading.Lock()
-        self._warned_mismatch = False
-        self._warned_checksum = False
-        self._warned_unmapped = False
         self._warned_stale = False
         self._pinned_lookups = PinnedLookups()
 
@@ -152,7 +141,7 @@ class CacheEngine:
             With strict=True only: whatever `DaemonLink.connect` raises (OSError,
                 lmcached.wire.protocol.DaemonError, posix_ipc.Error, ...).
         """
-        _check_verify(verify)
+        check_verify(verify)
         if tier_device and verify == "checksum":
             raise ValueError("verify='checksum' reads every record on the CPU: it cannot be "
                              "combined with tier_device (use verify='tokens')")
@@ -173,42 +162,25 @@ class CacheEngine:
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
-    def _record_io(self, snapshot) -> "RecordIO | TieredRecords":
-        """Record reader/writer for the snapshot's arena and device tiers (re-made after a
-        restart): a `TieredRecords` when the session maps device tiers."""
-        self._records = RecordIO.for_arena(self._records, snapshot.arena, self.layout)
-        if not snapshot.tiers:
-            return self._records
-        tiered = self._tiered
-        if tiered is None or tiered.arena is not snapshot.arena or any(
-                tiered.by_tier.get(t) is None or tiered.by_tier[t].arena is not m
-                for t, m in snapshot.tiers.items()):
-            by_tier = {t: RecordIO(m, self.layout) if isinstance(m, Arena)
-                       else DeviceRecordIO(m, self.layout) for t, m in snapshot.tiers.items()}
-            self._tiered = tiered = TieredRecords({0: self._records, **by_tier})
-        return tiered
+    @property
+    def num_stored_chunks(self) -> int:
+        """Chunks this engine wrote (see the class attributes)."""
+        return self.chain.num_stored_chunks
 
-    def _skip_tokens(self, num_tokens: int, mask, chunk_aligned: bool) -> int:
-        """Leading tokens a suffix mask leaves out (a multiple of chunk_size if
-        `chunk_aligned`, as the seed's store asserts; any count for a retrieve)."""
-        if mask is None:
-            return 0
-        mask = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
-        if mask.shape != (num_tokens,):
-            raise ValueError(f"mask has shape {mask.shape}, tokens have ({num_tokens},)")
-        skip = num_tokens - int(mask.sum())
-        if mask[:skip].any() or not mask[skip:].all():
-            raise ValueError("mask must be a suffix mask: False for skipped tokens, then True")
-        if chunk_aligned and skip % self.layout.chunk_size:
-            raise ValueError(
-                f"mask skips {skip} tokens, not a multiple of chunk_size {self.layout.chunk_size}"
-                " (a store mask must skip whole chunks)"
-            )
-        return skip
+    @property
+    def num_nospace_chunks(self) -> int:
+        """Chunks not stored because nothing was evictable."""
+        return self.chain.num_nospace_chunks
 
-    def _chunks(self, num_tokens: int, first_chunk: int) -> list[tuple[int, int]]:
-        size = self.layout.chunk_size
-        return [(s, min(s + size, num_tokens)) for s in range(first_chunk * size, num_tokens, size)]
+    @property
+    def num_verify_failures(self) -> int:
+        """Chunks whose record did not hold the requested tokens."""
+        return self.chain.num_verify_failures
+
+    @property
+    def num_checksum_failures(self) -> int:
+        """Reads whose records held the tokens but no or a wrong payload checksum."""
+        return self.chain.num_checksum_failures
 
     # ------------------------------------------------------------------- lookup
     def lookup(self, tokens: Tokens, pin: bool = False) -> int:
@@ -238,18 +210,7 @@ class CacheEngine:
         if not hashes:
             return 0
 
-        def count(snapshot) -> int:
-            per_request = chunks_per_request(self.layout, snapshot.block_bytes)
-            num_chunks = 0
-            for pos in range(0, len(hashes), per_request):
-                batch = hashes[pos : pos + per_request]
-                found = snapshot.request(Lookup(snapshot.namespaces, b"".join(batch)))
-                num_chunks += found.num_chunks
-                if found.num_chunks < len(batch):
-                    break
-            return num_chunks
-
-        num_chunks = self.link.call("LOOKUP", count, 0)
+        num_chunks = self.chain.lookup(hashes)
         return min(num_chunks * self.layout.chunk_size, len(token_array))
 
     def lookup_unpin(self, tokens: Tokens | None = None) -> int:
@@ -299,7 +260,7 @@ class CacheEngine:
         """
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
-        skip = self._skip_tokens(num_tokens, mask, chunk_aligned=True)
+        skip = suffix_mask_skip(mask, num_tokens, self.layout.chunk_size)
         source = KVSource(kv, self.layout)
         if source.num_tokens == num_tokens:
             kv_start = 0
@@ -331,124 +292,29 @@ class CacheEngine:
         return sum(future.result() for future in pending)
 
     def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int) -> int:
+        """Store the chunks from the one holding token `skip` (`Chain.store`); the KV of
+        token t is `source`'s token t - kv_start."""
         layout = self.layout
         first_chunk = skip // layout.chunk_size
-        chunks = self._chunks(len(tokens), first_chunk)
+        chunks = chunk_ranges(len(tokens), layout.chunk_size, first_chunk)
         hashes = hash_request_tokens(layout.chunk_size, tokens)[first_chunk:]
-        return self._store_from(tokens, source, kv_start, hashes, chunks, 0)
 
-    def _store_from(self, tokens: np.ndarray, source: KVSource, kv_start: int,
-                    hashes: list[bytes], chunks: list[tuple[int, int]], pos: int) -> int:
-        """ALLOC and fill the chunks from `pos` that one request may carry, store the
-        chunks after them, then COMMIT.
+        def write(records, span: list[int], i: int) -> None:
+            start, stop = chunks[i]
+            records.write(span, hashes[i], tokens[start:stop], source, start - kv_start,
+                          stop - kv_start)
 
-        The chunks after this request's are stored (recursively) while its blocks are
-        still WRITING, which nothing evicts: a store split into several requests never
-        evicts its own beginning to make room for its end, and gets NOSPACE where one
-        request would. The end of the chain is committed first, so it is evicted first.
-
-        Returns:
-            Chunks written and committed from `pos` on (0 when the daemon is unavailable
-            or refused).
-        """
-        layout, link = self.layout, self.link
-
-        def alloc(snapshot):
-            end = min(len(hashes), pos + chunks_per_request(layout, snapshot.block_bytes))
-            num_bytes = [layout.record_bytes(e - s) for s, e in chunks[pos:end]]
-            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes[pos:end]), num_bytes,
-                                           snapshot.home_tier))
-            return reply, end, snapshot.generation, self._record_io(snapshot)
-
-        allocated = link.call("ALLOC", alloc, None)
-        if allocated is None:
-            return 0
-        reply, end, generation, records = allocated
-        if not records.maps(reply.block_ids):
-            self._abort_unmapped(reply.block_ids, generation)
-            return 0
-        writes, seals = [], []
-        for span, chunk_hash, (start, stop) in zip(reply.spans(), hashes[pos:end],
-                                                   chunks[pos:end]):
-            if span is None:  # EXISTS or NOSPACE
-                continue
-            writes.append(functools.partial(records.write, span, chunk_hash, tokens[start:stop],
-                                            source, start - kv_start, stop - kv_start))
-            if self.verify == "checksum":
-                seals.append(functools.partial(records.seal, span, stop - start))
-        written, num_nospace, num_later = len(writes), reply.status.count(NOSPACE), 0
-
-        def fill() -> None:
-            nonlocal num_later
-            self.copier.run(writes)
-            synchronize_if_cuda(source.any_tensor)  # device-to-host copies done before COMMIT
-            self.copier.run(seals)  # checksums of the final bytes, before COMMIT
-            if end < len(hashes) and not num_nospace:
-                num_later = self._store_from(tokens, source, kv_start, hashes, chunks, end)
-
-        if not link.fill_and_commit(reply.block_ids, generation, fill):
-            return num_later
-        if num_nospace:
-            num_nospace += len(hashes) - end  # never asked for: they would not fit either
-            logger.debug(
-                "stored %d of %d new chunks: the arena is full of pinned data",
-                written, written + num_nospace,
-            )
-        self.num_stored_chunks += written
-        self.num_nospace_chunks += num_nospace
-        return written + num_later
-
-    def _abort_unmapped(self, block_ids: list[int], generation: int) -> None:
-        """ABORT an ALLOC reply that holds a block of a tier this engine has not mapped
-        (the daemon places chunks only in the tier the session asked for, or in the host
-        arena, so this indicates a bug): nothing is written, one warning."""
-        if not self._warned_unmapped:
-            self._warned_unmapped = True
-            logger.warning("ALLOC answered blocks of tiers %s, but this process maps tiers "
-                           "%s: chunks not stored; further cases are not logged",
-                           sorted({tier_of(ref) for ref in block_ids}),
-                           sorted({0, *self.link.tiers}))
-        try:
-            self.link.request(Abort(block_ids), generation)
-        except (CacheUnavailable, DaemonError):
-            pass  # the session's end aborts them anyway
+        return self.chain.store(hashes, [stop - start for start, stop in chunks], write,
+                                functools.partial(synchronize_if_cuda, source.any_tensor))
 
     # ----------------------------------------------------------------- retrieve
     def _acquire(self, token_array: np.ndarray, first_chunk: int) -> PinnedChunks | None:
-        """ACQUIRE the cached run of chunks from chunk `first_chunk`, and verify their records.
-
-        A run longer than `chunks_per_request` is acquired by several requests, until
-        one finds less than it asked for.
-
-        Returns:
-            The pinned run (its `spans` and `chunks` cover the verified chunks only; its
-            leases pin all that was acquired), or None when the daemon is unavailable or
-            refused (nothing stays pinned).
-        """
-        layout = self.layout
-        hashes = hash_request_tokens(layout.chunk_size, token_array)[first_chunk:]
+        """ACQUIRE and check the cached run of chunks from chunk `first_chunk`
+        (`Chain.acquire`); None when the daemon is unavailable or refused."""
+        hashes = hash_request_tokens(self.layout.chunk_size, token_array)[first_chunk:]
         if not hashes:
             return None
-
-        def acquire(snapshot) -> PinnedChunks:
-            (spans,) = snapshot.acquire_chain(hashes, layout)
-            return PinnedChunks(self.link, token_array, first_chunk, spans,
-                                self._chunks(len(token_array), first_chunk)[: len(spans)],
-                                self._record_io(snapshot), snapshot.session_id,
-                                snapshot.generation, list(snapshot.leases),
-                                hashes[: len(spans)])
-
-        run = self.link.call("ACQUIRE", acquire, None)
-        if run is None or not run.spans:
-            return run
-        num_ok = run.records.verify_prefix(run.spans, run.hashes, token_array, run.chunks,
-                                           self._fingerprint)
-        if num_ok < len(run.spans):
-            self._count_mismatch(run, hashes, num_ok)
-        if self.verify == "checksum" and num_ok:
-            num_ok = self._verify_checksums(run, hashes, num_ok)
-        run.truncate(num_ok)
-        return run
+        return self.chain.acquire(token_array, first_chunk, hashes)
 
     def _pinned(self, token_array: np.ndarray, skip: int) -> PinnedChunks | None:
         """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE.
@@ -476,56 +342,6 @@ class CacheEngine:
                 "(the session ended: a timeout, --idle-timeout, or a restart): read again "
                 "from the daemon; further cases are only counted", run.session_id,
             )
-
-    def _count_mismatch(self, run: PinnedChunks, hashes: list[bytes], index: int) -> None:
-        """Count chunk `index` of `run`, whose record does not hold its tokens (a miss,
-        warned about once), and INVALIDATE it while still pinned, so that the next store
-        replaces it; not a block of a tier this process has not mapped (others read it)."""
-        span = run.spans[index]
-        self.num_verify_failures += 1
-        if not self._warned_mismatch:
-            self._warned_mismatch = True
-            logger.warning(
-                "block %s does not hold the requested tokens (hash collision, corrupted "
-                "index, or a tier this process has not mapped): treated as a miss; further "
-                "mismatches are only counted", span,
-            )
-        if run.records.maps(span):
-            self.link.invalidate([hashes[index]], [span[0]], run.session_id)
-
-    def _verify_checksums(self, run: PinnedChunks, hashes: list[bytes], num_chunks: int) -> int:
-        """How many of the first `num_chunks` records of `run` (`hashes`: their chunk
-        hashes) lead with a matching payload checksum (checked on copy threads).
-
-        A failure is counted and warned about once; the records after it are not
-        served (a retrieve returns a prefix). Every record that failed is INVALIDATEd
-        while still pinned, so that the next store replaces it with a sealed one.
-        """
-        records, spans = run.records, run.spans[:num_chunks]
-        chunks = run.chunks[:num_chunks]
-        ok = [False] * len(spans)
-
-        def check(i: int, span: list[int], num_tokens: int) -> None:
-            ok[i] = records.checksum_ok(span, num_tokens)
-
-        self.copier.run([functools.partial(check, i, span, end - start)
-                         for i, (span, (start, end)) in enumerate(zip(spans, chunks))])
-        if all(ok):
-            return len(spans)
-        num_ok = ok.index(False)
-        self.num_checksum_failures += 1
-        failed = [i for i, good in enumerate(ok) if not good]
-        self.link.invalidate([hashes[i] for i in failed], [spans[i][0] for i in failed],
-                             run.session_id)
-        if not self._warned_checksum:
-            self._warned_checksum = True
-            logger.warning(
-                "block %s holds the requested tokens but no payload checksum or a wrong one "
-                "(written by an engine without verify='checksum', or its KV bytes changed "
-                "after COMMIT): treated as a miss; further failures are only counted",
-                spans[num_ok],
-            )
-        return num_ok
 
     def acquire(self, tokens: Tokens) -> PinnedChunks | None:
         """Pin the cached chunk chain of `tokens` (from position 0) for reading in place.
@@ -576,7 +392,7 @@ class CacheEngine:
         """
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
-        skip = self._skip_tokens(num_tokens, mask, chunk_aligned=False)
+        skip = suffix_mask_skip(mask, num_tokens)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         run = self._pinned(token_array, skip) if num_tokens > skip else None
         if run is None:
@@ -622,7 +438,7 @@ class CacheEngine:
         """
         layout = self.layout
         token_array = as_token_array(tokens)
-        skip = self._skip_tokens(len(token_array), mask, chunk_aligned=False)
+        skip = suffix_mask_skip(mask, len(token_array))
         hello = self.link.hello_reply
         if hello is not None and self.layout.record_bytes(self.layout.chunk_size) > hello.block_bytes:
             raise ValueError(
@@ -664,7 +480,7 @@ class CacheEngine:
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self.copier.close()
-            self._records = self._tiered = None
+            self.chain.forget()
             self.link.close()
 
     def __enter__(self) -> "CacheEngine":
@@ -672,8 +488,3 @@ class CacheEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_verify(verify: str) -> None:
-    if verify not in ("tokens", "checksum"):
-        raise ValueError(f'verify must be "tokens" or "checksum", got {verify!r}')

@@ -1,4 +1,4 @@
-"""KV inputs and outputs of the engine: the accepted forms, and the fastest copies.
+"""KV inputs and outputs of the engine: the accepted forms, masks, and the fastest copies.
 
 Why this file exists: callers hand KV over in several forms (one blob tensor, a tuple of
 per-layer (K, V), a transformers DynamicCache) and in two orders (vllm: token-major,
@@ -14,6 +14,38 @@ import numpy as np
 import torch
 
 from lmcached.client.layout import KVLayout
+
+
+def suffix_mask_skip(mask, num_tokens: int, chunk_size: int | None = None) -> int:
+    """Leading tokens a suffix mask leaves out (the seed's `mask` of store / retrieve).
+
+    Args:
+        mask: None, or bool `[num_tokens]` (tensor, array or list): False for the
+            skipped tokens, then True.
+        num_tokens: the request's length.
+        chunk_size: if given, the skip must be a multiple of it (whole chunks, as the
+            seed's store asserts); None: any count (a retrieve).
+
+    Returns:
+        The number of leading False entries (0 for no mask).
+
+    Raises:
+        ValueError: a mask of another shape, not a suffix mask, or not chunk aligned.
+    """
+    if mask is None:
+        return 0
+    mask = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
+    if mask.shape != (num_tokens,):
+        raise ValueError(f"mask has shape {mask.shape}, tokens have ({num_tokens},)")
+    skip = num_tokens - int(mask.sum())
+    if mask[:skip].any() or not mask[skip:].all():
+        raise ValueError("mask must be a suffix mask: False for skipped tokens, then True")
+    if chunk_size is not None and skip % chunk_size:
+        raise ValueError(
+            f"mask skips {skip} tokens, not a multiple of chunk_size {chunk_size}"
+            " (a store mask must skip whole chunks)"
+        )
+    return skip
 
 
 def is_dynamic_cache(kv) -> bool:

@@ -1,23 +1,22 @@
-"""The read side of the engine: pinned chunk runs, pinned lookups, and copies out of records.
+"""The read side of the engine: pinned lookups, and copies out of records.
 
 Why this file exists: `CacheEngine.retrieve`, `retrieve_views` and `lookup(pin=True)`
 share one object, a run of verified chunk records pinned under daemon leases
-(`PinnedChunks`). A pinned lookup keeps its run (`PinnedLookups`) so that the retrieve of
+(`PinnedChunks`, client/chain/). A pinned lookup keeps its run (`PinnedLookups`) so that the retrieve of
 the same tokens that follows reuses its prefix hashes and its pins instead of hashing and
 asking the daemon again: lookup then retrieve costs one synchronous round trip, as a
 retrieve alone does (protocol v2: ACQUIRE answers a lease, RELEASE is sent without
 waiting). After LMCache's `LMCacheEngine.lookup(..., pin=True)` / `lookup_unpin`.
 """
 
-import dataclasses
 import functools
 import threading
 
 import numpy as np
 import torch
 
+from lmcached.client.chain import PinnedChunks
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.kv_io import (
     ChunkCopier,
     check_out_blob,
@@ -31,87 +30,6 @@ from lmcached.wire.logger import init_logger
 logger = init_logger(__name__)
 
 MAX_PINNED_LOOKUPS = 256  # pinned lookups kept per engine; the oldest is unpinned beyond
-
-
-@dataclasses.dataclass
-class PinnedChunks:
-    """A run of chunk records, pinned in the daemon and verified, from one request.
-
-    Attributes:
-        tokens: int64 `[num_tokens]` token ids of the request.
-        first_chunk: index (in the request) of the first chunk of the run.
-        spans: block ids of each verified chunk record, in chain order.
-        chunks: `[start, end)` token range (in the request) of each verified chunk.
-        records: reader of the arena generation the blocks belong to.
-        session_id: the daemon session that holds the leases.
-        generation: the arena generation of that session.
-        leases: the daemon leases pinning the blocks (also those of chunks that failed
-            verification, which are not in `spans`).
-        hashes: the prefix hash of each verified chunk, aligned with `spans`.
-
-    The pins hold only while their session does: `holds_pins()` says whether they still
-    do, and readers ask it after reading (a reconnect or the daemon closing the
-    connection releases them, and the blocks may then hold another prompt's KV).
-    """
-
-    link: DaemonLink
-    tokens: np.ndarray
-    first_chunk: int
-    spans: list[list[int]]
-    chunks: list[tuple[int, int]]
-    records: RecordIO
-    session_id: int
-    generation: int
-    leases: list[int]
-    hashes: list[bytes]
-    released: bool = False
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Every block id of the verified chunks, in order."""
-        return [block_id for span in self.spans for block_id in span]
-
-    def holds(self, tokens: np.ndarray) -> bool:
-        """Whether this run was pinned for exactly these tokens."""
-        return len(self.tokens) == len(tokens) and np.array_equal(self.tokens, tokens)
-
-    def holds_pins(self) -> bool:
-        """Whether the blocks still hold what was pinned (no request is sent).
-
-        True while the leases' session is the link's open session (`DaemonLink.holds`).
-        Once the link is on a newer arena generation, the daemon that pinned the blocks
-        is gone and hands none of them out again; the only writers left are those it
-        gave a block before it stopped, and a writer writes a record's header first, so
-        the records are checked (`records_match`). Otherwise (the session ended but its
-        daemon may still run: a timeout, `--idle-timeout`, or no session now) False.
-        """
-        if self.released:
-            return False
-        if self.link.holds(self.session_id, self.generation):
-            return True
-        current = self.link.generation
-        return current is not None and current != self.generation and self.records_match()
-
-    def records_match(self) -> bool:
-        """Whether every verified record still holds exactly its chunk (header, hash
-        and token ids: `RecordIO.verify_prefix`, about 1 us a chunk)."""
-        return self.records.verify_prefix(self.spans, self.hashes, self.tokens, self.chunks,
-                                          self.records.fingerprint) == len(self.spans)
-
-    def truncate(self, num_chunks: int) -> None:
-        """Keep only the first `num_chunks` verified chunks (the leases stay as they are)."""
-        del self.spans[num_chunks:], self.chunks[num_chunks:], self.hashes[num_chunks:]
-
-    def from_chunk(self, first_chunk: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        """(spans, chunks) of the verified chunks from request chunk `first_chunk` on."""
-        offset = max(first_chunk - self.first_chunk, 0)
-        return self.spans[offset:], self.chunks[offset:]
-
-    def release(self) -> None:
-        """RELEASE the leases (fire-and-forget; idempotent; never raises)."""
-        if not self.released:
-            self.released = True
-            self.link.release(self.leases, self.session_id)
 
 
 class PinnedLookups:

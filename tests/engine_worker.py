@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import lmcached.client.chain.core as chain_core
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 
 
@@ -105,9 +106,9 @@ def run_to_step(socket: str, step: str) -> None:
     engine = CacheEngine.connect(layout, socket=socket, strict=True, copy_threads=1,
                                  data_timeout_s=10.0)
     if step == "alloc":
-        engine.link.fill_and_commit = lambda *args: stop_at(step)
+        chain_core.fill_and_commit = lambda *args: stop_at(step)
     elif step == "copy":
-        records = engine._record_io(engine.link.snapshot())
+        records = engine.chain.records(engine.link.snapshot())
         write = records.write
 
         def half_write(span, chunk_hash, chunk_tokens, source, start, end):

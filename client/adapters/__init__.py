@@ -9,7 +9,7 @@ unchanged, with values in the daemon's shared memory.
 - `buffers.py`: the disaggregated-prefill buffers (`KVStoreBuffer`, `KVLookupBuffer`)
   and vLLM's abstract bases for them, defined here under vLLM's names.
 
-What it may import: the engine core of `lmcached.client` (daemon_link, records, hashing),
+What it may import: the engine core of `lmcached.client` (chain, daemon_link, records, hashing),
 `lmcached.wire.protocol` and `lmcached.wire.logger`. Never vllm or transformers, and never
 `lmcached.client.vllm`: the adapters run in any process.
 """

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import torch
 
+from lmcached.client.chain import fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import gather, scatter
 from lmcached.wire.logger import init_logger
@@ -118,8 +119,8 @@ class TensorStore:
         header = np.zeros(VALUE_HEADER_BYTES, dtype=np.uint8)
         shape = list(data.shape) + [0] * (MAX_DIMS - data.dim())
         _HEADER.pack_into(header, 0, VALUE_MAGIC, _DTYPE_CODE[data.dtype], data.dim(), *shape)
-        return link.fill_and_commit(
-            reply.block_ids, snapshot.generation,
+        return fill_and_commit(
+            link, reply.block_ids, snapshot.generation,
             lambda: scatter(snapshot.arena, reply.block_ids, [header, payload]))
 
     def _get(self, key: str, read):

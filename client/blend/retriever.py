@@ -41,12 +41,12 @@ from lmcached.client.blend.interfaces import (
     BlendRetrieverResult,
     BlendRetrieverTask,
 )
+from lmcached.client.chain import PinnedChunks, release_all
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.engine import CacheEngine, Tokens
 from lmcached.client.hashing import as_token_array
 from lmcached.client.kv_io import copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
-from lmcached.client.retrieve import PinnedChunks
 from lmcached.client.views import PinsLost
 from lmcached.wire.logger import init_logger
 
@@ -225,14 +225,7 @@ def _release_runs(runs: list[PinnedChunks], garbage: bool) -> None:
     if garbage:
         logger.warning("SPTBlendRetrieverTask garbage-collected unreleased: call release() "
                        "or use it as a context manager")
-    by_session: dict[int, list[PinnedChunks]] = {}
-    for run in runs:
-        if not run.released:
-            run.released = True
-            by_session.setdefault(run.session_id, []).append(run)
-    for session_id, session_runs in by_session.items():
-        leases = [lease for run in session_runs for lease in run.leases]
-        session_runs[0].link.release(leases, session_id)
+    release_all([run.pins for run in runs])
 
 
 def _copy_layer(k: torch.Tensor, v: torch.Tensor, chunk: _Chunk, layer: int) -> None:

@@ -8,7 +8,7 @@ What lives here, after vLLM's NixlConnector split into roles:
 - `worker.py`: the worker role (copies vLLM's paged blocks to and from arena records).
 - `specs.py`: what the scheduler sends its workers, and their shared settings.
 
-What it may import: the engine core of `lmcached.client` (daemon_link, records, layout,
+What it may import: the engine core of `lmcached.client` (chain, daemon_link, records, layout,
 hashing, cuda), `lmcached.wire.protocol`, `lmcached.shm`, and vllm. Only `connector.py` imports
 vllm (absolute imports: `import vllm` here is the real vLLM, never this package), so the
 scheduler and worker roles import and test without vllm installed. This `__init__`

@@ -12,7 +12,9 @@ it is the only lmcached module that imports vllm. Enable it with (the module pat
 
 Extra config keys: `socket` (default: that of daemon `name`), `name` ("default"),
 `chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
-in the key namespace; default: vLLM's model path or name), `timeout_s` (5).
+in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
+("tokens": loads check each record's header and token ids; "checksum": saves also seal
+a payload checksum into every record, and loads check it: README, "Trust model").
 
 One engine step (the scheduler and the workers may be separate processes: they share
 only the pickled metadata, the daemon and its arena)::
@@ -237,7 +239,8 @@ class LMCachedConnector(KVConnectorBase_V1):
         kv_cache_config: the engine's KVCacheConfig.
 
     Raises:
-        ValueError: a bad extra config (e.g. chunk_size not a multiple of the block size).
+        ValueError: a bad extra config (e.g. chunk_size not a multiple of the block size,
+            verify neither "tokens" nor "checksum").
 
     Attributes:
         scheduler_side / worker_side: the state of this role (None for the other role,
@@ -274,6 +277,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             socket=transfer.get_from_extra_config("socket", None),
             daemon_name=transfer.get_from_extra_config("name", "default"),
             timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
+            verify=transfer.get_from_extra_config("verify", "tokens"),
         )
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = LMCachedConnectorScheduler(self.settings)

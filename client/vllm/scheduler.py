@@ -18,18 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from lmcached.client.chain import Pins, acquire_chain
 from lmcached.client.hashing import ChunkHash, hash_request_tokens
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-@dataclasses.dataclass
-class _Pins:
-    session_id: int  # the daemon session that holds the leases
-    generation: int  # the arena generation of that session
-    leases: list[int]
 
 
 @dataclasses.dataclass
@@ -39,7 +33,7 @@ class _PinnedLookup:
     first_chunk: int
     spans: list[list[list[int]]]  # per rank, the block ids of each pinned chunk
     generations: list[int]  # per rank (-1: unreachable)
-    pins: list[_Pins]
+    pins: list[Pins]
 
 
 @dataclasses.dataclass
@@ -53,7 +47,7 @@ class _RequestState:
     num_saved_chunks: int = 0  # chunks [0, n) are loaded, or were sent to be saved
     epoch: int = 0
     load: LoadSpec | None = None  # allocated this step, not yet in the metadata
-    pins: list[_Pins] = dataclasses.field(default_factory=list)  # pins of `load`
+    pins: list[Pins] = dataclasses.field(default_factory=list)  # pins of `load`
     lookup: _PinnedLookup | None = None  # pinned by the last lookup, not yet allocated
 
 
@@ -78,7 +72,7 @@ class LMCachedConnectorScheduler:
                                         f"vllm-scheduler(tp {self._world_size})")
         self._requests: dict[str, _RequestState] = {}
         self._step = 0
-        self._step_pins: dict[int, list[_Pins]] = {}
+        self._step_pins: dict[int, list[Pins]] = {}
         self._step_reports: dict[int, int] = {}
 
     # ------------------------------------------------------------------ lookup
@@ -198,9 +192,8 @@ class LMCachedConnectorScheduler:
         layout = self.settings.layouts[0]
 
         def acquire(snapshot):
-            rank_spans = snapshot.acquire_chain(hashes, layout)
-            pins = ([_Pins(snapshot.session_id, snapshot.generation, list(snapshot.leases))]
-                    if snapshot.leases else [])
+            rank_spans = acquire_chain(snapshot, hashes, layout)
+            pins = [Pins.of(snapshot)] if snapshot.leases else []
             return rank_spans, [snapshot.generation] * world_size, pins
 
         acquired = self._link.call("ACQUIRE", acquire, None)
@@ -208,17 +201,17 @@ class LMCachedConnectorScheduler:
             return [[] for _ in range(world_size)], [-1] * world_size, []
         return acquired
 
-    def _pins_hold(self, pins: list[_Pins]) -> bool:
-        """Whether every lease of `pins` still pins its blocks: their session is still
-        the link's open one (`DaemonLink.holds`, no request sent). A session that ended
-        (a timeout, --idle-timeout, a restart) took its pins with it, and the daemon may
-        have handed their blocks to another writer since."""
-        return all(self._link.holds(pin.session_id, pin.generation) for pin in pins)
+    def _pins_hold(self, pins: list[Pins]) -> bool:
+        """Whether every lease of `pins` still pins its blocks (`Pins.hold`, no request
+        sent). A session that ended (a timeout, --idle-timeout, a restart) took its pins
+        with it, and the daemon may have handed their blocks to another writer since."""
+        return all(pin.hold() for pin in pins)
 
-    def _release(self, pins: list[_Pins]) -> None:
-        """RELEASE the leases (fire-and-forget: no wait on the daemon)."""
+    def _release(self, pins: list[Pins]) -> None:
+        """RELEASE the leases, one frame per ACQUIRE call (fire-and-forget: no wait on
+        the daemon)."""
         for pin in pins:
-            self._link.release(pin.leases, pin.session_id)
+            pin.release()
 
     def _repin(self, state: _RequestState) -> None:
         """ACQUIRE a planned load's chunks again after its pins were lost; the chunks no

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from lmcached.client.chain import check_verify
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
 from lmcached.wire.logger import init_logger
@@ -31,6 +32,12 @@ class ConnectorSettings:
         socket: daemon socket path (None: that of daemon `daemon_name`).
         daemon_name: daemon name, used when socket is None.
         timeout_s: per-request timeout of a daemon session, seconds.
+        verify: "tokens" (default): workers check each record's header and token ids
+            before a load. "checksum": saves also seal a payload checksum into every
+            record, and loads check it (client/chain/, `Chain`).
+
+    Raises:
+        ValueError: verify is neither "tokens" nor "checksum".
     """
 
     layouts: list[KVLayout]
@@ -40,6 +47,10 @@ class ConnectorSettings:
     socket: str | None
     daemon_name: str
     timeout_s: float
+    verify: str = "tokens"
+
+    def __post_init__(self) -> None:
+        check_verify(self.verify)
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -16,11 +16,11 @@ import torch
 import xxhash
 
 from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister_arena
-from lmcached.client.daemon_link import DaemonLink, chunks_per_request
+from lmcached.client.chain import Chain, chunk_ranges
+from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import RecordIO
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import Alloc
 
 logger = init_logger(__name__)
 
@@ -150,6 +150,8 @@ class LMCachedConnectorWorker:
             (chunks reported to vLLM for recompute).
         num_recheck_failures: loads whose records changed while they were copied (their
             pins were lost: the changed chunks became load errors).
+        chain: this rank's chunk chains (`Chain`: saves, record checks and their
+            counters), None until `register`.
     """
 
     def __init__(self, settings: ConnectorSettings, rank: int) -> None:
@@ -161,8 +163,7 @@ class LMCachedConnectorWorker:
         self.num_recheck_failures = 0
         self._link: DaemonLink | None = None
         self._paged: PagedBlocks | None = None
-        self._records: RecordIO | None = None
-        self._fingerprint = 0
+        self.chain: Chain | None = None
         self._load_errors: set[int] = set()
         self._failed_chunks: dict[str, int] = {}  # this step's failed loads
         self._failed_epochs: dict[str, int] = {}  # req_id -> epoch whose load failed
@@ -181,30 +182,25 @@ class LMCachedConnectorWorker:
             raise ValueError(f"registered pages of {paged.page_bytes} bytes, the spec says "
                              f"{spec_page_bytes}")
         self._paged = paged
-        self._fingerprint = xxhash.xxh3_64_intdigest(
-            f"{layout.fingerprint}|{paged.description}".encode())
+        fingerprint = xxhash.xxh3_64_intdigest(f"{layout.fingerprint}|{paged.description}".encode())
         # GPU blocks: page-lock the arena so copies run at pinned-memory speed (the
         # engine's cuda_register path); CPU blocks need nothing.
         hooks = (register_arena, unregister_arena) if paged.device.type == "cuda" else ()
         self._link = self.settings.open_link([self.rank], f"vllm-worker(rank {self.rank})",
                                              *hooks)
+        self.chain = Chain(self._link, layout, self.settings.verify, fingerprint=fingerprint)
         logger.info("lmcached connector: rank %d/%d, %d layers, %d-byte pages, chunk %d tokens",
                     self.rank, self.settings.world_size, layout.num_layers, paged.page_bytes,
                     self.settings.chunk_size)
-
-    def _record_io(self, snapshot) -> RecordIO:
-        """Records of the snapshot's arena (re-made after a restart)."""
-        self._records = RecordIO.for_arena(self._records, snapshot.arena,
-                                           self.settings.layouts[self.rank], self._fingerprint)
-        return self._records
 
     # ------------------------------------------------------------------ loads
     def load(self, loads: list[LoadSpec],
              agree: Callable[[list[int]], list[int]] | None = None) -> None:
         """Copy this step's planned chunks into their vLLM blocks (before the forward).
 
-        Every chunk's record header (hash, token ids, fingerprint) is checked before it
-        is copied, and again once every copy is done: the scheduler's pins hold only
+        Every chunk's record header (hash, token ids, fingerprint) and, with
+        verify="checksum", its payload checksum are checked before it is copied
+        (`Chain.check`), and the headers again once every copy is done: the scheduler's pins hold only
         while its daemon session does, and a writer given a block after they were lost
         writes the record's header first, so a record read while it was being replaced
         fails the second check. A chunk that fails, and every later chunk of its
@@ -237,20 +233,18 @@ class LMCachedConnectorWorker:
         snapshot = self._link.snapshot() if self._paged is not None else None
         if snapshot is None:
             return 0, None
-        records = self._record_io(snapshot)
-        spans = load.spans[self.rank]
+        records = self.chain.records(snapshot)
         if load.generations[self.rank] != snapshot.generation:
             return 0, None  # pinned in another arena generation: those ids mean nothing now
         chunk = self.settings.chunk_size
-        for i, chunk_hash in enumerate(load.hashes):
-            tokens = load.tokens[i * chunk : (i + 1) * chunk]
-            if i >= len(spans) or not records.verify(spans[i], chunk_hash, tokens,
-                                                     self._fingerprint):
-                return i, records
+        spans = load.spans[self.rank][: len(load.hashes)]
+        num_ok = self.chain.check(records, spans, load.hashes[: len(spans)], load.tokens,
+                                  chunk_ranges(len(load.tokens), chunk, 0, len(spans)), None)
+        for i in range(num_ok):
             self._paged.scatter(records.read_kv(spans[i], chunk), load.block_offsets[i],
                                 load.block_ids[i])
             self.num_loaded_tokens += len(load.block_ids[i]) * self.settings.block_size
-        return -1, records
+        return (-1 if num_ok == len(load.hashes) else num_ok), records
 
     def _recheck(self, load: LoadSpec, first_failed: int, records: RecordIO | None) -> int:
         """The first failed chunk of `load` once the records it copied are checked again
@@ -261,8 +255,8 @@ class LMCachedConnectorWorker:
         chunk = self.settings.chunk_size
         num_ok = records.verify_prefix(load.spans[self.rank][:num_copied],
                                        load.hashes[:num_copied], load.tokens,
-                                       [(i * chunk, (i + 1) * chunk) for i in range(num_copied)],
-                                       self._fingerprint)
+                                       chunk_ranges(len(load.tokens), chunk, 0, num_copied),
+                                       records.fingerprint)
         if num_ok == num_copied:
             return first_failed
         self.num_recheck_failures += 1
@@ -280,8 +274,10 @@ class LMCachedConnectorWorker:
 
     # ------------------------------------------------------------------ saves
     def save(self, saves: list[SaveSpec]) -> None:
-        """Store this step's new full chunks: one ALLOC and one COMMIT for the step (more
-        only where one frame cannot carry them all: `chunks_per_request`).
+        """Store this step's new full chunks as one chain store (`Chain.store`): one ALLOC
+        and one COMMIT for the step, more only where one frame cannot carry them all, and
+        then earlier requests stay WRITING until every chunk is filled, so a split save
+        never evicts its own beginning. With verify="checksum" every record is sealed.
 
         Chunks the daemon already holds are skipped (EXISTS), as are chunks of a
         request whose load failed in this epoch (their KV attended to bad blocks).
@@ -298,45 +294,23 @@ class LMCachedConnectorWorker:
                     seen.add(chunk_hash)
                     entries.append((chunk_hash, save.tokens[i * chunk : (i + 1) * chunk],
                                     save.block_ids[i * bpc : (i + 1) * bpc]))
-        snapshot = self._link.snapshot() if entries else None
-        if snapshot is None:
+        if not entries:
             return
-        # One ALLOC per step, split only where one frame could not carry it.
-        per_request = chunks_per_request(self.settings.layouts[self.rank], snapshot.block_bytes)
-        for pos in range(0, len(entries), per_request):
-            self._store(entries[pos : pos + per_request])
-
-    def _store(self, entries: list[tuple[bytes, np.ndarray, list[int]]]) -> None:
-        layout = self.settings.layouts[self.rank]
-        link = self._link
-        record_bytes = layout.record_bytes(self.settings.chunk_size)
-
-        def alloc(snapshot):
-            hashes = b"".join(h for h, _, _ in entries)
-            reply = snapshot.request(Alloc(snapshot.ns, hashes, [record_bytes] * len(entries)))
-            return reply, self._record_io(snapshot), snapshot.generation
-
-        allocated = link.call("ALLOC", alloc, None)
-        if allocated is None:
-            return
-        reply, records, generation = allocated
-        writes = [(span, chunk_hash, tokens, block_ids)
-                  for span, (chunk_hash, tokens, block_ids) in zip(reply.spans(), entries)
-                  if span is not None]
+        paged = self._paged
 
         def gather_into(dst: torch.Tensor, ids: list[int], span: list[int]) -> None:
-            self._paged.gather(ids, dst)
+            paged.gather(ids, dst)
             if len(span) > 1:  # dst is a temporary buffer, copied into the blocks next
-                self._paged.wait()
+                paged.wait()
 
-        def fill() -> None:
-            for span, chunk_hash, tokens, block_ids in writes:
-                records.write_with(span, chunk_hash, tokens,
-                                   lambda dst, ids=block_ids, sp=span: gather_into(dst, ids, sp))
-            self._paged.wait()  # every record's bytes are in the arena before COMMIT
+        def write(records: RecordIO, span: list[int], i: int) -> None:
+            chunk_hash, tokens, block_ids = entries[i]
+            records.write_with(span, chunk_hash, tokens,
+                               lambda dst: gather_into(dst, block_ids, span))
 
-        if link.fill_and_commit(reply.block_ids, generation, fill):
-            self.num_saved_chunks += len(writes)
+        # paged.wait: every record's bytes are in the arena before the seals and COMMIT
+        self.num_saved_chunks += self.chain.store([h for h, _, _ in entries],
+                                                  [chunk] * len(entries), write, paged.wait)
 
     def request_finished(self, req_ids: set[str]) -> None:
         """Forget finished requests' failure epochs."""
@@ -347,4 +321,5 @@ class LMCachedConnectorWorker:
         """Close the session (the daemon aborts anything it still had allocated)."""
         if self._link is not None:
             self._link.close()
-        self._records = None
+        if self.chain is not None:
+            self.chain.forget()

@@ -1,5 +1,5 @@
 """DaemonLink: a failed fill never leaves a readable or a stuck record
-(`fill_and_commit`); a link maps the device tiers it asked for and only those, closes
+(`fill_and_commit` of client/chain/ on a link); a link maps the device tiers it asked for and only those, closes
 their descriptors, and a tier it cannot map is one warning per process and a session
 without that device (the daemon then refuses that tier to it); an ACQUIRE reply of
 device block refs stays within one frame (`chunks_per_request`)."""
@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from lmcached.client import daemon_link
-from lmcached.client.daemon_link import DaemonLink, chunks_per_request
+from lmcached.client import daemon_link, link_tiers
+from lmcached.client.chain import chunks_per_request, fill_and_commit
+from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
 from lmcached.wire.protocol import (
     ANY_DEVICE,
@@ -61,13 +62,13 @@ def test_a_fill_that_raises_aborts_the_blocks_and_reraises(daemon):
             raise RuntimeError("copy failed half way")
 
         with pytest.raises(RuntimeError, match="half way"):
-            link.fill_and_commit(block_ids, generation, broken_fill)
+            fill_and_commit(link, block_ids, generation, broken_fill)
         assert writing_blocks(daemon.socket) == 0  # aborted, back in the free queue
         assert num_ready(link) == 0  # nothing half-written is readable
 
         block_ids, generation = alloc(link)  # the same chunks can be stored again
         filled = []
-        assert link.fill_and_commit(block_ids, generation, lambda: filled.append(1)) is True
+        assert fill_and_commit(link, block_ids, generation, lambda: filled.append(1)) is True
         assert filled == [1] and num_ready(link) == len(HASHES)
     finally:
         link.close()
@@ -77,7 +78,7 @@ def test_a_commit_into_another_generation_is_not_sent(daemon):
     link = DaemonLink(daemon.socket, layouts=[LAYOUT.to_wire()])
     try:
         block_ids, generation = alloc(link)
-        assert link.fill_and_commit(block_ids, generation + 1, lambda: None) is False
+        assert fill_and_commit(link, block_ids, generation + 1, lambda: None) is False
     finally:
         link.close()
 
@@ -133,8 +134,8 @@ def test_a_link_maps_the_tier_of_its_device_and_allocates_there(fake_tier_daemon
 @pytest.mark.parametrize("devices", [(), (ANY_DEVICE,), ("fake-9",)])
 def test_a_link_maps_no_tier_it_did_not_ask_for(fake_tier_daemon, monkeypatch, devices):
     opened = []
-    real_map_tier = daemon_link.map_tier
-    monkeypatch.setattr(daemon_link, "map_tier",
+    real_map_tier = link_tiers.map_tier
+    monkeypatch.setattr(link_tiers, "map_tier",
                         lambda *args: opened.append(args) or real_map_tier(*args))
     link = DaemonLink(fake_tier_daemon.socket, layouts=[LAYOUT.to_wire()], devices=devices)
     try:

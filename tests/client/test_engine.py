@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmcached.client import CacheEngine, CacheEngineBuilder, KVLayout, hash_request_tokens
-from lmcached.client.daemon_link import chunks_per_request
+from lmcached.client.chain import chunks_per_request
 from lmcached.client.layout import RECORD_HEADER_BYTES
 from lmcached.wire.protocol import MAX_CHUNKS_PER_REQUEST
 
@@ -222,7 +222,7 @@ def test_skip_existing_false_never_rewrites_a_cached_chunk(engine):
 
 
 def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, monkeypatch):
-    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 2)
+    monkeypatch.setattr("lmcached.client.chain.frames.MAX_CHUNKS_PER_REQUEST", 2)
     sent = []
     request = engine.link.request
     monkeypatch.setattr(engine.link, "request",
@@ -253,7 +253,7 @@ def test_a_request_is_split_into_requests_of_chunks_per_request(engine, daemon, 
 def test_store_when_full_stores_what_fits_and_stops_at_the_first_refusal(
         daemon_factory, monkeypatch, max_chunks, allocs):
     if max_chunks is not None:
-        monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", max_chunks)
+        monkeypatch.setattr("lmcached.client.chain.frames.MAX_CHUNKS_PER_REQUEST", max_chunks)
     layout = make_layout()
     # 15 blocks, all of which this engine, the daemon's only client, may hold.
     daemon = daemon_factory("--capacity", "64KiB", "--block-size", "4KiB",
@@ -501,7 +501,7 @@ def test_pinned_lookups_of_other_tokens_or_never_retrieved_are_unpinned(engine, 
 def test_a_refused_request_releases_the_leases_of_its_call(engine, daemon, monkeypatch):
     tokens, kv = torch.arange(64), make_kv(engine.layout, 64)
     engine.store(tokens, kv)
-    monkeypatch.setattr("lmcached.client.daemon_link.MAX_CHUNKS_PER_REQUEST", 2)
+    monkeypatch.setattr("lmcached.client.chain.frames.MAX_CHUNKS_PER_REQUEST", 2)
     real_request = engine.link.request
     calls = []
 

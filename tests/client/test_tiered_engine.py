@@ -22,7 +22,7 @@ import torch
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
-from lmcached.client import daemon_link
+from lmcached.client import daemon_link, link_tiers
 from lmcached.client.kv_io import KVSource
 from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.wire.protocol import block_ref, tier_of
@@ -111,7 +111,7 @@ def test_a_tier_that_cannot_be_mapped_is_one_warning_and_the_host_arena(
     def cannot_map(info, handle, fd):
         raise OSError("mapping refused (test)")
 
-    monkeypatch.setattr(daemon_link, "map_tier", cannot_map)
+    monkeypatch.setattr(link_tiers, "map_tier", cannot_map)
     monkeypatch.setattr(daemon_link, "_WARNED_DEVICES", set())
     layout = small_layout()
     tokens = list(range(4 * CHUNK))

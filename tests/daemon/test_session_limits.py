@@ -17,6 +17,7 @@ import torch
 
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
+from lmcached.client.chain import fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.wire.protocol import (
     ALLOCATED,
@@ -381,7 +382,7 @@ def test_an_uncommitted_allocation_expires_and_its_late_commit_is_a_skipped_stor
                 time.sleep(0.1)
 
         with caplog.at_level(logging.WARNING, logger="lmcached"):
-            assert link.fill_and_commit(reply.block_ids, generation, slow_fill) is False
+            assert fill_and_commit(link, reply.block_ids, generation, slow_fill) is False
         assert any("COMMIT refused, chunks not stored: expired" in r.getMessage()
                    for r in caplog.records)
         fields = daemon.info()

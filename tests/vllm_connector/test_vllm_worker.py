@@ -1,9 +1,14 @@
 """The vLLM connector's worker side without vLLM: paged KV caches in the layouts vLLM's
 backends register, copied block by block into arena records and back (PagedBlocks), and
-LMCachedConnectorWorker's save -> load round trip through a real daemon.
+LMCachedConnectorWorker's save -> load round trip through a real daemon; its saves behave
+as the engine's (client/chain/): a split save never evicts its own beginning, and
+verify="checksum" seals every record and checks it on load.
 
 Runs everywhere on CPU; the CUDA cases run where a device is present (`pytest -m cuda`).
 """
+
+import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,7 +19,7 @@ from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
-from lmcached.wire.protocol import Acquire
+from lmcached.wire.protocol import Acquire, Lookup
 from lmcached.wire.record_format import RECORD_HEADER_BYTES
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 16, 2, 32
@@ -192,30 +197,48 @@ def test_a_worker_without_a_daemon_saves_nothing_and_fails_its_loads(short_tmp):
     worker.shutdown()
 
 
-def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_factory):
-    # The scheduler's pins were lost while this worker copied (its session ended): the
-    # daemon gave the block to a writer, which wrote its own record's header first. The
-    # check after the copies turns the chunk, and the rest of its request, into load
-    # errors, so vLLM recomputes blocks that may hold another prompt's KV.
-    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+@contextlib.contextmanager
+def a_saved_prompt_pinned(socket: str, verify: str = "tokens"):
+    """Worker A saves a 2-chunk prompt from its vLLM blocks 3, 5, 7, 9; a scheduler's
+    session pins both chunks and plans their load into worker B's blocks 1, 2 and 4, 6.
+
+    Yields:
+        (worker B, the LoadSpec, the pinned spans, the pinning link, the settings).
+    """
     caches_a = {name: cpu_layout_cache("cpu") for name in LAYERS}
     caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
-    settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
+    settings = dataclasses.replace(
+        worker_settings(socket, page_bytes_of(caches_a[LAYERS[0]])), verify=verify)
     tokens = np.arange(100, 100 + 2 * CHUNK, dtype=np.int64)
     hashes = hash_request_tokens(CHUNK, tokens)
     first, second = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
-    pins = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()])
+    pins = DaemonLink(socket, layouts=[settings.layouts[0].to_wire()])
     try:
         first.save([SaveSpec("a", 0, tokens, hashes, block_ids=[3, 5, 7, 9])])
         acquired = pins.request(Acquire(pins.ensure_connected().namespaces, b"".join(hashes)))
         spans = acquired.spans()
         load = LoadSpec("b", 0, 0, tokens, hashes, [spans], [pins.hello_reply.generation],
                         [[0, 1], [0, 1]], [[1, 2], [4, 6]])
+        yield second, load, spans, pins, settings
+        pins.release([acquired.lease], pins.hello_reply.session_id)
+    finally:
+        pins.close()
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_factory):
+    # The scheduler's pins were lost while this worker copied (its session ended): the
+    # daemon gave the block to a writer, which wrote its own record's header first. The
+    # check after the copies turns the chunk, and the rest of its request, into load
+    # errors, so vLLM recomputes blocks that may hold another prompt's KV.
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+    with a_saved_prompt_pinned(daemon.socket) as (second, load, spans, _, _):
         scatter = second._paged.scatter
 
         def scatter_then_a_writer_takes_the_first_block(*args):
             scatter(*args)
-            records = second._records
+            records = second.chain.records(second._link.snapshot())
             header = records._u8[records.arena.block_offset(spans[0][0]):]
             header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8] = 0xFF  # another token
 
@@ -223,8 +246,54 @@ def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_facto
         second.load([load])
         assert second.take_load_errors() == {1, 2, 4, 6}
         assert second.take_failed_chunks() == {"b": 0} and second.num_recheck_failures == 1
-        pins.release([acquired.lease], pins.hello_reply.session_id)
+
+
+def test_a_save_split_over_several_requests_never_evicts_its_own_beginning(daemon_factory,
+                                                                           monkeypatch):
+    # Requests of 2 chunks, and a save of 2 chunks more than the arena has blocks.
+    # Committed request by request, the save's last requests would evict its first ones
+    # (then the least recently used), leaving a chain whose first chunk is gone: nothing
+    # of it could ever be loaded. Kept WRITING until the whole save is filled, it keeps
+    # its beginning, and the chunks that do not fit are NOSPACE.
+    monkeypatch.setattr("lmcached.client.chain.frames.MAX_CHUNKS_PER_REQUEST", 2)
+    daemon = daemon_factory("--capacity", "256KiB", "--block-size", "32KiB",
+                            "--max-session-share", "100")
+    caches = {name: cpu_layout_cache("cpu") for name in LAYERS}
+    settings = worker_settings(daemon.socket, page_bytes_of(caches[LAYERS[0]]))
+    assert settings.layouts[0].record_bytes(CHUNK) <= 32 * 1024  # one block a chunk
+    worker = registered_worker(settings, caches)
+    reader = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()])
+    try:
+        num_blocks = worker._link.hello_reply.num_blocks
+        num_chunks = num_blocks + 2
+        tokens = np.arange(500, 500 + num_chunks * CHUNK, dtype=np.int64)
+        hashes = hash_request_tokens(CHUNK, tokens)
+        vllm_blocks = [i % NUM_BLOCKS for i in range(num_chunks * 2)]
+        worker.save([SaveSpec("a", 0, tokens, hashes, vllm_blocks)])
+        namespaces = reader.ensure_connected().namespaces
+        num_cached = reader.request(Lookup(namespaces, b"".join(hashes))).num_chunks
+        assert num_cached == num_blocks  # the chain from its first chunk
+        assert worker.num_saved_chunks == num_blocks  # and what was counted saved is it
+        assert daemon.info()["writing_blocks"] == 0
     finally:
-        pins.close()
-        first.shutdown()
-        second.shutdown()
+        reader.close()
+        worker.shutdown()
+
+
+def test_with_verify_checksum_saves_are_sealed_and_a_changed_record_fails_its_load(
+        daemon_factory):
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+    with a_saved_prompt_pinned(daemon.socket, "checksum") as (second, load, spans, pins,
+                                                             settings):
+        records = second.chain.records(second._link.snapshot())
+        assert [records.checksum_ok(span, CHUNK) for span in spans] == [True, True]
+        second.load([load])
+        assert second.take_load_errors() == set() and second.num_loaded_tokens == 2 * CHUNK
+        # One KV byte of the second record changes after its COMMIT: header and token ids
+        # still match, the checksum does not.
+        arena = pins.arena
+        kv_byte = arena.block_offset(spans[1][0]) + settings.layouts[0].kv_offset + 5
+        arena.numpy_view(kv_byte, 1)[0] ^= 0xFF
+        second.load([load])
+        assert second.take_load_errors() == {4, 6} and second.take_failed_chunks() == {"b": 1}
+        assert second.chain.num_checksum_failures == 1 and second.num_load_errors == 1

@@ -1,0 +1,104 @@
+"""One snapshot of a client's daemon session: what one `DaemonLink.call` works in.
+
+Why this file exists: namespace ids, block ids and leases mean something only in the
+session and arena generation they came from. `DaemonLink.call` (client/daemon_link.py)
+hands its body one `Snapshot`, so that nothing read from it goes stale after a reconnect;
+the chunk-chain operations (client/chain/) send their requests through it.
+"""
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from lmcached.shm.arena import Arena
+from lmcached.wire.protocol import Acquire, BlocksReply, Get, HelloReply
+
+if TYPE_CHECKING:
+    from lmcached.client.daemon_link import DaemonLink
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One session's state, fixed for the duration of one `DaemonLink.call`.
+
+    Namespace ids and block ids mean something only in the session and arena
+    generation they came from; a snapshot keeps them together, so that nothing read from
+    it goes stale after a reconnect. Its requests are refused (CacheUnavailable) once
+    the link is on another generation.
+
+    Attributes:
+        hello: the session's HELLO reply (namespace ids, block size, generation).
+        arena: the arena of that generation, mapped.
+        leases: leases taken through `acquire` in this snapshot (released by
+            `DaemonLink.call` if the call fails).
+        tiers: the device tiers of that generation this session mapped, by tier id
+            (block references `block_ref(tier, block)` of these tiers are readable here).
+        home_tier: the tier id of the link's first device, 0 (the host arena) when
+            none is mapped: where ALLOC asks for new chunks to go.
+    """
+
+    link: "DaemonLink"
+    hello: HelloReply
+    arena: Arena
+    leases: list[int] = dataclasses.field(default_factory=list)
+    tiers: dict = dataclasses.field(default_factory=dict)
+    home_tier: int = 0
+
+    @property
+    def generation(self) -> int:
+        """The arena generation of this session."""
+        return self.hello.generation
+
+    @property
+    def session_id(self) -> int:
+        """The daemon's id of this session (leases belong to it)."""
+        return self.hello.session_id
+
+    @property
+    def namespaces(self) -> list[int]:
+        """Namespace id of each layout of the link, in order."""
+        return self.hello.namespaces
+
+    @property
+    def ns(self) -> int:
+        """The namespace of the link's first (usually only) layout."""
+        return self.hello.namespaces[0]
+
+    @property
+    def block_bytes(self) -> int:
+        """The daemon's block size, bytes."""
+        return self.hello.block_bytes
+
+    def request(self, message):
+        """Send one request in this snapshot's generation (see `DaemonLink.request`)."""
+        return self.link.request(message, self.generation)
+
+    def acquire(self, hashes: bytes) -> BlocksReply:
+        """ACQUIRE the prefix of `hashes` READY in every namespace of the link, recording
+        its lease in `leases`.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        return self._pin(Acquire(self.namespaces, hashes))
+
+    def release(self) -> None:
+        """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget
+        them."""
+        leases = list(self.leases)
+        self.leases.clear()
+        self.link.release(leases, self.session_id)
+
+    def acquire_value(self, key: str) -> BlocksReply:
+        """GET the value under string `key` in the first namespace, recording its lease.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        return self._pin(Get(self.ns, key))
+
+    def _pin(self, message) -> BlocksReply:
+        """Send a pinning request (ACQUIRE, GET) and record the lease it answers."""
+        reply = self.request(message)
+        if reply.lease:
+            self.leases.append(reply.lease)
+        return reply
