@@ -62,7 +62,8 @@ from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.launcher import temporary_daemon
 from lmcached.daemon.metrics import RequestLatency
-from lmcached.wire.protocol import Clear, Connection, Lookup, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear, Lookup
 
 LAYOUT = LLAMA_8B
 CROSS_PROCESS_STORE = """

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from lmcached.wire import envs
 from lmcached.wire.logger import init_logger
+from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import (
     HASH_BYTES,
     MAX_CHUNKS_PER_REQUEST,
@@ -41,8 +42,6 @@ from lmcached.wire.protocol import (
     Alloc,
     BlocksReply,
     Commit,
-    Connection,
-    DaemonError,
     Delete,
     Get,
     HelloReply,
@@ -54,7 +53,6 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
     TierInfo,
-    hello,
 )
 from lmcached.shm.arena import Arena
 from lmcached.wire.socket_path import check_client_socket_directory, default_socket_path

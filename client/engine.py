@@ -42,7 +42,8 @@ from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.client.views import RetrievedViews
 from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import NOSPACE, Abort, Alloc, DaemonError, Lookup, tier_of
+from lmcached.wire.connection import DaemonError
+from lmcached.wire.protocol import NOSPACE, Abort, Alloc, Lookup, tier_of
 
 logger = init_logger(__name__)
 
@@ -150,7 +151,7 @@ class CacheEngine:
             ValueError: verify is not "tokens" or "checksum"; a timeout that is not
                 positive (or a bad $LMCACHED_DATA_TIMEOUT_MS).
             With strict=True only: whatever `DaemonLink.connect` raises (OSError,
-                lmcached.wire.protocol.DaemonError, posix_ipc.Error, ...).
+                lmcached.wire.connection.DaemonError, posix_ipc.Error, ...).
         """
         _check_verify(verify)
         if tier_device and verify == "checksum":

@@ -19,7 +19,8 @@ import torch
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import gather, scatter
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import NOSPACE, DaemonError, Delete, Layout, Put, Scan
+from lmcached.wire.connection import DaemonError
+from lmcached.wire.protocol import NOSPACE, Delete, Layout, Put, Scan
 
 VALUE_MAGIC = 0x42564D4C  # "LMVB"
 VALUE_HEADER_BYTES = 128

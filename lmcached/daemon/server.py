@@ -46,7 +46,8 @@ from lmcached.daemon.connection import (
     encode_reply,
 )
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
-from lmcached.wire.protocol import MAX_FRAME_BYTES, encode_frame
+from lmcached.wire.frames import encode_frame
+from lmcached.wire.protocol import MAX_FRAME_BYTES
 from lmcached.daemon.service import CacheService, Deferred
 from lmcached.shm.arena import Arena
 from lmcached.shm.janitor import NameLock

@@ -1,8 +1,9 @@
 """The wire contract (import name `lmcached.wire`): what the daemon and its clients share.
 
 What lives here:
-    protocol.py                messages and their limits, block references (tier, block),
-                               frames, the blocking `Connection` clients use, HELLO
+    protocol.py                messages and their limits, block references (tier, block)
+    frames.py                  a message's frame on the socket: encoder and decoders
+    connection.py              the blocking `Connection` clients use, HELLO, CLIENTS
     record_format.py           the chunk prefix hash chain and the record header (one
                                writer, one parser) that readers verify
     socket_path.py             where the daemon's socket lives, and whether its directory

@@ -13,6 +13,8 @@ import pytest
 from lmcached.client import daemon_link
 from lmcached.client.daemon_link import DaemonLink, chunks_per_request
 from lmcached.client.layout import KVLayout
+from lmcached.wire.connection import Connection, DaemonError
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     ANY_DEVICE,
     MAX_FRAME_BYTES,
@@ -20,12 +22,9 @@ from lmcached.wire.protocol import (
     TIER_SHIFT,
     Alloc,
     BlocksReply,
-    Connection,
-    DaemonError,
     Info,
     Lookup,
     block_ref,
-    encode_frame,
     tier_of,
 )
 from lmcached.shm.arena import Arena

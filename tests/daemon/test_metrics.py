@@ -38,8 +38,10 @@ from lmcached.daemon.metrics import (
     take_snapshot,
 )
 from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.wire.frames import reply_decoder
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     Acquire,
     Alloc,
     Commit,
@@ -47,8 +49,6 @@ from lmcached.wire.protocol import (
     Hello,
     Layout,
     Lookup,
-    PROTOCOL_VERSION,
-    reply_decoder,
 )
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import Arena

@@ -18,6 +18,7 @@ import torch
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
 from lmcached.client.daemon_link import DaemonLink
+from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -28,8 +29,6 @@ from lmcached.wire.protocol import (
     AllocReply,
     BlocksReply,
     Commit,
-    Connection,
-    DaemonError,
     Get,
     Invalidate,
     Layout,
@@ -37,7 +36,6 @@ from lmcached.wire.protocol import (
     Ok,
     Put,
     Release,
-    hello,
 )
 from lmcached.daemon.free_queue import BlockState
 from test_service import (  # noqa: F401 (make_service and service are fixtures)

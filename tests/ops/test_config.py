@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
-from lmcached.wire.protocol import InfoReply, encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.protocol import InfoReply
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.sizes import (
     MAX_NUM_BLOCKS,

@@ -21,7 +21,8 @@ import pytest
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.config import ServerConfig, load_config
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 from lmcached.daemon.server import Server
 from lmcached.shm.janitor import list_segments
 

@@ -18,6 +18,8 @@ import time
 import msgspec
 import pytest
 
+from lmcached.wire.connection import Connection, DaemonError, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -30,8 +32,6 @@ from lmcached.wire.protocol import (
     Clear,
     Clients,
     Commit,
-    Connection,
-    DaemonError,
     Delete,
     Error,
     Evict,
@@ -46,9 +46,6 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
     Shutdown,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 from lmcached.shm.janitor import list_segments
 

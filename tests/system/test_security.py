@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from conftest import start_daemon
-from lmcached.wire.protocol import Clear, ConfigGet, Connection, Ping, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear, ConfigGet, Ping
 from lmcached.shm.arena import SEGMENT_HEADER, Arena
 from lmcached.shm.janitor import list_segments
 from test_engine_multiprocess import run_worker
