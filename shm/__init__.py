@@ -3,6 +3,8 @@
 What lives here, one concept per module:
     arena.py          the POSIX shared-memory segment: create (reserve, prefault), attach,
                       unlink, and zero-copy views of its blocks (the daemon and the clients)
+    pages.py          a mapping's pages: reserve them one daemon at a time, populate them,
+                      make the header read-only
     janitor.py        the lock of a daemon name, which says who owns its segments, and the
                       unlinking of the segments of dead daemons (the daemon's start-up
                       sweep), as CPython's resource_tracker cleans up after shared_memory
