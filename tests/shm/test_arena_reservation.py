@@ -2,7 +2,7 @@
 the start-up with one `Error:` line, never a worker with SIGBUS.
 
 The race of two daemons runs for real in a private mount namespace whose /dev/shm is a
-64 MiB tmpfs (tests/full_shm_scenario.py), skipped where this process may not make one.
+64 MiB tmpfs (tests/shm/full_shm_scenario.py), skipped where this process may not make one.
 """
 
 import errno

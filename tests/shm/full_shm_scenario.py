@@ -1,4 +1,4 @@
-"""Two daemons racing for a small /dev/shm: `python tests/full_shm_scenario.py NAME DIR`.
+"""Two daemons racing for a small /dev/shm: `python tests/shm/full_shm_scenario.py NAME DIR`.
 
 Run by tests/shm/test_arena_reservation.py inside a private mount namespace whose /dev/shm
 is a 64 MiB tmpfs (`unshare --mount`), so that filling it touches nothing outside. Two
