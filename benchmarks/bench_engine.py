@@ -288,7 +288,7 @@ def snapshot_cost_us(num_namespaces: int = 8, n: int = 200) -> tuple[float, floa
     `num_namespaces` namespaces and every request type in the latency histogram."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from lmcached.config import ServerConfig
+    from lmcached.daemon.server_config import ServerConfig
     from lmcached.daemon.metrics import DaemonCollector, take_snapshot
     from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Request
     from lmcached.daemon.service import CacheService

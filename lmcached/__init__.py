@@ -21,8 +21,9 @@ Each package's docstring says what lives in it and what it may import. `lmcached
 
 What lives here (operations):
     cli.py, launcher.py        the `lmcached` command and daemon subprocesses
-    config.py                  every setting: flag, LMCACHED_* variable, TOML key
-    sizes.py                   sizes as typed: parse "8GiB" / "10TB" / "25%", echo them
+    config.py                  every setting, declared once: flag, LMCACHED_* variable,
+                               TOML key, and the daemon's `ServerConfig` field
+    sizes.py                   sizes as typed: parse "8GiB" / "10TB" / "25%"
     info_text.py               INFO / CLIENTS replies as text (after redis-cli)
 
 What it may import: every layer below. Only the CLI's `demo` command imports the client

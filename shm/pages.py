@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
 import time
 from typing import Callable, Iterator
 
@@ -40,6 +41,11 @@ _PAGE_BYTES = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 
 ProgressCallback = Callable[[int, int], None]  # (done_bytes, total_bytes)
+
+
+def shm_free_bytes() -> int:
+    """Free bytes in /dev/shm (where POSIX shared memory lives on Linux)."""
+    return shutil.disk_usage("/dev/shm").free
 
 
 def prefault(mapping: mmap.mmap, total_bytes: int, progress: ProgressCallback | None = None,

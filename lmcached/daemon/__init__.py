@@ -3,6 +3,8 @@
 What lives here:
     server.py, connection.py   the selectors loop and one client connection's buffers
     startup.py                 the start-up steps before the loop serves
+    server_config.py           `ServerConfig`, what the daemon runs with (built by
+                               `lmcached.config`, which the daemon never imports)
     service.py, session.py     request semantics (no sockets) and what each session holds
     keys.py                    the block pool's keys for chunks and string keys
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of

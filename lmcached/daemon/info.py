@@ -17,7 +17,7 @@ from lmcached import __version__
 from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
-from lmcached.sizes import format_bytes
+from lmcached.wire.units import format_bytes
 
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.daemon.service import CacheService

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from lmcached.daemon import keys
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.info import INFO_SECTIONS, client_rows, info_sections
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.metrics import RequestLatency
@@ -64,10 +64,9 @@ from lmcached.wire.protocol import (
     tier_of,
 )
 from lmcached.daemon.session import PendingValue, Session
-from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.shm.arena import HEADER_BYTES, MIN_BLOCK_BYTES, Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
-from lmcached.sizes import MIN_BLOCK_BYTES
 from lmcached.daemon.tiers import TierSet
 
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2

@@ -9,6 +9,7 @@ What lives here:
     socket_path.py             where the daemon's socket lives, and whether its directory
                                can be trusted
     envs.py                    every LMCACHED_* environment variable, read in one place
+    units.py                   byte counts for people: INFO's `*_human`, sizes in messages
     logger.py                  `init_logger`: one logger factory for every layer
 
 What it may import: the standard library, msgspec, numpy and xxhash; nothing else of

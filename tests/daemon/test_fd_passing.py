@@ -18,7 +18,7 @@ import time
 import msgspec
 import pytest
 
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, DaemonError
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import is_release_frame
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (

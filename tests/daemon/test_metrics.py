@@ -22,7 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcached.client import CacheEngine, KVLayout
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.metrics import (
     L2_COUNTERS,
     MAX_NAMESPACE_ROWS,

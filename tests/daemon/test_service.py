@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from lmcached.daemon import keys
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.info import INFO_SECTIONS
 from lmcached.wire.frames import encode_frame, reply_decoder, request_decoder

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.demotion import DEMOTION_STATS, reserve_blocks
 from lmcached.daemon.metrics import metric_families, take_snapshot
 from lmcached.wire.frames import request_decoder
