@@ -29,6 +29,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 Size = str | int  # "8GiB", "4GB", "25%" (of RAM) or whole bytes
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]  # a duration; 0 = off or none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,7 @@ SETTINGS: dict[str, Setting] = {
         "its fd limit to fit, or lowers N to what the hard limit allows (LimitNOFILE).",
         DEFAULT_MAX_CLIENTS),
     "idle_timeout": Setting(
-        Annotated[float, msgspec.Meta(ge=0, le=1e9)],  # seconds
+        _Seconds,
         float, "seconds, e.g. 300 or 0.5; 0 = off", "SECONDS",
         "Disconnect a client that sent no request for this long, like Redis `timeout`.",
         0.0, "0 = never", field="idle_timeout_s"),
@@ -223,7 +224,7 @@ SETTINGS: dict[str, Setting] = {
         "largest value a PUT may store.",
         DEFAULT_MAX_SESSION_SHARE),
     "writing_timeout": Setting(
-        Annotated[float, msgspec.Meta(ge=0, le=1e9)],  # seconds
+        _Seconds,
         float, "seconds, e.g. 60; 0 = never", "SECONDS",
         "Abort a store's blocks that were allocated this long ago and not yet committed "
         "(counted: INFO writing_expired); its late COMMIT is refused (`expired`).",
@@ -259,7 +260,7 @@ SETTINGS: dict[str, Setting] = {
         "on-evict (chunks evicted from the arena by pressure).",
         "write-through"),
     "l2_ttl": Setting(
-        Annotated[float, msgspec.Meta(ge=0, le=1e9)],  # seconds
+        _Seconds,
         float, "seconds, e.g. 86400; 0 = none", "SECONDS",
         "Time to live of the chunks written to L2.",
         0.0, "0 = none", field="l2_ttl_s"),

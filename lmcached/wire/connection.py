@@ -14,40 +14,16 @@ import struct
 import msgspec
 
 from lmcached.wire.frames import FRAME_LENGTH, encode_frame, reply_decoder
+from lmcached.wire import protocol
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     NO_REPLY_REQUESTS,
     PROTOCOL_VERSION,
-    Abort,
-    Acquire,
-    Alloc,
-    AllocReply,
-    BlocksReply,
-    Clear,
     Clients,
-    ClientsReply,
-    Commit,
-    ConfigGet,
-    CountReply,
-    Delete,
     Error,
-    Evict,
-    Get,
     Hello,
     HelloReply,
-    Info,
-    InfoReply,
-    KeysReply,
     Layout,
-    Lookup,
-    LookupReply,
-    Ok,
-    OpenTier,
-    Ping,
-    Put,
-    Scan,
-    Shutdown,
-    TierHandle,
 )
 
 # poll(2) events of a connection the peer closed (or that broke).
@@ -89,11 +65,15 @@ class Connection:
     # The reply type of each request (see lmcached/daemon/service.py); any other reply, other
     # than an Error, means the peer does not speak this protocol.
     REPLY_TYPES: dict[type, type] = {
-        Hello: HelloReply, Lookup: LookupReply, Acquire: BlocksReply,
-        Alloc: AllocReply, Commit: Ok, Abort: Ok, Put: AllocReply, Get: BlocksReply,
-        Delete: CountReply, Scan: KeysReply, Info: InfoReply, Clients: ClientsReply,
-        Evict: CountReply, Clear: CountReply, Ping: Ok, Shutdown: Ok, ConfigGet: InfoReply,
-        OpenTier: TierHandle,
+        Hello: HelloReply, protocol.Lookup: protocol.LookupReply,
+        protocol.Acquire: protocol.BlocksReply, protocol.Alloc: protocol.AllocReply,
+        protocol.Commit: protocol.Ok, protocol.Abort: protocol.Ok,
+        protocol.Put: protocol.AllocReply, protocol.Get: protocol.BlocksReply,
+        protocol.Delete: protocol.CountReply, protocol.Scan: protocol.KeysReply,
+        protocol.Info: protocol.InfoReply, Clients: protocol.ClientsReply,
+        protocol.Evict: protocol.CountReply, protocol.Clear: protocol.CountReply,
+        protocol.Ping: protocol.Ok, protocol.Shutdown: protocol.Ok,
+        protocol.ConfigGet: protocol.InfoReply, protocol.OpenTier: protocol.TierHandle,
     }
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
