@@ -32,7 +32,7 @@ from click.core import ParameterSource
 
 from lmcached.daemon.server_config import DEFAULT_SHM_MODE, ServerConfig
 from lmcached.settings import SETTINGS, Settings, Size
-from lmcached.shm.arena import HEADER_BYTES, MAX_NUM_BLOCKS, min_block_bytes
+from lmcached.shm.geometry import MAX_NUM_BLOCKS, min_block_bytes
 from lmcached.shm.pages import shm_free_bytes
 from lmcached.wire.socket_path import default_socket_path
 from lmcached.wire.units import echo_size, format_size, size_style
@@ -220,6 +220,8 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
     capacity = echo_size(typed.get("capacity"), cfg.capacity_bytes)
     style = size_style(typed.get("capacity"))
     if cfg.block_bytes:
+        from lmcached.shm.arena import HEADER_BYTES  # numpy: only when a block size is set
+
         if cfg.block_bytes > cfg.capacity_bytes - HEADER_BYTES:
             raise ConfigError(
                 f"block size {echo_size(typed.get('block_size'), cfg.block_bytes)} "

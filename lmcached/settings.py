@@ -19,7 +19,7 @@ from lmcached.daemon.server_config import (
     DEFAULT_METRICS_HOST,
     DEFAULT_WRITING_TIMEOUT_S,
 )
-from lmcached.shm.arena import HEADER_BYTES, MAX_NUM_BLOCKS, MIN_BLOCK_BYTES, segment_name
+from lmcached.shm.geometry import MAX_NUM_BLOCKS, MIN_BLOCK_BYTES
 from lmcached.sizes import parse_size
 from lmcached.wire.protocol import MAX_FRAME_BYTES
 from lmcached.wire.socket_path import DEFAULT_NAME
@@ -64,11 +64,15 @@ class Setting:
 
 
 def _parse_name(value: str) -> str:
-    segment_name(value, 0)  # the arena owns the name's syntax
+    from lmcached.shm.arena import segment_name  # the arena owns the name's syntax
+
+    segment_name(value, 0)
     return value
 
 
 def _parse_capacity(value: Size) -> int:
+    from lmcached.shm.arena import HEADER_BYTES  # the arena owns its layout
+
     capacity_bytes = parse_size(value)
     if capacity_bytes < HEADER_BYTES + MIN_BLOCK_BYTES:
         raise ValueError(

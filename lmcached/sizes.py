@@ -5,7 +5,7 @@ TOML file (`lmcached.config`); reading them is one concern, separate from which 
 wins over which, so it lives here rather than in the settings table. Writing sizes back
 for people (INFO's `*_human` fields, messages that echo a size as typed) is
 `lmcached.wire.units`, which the daemon uses too; the floor of an arena's sizes is the
-arena's (`lmcached.shm.arena.min_block_bytes`).
+arena's (`lmcached.shm.geometry`).
 
 A size is bytes (`1048576`), binary units (`512MiB`, `8GiB`), decimal units (`4GB`,
 `10TB`) or a percentage of physical RAM (`25%`).

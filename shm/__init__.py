@@ -3,6 +3,7 @@
 What lives here, one concept per module:
     arena.py          the POSIX shared-memory segment: create (reserve, prefault), attach,
                       unlink, and zero-copy views of its blocks (the daemon and the clients)
+    geometry.py       an arena's size limits: smallest block, most blocks
     pages.py          a mapping's pages: reserve them one daemon at a time, populate them,
                       make the header read-only; the free space of /dev/shm
     janitor.py        the lock of a daemon name, which says who owns its segments, and the
@@ -13,15 +14,7 @@ What lives here, one concept per module:
     cuda_driver.py    the CUDA driver calls of VMM export and import (cuda-bindings, lazily)
 
 What it may import: `lmcached.wire`, the standard library, numpy, posix_ipc, and lazily
-psutil (the creator's start time) and torch (views). Never the daemon or the client: both import this package.
+psutil (the creator's start time) and torch (views).
+Nothing is imported with the package itself: the CLI reads `geometry` and `pages`
+without loading numpy. Never the daemon or the client: both import this package.
 """
-
-from .arena import Arena, segment_name
-from .janitor import list_segments, sweep_orphans
-
-__all__ = [
-    "Arena",
-    "list_segments",
-    "segment_name",
-    "sweep_orphans",
-]

@@ -54,13 +54,6 @@ HEADER_BYTES = 4096
 ARENA_MAGIC = b"LMCACHD1"
 # magic, generation, owner pid, owner create time (s), capacity_bytes, block_bytes
 SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
-# The floor of an arena's sizes, applied by the settings (`--capacity`, `--block-size`)
-# and by the daemon (the block size a first layout sets): an arena holds at least one
-# MIN_BLOCK_BYTES block after its header, and is never cut into more than MAX_NUM_BLOCKS
-# blocks (`min_block_bytes`), so that the daemon's per-block metadata and every request
-# that walks the cached values stay bounded (docs/architecture.md, "Block size").
-MIN_BLOCK_BYTES = 4096  # one page: the smallest block a size derived from a layout takes
-MAX_NUM_BLOCKS = 1 << 18  # most blocks in one arena: 4x MAX_CHUNKS_PER_REQUEST
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
 _MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.([0-9]+)(?: |$)")
@@ -70,13 +63,6 @@ SUPPORTED_DTYPE_NAMES = (
     "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
     "float64", "float8_e4m3fn", "float8_e5m2",
 )
-
-def min_block_bytes(capacity_bytes: int) -> int:
-    """The smallest block size (a multiple of 64 bytes) that cuts an arena of
-    `capacity_bytes` into at most MAX_NUM_BLOCKS blocks: 64 bytes up to a 16 MiB arena,
-    4 KiB for 1 GiB, 256 KiB for 64 GiB."""
-    return max(64, -(-capacity_bytes // (MAX_NUM_BLOCKS * 64)) * 64)
-
 
 def _start_time_s(pid: int) -> float:
     """When process `pid` started, in seconds since the epoch (the segment header's owner

@@ -24,8 +24,6 @@ import shutil
 import time
 from typing import Callable, Iterator
 
-import numpy as np
-
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
@@ -102,6 +100,8 @@ def populate(mapping: mmap.mmap, start: int, length: int) -> None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
+        import numpy as np  # only on a kernel older than 5.14
+
         pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
         pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
         del pages

@@ -64,7 +64,8 @@ from lmcached.wire.protocol import (
     tier_of,
 )
 from lmcached.daemon.session import PendingValue, Session
-from lmcached.shm.arena import HEADER_BYTES, MIN_BLOCK_BYTES, Arena
+from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.shm.geometry import MIN_BLOCK_BYTES
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.tiers import TierSet

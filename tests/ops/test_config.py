@@ -13,7 +13,8 @@ from lmcached.wire import envs
 from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import InfoReply
-from lmcached.shm.arena import HEADER_BYTES, MAX_NUM_BLOCKS, MIN_BLOCK_BYTES, min_block_bytes
+from lmcached.shm.arena import HEADER_BYTES
+from lmcached.shm.geometry import MAX_NUM_BLOCKS, MIN_BLOCK_BYTES, min_block_bytes
 from lmcached.sizes import parse_size
 from lmcached.wire.units import echo_size, format_bytes, format_size, size_style
 
