@@ -127,7 +127,8 @@ def pings(socket: str, seconds: float) -> list[float]:
 
 PINGER = """
 import json, os, sys, time
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 out = []
 with Connection(sys.argv[1], timeout_s=30) as conn:
     while not os.path.exists(sys.argv[2]):

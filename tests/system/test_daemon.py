@@ -500,7 +500,8 @@ def test_a_session_that_ends_holding_leases_leaves_no_pinned_block(daemon):
 
 CHILD_HOLDS_PINS = """
 import sys, time
-from lmcached.wire.protocol import Acquire, Alloc, Connection, Layout, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Acquire, Alloc, Layout
 layout = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
 conn = Connection(sys.argv[1])
 (ns,) = hello(conn, "doomed", [layout]).namespaces
@@ -623,7 +624,8 @@ def test_peer_of_another_uid_is_refused(daemon):
     code = textwrap.dedent(
         f"""
         import os
-        from lmcached.wire.protocol import Connection, Ping
+        from lmcached.wire.connection import Connection
+        from lmcached.wire.protocol import Ping
         os.setgid(65534); os.setuid(65534)
         try:
             with Connection({daemon.socket!r}) as conn:
