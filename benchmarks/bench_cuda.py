@@ -17,7 +17,8 @@ import torch
 
 from common import GB, median, record_block_size, running_daemon, synced, time_it
 from lmcached.client import CacheEngine, KVLayout
-from lmcached.wire.protocol import Clear, Connection, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear
 
 LAYOUT = KVLayout("llama-3-8b", num_layers=32, num_kv_heads=8, head_size=128,
                   dtype="bfloat16", chunk_size=256)

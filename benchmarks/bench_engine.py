@@ -62,7 +62,8 @@ from lmcached.client.kv_io import ChunkCopier, copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.launcher import temporary_daemon
 from lmcached.daemon.stats import RequestLatency
-from lmcached.wire.protocol import Clear, Connection, Lookup, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear, Lookup
 
 LAYOUT = LLAMA_8B
 CROSS_PROCESS_STORE = """
@@ -287,7 +288,7 @@ def snapshot_cost_us(num_namespaces: int = 8, n: int = 200) -> tuple[float, floa
     `num_namespaces` namespaces and every request type in the latency histogram."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from lmcached.config import ServerConfig
+    from lmcached.daemon.server_config import ServerConfig
     from lmcached.daemon.metrics import DaemonCollector, take_snapshot
     from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Request
     from lmcached.daemon.service import CacheService

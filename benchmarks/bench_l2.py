@@ -39,7 +39,8 @@ from lmcached.client import CacheEngine, KVLayout  # noqa: E402
 from lmcached.client.hashing import hash_request_tokens  # noqa: E402
 from lmcached.daemon.l2.values import l2_key, namespace_fingerprint  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
-from lmcached.wire.protocol import Connection, Info  # noqa: E402
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Info  # noqa: E402
 
 MiB = 1 << 20
 CLIENT_TIMEOUT_S = 120.0  # the benchmark waits for whole fetches (serving uses 200 ms)

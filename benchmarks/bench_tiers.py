@@ -36,7 +36,8 @@ from common import GB, machine_info, median, record_block_size  # noqa: E402
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.client.layout import KVLayout  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
-from lmcached.wire.protocol import Connection, Info, Ping  # noqa: E402
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Info, Ping  # noqa: E402
 
 MiB = 1 << 20
 LAYOUT = KVLayout("llama-3.2-1b", num_layers=16, num_kv_heads=8, head_size=64,
@@ -126,7 +127,8 @@ def pings(socket: str, seconds: float) -> list[float]:
 
 PINGER = """
 import json, os, sys, time
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 out = []
 with Connection(sys.argv[1], timeout_s=30) as conn:
     while not os.path.exists(sys.argv[2]):

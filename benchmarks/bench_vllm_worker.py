@@ -30,7 +30,8 @@ from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
-from lmcached.wire.protocol import Clear, Connection, Ping, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear, Ping
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 

@@ -16,7 +16,8 @@ import torch
 
 from lmcached.client.layout import KVLayout
 from lmcached.launcher import temporary_daemon
-from lmcached.wire.protocol import Connection, Info, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Info
 
 GB = 1e9
 

@@ -28,7 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from lmcached.wire.protocol import Connection, Info, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Info
 from protocol_echo import FRAME_LENGTH, EchoClient
 from protocol_harness import HASH_BYTES, place, placements, private_servers, summarize
 

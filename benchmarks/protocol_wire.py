@@ -1,7 +1,7 @@
 """The wire section of bench_protocol.py: the protocol's own round trips, one client and N.
 
 Why this file exists: it measures what the daemon's protocol costs without the client
-engine: a blocking `lmcached.wire.protocol.Connection` on a 256 MiB arena of 1 MiB blocks
+engine: a blocking `lmcached.wire.connection.Connection` on a 256 MiB arena of 1 MiB blocks
 times PING, LOOKUP, ACQUIRE+RELEASE and ALLOC+COMMIT of 64 chunks (median / p99 in
 microseconds, round trips per second). Then N concurrent client processes
 (multiprocessing 'spawn'; each its own HELLO) run a LOOKUP-64 loop and an
@@ -22,20 +22,19 @@ import time
 
 import numpy as np
 
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
     Acquire,
     Alloc,
     Commit,
-    Connection,
     Hello,
     Layout,
     Lookup,
     Ping,
     Release,
-    encode_frame,
-    hello,
 )
 from protocol_echo import EchoClient
 from protocol_harness import HASH_BYTES, place, placements, private_servers, summarize

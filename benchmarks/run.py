@@ -52,7 +52,8 @@ from common import (
     time_it,
 )
 from lmcached.client import CacheEngine
-from lmcached.wire.protocol import Clear, Connection, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("engine", "redis", "scaling", "memory")

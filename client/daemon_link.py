@@ -33,14 +33,13 @@ from lmcached.client.snapshot import Snapshot
 from lmcached.shm.arena import Arena
 from lmcached.wire import envs
 from lmcached.wire.logger import init_logger
+from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
     Abort,
     Acquire,
     Alloc,
     Commit,
-    Connection,
-    DaemonError,
     Delete,
     Get,
     HelloReply,
@@ -50,7 +49,6 @@ from lmcached.wire.protocol import (
     Put,
     Release,
     Scan,
-    hello,
 )
 from lmcached.wire.socket_path import check_client_socket_directory, default_socket_path
 

@@ -139,7 +139,7 @@ class CacheEngine:
             ValueError: verify is not "tokens" or "checksum"; a timeout that is not
                 positive (or a bad $LMCACHED_DATA_TIMEOUT_MS).
             With strict=True only: whatever `DaemonLink.connect` raises (OSError,
-                lmcached.wire.protocol.DaemonError, posix_ipc.Error, ...).
+                lmcached.wire.connection.DaemonError, posix_ipc.Error, ...).
         """
         check_verify(verify)
         if tier_device and verify == "checksum":

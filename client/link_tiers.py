@@ -12,7 +12,8 @@ apart from the link's call path. A tier that cannot be mapped here raises
 import os
 
 from lmcached.shm.arena import Arena
-from lmcached.wire.protocol import Connection, DaemonError, HelloReply, OpenTier, TierInfo
+from lmcached.wire.protocol import HelloReply, OpenTier, TierInfo
+from lmcached.wire.connection import Connection, DaemonError
 
 
 def describe(exc: BaseException) -> str:

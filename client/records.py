@@ -25,6 +25,7 @@ from lmcached.client.layout import (
     RECORD_MAGIC,
     KVLayout,
 )
+from lmcached.wire.record_format import record_matches, write_header
 from lmcached.wire.protocol import TIER_SHIFT
 from lmcached.shm.arena import Arena
 
@@ -309,35 +310,6 @@ class RecordIO:
 
 
 _BLOCK_MASK = (1 << TIER_SHIFT) - 1
-
-
-def write_header(header: np.ndarray, fingerprint: int, chunk_hash: bytes,
-                 chunk_tokens: np.ndarray) -> None:
-    """Write a record's header and token ids into `header` (uint8, at least
-    RECORD_HEADER_BYTES + 8 * len(chunk_tokens) bytes). Every header byte is written
-    (checksum kind CHECKSUM_NONE until `seal`): nothing of a block's previous record
-    survives into this one."""
-    t = len(chunk_tokens)
-    header[:RECORD_HEADER_BYTES] = 0
-    RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, fingerprint, chunk_hash)
-    header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].view(np.int64)[:] = chunk_tokens
-
-
-def record_matches(header: np.ndarray, chunk_hash: bytes, chunk_tokens: np.ndarray,
-                   fingerprint: int) -> bool:
-    """True when a record's header bytes (uint8, header and token ids) name exactly this
-    chunk: magic, token count, layout fingerprint, chunk hash and token ids."""
-    t = len(chunk_tokens)
-    magic, num_tokens, record_fingerprint, record_hash = RECORD_HEADER.unpack_from(header, 0)
-    if (
-        magic != RECORD_MAGIC
-        or num_tokens != t
-        or record_fingerprint != fingerprint
-        or record_hash != chunk_hash
-    ):
-        return False
-    # A byte comparison in C: ~1 us for 256 tokens, 4x faster than np.array_equal.
-    return header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].tobytes() == chunk_tokens.tobytes()
 
 
 def check_headers(headers: np.ndarray, chunk_hashes: list[bytes], token_array: np.ndarray,

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from lmcached.client.layout import RECORD_HEADER_BYTES, KVLayout
-from lmcached.client.records import check_headers, write_header
+from lmcached.client.records import check_headers
+from lmcached.wire.record_format import write_header
 from lmcached.wire.protocol import TierHandle, TierInfo
 
 

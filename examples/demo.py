@@ -31,7 +31,8 @@ import time
 from typing import Callable, Iterator
 
 from lmcached.launcher import temporary_daemon
-from lmcached.wire.protocol import Connection, Info, Ping, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Info, Ping
 
 _MISSING = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
 if _MISSING:

@@ -4,8 +4,8 @@ The distribution is one import tree in five layers; a layer never imports one ab
 (tests/docs/test_layers.py checks it with import-linter's contracts, pyproject.toml
 `[tool.importlinter]`):
 
-    operations   lmcached/ (this folder): cli.py, config.py, launcher.py, sizes.py,
-        |        info_text.py -- what an operator runs and types
+    operations   lmcached/ (this folder): cli.py, config.py, settings.py, launcher.py,
+        |        sizes.py, info_text.py -- what an operator runs and types
     daemon       lmcached.daemon (lmcached/daemon/)      client   lmcached.client (client/)
         |        the process that owns the memory          |      the engine in workers
         +--------------------------+-------------------------+
@@ -21,8 +21,11 @@ Each package's docstring says what lives in it and what it may import. `lmcached
 
 What lives here (operations):
     cli.py, launcher.py        the `lmcached` command and daemon subprocesses
-    config.py                  every setting: flag, LMCACHED_* variable, TOML key
-    sizes.py                   sizes as typed: parse "8GiB" / "10TB" / "25%", echo them
+    settings.py                every setting, declared once (type, parser, help, default,
+                               the daemon's `ServerConfig` field)
+    config.py                  the sources built from them: flags, LMCACHED_* variables,
+                               the TOML file; resolves a `ServerConfig`
+    sizes.py                   sizes as typed: parse "8GiB" / "10TB" / "25%"
     info_text.py               INFO / CLIENTS replies as text (after redis-cli)
 
 What it may import: every layer below. Only the CLI's `demo` command imports the client

@@ -17,18 +17,8 @@ import click
 
 from lmcached.config import config_from_context, serve_params
 from lmcached.wire.logger import configure_logging
-from lmcached.wire.protocol import (
-    Clear,
-    ConfigGet,
-    Connection,
-    DaemonError,
-    Evict,
-    Info,
-    Ping,
-    Shutdown,
-    hello,
-    list_clients,
-)
+from lmcached.wire.connection import Connection, DaemonError, hello, list_clients
+from lmcached.wire.protocol import Clear, ConfigGet, Evict, Info, Ping, Shutdown
 from lmcached.wire.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,

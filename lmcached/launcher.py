@@ -15,7 +15,8 @@ import tempfile
 import time
 from typing import Iterator
 
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 from lmcached.shm.janitor import sweep_orphans
 
 

@@ -3,6 +3,9 @@
 What lives here, one concept per module:
     arena.py          the POSIX shared-memory segment: create (reserve, prefault), attach,
                       unlink, and zero-copy views of its blocks (the daemon and the clients)
+    geometry.py       an arena's size limits: smallest block, most blocks
+    pages.py          a mapping's pages: reserve them one daemon at a time, populate them,
+                      make the header read-only; the free space of /dev/shm
     janitor.py        the lock of a daemon name, which says who owns its segments, and the
                       unlinking of the segments of dead daemons (the daemon's start-up
                       sweep), as CPython's resource_tracker cleans up after shared_memory
@@ -10,16 +13,8 @@ What lives here, one concept per module:
                       exported by file descriptor
     cuda_driver.py    the CUDA driver calls of VMM export and import (cuda-bindings, lazily)
 
-What it may import: `lmcached.wire`, the standard library, numpy, posix_ipc, psutil and
-torch (lazily, for views). Never the daemon or the client: both import this package.
+What it may import: `lmcached.wire`, the standard library, numpy, posix_ipc, and lazily
+psutil (the creator's start time) and torch (views).
+Nothing is imported with the package itself: the CLI reads `geometry` and `pages`
+without loading numpy. Never the daemon or the client: both import this package.
 """
-
-from .arena import Arena, segment_name
-from .janitor import list_segments, sweep_orphans
-
-__all__ = [
-    "Arena",
-    "list_segments",
-    "segment_name",
-    "sweep_orphans",
-]

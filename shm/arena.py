@@ -22,36 +22,26 @@ nothing trusts it, since every client can write it: clients take the generation,
 size and capacity from the daemon's HELLO and map the header read-only, and the janitor
 (`janitor.py`) decides which segments are orphans from a lock the daemon holds.
 
-Writes into untouched shared memory pay a page fault per page and run several times
-slower than writes into touched memory (docs/architecture.md, "Prefault"), so `create`
-prefaults every page. It first reserves them (`posix_fallocate` on the segment): /dev/shm
-is a tmpfs that may not have room for every page a segment's size promises, and a page
-the kernel cannot back kills whoever touches it (SIGBUS), a worker storing into the
-arena as well as the daemon. Reserved, a full /dev/shm fails the start-up with ENOSPC
-instead. Daemons reserve one at a time (an flock on /dev/shm), so that two daemons
-racing for the last space never both get part of it and both fail: one starts, the
-other refuses.
+Writes into untouched shared memory are several times slower than writes into touched
+memory, so `create` reserves and prefaults every page (`pages.py` says how and why).
 
 An anonymous arena (`create_memfd`, the memory of a "fake" device tier) has the same
 layout in a memfd instead of a named segment: clients get its descriptor over the
 daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev/shm.
 """
 
-import contextlib
-import ctypes
-import errno
-import fcntl
 import mmap
 import os
 import re
 import struct
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
-import psutil
 
+from lmcached.shm import pages
+from lmcached.shm.pages import ProgressCallback
 from lmcached.wire.logger import init_logger
 
 if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
@@ -64,18 +54,9 @@ HEADER_BYTES = 4096
 ARENA_MAGIC = b"LMCACHD1"
 # magic, generation, owner pid, owner create time (s), capacity_bytes, block_bytes
 SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-_PREFAULT_STEP_BYTES = 64 << 20
-_SHM_DIR = "/dev/shm"  # where posix_ipc's segments live on Linux; flocked while reserving
-_LOCK_POLL_S = 0.05
-# Longest wait for the reservation lock; then the arena is reserved without it (see
-# `_reservation_lock`): anyone may flock /dev/shm, and must not hold a start-up forever.
-_LOCK_WAIT_MAX_S = 10.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
 _MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.([0-9]+)(?: |$)")
-_PAGE_BYTES = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
 
 # Dtypes a block view may have (KV caches are fp16/bf16/fp32/fp8; ints for headers).
 SUPPORTED_DTYPE_NAMES = (
@@ -83,7 +64,13 @@ SUPPORTED_DTYPE_NAMES = (
     "float64", "float8_e4m3fn", "float8_e5m2",
 )
 
-ProgressCallback = Callable[[int, int], None]  # (done_bytes, total_bytes)
+def _start_time_s(pid: int) -> float:
+    """When process `pid` started, in seconds since the epoch (the segment header's owner
+    create time). psutil is imported here, by the creator only: clients import this module
+    and never create an arena."""
+    import psutil
+
+    return psutil.Process(pid).create_time()
 
 
 def segment_name(name: str, generation: int) -> str:
@@ -205,14 +192,14 @@ class Arena:
                 ARENA_MAGIC,
                 generation,
                 pid,
-                psutil.Process(pid).create_time(),
+                _start_time_s(pid),
                 capacity_bytes,
                 block_bytes,
             )
             arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
             if prefault:
                 waiting = None if progress is None else lambda: progress(0, capacity_bytes)
-                with _reservation_lock(waiting):
+                with pages.reservation_lock(waiting):
                     arena.prefault(progress, reserve_fd=shm.fd)
         except BaseException:
             # Undo the half-built segment (and free its reserved pages), then re-raise.
@@ -263,7 +250,7 @@ class Arena:
             mapping = mmap.mmap(fd, capacity_bytes)
             pid = os.getpid()
             SEGMENT_HEADER.pack_into(mapping, 0, ARENA_MAGIC, generation, pid,
-                                     psutil.Process(pid).create_time(), capacity_bytes,
+                                     _start_time_s(pid), capacity_bytes,
                                      block_bytes)
             arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
             arena._memfd = fd
@@ -316,8 +303,8 @@ class Arena:
         mapping = mmap.mmap(fd, size_bytes)
         try:
             if populate:
-                _populate(mapping, 0, size_bytes)
-            _protect_header(mapping)
+                pages.populate(mapping, 0, size_bytes)
+            pages.protect_pages(mapping, HEADER_BYTES)
         except BaseException:
             mapping.close()
             raise
@@ -382,8 +369,8 @@ class Arena:
             shm.close_fd()
         try:
             if populate:
-                _populate(mapping, 0, capacity_bytes)
-            _protect_header(mapping)
+                pages.populate(mapping, 0, capacity_bytes)
+            pages.protect_pages(mapping, HEADER_BYTES)
         except BaseException:
             mapping.close()
             raise
@@ -424,16 +411,9 @@ class Arena:
                 not a later store with SIGBUS. None: populate only.
 
         Raises:
-            OSError: the pages cannot be reserved (ENOSPC) or populated (`_populate`).
+            OSError: the pages cannot be reserved (ENOSPC) or populated (`pages.populate`).
         """
-        total = self.capacity_bytes
-        for start in range(0, total, _PREFAULT_STEP_BYTES):
-            length = min(_PREFAULT_STEP_BYTES, total - start)
-            if reserve_fd is not None:
-                os.posix_fallocate(reserve_fd, start, length)
-            _populate(self._mmap, start, length)
-            if progress is not None:
-                progress(start + length, total)
+        pages.prefault(self._mmap, self.capacity_bytes, progress, reserve_fd)
 
     # ------------------------------------------------------------------- views
     @property
@@ -553,79 +533,3 @@ class Arena:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _protect_header(mapping: mmap.mmap) -> None:
-    """Make a client's mapping of the header read-only (mprotect), where the header is
-    whole pages. Defence in depth: a client can still map the segment itself read-write,
-    which is why nothing trusts the header's bytes."""
-    if HEADER_BYTES % _PAGE_BYTES:
-        return  # pages larger than the header: blocks share its page
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export ends here
-    if _libc.mprotect(ctypes.c_void_p(address), HEADER_BYTES, mmap.PROT_READ):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mprotect of the arena header: {os.strerror(err)}")
-
-
-def _populate(mapping: mmap.mmap, start: int, length: int) -> None:
-    """Map pages [start, start+length) for writing, allocating them where needed.
-
-    Only EINVAL, the answer of a kernel older than 5.14 that does not know
-    MADV_POPULATE_WRITE, falls back to reading one byte per page, which faults it in
-    (and allocates it in a tmpfs); writing it back could undo another process's store
-    into the page meanwhile. Any other failure is an error: touching a page the kernel
-    cannot back would be SIGBUS.
-
-    Raises:
-        OSError: EFAULT (a page cannot be backed: a full tmpfs; touching it would be
-            SIGBUS), ENOMEM (a memory limit), or another errno of madvise(2).
-    """
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
-        pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
-        del pages
-
-
-@contextlib.contextmanager
-def _reservation_lock(waiting: Callable[[], None] | None) -> Iterator[None]:
-    """Hold an exclusive flock on /dev/shm: daemons reserve their arenas one at a time.
-
-    Two daemons reserving at once on a tmpfs with room for only one would each get part
-    of it, and both fail; in turn, the first gets its arena and the second ENOSPC.
-    Any local process may flock /dev/shm, so the wait is bounded (_LOCK_WAIT_MAX_S):
-    past it the arena is reserved without the lock, with a warning. Reservation still
-    protects that start-up (a full tmpfs is ENOSPC, never SIGBUS); only a race with
-    another daemon may then refuse both.
-
-    Args:
-        waiting: called every _LOCK_POLL_S while another process holds the lock (it may
-            raise to give up, e.g. on a stop signal); None: wait.
-    """
-    fd = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        logged = False
-        deadline = time.monotonic() + _LOCK_WAIT_MAX_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    logger.warning("another process has held the lock on %s for %g s: "
-                                   "reserving this arena without it", _SHM_DIR,
-                                   _LOCK_WAIT_MAX_S)
-                    break
-                if not logged:
-                    logger.info("waiting for another process to reserve its memory in %s",
-                                _SHM_DIR)
-                    logged = True
-                if waiting is not None:
-                    waiting()
-                time.sleep(_LOCK_POLL_S)
-        yield
-    finally:
-        os.close(fd)  # releases the lock

@@ -20,13 +20,13 @@ Interface (what `TierSet` and `Demoter` use): `kind`, `device`, `size_bytes`,
 """
 
 import time
+from typing import Protocol
 
 import numpy as np
 
-from lmcached.config import ServerConfig
 from lmcached.wire.logger import init_logger
 from lmcached.shm.arena import Arena
-from lmcached.sizes import format_bytes
+from lmcached.wire.units import format_bytes
 
 logger = init_logger(__name__)
 
@@ -89,7 +89,16 @@ class FakeTierMemory:
         self.arena.close()
 
 
-def open_device_tiers(config: ServerConfig, name: str, generation: int) -> list:
+class DeviceTierSettings(Protocol):
+    """What `open_device_tiers` reads of the daemon's configuration (its `ServerConfig`,
+    lmcached/daemon/server_config.py, which this layer does not import)."""
+
+    gpu_capacity_bytes: int  # bytes of each device's tier; 0 = no device tier
+    gpu_devices: tuple[int, ...]  # CUDA device numbers, in tier order
+    gpu_backend: str  # "cuda" or "fake"
+
+
+def open_device_tiers(config: DeviceTierSettings, name: str, generation: int) -> list:
     """The memory of every device tier of `config`, in `gpu_devices` order.
 
     Args:

@@ -13,7 +13,9 @@ import pytest
 
 from lmcached import launcher
 from lmcached.launcher import stop_daemon
-from lmcached.wire.protocol import Clients, Connection, Info, Invalidate, Release, list_clients, request_decoder
+from lmcached.wire.connection import Connection, list_clients
+from lmcached.wire.frames import request_decoder
+from lmcached.wire.protocol import Info, Invalidate, Release
 from lmcached.shm.janitor import list_segments
 from redis_servers import redis_cluster, redis_server  # noqa: F401
 

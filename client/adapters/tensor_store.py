@@ -20,7 +20,8 @@ from lmcached.client.chain import fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import gather, scatter
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import NOSPACE, DaemonError, Delete, Layout, Put, Scan
+from lmcached.wire.connection import DaemonError
+from lmcached.wire.protocol import NOSPACE, Delete, Layout, Put, Scan
 
 VALUE_MAGIC = 0x42564D4C  # "LMVB"
 VALUE_HEADER_BYTES = 128

@@ -23,15 +23,8 @@ from lmcached.client.snapshot import Snapshot
 from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import (
-    NOSPACE,
-    Abort,
-    Alloc,
-    DaemonError,
-    Invalidate,
-    Lookup,
-    tier_of,
-)
+from lmcached.wire.protocol import NOSPACE, Abort, Alloc, Invalidate, Lookup, tier_of
+from lmcached.wire.connection import DaemonError
 
 logger = init_logger(__name__)
 

@@ -16,8 +16,8 @@ from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     Abort,
     Commit,
-    DaemonError,
 )
+from lmcached.wire.connection import DaemonError
 
 logger = init_logger(__name__)
 

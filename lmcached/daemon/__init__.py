@@ -5,6 +5,8 @@ What lives here:
                                server_io.py (a connection's bytes), server_clients.py
                                (accept, limits, drops) are parts of the server
     startup.py                 the start-up steps before the loop serves
+    server_config.py           `ServerConfig`, what the daemon runs with (built by
+                               `lmcached.config`, which the daemon never imports)
     service.py, session.py     request semantics (no sockets) and what each session holds;
                                the handlers in namespaces.py, request_checks.py,
                                value_handlers.py, admin_handlers.py (replies.py: refusals)

@@ -15,14 +15,8 @@ import time
 import msgspec
 
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import (
-    MAX_FRAME_BYTES,
-    NO_REPLY_REQUESTS,
-    PROTOCOL_VERSION,
-    Info,
-    encode_frame,
-    request_decoder,
-)
+from lmcached.wire.frames import encode_frame, request_decoder
+from lmcached.wire.protocol import MAX_FRAME_BYTES, NO_REPLY_REQUESTS, PROTOCOL_VERSION, Info
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.service import CacheService
 from lmcached.daemon.session import Session

@@ -16,7 +16,7 @@ from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
 from lmcached.daemon.stats import StatsSnapshot
-from lmcached.sizes import format_bytes
+from lmcached.wire.units import format_bytes
 
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.daemon.service import CacheService

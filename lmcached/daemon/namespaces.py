@@ -22,7 +22,7 @@ from lmcached.wire.protocol import (
 )
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import HEADER_BYTES
-from lmcached.sizes import MIN_BLOCK_BYTES
+from lmcached.shm.geometry import MIN_BLOCK_BYTES
 from lmcached.daemon.replies import RequestError
 from lmcached.wire.logger import init_logger
 

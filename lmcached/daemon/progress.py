@@ -9,7 +9,7 @@ import sys
 import time
 
 from lmcached.wire.logger import init_logger
-from lmcached.sizes import format_bytes
+from lmcached.wire.units import format_bytes
 
 logger = init_logger(__name__)
 

@@ -24,7 +24,7 @@ import signal
 import socket
 import time
 
-from lmcached.config import ServerConfig, load_config
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
 from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
@@ -57,7 +57,7 @@ class Server(ClientIO, ClientAccounting):
     """One lmcached daemon.
 
     Args:
-        config: effective configuration (see `lmcached.config.load_config`).
+        config: effective configuration (`lmcached.config` resolves it).
 
     Raises (from `start`):
         StartupError: the socket path is bad or taken, the metrics port is in use, the
@@ -267,12 +267,11 @@ class Server(ClientIO, ClientAccounting):
 
     def _reload(self) -> None:
         """SIGHUP: re-read the log level from the environment and the config file."""
+        if self.config.reread is None:
+            logger.warning("SIGHUP: this configuration has no sources to re-read")
+            return
         try:
-            fresh = load_config(
-                {**self.config.cli_options, "capacity": self.config.capacity_bytes},
-                self.config.config_file,
-                check_shm_free=False,  # our own arena already takes that space
-            )
+            fresh = self.config.reread(self.config)
         except (ValueError, OSError) as exc:
             logger.error("SIGHUP: config not reloaded: %s", exc)
             return

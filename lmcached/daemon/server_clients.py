@@ -24,8 +24,8 @@ from lmcached.daemon.connection import (
     SILENT_GRACE_S,
     ClientConnection,
 )
-from lmcached.wire.protocol import encode_frame
-from lmcached.sizes import format_bytes
+from lmcached.wire.frames import encode_frame
+from lmcached.wire.units import format_bytes
 
 logger = init_logger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from lmcached.daemon import keys
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.stats import DaemonStats, RequestLatency
 from lmcached.wire.protocol import (

@@ -24,8 +24,9 @@ import resource
 import time
 from collections.abc import Callable
 
-from lmcached.config import ServerConfig, shm_free_bytes
-from lmcached.sizes import echo_size, format_bytes, format_size, size_style
+from lmcached.daemon.server_config import ServerConfig
+from lmcached.shm.pages import shm_free_bytes
+from lmcached.wire.units import echo_size, format_bytes, format_size, size_style
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter

@@ -14,6 +14,8 @@ from lmcached.client import daemon_link, link_tiers
 from lmcached.client.chain import chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
+from lmcached.wire.connection import Connection, DaemonError
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     ANY_DEVICE,
     MAX_FRAME_BYTES,
@@ -21,12 +23,9 @@ from lmcached.wire.protocol import (
     TIER_SHIFT,
     Alloc,
     BlocksReply,
-    Connection,
-    DaemonError,
     Info,
     Lookup,
     block_ref,
-    encode_frame,
     tier_of,
 )
 from lmcached.shm.arena import Arena

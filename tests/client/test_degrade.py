@@ -24,21 +24,12 @@ import torch
 
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
-from lmcached.wire import protocol
+from lmcached.wire import connection, protocol
 from lmcached.client import CacheEngine
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, default_data_timeout_s
-from lmcached.wire.protocol import (
-    MAX_FRAME_BYTES,
-    Connection,
-    DaemonError,
-    Hello,
-    HelloReply,
-    LookupReply,
-    Ok,
-    Ping,
-    encode_frame,
-    request_decoder,
-)
+from lmcached.wire.connection import Connection, DaemonError
+from lmcached.wire.frames import encode_frame, request_decoder
+from lmcached.wire.protocol import MAX_FRAME_BYTES, Hello, HelloReply, LookupReply, Ok, Ping
 from lmcached.shm.arena import Arena
 from lmcached.wire.socket_path import UnsafeSocketPathError
 
@@ -155,7 +146,7 @@ def test_a_stopped_daemon_costs_a_call_one_short_timeout_then_backoff(daemon, ca
 def test_a_timed_out_connection_is_dropped_not_reused(daemon):
     conn = Connection(daemon.socket)
     try:
-        protocol.hello(conn, "stopped")
+        connection.hello(conn, "stopped")
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             started = time.perf_counter()
@@ -219,13 +210,13 @@ CONNECT_FAILURES = {
         lambda mp, d, tmp: deny_segment(mp, ValueError("not an lmcached arena")) or d.socket,
         ValueError),
     "protocol_version": (
-        lambda mp, d, tmp: mp.setattr(protocol, "PROTOCOL_VERSION", 999) or d.socket,
+        lambda mp, d, tmp: mp.setattr(connection, "PROTOCOL_VERSION", 999) or d.socket,
         DaemonError),
     "no_socket": (lambda mp, d, tmp: os.path.join(tmp, "nobody.sock"), FileNotFoundError),
     "unsafe_directory": (lambda mp, d, tmp: world_writable_link(d.socket, tmp),
                          UnsafeSocketPathError),
     "socket_eacces": (
-        lambda mp, d, tmp: mp.setattr(protocol.socket, "socket", _DeniedSocket) or d.socket,
+        lambda mp, d, tmp: mp.setattr(connection.socket, "socket", _DeniedSocket) or d.socket,
         PermissionError),
 }
 
@@ -254,7 +245,7 @@ def test_a_failed_connect_degrades_to_misses_with_one_warning(failure, daemon, s
 
 # ---------------------------------------------------------- replies out of protocol
 def raw_frame(payload: bytes, length: int | None = None) -> bytes:
-    """A frame as protocol.py lays it out: u32 little-endian length, then the payload."""
+    """A frame as lmcached/wire/frames.py lays it out: u32 little-endian length, then the payload."""
     return struct.pack("<I", len(payload) if length is None else length) + payload
 
 

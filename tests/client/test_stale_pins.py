@@ -18,7 +18,8 @@ import torch
 from engine_worker import small_layout
 from lmcached.client import CacheEngine, PinsLost
 from lmcached.client.blend import SPTBlendRetriever
-from lmcached.wire.protocol import Clients, Connection
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Clients
 
 DEADLINE_S = 20.0
 NUM_TOKENS = 64  # 4 chunks of 16

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import is_release_frame
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -23,7 +25,6 @@ from lmcached.wire.protocol import (
     Alloc,
     Clients,
     Commit,
-    Connection,
     Hello,
     Info,
     Layout,
@@ -31,9 +32,6 @@ from lmcached.wire.protocol import (
     Ok,
     Ping,
     Release,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 from lmcached.shm.janitor import list_segments
 from test_metrics import free_port

@@ -18,11 +18,11 @@ import time
 import msgspec
 import pytest
 
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
+from lmcached.wire.connection import Connection, DaemonError
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     PROTOCOL_VERSION,
-    Connection,
-    DaemonError,
     Error,
     Hello,
     Info,
@@ -33,8 +33,6 @@ from lmcached.wire.protocol import (
     Ping,
     Shutdown,
     TierHandle,
-    encode_frame,
-    reply_decoder,
 )
 from lmcached.daemon.server import Server
 from lmcached.daemon.session import Session

@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import is_release_frame
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -29,7 +31,6 @@ from lmcached.wire.protocol import (
     BlocksReply,
     Clients,
     Commit,
-    Connection,
     Error,
     Hello,
     Info,
@@ -39,9 +40,6 @@ from lmcached.wire.protocol import (
     Ok,
     Ping,
     Release,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.service import CacheService

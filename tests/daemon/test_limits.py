@@ -17,9 +17,10 @@ import psutil
 import pytest
 
 from lmcached.daemon.connection import SILENT_GRACE_S
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
-    Connection,
     Error,
     Info,
     InfoReply,
@@ -28,9 +29,6 @@ from lmcached.wire.protocol import (
     Ok,
     Ping,
     Release,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)

@@ -22,7 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcached.client import CacheEngine, KVLayout
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.metrics import (
     L2_COUNTERS,
     MAX_NAMESPACE_ROWS,
@@ -37,8 +37,10 @@ from lmcached.daemon.metrics import (
 )
 from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.daemon.stats import LATENCY_BUCKETS_S, RequestLatency
+from lmcached.wire.frames import reply_decoder
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     Acquire,
     Alloc,
     Commit,
@@ -46,8 +48,6 @@ from lmcached.wire.protocol import (
     Hello,
     Layout,
     Lookup,
-    PROTOCOL_VERSION,
-    reply_decoder,
 )
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import Arena

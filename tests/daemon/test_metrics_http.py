@@ -29,7 +29,8 @@ from lmcached.daemon.metrics_http import (
     MAX_SCRAPES_PER_S,
     SCRAPE_IO_TIMEOUT_S,
 )
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 from lmcached.shm.janitor import list_segments
 from test_metrics import LAYOUT, PROMPT_TOKENS, free_port, fresh_scrape, make_kv, scrape
 

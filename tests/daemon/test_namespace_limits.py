@@ -10,19 +10,17 @@ import time
 import urllib.request
 
 from lmcached.daemon.metrics import SNAPSHOT_MAX_AGE_S
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     HASH_BYTES,
     PROTOCOL_VERSION,
     Alloc,
     Commit,
-    Connection,
     Hello,
     HelloReply,
     Layout,
     Lookup,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 
 NUM_HELLOS = 10_000

@@ -11,20 +11,18 @@ import socket
 import threading
 import time
 
+from lmcached.wire.connection import Connection, hello, list_clients
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     HASH_BYTES,
     PROTOCOL_VERSION,
     Alloc,
     Clients,
     Commit,
-    Connection,
     Hello,
     Layout,
     Lookup,
     Scan,
-    encode_frame,
-    hello,
-    list_clients,
 )
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -23,9 +23,10 @@ from hypothesis.stateful import (
 )
 
 from lmcached.daemon import keys
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.info import INFO_SECTIONS
+from lmcached.wire.frames import encode_frame, reply_decoder, request_decoder
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -50,7 +51,6 @@ from lmcached.wire.protocol import (
     Get,
     Hello,
     HelloReply,
-    TierInfo,
     Info,
     InfoReply,
     KeysReply,
@@ -63,9 +63,7 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
     Shutdown,
-    encode_frame,
-    reply_decoder,
-    request_decoder,
+    TierInfo,
 )
 from lmcached.daemon.admin_handlers import (
     CLIENT_ROW_UNITS,

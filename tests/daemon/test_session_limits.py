@@ -19,6 +19,7 @@ from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
 from lmcached.client.chain import fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
+from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -29,8 +30,6 @@ from lmcached.wire.protocol import (
     AllocReply,
     BlocksReply,
     Commit,
-    Connection,
-    DaemonError,
     Get,
     Invalidate,
     Layout,
@@ -38,7 +37,6 @@ from lmcached.wire.protocol import (
     Ok,
     Put,
     Release,
-    hello,
 )
 from lmcached.daemon.free_queue import BlockState
 from test_service import (  # noqa: F401 (make_service and service are fixtures)

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.demotion import DEMOTION_STATS, reserve_blocks
 from lmcached.daemon.metrics import metric_families, take_snapshot
+from lmcached.wire.frames import request_decoder
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -43,7 +44,6 @@ from lmcached.wire.protocol import (
     TierInfo,
     block_ref,
     local_block,
-    request_decoder,
     tier_of,
 )
 from lmcached.daemon.service import CacheService

@@ -18,7 +18,8 @@ import zipfile
 import pytest
 
 from lmcached.launcher import stop_daemon
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 from lmcached.shm.janitor import list_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -20,18 +20,9 @@ from test_engine_multiprocess import run_worker
 from test_limits import wait_for
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 from lmcached.daemon.l2.values import encode_value, l2_key, namespace_fingerprint
-from lmcached.wire.protocol import (
-    PROTOCOL_VERSION,
-    Connection,
-    Hello,
-    Info,
-    Lookup,
-    LookupReply,
-    Ok,
-    Ping,
-    encode_frame,
-    reply_decoder,
-)
+from lmcached.wire.connection import Connection
+from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Info, Lookup, LookupReply, Ok, Ping
 
 pytestmark = pytest.mark.slow
 

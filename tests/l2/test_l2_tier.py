@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lmcached.daemon import keys
-from lmcached.config import ServerConfig
+from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import L2Tier
 from lmcached.daemon.l2.values import l2_key, namespace_fingerprint, verify_value

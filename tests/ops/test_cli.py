@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.cli import main
-from lmcached.wire.protocol import Alloc, Commit, Connection, Layout, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Alloc, Commit, Layout
 from lmcached.shm.janitor import list_segments
 from lmcached.daemon.admin_handlers import MAX_CLIENTS_PER_PAGE
 

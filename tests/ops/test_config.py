@@ -11,18 +11,12 @@ from click.testing import CliRunner
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.config import DEFAULT_SHM_MODE, default_socket_path, load_config
-from lmcached.wire.protocol import InfoReply, encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.protocol import InfoReply
 from lmcached.shm.arena import HEADER_BYTES
-from lmcached.sizes import (
-    MAX_NUM_BLOCKS,
-    MIN_BLOCK_BYTES,
-    echo_size,
-    format_bytes,
-    format_size,
-    min_block_bytes,
-    parse_size,
-    size_style,
-)
+from lmcached.shm.geometry import MAX_NUM_BLOCKS, MIN_BLOCK_BYTES, min_block_bytes
+from lmcached.sizes import parse_size
+from lmcached.wire.units import echo_size, format_bytes, format_size, size_style
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -21,7 +21,8 @@ import pytest
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.config import ServerConfig, load_config
-from lmcached.wire.protocol import Connection, Ping
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Ping
 from lmcached.daemon.server import Server
 from lmcached.shm.janitor import list_segments
 
@@ -357,7 +358,7 @@ def test_reload_works_when_the_arena_fills_most_of_dev_shm(monkeypatch, tmp_path
     toml_path = tmp_path / "c.toml"
     toml_path.write_text('log_level = "DEBUG"\n')
     cfg = ServerConfig(name="reload", socket=str(tmp_path / "s.sock"), capacity_bytes=64 * MiB,
-                       config_file=str(toml_path))
+                       config_file=str(toml_path), reread=config.reread_config)
     monkeypatch.setattr(config, "shm_free_bytes", lambda: MiB)  # arena took the rest
     root = logging.getLogger("lmcached")
     saved_level, saved_handlers = root.level, list(root.handlers)

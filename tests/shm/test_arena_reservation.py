@@ -2,7 +2,7 @@
 the start-up with one `Error:` line, never a worker with SIGBUS.
 
 The race of two daemons runs for real in a private mount namespace whose /dev/shm is a
-64 MiB tmpfs (tests/full_shm_scenario.py), skipped where this process may not make one.
+64 MiB tmpfs (tests/shm/full_shm_scenario.py), skipped where this process may not make one.
 """
 
 import errno
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from lmcached.shm import arena as arena_module
+from lmcached.shm import pages
 from lmcached.shm.arena import Arena
 from lmcached.shm.janitor import list_segments
 
@@ -107,7 +107,7 @@ def test_a_failed_populate_is_an_error_not_a_fallback(sparse_segment, monkeypatc
     monkeypatch.setattr(_RefusingMmap, "refuse_errno", refused)
     with _RefusingMmap(sparse_segment, 1 << 20) as mapping:
         with pytest.raises(OSError) as caught:
-            arena_module._populate(mapping, 0, 1 << 20)
+            pages.populate(mapping, 0, 1 << 20)
     assert caught.value.errno == refused
     assert os.fstat(sparse_segment).st_blocks == 0  # no page was touched
 
@@ -115,7 +115,7 @@ def test_a_failed_populate_is_an_error_not_a_fallback(sparse_segment, monkeypatc
 def test_populate_on_a_kernel_without_madv_populate_write_touches_every_page(sparse_segment):
     """EINVAL (Linux < 5.14 does not know the advice): one byte per page is touched."""
     with _RefusingMmap(sparse_segment, 1 << 20) as mapping:
-        arena_module._populate(mapping, 0, 1 << 20)
+        pages.populate(mapping, 0, 1 << 20)
     assert os.fstat(sparse_segment).st_blocks * 512 == 1 << 20  # every page allocated
 
 
@@ -127,7 +127,7 @@ def test_create_waits_its_turn_to_reserve_and_a_stop_while_waiting_leaves_nothin
         unique_name, tmp_path, monkeypatch):
     """While another process reserves (holds the lock), `create` waits, calling progress
     with 0 bytes done so that a stop signal can end the wait; the segment goes with it."""
-    monkeypatch.setattr(arena_module, "_SHM_DIR", str(tmp_path))  # a lock of this test only
+    monkeypatch.setattr(pages, "_SHM_DIR", str(tmp_path))  # a lock of this test only
     holder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
     calls = []
@@ -153,8 +153,8 @@ def test_a_lock_held_for_ever_delays_a_start_only_for_a_bounded_time(unique_name
                                                                       monkeypatch, caplog):
     """Any local process may flock /dev/shm: past _LOCK_WAIT_MAX_S the arena is reserved
     without the lock (with a warning), so a held lock never stalls a start-up for ever."""
-    monkeypatch.setattr(arena_module, "_SHM_DIR", str(tmp_path))  # a lock of this test only
-    monkeypatch.setattr(arena_module, "_LOCK_WAIT_MAX_S", 0.3)
+    monkeypatch.setattr(pages, "_SHM_DIR", str(tmp_path))  # a lock of this test only
+    monkeypatch.setattr(pages, "_LOCK_WAIT_MAX_S", 0.3)
     holder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:

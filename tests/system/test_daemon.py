@@ -18,6 +18,8 @@ import time
 import msgspec
 import pytest
 
+from lmcached.wire.connection import Connection, DaemonError, hello
+from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -30,8 +32,6 @@ from lmcached.wire.protocol import (
     Clear,
     Clients,
     Commit,
-    Connection,
-    DaemonError,
     Delete,
     Error,
     Evict,
@@ -46,9 +46,6 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
     Shutdown,
-    encode_frame,
-    hello,
-    reply_decoder,
 )
 from lmcached.shm.janitor import list_segments
 
@@ -503,7 +500,8 @@ def test_a_session_that_ends_holding_leases_leaves_no_pinned_block(daemon):
 
 CHILD_HOLDS_PINS = """
 import sys, time
-from lmcached.wire.protocol import Acquire, Alloc, Connection, Layout, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Acquire, Alloc, Layout
 layout = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
 conn = Connection(sys.argv[1])
 (ns,) = hello(conn, "doomed", [layout]).namespaces
@@ -626,7 +624,8 @@ def test_peer_of_another_uid_is_refused(daemon):
     code = textwrap.dedent(
         f"""
         import os
-        from lmcached.wire.protocol import Connection, Ping
+        from lmcached.wire.connection import Connection
+        from lmcached.wire.protocol import Ping
         os.setgid(65534); os.setuid(65534)
         try:
             with Connection({daemon.socket!r}) as conn:

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from lmcached.wire.protocol import PROTOCOL_VERSION, Connection, Hello
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import PROTOCOL_VERSION, Hello
 
 WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "engine_worker.py")
 CHUNK = 16

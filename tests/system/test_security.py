@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from conftest import start_daemon
-from lmcached.wire.protocol import Clear, ConfigGet, Connection, Ping, hello
+from lmcached.wire.connection import Connection, hello
+from lmcached.wire.protocol import Clear, ConfigGet, Ping
 from lmcached.shm.arena import SEGMENT_HEADER, Arena
 from lmcached.shm.janitor import list_segments
 from test_engine_multiprocess import run_worker
@@ -325,8 +326,8 @@ CLIENT_AS_OTHER_USER = textwrap.dedent("""
     import json, os, sys
     import torch
     from lmcached.client import CacheEngine, KVLayout
-    from lmcached.wire.protocol import (Clear, Connection, DaemonError, Evict, Info, Ping,
-                                   Shutdown, hello)
+    from lmcached.wire.connection import Connection, DaemonError, hello
+    from lmcached.wire.protocol import Clear, Evict, Info, Ping, Shutdown
 
     sock, uid, gid, groups, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \\
         [int(g) for g in sys.argv[4].split(",") if g], sys.argv[5]

@@ -51,7 +51,8 @@ from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnectorMetadata,
     namespace_layouts,
 )
-from lmcached.wire.protocol import Clients, Connection  # noqa: E402
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Clients  # noqa: E402
 
 BLOCK = 16
 CHUNK = 32

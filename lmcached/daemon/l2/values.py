@@ -30,14 +30,12 @@ import struct
 import msgspec
 import xxhash
 
-from lmcached.wire.protocol import Layout
+from lmcached.wire.protocol import HASH_BYTES, Layout
 from lmcached.wire.record_format import (
     FIXED_SEED,
-    HASH_BYTES,
-    RECORD_HEADER,
     RECORD_HEADER_BYTES,
-    RECORD_MAGIC,
     hash_block_tokens,
+    read_header,
 )
 
 KEY_PREFIX = "lmcached:v1"
@@ -182,14 +180,14 @@ def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> 
     record = view[ENVELOPE_BYTES:]
     if xxhash.xxh3_64_intdigest(record) != checksum:
         raise L2VerifyError("checksum", "record bytes differ from the bytes written")
-    if record_bytes < RECORD_HEADER_BYTES:
-        raise L2VerifyError("tokens", f"record of {record_bytes} bytes has no header")
-    magic, num_tokens, _, record_hash = RECORD_HEADER.unpack_from(record)
-    tokens_end = RECORD_HEADER_BYTES + 8 * num_tokens
-    if (magic != RECORD_MAGIC or record_hash != chunk_hash or num_tokens == 0
-            or tokens_end > record_bytes):
-        raise L2VerifyError("tokens", f"record magic {magic:#x}, chunk {record_hash.hex()}, "
-                                      f"{num_tokens} tokens in {record_bytes} bytes")
+    try:
+        header = read_header(record)
+    except ValueError as exc:
+        raise L2VerifyError("tokens", str(exc)) from None
+    tokens_end = header.tokens_end
+    if header.chunk_hash != chunk_hash or header.num_tokens == 0 or tokens_end > record_bytes:
+        raise L2VerifyError("tokens", f"record of chunk {header.chunk_hash.hex()}, "
+                                      f"{header.num_tokens} tokens in {record_bytes} bytes")
     if hash_block_tokens(parent_hash, record[RECORD_HEADER_BYTES:tokens_end]) != chunk_hash:
         raise L2VerifyError("tokens", "token ids do not hash to the chunk hash")
     return record

@@ -1,9 +1,9 @@
-"""Two daemons racing for a small /dev/shm: `python tests/full_shm_scenario.py NAME DIR`.
+"""Two daemons racing for a small /dev/shm: `python tests/shm/full_shm_scenario.py NAME DIR`.
 
 Run by tests/shm/test_arena_reservation.py inside a private mount namespace whose /dev/shm
 is a 64 MiB tmpfs (`unshare --mount`), so that filling it touches nothing outside. Two
 daemons of 40 MiB start together: this script holds the reservation lock (an flock on
-/dev/shm, shm/arena.py) until both have passed the start-up's free-space check and wait
+/dev/shm, shm/pages.py) until both have passed the start-up's free-space check and wait
 for it, then lets them race (a daemon that takes no lock races at once). A worker then
 stores into every daemon that serves until its arena has been written over, and reads
 the last prompt back. Every process is stopped by pid; the script prints one JSON line

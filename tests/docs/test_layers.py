@@ -1,0 +1,80 @@
+"""The layers of docs/architecture.md hold: import-linter's contracts in pyproject.toml.
+
+The distribution maps folders onto import names (shm/ -> lmcached.shm, client/ ->
+lmcached.client, examples/ -> lmcached.examples), which grimp cannot follow in an
+editable install. So the test copies the package as installed into a temporary folder
+and runs `lint-imports` there, with that folder first on PYTHONPATH. A second test
+imports the request semantics in a fresh interpreter and checks what came with them.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Import name -> folder of the repository, as pyproject.toml's [tool.setuptools.package-dir].
+PACKAGE_DIRS = {
+    "lmcached": "lmcached",
+    "lmcached/shm": "shm",
+    "lmcached/client": "client",
+    "lmcached/examples": "examples",
+}
+# What `import lmcached.daemon.service` must not load (DESIGN.md, "Layers").
+NOT_WITH_SEMANTICS = ("click", "torch")
+# Nor these, once the daemon imports psutil and prometheus_client lazily (issue 23, H6).
+NOT_WITH_SEMANTICS_LAZY = ("prometheus_client", "psutil")
+
+
+def installed_tree(root: str) -> str:
+    """Copy the package into `root` as an install lays it out; returns `root`."""
+    for package, folder in PACKAGE_DIRS.items():
+        shutil.copytree(os.path.join(REPO, folder), os.path.join(root, package),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def lint_imports(tree: str) -> subprocess.CompletedProcess:
+    """`lint-imports` with pyproject.toml's contracts over the copied tree (run as this
+    interpreter's module, so the test's own import-linter checks it)."""
+    pytest.importorskip("importlinter", reason="pip install 'lmcached[test]'")
+    code = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
+    env = {**os.environ, "PYTHONPATH": tree}
+    return subprocess.run(
+        [sys.executable, "-c", code, "--no-cache", os.path.join(REPO, "pyproject.toml")],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_no_module_imports_across_the_layers(tmp_path):
+    result = lint_imports(installed_tree(str(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout, result.stdout
+
+
+def test_a_wrong_import_breaks_the_layers_contract(tmp_path):
+    """The check can fail: the wire contract importing the client is caught."""
+    tree = installed_tree(str(tmp_path))
+    with open(os.path.join(tree, "lmcached", "wire", "protocol.py"), "a") as f:
+        f.write("\nimport lmcached.client  # noqa: E402,F401 (the wrong import)\n")
+    result = lint_imports(tree)
+    assert result.returncode != 0, result.stdout
+    assert "lmcached.wire.protocol -> lmcached.client" in result.stdout, result.stdout
+
+
+def modules_loaded_with_semantics(names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh interpreter has loaded after `import lmcached.daemon.service`."""
+    code = ("import sys, lmcached.daemon.service; "
+            f"print(sorted(m for m in {names!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=60)
+    return eval(result.stdout)  # a list of str literals printed by the child
+
+
+def test_request_semantics_import_no_click_and_no_torch():
+    assert modules_loaded_with_semantics(NOT_WITH_SEMANTICS) == []
+
+
+def test_request_semantics_import_no_psutil_and_no_prometheus_client():
+    assert modules_loaded_with_semantics(NOT_WITH_SEMANTICS_LAZY) == []
