@@ -26,7 +26,7 @@ from lmcached.client.layout import (
     KVLayout,
 )
 from lmcached.wire.record_format import record_matches, write_header
-from lmcached.wire.protocol import TIER_SHIFT
+from lmcached.wire.protocol import local_block, tier_of
 from lmcached.shm.arena import Arena
 
 
@@ -309,8 +309,6 @@ class RecordIO:
         return torch.from_numpy(record[self._kv_offset :]).view(self._dtype).view(shape)
 
 
-_BLOCK_MASK = (1 << TIER_SHIFT) - 1
-
 
 def check_headers(headers: np.ndarray, chunk_hashes: list[bytes], token_array: np.ndarray,
                   chunks: list[tuple[int, int]], fingerprint: int) -> int:
@@ -347,14 +345,14 @@ class TieredRecords:
         Raises:
             KeyError: a tier this session has not mapped (the daemon never hands one).
         """
-        tier = span[0] >> TIER_SHIFT
+        tier = tier_of(span[0])
         if not tier:
             return self.by_tier[0], span
-        return self.by_tier[tier], [ref & _BLOCK_MASK for ref in span]
+        return self.by_tier[tier], [local_block(ref) for ref in span]
 
     def maps(self, block_ids: list[int]) -> bool:
         """True when every reference in `block_ids` is of a tier mapped here."""
-        return {ref >> TIER_SHIFT for ref in block_ids} <= self.by_tier.keys()
+        return {tier_of(ref) for ref in block_ids} <= self.by_tier.keys()
 
     def write(self, span: list[int], *args) -> None:
         """`RecordIO.write` into the tier of `span`."""
@@ -397,15 +395,15 @@ class TieredRecords:
         not mapped here ends the prefix."""
         start = 0
         while start < len(spans):
-            tier = spans[start][0] >> TIER_SHIFT
+            tier = tier_of(spans[start][0])
             end = start + 1
-            while end < len(spans) and spans[end][0] >> TIER_SHIFT == tier:
+            while end < len(spans) and tier_of(spans[end][0]) == tier:
                 end += 1
             records = self.by_tier.get(tier)
             if records is None:
                 return start
             local = spans[start:end] if not tier else \
-                [[ref & _BLOCK_MASK for ref in span] for span in spans[start:end]]
+                [[local_block(ref) for ref in span] for span in spans[start:end]]
             num_ok = records.verify_prefix(local, chunk_hashes[start:end], token_array,
                                            chunks[start:end], fingerprint)
             if num_ok < end - start:
