@@ -7,18 +7,17 @@ connections under a 1024 file-descriptor limit.
 """
 
 import resource
-import socket
 import statistics
-import struct
 import threading
 import time
 
 import psutil
 import pytest
 
+from raw_frames import connect, frame, read_replies, split_frames
 from lmcached.daemon.connection import SILENT_GRACE_S
 from lmcached.wire.connection import Connection, hello
-from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     Error,
@@ -32,30 +31,6 @@ from lmcached.wire.protocol import (
 )
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
-
-
-def raw_socket(path: str, timeout_s: float = 10.0) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    sock.connect(path)
-    return sock
-
-
-def read_replies(sock: socket.socket, count: int) -> list:
-    """Read `count` reply frames from a raw socket."""
-    replies, buf = [], bytearray()
-    while len(replies) < count:
-        while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "little"):
-            end = 4 + int.from_bytes(buf[:4], "little")
-            replies.append(reply_decoder.decode(bytes(buf[4:end])))
-            del buf[:end]
-        if len(replies) >= count:
-            break
-        data = sock.recv(1 << 20)
-        if not data:
-            raise ConnectionResetError(f"closed after {len(replies)} of {count} replies")
-        buf += data
-    return replies
 
 
 def ping_latency_s(path: str) -> float:
@@ -81,7 +56,7 @@ def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
 def test_frames_sent_in_one_write_are_all_answered_in_order(daemon):
     """Every frame gets its reply, in order; a RELEASE (which has no reply, even when
     refused) takes no place among them."""
-    sock = raw_socket(daemon.socket)
+    sock = connect(daemon.socket)
     frames = [Ping(), Info("stats"), Lookup([1], b"\x00" * 16), Release([5]), Ping(),
               Info("nope")]
     sock.sendall(b"".join(encode_frame(f) for f in frames))
@@ -96,8 +71,8 @@ def test_frames_sent_in_one_write_are_all_answered_in_order(daemon):
 
 
 def test_invalid_utf8_frame_gets_bad_request_and_daemon_serves_on(daemon):
-    sock = raw_socket(daemon.socket)
-    sock.sendall(struct.pack("<I", 4) + b"\x91\xa2\xff\xfe" + encode_frame(Ping()))
+    sock = connect(daemon.socket)
+    sock.sendall(frame(b"\x91\xa2\xff\xfe") + encode_frame(Ping()))
     bad, pong = read_replies(sock, 2)
     assert isinstance(bad, Error) and bad.code == "bad_request"
     assert isinstance(pong, Ok)
@@ -110,26 +85,19 @@ def test_a_flooding_client_does_not_starve_a_quiet_one(daemon):
     """One client pipelines INFO and PING frames as fast as the daemon takes them; the
     other's PING round trips stay short (bounded work per client per loop pass)."""
     num_flood = 100_000
-    flood = raw_socket(daemon.socket, timeout_s=60)
+    flood = connect(daemon.socket, timeout_s=60)
     one = encode_frame(Info("stats")) + encode_frame(Ping()) * 3
     payload = one * (num_flood // 4)
     received = {"frames": 0}
 
     def drain():
-        buf = bytearray()
+        buf = b""
         while received["frames"] < num_flood:
             data = flood.recv(1 << 20)
             if not data:
                 return
-            buf += data
-            pos = 0
-            while len(buf) - pos >= 4:
-                end = pos + 4 + int.from_bytes(buf[pos : pos + 4], "little")
-                if end > len(buf):
-                    break
-                pos = end
-                received["frames"] += 1
-            del buf[:pos]
+            payloads, buf = split_frames(buf + data)
+            received["frames"] += len(payloads)
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
@@ -167,7 +135,7 @@ def test_clients_that_do_not_read_replies_do_not_grow_the_daemon(daemon):
     frame = encode_frame(Info())
     socks = []
     for _ in range(20):
-        sock = raw_socket(daemon.socket)
+        sock = connect(daemon.socket)
         sock.setblocking(False)
         sent = 0
         try:
@@ -187,8 +155,8 @@ def test_clients_that_do_not_read_replies_do_not_grow_the_daemon(daemon):
 
 @pytest.mark.slow
 def test_unfinished_frame_is_dropped_after_a_few_seconds(daemon):
-    sock = raw_socket(daemon.socket)
-    sock.sendall(struct.pack("<I", 1000) + b"x" * 10)  # 10 of 1000 bytes, then nothing
+    sock = connect(daemon.socket)
+    sock.sendall(frame(b"x" * 10, 1000))  # 10 of 1000 bytes, then nothing
     started = time.monotonic()
     assert sock.recv(16) == b""  # the daemon closes it
     waited = time.monotonic() - started
@@ -220,7 +188,7 @@ def test_max_clients_refuses_with_an_error_but_sheds_silent_connections(daemon_f
     talking = [Connection(daemon.socket) for _ in range(2)]
     for conn in talking:
         hello(conn, "talking")
-    silent = raw_socket(daemon.socket)  # never sends a byte
+    silent = connect(daemon.socket)  # never sends a byte
     wait_for(lambda: talking[0].request(Info("clients")).sections["clients"]
              ["connected_clients"] == 3, what="3 clients")
     time.sleep(SILENT_GRACE_S + 0.1)
@@ -230,7 +198,7 @@ def test_max_clients_refuses_with_an_error_but_sheds_silent_connections(daemon_f
     # With every slot held by a client that talks, the next one is refused with an error.
     talking.append(Connection(daemon.socket))
     hello(talking[-1], "third")
-    refused = raw_socket(daemon.socket)
+    refused = connect(daemon.socket)
     (reply,) = read_replies(refused, 1)
     assert isinstance(reply, Error) and reply.code == "max_clients"
     assert refused.recv(16) == b""
@@ -252,9 +220,9 @@ def test_buffer_budget_drops_the_clients_holding_the_most(daemon_factory):
     rss_before = proc.memory_info().rss
     hoarders = []
     for _ in range(12):  # each holds most of a 1 MiB frame, unfinished: 12 MiB in all
-        sock = raw_socket(daemon.socket)
+        sock = connect(daemon.socket)
         try:
-            sock.sendall(struct.pack("<I", MAX_FRAME_BYTES) + b"x" * (MAX_FRAME_BYTES - 100))
+            sock.sendall(frame(b"x" * (MAX_FRAME_BYTES - 100), MAX_FRAME_BYTES))
         except (BrokenPipeError, ConnectionResetError):
             pass  # already dropped
         hoarders.append(sock)
@@ -284,7 +252,7 @@ def test_idle_flood_under_a_1024_fd_limit_neither_spins_nor_locks_out_a_ping(dae
     deadline = time.monotonic() + 30.0
     while len(flood) < 1064 and time.monotonic() < deadline:
         try:
-            flood.append(raw_socket(daemon.socket, timeout_s=2.0))
+            flood.append(connect(daemon.socket, timeout_s=2.0))
         except BlockingIOError:
             time.sleep(0.001)  # the listen backlog is full while the daemon catches up
     assert len(flood) == 1064
