@@ -21,6 +21,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from raw_frames import frame, recv_reply
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.metrics import (
@@ -37,7 +38,6 @@ from lmcached.daemon.metrics import (
 )
 from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.daemon.stats import LATENCY_BUCKETS_S, RequestLatency
-from lmcached.wire.frames import reply_decoder
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -95,16 +95,6 @@ def total(samples: dict, name: str, **labels) -> float:
 
 def blocks_by_state(samples: dict) -> dict[str, float]:
     return {state: samples[("lmcached_blocks", ("state", state))] for state in STATES}
-
-
-def recv_frame(sock: socket.socket) -> bytes:
-    """The payload of one reply frame."""
-    data = b""
-    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
-        chunk = sock.recv(65536)
-        assert chunk, "the daemon closed the connection"
-        data += chunk
-    return data[4:]
 
 
 def make_kv(num_tokens: int, seed: int) -> torch.Tensor:
@@ -229,12 +219,12 @@ def test_malformed_frames_count_errors_by_code(daemon_factory):
     with socket.socket(socket.AF_UNIX) as raw:  # not msgpack: bad_request, session goes on
         raw.connect(daemon.socket)
         raw.settimeout(30)
-        raw.sendall(len(b"\xc1junk").to_bytes(4, "little") + b"\xc1junk")
-        reply = reply_decoder.decode(recv_frame(raw))
+        raw.sendall(frame(b"\xc1junk"))
+        reply = recv_reply(raw)
     assert isinstance(reply, Error) and reply.code == "bad_request"
     with socket.socket(socket.AF_UNIX) as raw:  # a frame over the limit: dropped
         raw.connect(daemon.socket)
-        raw.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+        raw.sendall(frame(b"", MAX_FRAME_BYTES + 1))
         raw.settimeout(30)
         assert raw.recv(1) == b""
     after = fresh_scrape(port, "127.0.0.2")

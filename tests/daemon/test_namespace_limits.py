@@ -9,9 +9,10 @@ import socket
 import time
 import urllib.request
 
+from raw_frames import connect, recv_reply
 from lmcached.daemon.metrics import SNAPSHOT_MAX_AGE_S
 from lmcached.wire.connection import Connection, hello
-from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     HASH_BYTES,
     PROTOCOL_VERSION,
@@ -50,16 +51,9 @@ def flood_layouts(i: int) -> list[Layout]:
 
 def hello_and_close(socket_path: str, layouts: list[Layout]) -> HelloReply:
     """One connection: HELLO, its reply, close (a raw socket: the fastest way)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(30)
-        sock.connect(socket_path)
+    with connect(socket_path, timeout_s=30) as sock:
         sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 0, "flood", layouts)))
-        data = b""
-        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
-            chunk = sock.recv(1 << 16)
-            assert chunk, "the daemon closed the connection"
-            data += chunk
-    return reply_decoder.decode(data[4:])
+        return recv_reply(sock)
 
 
 def test_ten_thousand_hellos_of_distinct_layouts_leave_rss_and_scrapes_bounded(daemon_factory):
