@@ -3,7 +3,6 @@
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import is_release_frame
+from raw_frames import connect, frame, read_until_eof
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
@@ -48,10 +48,6 @@ VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5), max_le
 
 
 
-def frame(payload: bytes) -> bytes:
-    return struct.pack("<I", len(payload)) + payload
-
-
 PAYLOADS = st.one_of(
     st.binary(max_size=512),  # raw bytes, often an incomplete or huge length prefix
     st.binary(max_size=512).map(frame),  # a well-framed non-msgpack payload
@@ -59,7 +55,7 @@ PAYLOADS = st.one_of(
         lambda t: frame(msgspec.msgpack.encode([t[0], *t[1]]))  # msgpack with wrong types
     ),
     st.integers(min_value=MAX_FRAME_BYTES + 1, max_value=2**32 - 1).map(
-        lambda n: struct.pack("<I", n) + b"x" * 16  # oversized frame header
+        lambda n: frame(b"x" * 16, n)  # oversized frame header
     ),
     # Well-typed v2 requests of the new shapes: RELEASE of any leases (no reply), LOOKUP
     # and ACQUIRE of any namespace lists.
@@ -73,9 +69,7 @@ PAYLOADS = st.one_of(
 
 
 def send_garbage(path: str, greet: bool, data: bytes) -> None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(path)
+    sock = connect(path)
     if greet:
         sock.sendall(encode_frame(FUZZ_HELLO))
         sock.recv(4096)
@@ -153,10 +147,8 @@ def test_a_truncated_frame_closes_that_connection_and_ends_its_session(daemon, e
 
 def test_oversized_frame_closes_only_that_connection(daemon):
     other = Connection(daemon.socket)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(daemon.socket)
-    sock.sendall(struct.pack("<I", MAX_FRAME_BYTES + 1))
+    sock = connect(daemon.socket)
+    sock.sendall(frame(b"", MAX_FRAME_BYTES + 1))
     assert sock.recv(16) == b""  # closed by the daemon
     sock.close()
     other.request(Ping())
@@ -184,9 +176,7 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
     rng = random.Random(1234)
     num_frames = num_releases = 0
     for _ in range(10):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(30)
-        sock.connect(daemon.socket)
+        sock = connect(daemon.socket, timeout_s=30)
         # Lease ids are daemon-wide and sequential: this connection's first ACQUIRE
         # gets the one after the writer's, so the fuzzed RELEASEs free real pins too.
         first_lease = writer.request(Acquire([ns], chunk_hashes([0]))).lease + 1
@@ -195,7 +185,7 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
         expected_replies = 1
         for _ in range(500):
             payload = mutate(rng.choice(seed_requests(ns, rng, first_lease)), rng)
-            stream.append(struct.pack("<I", len(payload)) + payload)
+            stream.append(frame(payload))
             is_release = is_release_frame(payload)
             num_releases += is_release
             expected_replies += not is_release
@@ -203,14 +193,7 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
         expected_replies += 1
         sock.sendall(b"".join(stream))
         sock.shutdown(socket.SHUT_WR)
-        frames = []
-        buf = b""
-        while chunk := sock.recv(1 << 20):
-            buf += chunk
-        while len(buf) >= 4:
-            end = 4 + int.from_bytes(buf[:4], "little")
-            frames.append(buf[4:end])
-            buf = buf[end:]
+        frames = read_until_eof(sock)
         # One reply per frame but a RELEASE, none lost, none extra, in step to the end.
         assert len(frames) == expected_replies, daemon.log()[-1500:]
         assert isinstance(reply_decoder.decode(frames[-1]), Ok)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import is_release_frame
+from raw_frames import connect, pending_bytes, read_replies
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import encode_frame, reply_decoder
@@ -278,17 +279,8 @@ PIPELINE_OPS = st.lists(st.one_of(
 
 def read_frames(sock: socket.socket, count: int) -> list:
     """Read and decode `count` reply frames."""
-    replies, buf = [], b""
-    while len(replies) < count:
-        if len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "little"):
-            end = 4 + int.from_bytes(buf[:4], "little")
-            replies.append(reply_decoder.decode(buf[4:end]))
-            buf = buf[end:]
-            continue
-        data = sock.recv(1 << 16)
-        assert data, f"the daemon closed the connection after {len(replies)} replies"
-        buf += data
-    assert buf == b"", "more reply bytes than requests that have a reply"
+    replies = read_replies(sock, count)
+    assert pending_bytes(sock) == b"", "more reply bytes than requests that have a reply"
     return replies
 
 
@@ -305,9 +297,7 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
         owner.request(Commit(owner.request(Alloc(ns, chunk_hashes(range(3)), [1000] * 3))
                              .block_ids))
     foreign = owner.request(Acquire([ns_a], chunk_hashes([0]))).lease  # never releasable
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(30)
-    sock.connect(daemon.socket)
+    sock = connect(daemon.socket, timeout_s=30)
     sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 1, "pipe", [RANK0, RANK1])))
     assert read_frames(sock, 1)[0].namespaces == [ns_a, ns_b]
     totals = {"refused": 0, "freed": 0}
