@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 import types
@@ -24,6 +23,7 @@ import torch
 
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
+from raw_frames import frame, recv_frame
 from lmcached.wire import connection, protocol
 from lmcached.client import CacheEngine
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink, default_data_timeout_s
@@ -244,17 +244,12 @@ def test_a_failed_connect_degrades_to_misses_with_one_warning(failure, daemon, s
 
 
 # ---------------------------------------------------------- replies out of protocol
-def raw_frame(payload: bytes, length: int | None = None) -> bytes:
-    """A frame as lmcached/wire/frames.py lays it out: u32 little-endian length, then the payload."""
-    return struct.pack("<I", len(payload) if length is None else length) + payload
-
-
 GARBAGE_FRAMES = {
-    "invalid_utf8": raw_frame(b"\x91\xa2\xff\xfe"),  # a str that is not UTF-8
-    "truncated": raw_frame(msgspec.msgpack.encode(LookupReply(3))[:-1]),
-    "wrong_field_type": raw_frame(msgspec.msgpack.encode(["lookup_reply", "many"])),
+    "invalid_utf8": frame(b"\x91\xa2\xff\xfe"),  # a str that is not UTF-8
+    "truncated": frame(msgspec.msgpack.encode(LookupReply(3))[:-1]),
+    "wrong_field_type": frame(msgspec.msgpack.encode(["lookup_reply", "many"])),
     "wrong_reply_type": encode_frame(Ok()),  # not what any data-path request expects
-    "oversized": raw_frame(b"", MAX_FRAME_BYTES + 1),
+    "oversized": frame(b"", MAX_FRAME_BYTES + 1),
     "closed": b"",
 }
 
@@ -290,11 +285,11 @@ class FakeDaemon:
         with conn:
             conn.settimeout(5)
             while True:
-                header = conn.recv(4, socket.MSG_WAITALL)
-                if len(header) < 4:
+                try:
+                    payload = recv_frame(conn)
+                except ConnectionResetError:
                     return
-                (length,) = struct.unpack("<I", header)
-                request = request_decoder.decode(conn.recv(length, socket.MSG_WAITALL))
+                request = request_decoder.decode(payload)
                 if isinstance(request, Hello) and self.greet:
                     conn.sendall(encode_frame(HelloReply(1, "fake", 1, 4096, 16, 65536, [7], 0)))
                 elif self.garbage:

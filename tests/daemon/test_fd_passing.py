@@ -18,6 +18,7 @@ import time
 import msgspec
 import pytest
 
+from raw_frames import recv_reply, send_payload
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, DaemonError
 from lmcached.wire.frames import encode_frame, reply_decoder
@@ -172,12 +173,8 @@ def test_a_hello_with_too_many_devices_is_refused(fake_tier_daemon):
     payload = msgspec.msgpack.encode(["open_tier", 0])
     with Connection(fake_tier_daemon.socket) as conn:
         conn.request(Hello(PROTOCOL_VERSION, os.getpid(), "t", [LAYOUT], ["fake-0"]))
-        conn._sock.sendall(struct.pack("<I", len(payload)) + payload)  # tier 0: the host
-        conn._recv_exactly(conn._header)
-        (length,) = struct.unpack("<I", conn._header)
-        reply = bytearray(length)
-        conn._recv_exactly(reply)
-        assert reply_decoder.decode(reply).code == "bad_request"
+        send_payload(conn._sock, payload)  # tier 0: the host
+        assert recv_reply(conn._sock).code == "bad_request"
 
 
 # ------------------------------------------------ in process: the loop, a stand-in service
