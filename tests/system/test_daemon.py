@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -18,8 +17,9 @@ import time
 import msgspec
 import pytest
 
+import raw_frames
 from lmcached.wire.connection import Connection, DaemonError, hello
-from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -82,9 +82,7 @@ class RawClient:
     sees exactly which frames the daemon sent (Connection pairs requests with replies)."""
 
     def __init__(self, path: str, timeout_s: float = 10.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout_s)
-        self.sock.connect(path)
+        self.sock = raw_frames.connect(path, timeout_s)
 
     def send(self, *messages) -> None:
         """Send every message in one write (pipelined)."""
@@ -92,21 +90,11 @@ class RawClient:
 
     def send_payload(self, payload: bytes) -> None:
         """Send one frame of a hand-built payload."""
-        self.sock.sendall(struct.pack("<I", len(payload)) + payload)
-
-    def _recv_exactly(self, num_bytes: int) -> bytes:
-        data = b""
-        while len(data) < num_bytes:
-            chunk = self.sock.recv(num_bytes - len(data))
-            if not chunk:
-                raise ConnectionResetError("the daemon closed the connection")
-            data += chunk
-        return data
+        raw_frames.send_payload(self.sock, payload)
 
     def read(self):
         """The next reply frame, decoded."""
-        (length,) = struct.unpack("<I", self._recv_exactly(4))
-        return reply_decoder.decode(self._recv_exactly(length))
+        return raw_frames.recv_reply(self.sock)
 
     def assert_nothing_more(self, wait_s: float = 0.3) -> None:
         """No further byte arrives within `wait_s` seconds."""
