@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from engine_worker import prompt_kv, small_layout
+from raw_frames import connect, recv_reply
 from test_engine_multiprocess import run_worker
 from test_limits import wait_for
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 from lmcached.daemon.l2.values import encode_value, l2_key, namespace_fingerprint
 from lmcached.wire.connection import Connection
-from lmcached.wire.frames import encode_frame, reply_decoder
+from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Info, Lookup, LookupReply, Ok, Ping
 
 pytestmark = pytest.mark.slow
@@ -248,30 +249,13 @@ def test_l2_down_at_start_is_not_an_error(redis_server, daemon_factory):
     assert daemon.info()["pinned_blocks"] == 0
 
 
-def _recv_exactly(sock, num_bytes: int) -> bytes:
-    data = b""
-    while len(data) < num_bytes:
-        piece = sock.recv(num_bytes - len(data))
-        if not piece:
-            raise AssertionError("the daemon closed the connection before replying")
-        data += piece
-    return data
-
-
-def _read_reply(sock):
-    length = int.from_bytes(_recv_exactly(sock, 4), "little")
-    return reply_decoder.decode(_recv_exactly(sock, length))
-
-
 @contextlib.contextmanager
 def session_on_paused_redis(daemon, redis_server):
     """A raw socket with a HELLO done, then Redis paused for 2 s: yields (socket, ns)."""
-    with socketlib.socket(socketlib.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(daemon.socket)
+    with connect(daemon.socket) as sock:
         sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "raw",
                                         [small_layout().to_wire()])))
-        ns = _read_reply(sock).namespaces[0]
+        ns = recv_reply(sock).namespaces[0]
         redis_server.client().client_pause(2000)
         yield sock, ns
 
@@ -281,8 +265,8 @@ def test_frames_after_a_parked_request_are_answered_after_it(redis_server, daemo
     with session_on_paused_redis(daemon, redis_server) as (sock, ns):
         # One write, two requests: the LOOKUP waits for its fetch, the PING behind it too.
         sock.sendall(encode_frame(Lookup([ns], b"\1" * 32)) + encode_frame(Ping()))
-        assert _read_reply(sock) == LookupReply(0)
-        assert _read_reply(sock) == Ok()
+        assert recv_reply(sock) == LookupReply(0)
+        assert recv_reply(sock) == Ok()
 
 
 def test_l2_metrics_equal_info_l2(redis_server, daemon_factory):
@@ -318,6 +302,6 @@ def test_a_client_that_shuts_down_its_side_while_parked_still_gets_its_reply(
         sock.sendall(encode_frame(Lookup([ns], b"\2" * 32)))
         time.sleep(0.2)  # parked by now
         sock.shutdown(socketlib.SHUT_WR)  # EOF while the LOOKUP waits for its fetch
-        assert _read_reply(sock) == LookupReply(0)
+        assert recv_reply(sock) == LookupReply(0)
         assert sock.recv(1) == b"", "then the daemon closes"
     assert daemon.info()["pinned_blocks"] == 0
