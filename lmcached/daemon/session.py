@@ -15,7 +15,7 @@ class PendingValue:
     """A value this session is writing: its key, its WRITING blocks (all in one tier),
     PUT or chunk, and when it was allocated (time.monotonic() seconds)."""
 
-    __slots__ = ("key", "blocks", "replace", "allocated_at")
+    __slots__ = ("key", "blocks", "replace", "allocated_at", "tier_id")
 
     def __init__(self, key: BlockHash, blocks: list[KVCacheBlock], replace: bool,
                  allocated_at: float) -> None:
@@ -23,11 +23,7 @@ class PendingValue:
         self.blocks = blocks
         self.replace = replace  # PUT replaces an existing key; a chunk never needs to
         self.allocated_at = allocated_at
-
-    @property
-    def tier_id(self) -> int:
-        """The tier of the value's blocks (0: the host arena)."""
-        return tier_of(self.blocks[0].ref)
+        self.tier_id = tier_of(blocks[0].ref)  # the blocks' tier (0: the host arena)
 
 
 class Session:
