@@ -42,8 +42,12 @@ def running_daemon(capacity: str, block_size: str | None = None,
         capacity: arena size ("512MiB", "2GiB").
         block_size: --block-size (default: the chunk size of the first layout).
         name: daemon name (arena segment /lmcached.<name>.<gen>); default bench-<pid>.
+
+    Its `--max-session-share` is 100: one session may fill the arena.
     """
-    args = ["--capacity", capacity, "--log-level", "WARNING"]
+    # One client at a time fills most of the arena here: the per-session cap (50% by
+    # default, a guard among many clients) would refuse the longest stores.
+    args = ["--capacity", capacity, "--log-level", "WARNING", "--max-session-share", "100"]
     if block_size:
         args += ["--block-size", block_size]
     with temporary_daemon(*args, name=name or f"bench-{os.getpid()}") as socket:

@@ -114,7 +114,10 @@ def private_servers(tag: str, capacity: str, block_size: str, leftovers: list[st
     echo_sock = os.path.join(tmp, "e.sock")
     daemon = echo = None
     try:
+        # --max-session-share 100: one client at a time fills the arena here (a TP=4
+        # scheduler pins every rank's chunks), which the default 50% cap would cut short.
         daemon = start_daemon(name, daemon_sock, "--capacity", capacity, "--block-size", block_size,
+                              "--max-session-share", "100",
                               log_path=os.path.join(tmp, "daemon.log"), timeout_s=START_DEADLINE_S)
         echo = start_echo(echo_sock, os.path.join(tmp, "echo.log"))
         yield Servers(daemon, daemon_sock, echo, echo_sock)
