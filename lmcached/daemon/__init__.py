@@ -13,6 +13,7 @@ What lives here:
     keys.py                    the block pool's keys for chunks and string keys
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)
+    pool_invariants.py         `check_pool_invariants`: every invariant of a block pool
     tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the
                                loop applies): demotion and L2 are its queues

@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable
 from lmcached.wire.protocol import block_ref
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
+from lmcached.daemon.pool_invariants import check_pool_invariants
 from lmcached.daemon.stats import PoolStats
 
 # Plain-int aliases of the states for the hot paths (no enum attribute lookups).
@@ -470,62 +471,10 @@ class BlockPool:
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Verify every invariant in O(num_blocks) (tests and debug builds).
+        """Verify every invariant in O(num_blocks) (tests and debug builds): see
+        lmcached/daemon/pool_invariants.py.
 
         Raises:
             AssertionError: an invariant is broken (indicates a bug).
         """
-        queued = {id(b) for b in self.free_block_queue.get_all_free_blocks()}
-        assert len(queued) == self.free_block_queue.num_free_blocks, (
-            "free queue length differs from num_free_blocks; this indicates a bug"
-        )
-        counts = {"writing": 0, "cached": 0, "detached": 0, "pinned": 0}
-        for block in self.blocks:
-            assert block.ref_cnt >= 0, f"negative ref_cnt in {block!r}; bug"
-            in_queue = id(block) in queued
-            should_be = block.ref_cnt == 0 and block.state != BlockState.WRITING
-            assert in_queue == should_be, (
-                f"{block!r} in free queue: {in_queue}, expected {should_be}; bug"
-            )
-            if block.state == BlockState.WRITING:
-                assert block.ref_cnt >= 1, f"unheld WRITING block {block!r}; bug"
-                counts["writing"] += 1
-            elif block.state == BlockState.READY:
-                if block.block_hash is None:
-                    assert block.ref_cnt > 0, f"unpinned detached {block!r}; bug"
-                    counts["detached"] += 1
-                else:
-                    span = self.cached.get(block.block_hash)
-                    assert span is not None and block in span, (
-                        f"READY {block!r} is not indexed under its hash; bug"
-                    )
-                    counts["cached"] += 1
-                if block.ref_cnt > 0:
-                    counts["pinned"] += 1
-            else:
-                assert block.block_hash is None and block.ref_cnt == 0, (
-                    f"FREE block with a hash or a ref: {block!r}; bug"
-                )
-        for span in self.cached.values():
-            for block in span:
-                assert block.state == BlockState.READY and block.span is span, (
-                    f"index points at {block!r} that is not READY in this span; bug"
-                )
-        cached_bytes = sum(b.num_bytes for span in self.cached.values() for b in span)
-        assert cached_bytes == self.num_cached_bytes, (
-            f"num_cached_bytes {self.num_cached_bytes} != {cached_bytes}; bug"
-        )
-        if self.group_of is not None:
-            groups: dict[Hashable, int] = {}
-            for block_hash in self.cached:
-                group = self.group_of(block_hash)
-                groups[group] = groups.get(group, 0) + 1
-            assert groups == self.num_values_by_group, (
-                f"num_values_by_group {self.num_values_by_group} != {groups}; bug"
-            )
-        assert counts == {
-            "writing": self.num_writing_blocks,
-            "cached": self.num_cached_blocks,
-            "detached": self.num_detached_blocks,
-            "pinned": self.num_pinned_blocks,
-        }, f"gauges differ from the blocks: {counts}; bug"
+        check_pool_invariants(self)

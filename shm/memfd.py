@@ -1,0 +1,121 @@
+"""Anonymous arenas: created with memfd_create by the daemon, mapped from a descriptor by
+its clients (the memory of a "fake" device tier in tests and CI, exported like a CUDA
+allocation: shm/device_memory.py). `Arena.create_memfd` and `Arena.from_fd` call these.
+Split from arena.py (pure move).
+"""
+
+import mmap
+import os
+
+from lmcached.shm import pages
+from lmcached.shm.pages import ProgressCallback
+from lmcached.shm.arena import (
+    _MEMFD_LINK_RE,
+    ARENA_MAGIC,
+    HEADER_BYTES,
+    SEGMENT_HEADER,
+    Arena,
+    _start_time_s,
+    segment_name,
+)
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def create_memfd(
+    cls: type[Arena],
+    name: str,
+    generation: int,
+    capacity_bytes: int,
+    block_bytes: int = 0,
+    prefault: bool = True,
+    progress: ProgressCallback | None = None,
+) -> "Arena":
+    """Create an anonymous arena (memfd_create), with the segment header of `create`,
+    that other processes map only through its file descriptor (`export_fd`, sent over
+    the daemon's socket): the memory of a "fake" device tier in tests and CI, which
+    stands in for a CUDA allocation exported the same way (shm/device_memory.py).
+
+    It has no name in /dev/shm: the kernel frees it when the owner's descriptor and
+    every mapping are gone, so nothing is left behind by a crash.
+
+    Args:
+        name: daemon name (1-64 of [A-Za-z0-9_-]); names the memfd for /proc.
+        generation: the daemon's generation (written in the header).
+        capacity_bytes, block_bytes, prefault, progress: as `create`.
+
+    Raises:
+        ValueError: bad name, capacity or block size.
+        OSError: the memory cannot be created, sized or mapped.
+    """
+    if capacity_bytes <= HEADER_BYTES:
+        raise ValueError(
+            f"capacity_bytes must exceed the {HEADER_BYTES}-byte header, got {capacity_bytes}"
+        )
+    fd = os.memfd_create(segment_name(name, generation)[1:], os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, capacity_bytes)
+        mapping = mmap.mmap(fd, capacity_bytes)
+        pid = os.getpid()
+        SEGMENT_HEADER.pack_into(mapping, 0, ARENA_MAGIC, generation, pid,
+                                 _start_time_s(pid), capacity_bytes,
+                                 block_bytes)
+        arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
+        arena._memfd = fd
+        if prefault:
+            arena.prefault(progress, reserve_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    logger.info("created anonymous arena %s: %d bytes, block_bytes=%d", arena.segment_name,
+                capacity_bytes, block_bytes)
+    return arena
+
+
+def from_fd(cls: type[Arena], fd: int, generation: int, block_bytes: int, size_bytes: int,
+            populate: bool = True) -> "Arena":
+    """Map an arena received as a file descriptor (an anonymous arena's `export_fd`),
+    read-write, its header read-only. The caller keeps and closes `fd` (the mapping
+    stays valid after it does).
+
+    As `attach`, nothing comes from the memory's bytes, which every client mapping it
+    can write: the size comes from the daemon, the generation from the memfd's name
+    (set by the daemon's `memfd_create`; no client can change it).
+
+    Args:
+        fd: the descriptor (OPEN_TIER's SCM_RIGHTS data).
+        generation: the generation the daemon announced; a memfd of lmcached named
+            for another generation is refused.
+        block_bytes: block size the daemon announced.
+        size_bytes: bytes of the memory the daemon announced (OPEN_TIER's
+            `size_bytes`); this many bytes are mapped.
+        populate: map every page now, as `attach`.
+
+    Returns:
+        A client arena (`is_owner` False): `close()` only unmaps it.
+
+    Raises:
+        ValueError: the memory is an arena of another generation, or smaller than
+            `size_bytes`.
+        OSError: `fd` cannot be mapped.
+    """
+    size = os.fstat(fd).st_size
+    if size < size_bytes or size_bytes <= HEADER_BYTES:
+        raise ValueError(f"descriptor {fd} holds {size} bytes, but the daemon announced "
+                         f"an arena of {size_bytes} bytes")
+    # The daemon's name, for messages; memory passed another way is "anonymous".
+    match = _MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
+    if match and match.group(2) != str(generation):
+        raise ValueError(f"descriptor {fd} is an arena of generation {match.group(2)}, "
+                         f"not of generation {generation}")
+    mapping = mmap.mmap(fd, size_bytes)
+    try:
+        if populate:
+            pages.populate(mapping, 0, size_bytes)
+        pages.protect_pages(mapping, HEADER_BYTES)
+    except BaseException:
+        mapping.close()
+        raise
+    name = match.group(1) if match else "anonymous"
+    return cls(name, generation, mapping, size_bytes, block_bytes, False)
