@@ -220,7 +220,6 @@ class LMCachedConnectorScheduler:
         self.num_stale_pins += 1
         load = state.load
         load.spans, load.generations, state.pins = self._acquire(load.hashes)
-        load.spans = [rank_spans[: len(load.hashes)] for rank_spans in load.spans]
 
     def _drop_lookup(self, state: _RequestState) -> None:
         """Unpin what the request's last lookup pinned and no allocation used."""
