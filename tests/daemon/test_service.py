@@ -31,7 +31,6 @@ from lmcached.wire.protocol import (
     CountReply,
     Delete,
     Error,
-    Evict,
     Get,
     Hello,
     HelloReply,
@@ -40,16 +39,8 @@ from lmcached.wire.protocol import (
     Lookup,
     LookupReply,
     Ok,
-    Ping,
     Put,
     Release,
-    TierInfo,
-)
-from lmcached.daemon.namespaces import (
-    MAX_DERIVED_BLOCKS,
-    MAX_LAYOUTS_PER_SESSION,
-    MAX_NAMESPACES,
-    MIN_DERIVED_BLOCKS,
 )
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
@@ -164,186 +155,6 @@ def assert_everything_returned(service: CacheService) -> None:
     assert pool.num_writing_blocks == 0
     assert [b.ref_cnt for b in pool.blocks] == [0] * pool.num_blocks
     pool.check_invariants()
-
-
-# ------------------------------------------------------------------------ HELLO
-def test_hello_without_layouts_opens_an_admin_session(make_service):
-    service = make_service(capacity_bytes=8 << 20, block_bytes=0)
-    session, reply = greet(service)
-    assert reply == HelloReply(session.session_id, service.config.name,
-                               service.arena.generation, 0, 0, 8 << 20, [], os.getpid(),
-                               [TierInfo(0, "host", "", 8 << 20, 0, 0)])
-    assert session.greeted and session.namespaces == []
-    assert service.pool is None  # no layout yet: the arena is not cut into blocks
-    assert error_code(service.handle(session, Lookup([1], chunk_hashes([0])))) == "bad_namespace"
-    assert service.handle(session, Ping()) == Ok()
-
-
-def test_hello_with_one_layout_registers_namespace_1(service):
-    session, reply = greet(service, LAYOUT)
-    assert reply.namespaces == [1] and session.namespaces == [1]
-    assert (reply.block_bytes, reply.num_blocks) == (BLOCK_BYTES, NUM_BLOCKS)
-    assert reply.capacity_bytes == SMALL_ARENA_BYTES
-    assert reply.arena_name == service.arena.name
-    assert reply.generation == service.arena.generation
-    assert reply.server_pid == os.getpid()
-
-
-def test_hello_with_several_layouts_registers_one_namespace_each(service):
-    session, reply = greet(service, *TP2, layout(model_name="other"))
-    assert reply.namespaces == [1, 2, 3] and session.namespaces == [1, 2, 3]
-    # An equal layout in another session is the same namespace: their chunks are shared.
-    _, reply = greet(service, TP2[1], layout(model_name="third"))
-    assert reply.namespaces == [2, 4]
-    assert service.handle(session, Info("clients")).sections["clients"]["namespaces"] == 4
-
-
-@pytest.mark.parametrize("version", [1, PROTOCOL_VERSION + 1])
-def test_hello_of_another_protocol_version_is_refused(service, version):
-    session = service.open_session(1, os.geteuid(), 0)
-    reply = service.handle(session, Hello(version, 1, "old", [LAYOUT]))
-    assert error_code(reply) == "version"
-    assert f"protocol version {version}" in reply.message
-    assert not session.greeted and service.namespaces == {}
-    assert error_code(service.handle(session, Lookup([1], b""))) == "no_session"
-    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "new", [LAYOUT]))
-    assert isinstance(reply, HelloReply) and reply.namespaces == [1]
-
-
-def test_a_second_hello_is_refused_and_changes_nothing(service):
-    session = greeted(service, LAYOUT)
-    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "again", TP2))
-    assert error_code(reply) == "bad_request" and "already" in reply.message
-    assert session.namespaces == [1] and session.name == "test"
-    assert len(service.namespaces) == 1
-
-
-def test_hello_with_too_many_layouts_is_refused(service):
-    many = [layout(rank, MAX_LAYOUTS_PER_SESSION + 1)
-            for rank in range(MAX_LAYOUTS_PER_SESSION + 1)]
-    session, reply = greet(service, *many)
-    assert error_code(reply) == "bad_request"
-    assert f"at most {MAX_LAYOUTS_PER_SESSION}" in reply.message
-    assert not session.greeted and service.namespaces == {}
-    reply = service.handle(session, Hello(PROTOCOL_VERSION, 1, "t", many[:-1]))
-    assert reply.namespaces == list(range(1, MAX_LAYOUTS_PER_SESSION + 1))
-
-
-def test_a_namespace_nothing_uses_is_freed_when_its_last_session_ends(service):
-    first = greeted(service, *TP2)
-    second = greeted(service, TP2[0])
-    service.close_session(first)
-    assert service.namespaces == {TP2[0]: 1}  # rank 1 had no other session, no value
-    service.close_session(second)
-    assert service.namespaces == {} and service.stats.freed_namespaces["namespaces"] == 2
-    fields = service.handle(greeted(service), Info("clients")).sections["clients"]
-    assert (fields["namespaces"], fields["namespaces_freed"]) == (0, 2)
-    assert greeted(service, layout(model_name="next")).namespaces == [1]  # ids given again
-
-
-def test_a_namespace_outlives_its_sessions_while_a_value_is_cached(service):
-    """The chunk keeps its namespace (and id) for the next session of the layout; its
-    eviction frees the namespace; a freed id given to another layout finds nothing of
-    the old one."""
-    writer = greeted(service, LAYOUT, layout(fmt="kv"))
-    store(service, writer, 1, [7])
-    put(service, writer, 2, "key")
-    assert service.handle(writer, Acquire([1], chunk_hashes([7]))).lease  # a hit
-    service.close_session(writer)
-    other = greeted(service, layout(model_name="other"))
-    assert other.namespaces == [3]  # 1 and 2 still name the writer's layouts
-    reader = greeted(service, LAYOUT)
-    assert reader.namespaces == [1] and lookup(service, reader, [1], [7]) == 1
-    service.close_session(reader)
-    assert service.handle(greeted(service), Evict(key="key")) == CountReply(1)
-    assert LAYOUT in service.namespaces and layout(fmt="kv") not in service.namespaces
-    assert service.handle(greeted(service), Evict(lru=1)) == CountReply(1)  # chunk 7
-    assert LAYOUT not in service.namespaces  # freed with its last value
-    assert service.stats.freed_namespaces == {"namespaces": 2, "hit_chunks": 1,
-                                             "miss_chunks": 0, "hit_tokens": 16,
-                                             "miss_tokens": 0}
-    assert service.pool.stats.hits == 1 + sum(service.stats.ns_hits.values())
-    reused = greeted(service, layout(model_name="reuses-id-1"))
-    assert reused.namespaces == [1] and lookup(service, reused, [1], [7]) == 0
-    assert_everything_returned(service)
-
-
-def test_a_value_evicted_by_pressure_frees_its_namespace(make_service):
-    service = make_service(HEADER_BYTES + 2 * BLOCK_BYTES)
-    old = greeted(service, layout(model_name="old"))
-    store(service, old, 1, [1, 2])
-    service.close_session(old)
-    new = greeted(service, layout(model_name="new"))
-    assert new.namespaces == [2]
-    store(service, new, 2, [3])
-    assert 1 in service._ns_layout  # one of its chunks is still cached
-    store(service, new, 2, [4])  # evicts the old layout's last chunk
-    assert 1 not in service._ns_layout and service.namespaces == {layout(model_name="new"): 2}
-    assert_everything_returned(service)
-
-
-def test_hellos_beyond_max_namespaces_are_refused_until_one_is_freed(service):
-    sessions = [greeted(service, *(layout(rank, MAX_LAYOUTS_PER_SESSION, f"m{i}")
-                                   for rank in range(MAX_LAYOUTS_PER_SESSION)))
-                for i in range(MAX_NAMESPACES // MAX_LAYOUTS_PER_SESSION)]
-    assert len(service.namespaces) == MAX_NAMESPACES
-    session, reply = greet(service, layout(model_name="one-more"), LAYOUT)
-    assert error_code(reply) == "max_namespaces" and not session.greeted
-    assert f"over {MAX_NAMESPACES} namespaces" in reply.message
-    assert "close the sessions" in reply.message
-    assert len(service.namespaces) == MAX_NAMESPACES  # nothing registered
-    assert greeted(service, layout(0, MAX_LAYOUTS_PER_SESSION, "m0")).namespaces == [1]
-    service.close_session(sessions[-1])
-    assert greeted(service, layout(model_name="one-more"), LAYOUT).namespaces == [
-        MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 1, MAX_NAMESPACES - MAX_LAYOUTS_PER_SESSION + 2]
-
-
-def test_a_hello_refused_half_way_leaves_no_namespace(service):
-    _, reply = greet(service, LAYOUT, layout(model_name="huge", record_bytes=1 << 30))
-    assert error_code(reply) == "too_large"
-    assert service.namespaces == {}
-    assert greeted(service, layout(model_name="next")).namespaces == [1]
-
-
-def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
-    """Without --block-size, one HELLO with a 64 MiB chunk on a 64 MiB arena used to make
-    the arena one block; now the arena keeps MIN_DERIVED_BLOCKS blocks."""
-    service = make_service(capacity_bytes=64 << 20, block_bytes=0)
-    _, reply = greet(service, layout(model_name="huge", record_bytes=64 << 20))
-    assert error_code(reply) == "too_large"  # it does not fit at all
-    assert service.arena.num_blocks >= MIN_DERIVED_BLOCKS
-    _, reply = greet(service, LAYOUT)  # a real model still gets a useful arena
-    assert isinstance(reply, HelloReply) and reply.num_blocks >= MIN_DERIVED_BLOCKS
-
-
-def test_a_record_larger_than_the_derived_block_spans_several_blocks(make_service):
-    service = make_service(capacity_bytes=8 << 20, block_bytes=0)
-    session, reply = greet(service, layout(model_name="big", record_bytes=300_000))
-    assert reply.block_bytes == 124 << 10  # (8 MiB - 4 KiB header) / 64, in whole pages
-    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
-    alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [300_000]))
-    assert alloc.status == [ALLOCATED] and alloc.span_lengths == [3]
-    assert_everything_returned(service)
-
-
-@pytest.mark.parametrize("record_bytes", [1, 1000, 4096])
-def test_a_tiny_first_layout_cannot_cut_a_large_arena_into_tiny_blocks(make_service,
-                                                                        record_bytes):
-    """Without --block-size, a first HELLO with a tiny record used to cut a 1 GiB arena
-    into 262,143 blocks of 4 KiB (every walk over the cached values that long); now the
-    arena has at most MAX_DERIVED_BLOCKS blocks (sparse: the arena is not prefaulted)."""
-    service = make_service(capacity_bytes=1 << 30, block_bytes=0)
-    session, reply = greet(service, layout(model_name="tiny", record_bytes=record_bytes))
-    assert isinstance(reply, HelloReply), reply
-    assert reply.block_bytes == 16 << 10  # (1 GiB - 4 KiB header) / 2**16, in whole pages
-    assert reply.num_blocks == len(service.pool.blocks) <= MAX_DERIVED_BLOCKS
-    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
-
-
-def test_operator_block_size_wins_over_the_layout(make_service):
-    service = make_service(capacity_bytes=8 << 20, block_bytes=0, config_block_bytes=1 << 20)
-    _, reply = greet(service, LAYOUT)
-    assert reply.block_bytes == 1 << 20 and reply.num_blocks == 7
 
 
 # ------------------------------------------------------------ frames (answer_frame)
