@@ -50,7 +50,7 @@ except ImportError as exc:
 from lmcached.client.builder import CacheEngineBuilder
 from lmcached.client.daemon_link import CacheUnavailable
 from lmcached.client.engine import CacheEngine
-from lmcached.client.hashing import hash_block_tokens, hash_request_tokens
+from lmcached.client.hashing import hash_block_tokens, hash_request_tokens, root_hash
 from lmcached.client.layout import KVLayout
 from lmcached.client.views import PinsLost, RetrievedViews
 
@@ -63,4 +63,5 @@ __all__ = [
     "RetrievedViews",
     "hash_block_tokens",
     "hash_request_tokens",
+    "root_hash",
 ]

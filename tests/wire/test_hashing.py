@@ -22,7 +22,7 @@ import xxhash
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lmcached.client.hashing import as_token_array, hash_block_tokens, hash_request_tokens
+from lmcached.client.hashing import as_token_array, hash_block_tokens, hash_request_tokens, root_hash
 
 DOCUMENTED_SEED = 0x6C6D63616368  # b"lmcach": hashing.py; docs/architecture.md, "Chunk hashes"
 DOCUMENTED_ROOT = b"\0" * 16
@@ -185,3 +185,34 @@ def test_chain_depends_on_chunk_size(tokens, sizes):
     small, large = sorted(sizes)
     assume(small < len(tokens))  # else both are one chunk of the same tokens: equal by design
     assert hash_request_tokens(small, tokens)[0] != hash_request_tokens(large, tokens)[0]
+
+
+# A salted chain starts from xxh3_128(b"lmcached-salt\0" || utf-8 salt), seed as above
+# (client/hashing.py, `root_hash`): written literally, as the digests above are.
+SALTED_ROOT_TENANT_A = "301523b1a6ae90d3e9db61631e1f6509"
+
+
+def test_a_salted_chain_starts_from_the_documented_salted_root():
+    assert root_hash("tenant-a").hex() == SALTED_ROOT_TENANT_A
+    expected = xxhash.xxh3_128(b"lmcached-salt\0" + "tenant-a".encode(), seed=DOCUMENTED_SEED).hexdigest()
+    assert root_hash("tenant-a").hex() == expected
+    tokens = np.arange(600, dtype=np.int64)
+    first = hash_block_tokens(bytes.fromhex(SALTED_ROOT_TENANT_A), tokens[:256])
+    assert hash_request_tokens(256, tokens, salt="tenant-a")[0] == first
+
+
+def test_no_salt_is_the_unsalted_chain_and_salts_share_no_hash():
+    tokens = np.arange(1000, dtype=np.int64)
+    plain = hash_request_tokens(256, tokens)
+    assert root_hash(None) == DOCUMENTED_ROOT
+    assert hash_request_tokens(256, tokens, salt=None) == plain
+    a = hash_request_tokens(256, tokens, salt="a")
+    b = hash_request_tokens(256, tokens, salt="b")
+    assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
+
+
+def test_a_salt_that_is_not_a_non_empty_str_is_refused():
+    with pytest.raises(ValueError, match="pass None"):
+        root_hash("")
+    with pytest.raises(TypeError, match="must be a str"):
+        hash_request_tokens(256, [1, 2, 3], salt=b"a")
