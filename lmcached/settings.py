@@ -21,6 +21,7 @@ from lmcached.daemon.server_config import (
 )
 from lmcached.shm.geometry import MAX_NUM_BLOCKS, MIN_BLOCK_BYTES
 from lmcached.sizes import parse_size
+from lmcached.wire.extras import install_hint
 from lmcached.wire.protocol import MAX_FRAME_BYTES
 from lmcached.wire.socket_path import DEFAULT_NAME
 from lmcached.wire.units import echo_size, format_size, size_style
@@ -119,8 +120,7 @@ def _parse_l2_url(value: str) -> str:
     try:  # the L2 tier owns the URL's syntax; redis-py is imported only with --l2
         from lmcached.daemon.l2.redis_store import parse_l2_url
     except ImportError as exc:
-        raise ValueError(f"the L2 tier needs redis-py ({exc}): pip install 'lmcached[l2]'") \
-            from None
+        raise ValueError(f"the L2 tier needs redis-py ({exc}): {install_hint('l2')}") from None
     parse_l2_url(value)
     return value
 
@@ -255,7 +255,7 @@ SETTINGS: dict[str, Setting] = {
         _NonEmpty,
         _parse_l2_url, 'a Redis URL, e.g. "redis://10.0.0.5:6379"', "URL",
         "L2 tier on Redis or Valkey (docs/l2.md): redis://HOST:PORT[,HOST:PORT...]; a "
-        "cluster when the servers say so. Needs `pip install 'lmcached[l2]'`.",
+        f"cluster when the servers say so. Needs redis-py: {install_hint('l2')}.",
         None, "off", field="l2_url"),
     "l2_policy": Setting(
         Literal["write-through", "on-evict"],
@@ -292,7 +292,7 @@ SETTINGS: dict[str, Setting] = {
         "GPU tier: this much device memory per --gpu-device, owned by the daemon and "
         "shared with clients by CUDA VMM file descriptors; chunks stored from a GPU go "
         "there first and are demoted to the arena when it fills (docs/architecture.md, "
-        "\"Tiers\"). Needs `pip install 'lmcached[gpu]'`.",
+        f"\"Tiers\"). Needs NVIDIA's cuda-bindings: {install_hint('gpu')}.",
         None, "off", field="gpu_capacity_bytes"),
     "gpu_device": Setting(
         str | int,  # "0,1", or an integer in TOML

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import init_logger
 from lmcached.shm.arena import Arena
 from lmcached.wire.units import format_bytes
@@ -136,7 +137,7 @@ def _cuda_memory(device: int, size_bytes: int):
         from lmcached.shm.cuda_driver import CudaError, CudaVmmMemory
     except ImportError as exc:
         raise DeviceTierError(
-            f"--gpu-capacity needs NVIDIA's cuda-bindings ({exc}): pip install 'lmcached[gpu]'"
+            f"--gpu-capacity needs NVIDIA's cuda-bindings ({exc}): {install_hint('gpu')}"
         ) from None
     try:
         return CudaVmmMemory(device, size_bytes)

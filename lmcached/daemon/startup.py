@@ -27,6 +27,7 @@ from collections.abc import Callable
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.shm.pages import shm_free_bytes
 from lmcached.wire.units import echo_size, format_bytes, format_size, size_style
+from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter
@@ -246,7 +247,7 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
         from lmcached.daemon.l2.redis_store import RedisL2, parse_l2_url
         from lmcached.daemon.l2.tier import L2Tier
     except ImportError as exc:
-        raise StartupError(f"--l2 needs redis-py ({exc}): pip install 'lmcached[l2]'") from exc
+        raise StartupError(f"--l2 needs redis-py ({exc}): {install_hint('l2')}") from exc
     try:
         addresses = parse_l2_url(cfg.l2_url)
     except ValueError as exc:

