@@ -50,7 +50,7 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
 )
-from lmcached.wire.socket_path import check_client_socket_directory, default_socket_path
+from lmcached.wire.socket_path import check_client_socket_directory, find_socket_path
 
 logger = init_logger(__name__)
 
@@ -103,7 +103,10 @@ class DaemonLink:
     session with the caller's thread).
 
     Args:
-        socket_path: the daemon's socket, or None for the default of daemon `name`.
+        socket_path: the daemon's socket, or None to look for daemon `name` where it
+            may listen (`find_socket_path`: $LMCACHED_SOCKET, /run/lmcached,
+            $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached, /tmp/lmcached-<uid>), again
+            at each reconnect.
         name: daemon name used to find the default socket, and the client's name.
         layouts: the namespaces to register in HELLO, one per layout (e.g. one per
             tensor parallel rank); empty for admin-like clients.
@@ -144,7 +147,9 @@ class DaemonLink:
         if not (timeout_s > 0 and data_timeout_s > 0):
             raise ValueError(f"timeouts must be positive seconds, got timeout_s={timeout_s}, "
                              f"data_timeout_s={data_timeout_s}")
-        self.socket_path = socket_path or default_socket_path(name)
+        self.name = name
+        self._socket_given = socket_path is not None
+        self.socket_path = socket_path or find_socket_path(name)
         self.layouts = tuple(layouts)
         self.timeout_s = timeout_s
         self.data_timeout_s = data_timeout_s
@@ -200,6 +205,8 @@ class DaemonLink:
 
     def _connect(self, timeout_s: float | None) -> None:
         with self.lock:
+            if not self._socket_given:  # a daemon started since may listen elsewhere
+                self.socket_path = find_socket_path(self.name)
             check_client_socket_directory(self.socket_path)
             conn = Connection(self.socket_path, self.timeout_s if timeout_s is None else timeout_s)
             devices = [d for d in self.devices if d not in self.failed_devices]

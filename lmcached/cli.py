@@ -23,7 +23,8 @@ from lmcached.wire.protocol import Clear, ConfigGet, Evict, Info, Ping, Shutdown
 from lmcached.wire.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,
-    default_socket_path,
+    client_socket_paths,
+    no_daemon_message,
 )
 from lmcached.info_text import blocks_note, render_clients, render_info
 
@@ -68,7 +69,9 @@ def serve(ctx: click.Context, **_settings) -> None:
 def _admin_options(func):
     func = click.option("--socket", "socket_path", help="Daemon socket (env: LMCACHED_SOCKET).")(func)
     func = click.option("--name", default="default", show_default=True,
-                        envvar="LMCACHED_NAME", help="Daemon name, to find its socket.")(func)
+                        envvar="LMCACHED_NAME", help="Daemon name, to find its socket (in "
+                        "/run/lmcached, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached, "
+                        "/tmp/lmcached-UID: the first that has a daemon).")(func)
     return func
 
 
@@ -89,20 +92,42 @@ def _session(socket_path: str | None, name: str, talk):
         click.ClickException: no daemon, an unsafe socket directory, a broken connection,
             or an Error reply (printed as one `Error: ...` line, exit status 1).
     """
-    path = socket_path or default_socket_path(name)
+    paths = [socket_path] if socket_path else client_socket_paths(name)
+    conn = _connect(paths)
+    path = conn.socket_path
     try:
-        check_client_socket_directory(path)
-        with Connection(path, timeout_s=10.0) as conn:
+        with conn:
             hello(conn, "lmcached-cli")
             return talk(conn)
-    except UnsafeSocketPathError as exc:
-        raise click.ClickException(str(exc)) from None
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise click.ClickException(f"no daemon is running on {path}") from None
     except (ConnectionError, TimeoutError, OSError) as exc:
         raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
     except DaemonError as exc:  # "<code>: <message>", the code as INFO counts it
         raise click.ClickException(str(exc)) from None
+
+
+def _connect(paths: list[str]) -> Connection:
+    """A connection to the first of `paths` where a daemon listens (`client_socket_paths`:
+    --socket, $LMCACHED_SOCKET, or where the daemon NAME may listen, in order).
+
+    Raises:
+        click.ClickException: no daemon on any of them (the message lists them), an
+            unsafe socket directory, or a socket that refuses us (e.g. permissions).
+    """
+    for path in paths:
+        try:
+            check_client_socket_directory(path)
+            return Connection(path, timeout_s=10.0)
+        except UnsafeSocketPathError as exc:
+            raise click.ClickException(str(exc)) from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            continue  # no daemon there (or a stale socket): the next place
+        except PermissionError:
+            raise click.ClickException(
+                f"permission denied on {path}: connect as the daemon's user or root, or as "
+                f"a member of the group the daemon allows (--allow-group)") from None
+        except OSError as exc:
+            raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
+    raise click.ClickException(no_daemon_message(paths))
 
 
 @main.command()

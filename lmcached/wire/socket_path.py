@@ -24,6 +24,11 @@ anybody can make a directory, the directory must be the client's own (or root's)
 
 The daemon creates a missing directory itself (`prepare_socket_directory`): 0700, or
 0750 and the allowed group with `--allow-group`.
+
+Where the daemon listens (`default_socket_path`) depends on its environment; a client
+(the CLI in an operator's shell, a worker) does not share it, so it looks in every place
+a daemon of that name may listen, in a fixed order (`client_socket_paths`), as redis-cli
+finds a packaged server with no options.
 """
 
 import grp
@@ -38,6 +43,10 @@ from lmcached.wire.logger import init_logger
 logger = init_logger(__name__)
 
 DEFAULT_NAME = "default"
+# RuntimeDirectory=lmcached of the systemd units (systemd/): the units' daemons listen
+# here, and an operator's shell has no $RUNTIME_DIRECTORY that says so. Tests point it
+# at a directory of their own.
+RUN_DIRECTORY = "/run/lmcached"
 MAX_SUN_PATH = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less the NUL)
 _DIR_MODE = 0o700
 _GROUP_DIR_MODE = 0o750
@@ -65,12 +74,75 @@ def default_socket_path(name: str) -> str:
     runtime_dir = envs.get("RUNTIME_DIRECTORY")
     if runtime_dir:
         # systemd may list several directories separated by ':'; ours is the first.
-        base = runtime_dir.split(":")[0]
-        return os.path.join(base, "lmcached.sock" if name == DEFAULT_NAME else f"{name}.sock")
+        return _runtime_socket(runtime_dir.split(":")[0], name)
+    return _user_socket_paths(name)[0]
+
+
+def _runtime_socket(directory: str, name: str) -> str:
+    """A systemd runtime directory's socket of daemon `name` (the default instance's is
+    `lmcached.sock`, as the units name it)."""
+    return os.path.join(directory, "lmcached.sock" if name == DEFAULT_NAME else f"{name}.sock")
+
+
+def _user_socket_paths(name: str) -> list[str]:
+    """`$XDG_RUNTIME_DIR/lmcached/<name>.sock` when that is set, then
+    `/tmp/lmcached-<uid>/<name>.sock`."""
     xdg = envs.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "lmcached", f"{name}.sock")
-    return os.path.join(f"/tmp/lmcached-{os.getuid()}", f"{name}.sock")
+    paths = [os.path.join(xdg, "lmcached", f"{name}.sock")] if xdg else []
+    return paths + [os.path.join(f"/tmp/lmcached-{os.getuid()}", f"{name}.sock")]
+
+
+def client_socket_paths(name: str) -> list[str]:
+    """Where a client looks for daemon `name` when it is given no socket, in order.
+
+    `$LMCACHED_SOCKET` alone when it is set (an explicit path, as --socket); else
+    `/run/lmcached/<name>.sock` (the systemd units' RUNTIME_DIRECTORY), then
+    `$RUNTIME_DIRECTORY/<name>.sock` (a client running under systemd itself), then
+    `$XDG_RUNTIME_DIR/lmcached/<name>.sock`, then `/tmp/lmcached-<uid>/<name>.sock`: the
+    places `default_socket_path` chooses in the environments a daemon runs in. The
+    default instance's file in a runtime directory is `lmcached.sock`. No path is
+    checked here (`check_client_socket_directory` does that before connecting).
+
+    Args:
+        name: the daemon's name (--name, $LMCACHED_NAME, "default").
+
+    Returns:
+        One path or more, without duplicates.
+    """
+    explicit = envs.get("LMCACHED_SOCKET")
+    if explicit:
+        return [explicit]
+    paths = [_runtime_socket(RUN_DIRECTORY, name)]
+    runtime_dir = envs.get("RUNTIME_DIRECTORY")
+    if runtime_dir:
+        paths.append(_runtime_socket(runtime_dir.split(":")[0], name))
+    paths += _user_socket_paths(name)
+    return list(dict.fromkeys(paths))
+
+
+def find_socket_path(name: str) -> str:
+    """The first of `client_socket_paths(name)` that holds a socket (a symlink to one
+    counts), else the first of them (where a daemon started later may listen).
+
+    A socket file is not a live daemon (it may be stale); callers that can try several
+    connect to each of `client_socket_paths` in turn instead (the CLI).
+    """
+    paths = client_socket_paths(name)
+    for path in paths:
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                return path
+        except OSError:  # missing, or a directory above it we may not enter
+            continue
+    return paths[0]
+
+
+def no_daemon_message(paths: list[str]) -> str:
+    """The "no daemon" error of a client that looked in `paths` (in that order)."""
+    if len(paths) == 1:
+        return f"no daemon is running on {paths[0]}"
+    return (f"no daemon is running on {', '.join(paths)} (looked there in this order; "
+            f"give --socket, or --name if the daemon has another name)")
 
 
 def _user(uid: int) -> str:

@@ -200,3 +200,31 @@ def test_an_acquire_reply_of_chunks_per_request_device_chunks_fits_one_frame():
                         span_lengths=[blocks_per_chunk] * num_chunks,
                         num_bytes=[layout.record_bytes(16)] * num_chunks)
     assert len(encode_frame(reply)) <= MAX_FRAME_BYTES + 4
+
+
+def test_a_link_given_no_socket_finds_its_daemon_where_it_started_later(
+        monkeypatch, short_tmp, unique_name):
+    """A worker given only the daemon's name looks where the daemon may listen
+    (/run/lmcached, ..., $XDG_RUNTIME_DIR/lmcached) at each reconnect: a daemon started
+    after the worker, in the last of those places, is found without a restart."""
+    from conftest import start_daemon
+    from lmcached.wire import socket_path
+
+    monkeypatch.setattr(socket_path, "RUN_DIRECTORY", os.path.join(short_tmp, "run-lmcached"))
+    for name in ("LMCACHED_SOCKET", "RUNTIME_DIRECTORY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(short_tmp, "xdg"))
+    link = DaemonLink(None, name=unique_name, layouts=[LAYOUT.to_wire()])
+    assert not link.try_connect()  # nothing runs yet: a miss, not an error
+    where = os.path.join(short_tmp, "xdg", "lmcached", f"{unique_name}.sock")
+    daemon = start_daemon(unique_name, where, os.path.join(short_tmp, "d.log"),
+                          "--capacity", "8MiB")
+    try:
+        deadline = time.monotonic() + 10
+        while link.snapshot() is None:  # the back-off passes, the next try finds it
+            assert time.monotonic() < deadline, link.socket_path
+            time.sleep(0.05)
+        assert link.socket_path == where and link.generation is not None
+        link.close()
+    finally:
+        assert daemon.stop() == 0

@@ -14,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from lmcached import config
+from conftest import start_daemon
 from lmcached.wire import envs
+from lmcached.wire import socket_path as socket_paths
 from lmcached.cli import main
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.protocol import Alloc, Commit, Layout
@@ -223,6 +225,59 @@ def test_stop_stops_the_daemon_gracefully(daemon):
 
 
 # ------------------------------------------------------------- finding the socket
+@pytest.fixture
+def run_directory(monkeypatch, short_tmp) -> str:
+    """A directory standing in for /run/lmcached (the systemd units' runtime directory),
+    not created; no socket variable of the caller's environment leaks in."""
+    path = os.path.join(short_tmp, "run-lmcached")
+    monkeypatch.setattr(socket_paths, "RUN_DIRECTORY", path)
+    for name in ("LMCACHED_SOCKET", "LMCACHED_NAME", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    return path
+
+
+def test_name_alone_finds_the_daemon_the_units_start(run_directory, unique_name, short_tmp):
+    """A unit's daemon listens on /run/lmcached/NAME.sock; an operator's shell has no
+    $RUNTIME_DIRECTORY. `--name NAME` alone finds it, before /tmp/lmcached-<uid>."""
+    os.mkdir(run_directory, 0o700)
+    daemon = start_daemon(unique_name, os.path.join(run_directory, f"{unique_name}.sock"),
+                          os.path.join(short_tmp, "units.log"), "--capacity", "8MiB")
+    try:
+        result = run_cli("info", "server", "--name", unique_name)
+        assert result.exit_code == 0, result.output
+        assert f"socket:{daemon.socket}" in result.stdout.splitlines()
+        assert run_cli("ping", "--name", unique_name).stdout == "PONG\n"
+    finally:
+        assert daemon.stop() == 0
+    assert not os.path.exists(daemon.socket)
+
+
+def test_no_daemon_lists_every_place_it_looked_in_order(run_directory, monkeypatch, short_tmp):
+    runtime_dir = os.path.join(short_tmp, "rt")
+    monkeypatch.setenv("RUNTIME_DIRECTORY", runtime_dir)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(short_tmp, "xdg"))
+    result = run_cli("ping", "--name", "llama")
+    assert (result.exit_code, result.stdout) == (1, "")
+    looked = [os.path.join(run_directory, "llama.sock"), os.path.join(runtime_dir, "llama.sock"),
+              os.path.join(short_tmp, "xdg", "lmcached", "llama.sock"),
+              f"/tmp/lmcached-{os.getuid()}/llama.sock"]
+    assert result.stderr == (f"Error: no daemon is running on {', '.join(looked)} (looked "
+                             "there in this order; give --socket, or --name if the daemon "
+                             "has another name)\n")
+
+
+def test_a_stale_socket_on_the_way_is_passed_over(daemon, run_directory, monkeypatch):
+    """A socket left in /run/lmcached by a dead daemon does not hide the live one."""
+    os.mkdir(run_directory, 0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(os.path.join(run_directory, "lmcached.sock"))
+    stale.close()
+    monkeypatch.setenv("RUNTIME_DIRECTORY", os.path.dirname(daemon.socket))
+    os.symlink(daemon.socket, os.path.join(os.path.dirname(daemon.socket), "lmcached.sock"))
+    result = run_cli("ping")
+    assert (result.exit_code, result.stdout) == (0, "PONG\n")
+
+
 def test_socket_comes_from_lmcached_socket(daemon):
     result = run_cli("ping", env={"LMCACHED_SOCKET": daemon.socket})
     assert (result.exit_code, result.stdout) == (0, "PONG\n")
@@ -301,22 +356,30 @@ SOCKET_SOURCES = ["--socket", "LMCACHED_SOCKET", "--name", "LMCACHED_NAME", "def
 
 @pytest.mark.parametrize("source", SOCKET_SOURCES)
 @pytest.mark.parametrize("command", ADMIN_COMMANDS, ids=lambda c: c[0])
-def test_admin_command_finds_the_socket_from_each_source(command, source, short_tmp):
+def test_admin_command_finds_the_socket_from_each_source(command, source, short_tmp,
+                                                         run_directory):
     """Each admin command resolves its socket the same way: --socket, else
     $LMCACHED_SOCKET, else NAME (--name or $LMCACHED_NAME, default "default") in
-    $RUNTIME_DIRECTORY. No daemon runs: the error line names the path it tried."""
+    /run/lmcached, $RUNTIME_DIRECTORY, /tmp/lmcached-<uid>. No daemon runs: the error
+    line names the paths it tried."""
     runtime_dir = os.path.join(short_tmp, "run")
     os.mkdir(runtime_dir, 0o700)
     explicit = os.path.join(short_tmp, "explicit.sock")
     env = {"LMCACHED_SOCKET": None, "LMCACHED_NAME": None, "RUNTIME_DIRECTORY": runtime_dir,
            "XDG_RUNTIME_DIR": None}
     args = []
+
+    def looked(file: str, name: str) -> str:
+        return (f"{os.path.join(run_directory, file)}, {os.path.join(runtime_dir, file)}, "
+                f"/tmp/lmcached-{os.getuid()}/{name}.sock (looked there in this order; give "
+                "--socket, or --name if the daemon has another name)")
+
     expected = {
         "--socket": explicit,
         "LMCACHED_SOCKET": explicit,
-        "--name": os.path.join(runtime_dir, "llama.sock"),
-        "LMCACHED_NAME": os.path.join(runtime_dir, "llama.sock"),
-        "default": os.path.join(runtime_dir, "lmcached.sock"),
+        "--name": looked("llama.sock", "llama"),
+        "LMCACHED_NAME": looked("llama.sock", "llama"),
+        "default": looked("lmcached.sock", "default"),
     }[source]
     if source == "--socket":
         args = ["--socket", explicit]
