@@ -26,6 +26,8 @@ from lmcached.wire.protocol import (
     Layout,
 )
 
+# An Error frame the daemon sends before it closes a connection (a refusal) is far smaller.
+_MAX_REFUSAL_BYTES = 64 * 1024
 # poll(2) events of a connection the peer closed (or that broke).
 _PEER_GONE_EVENTS = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
@@ -100,7 +102,8 @@ class Connection:
                 one timeout.
 
         Raises:
-            DaemonError: the daemon answered with an Error (the connection stays usable).
+            DaemonError: the daemon answered with an Error (the connection stays usable),
+                or refused the connection and closed it (e.g. `max_clients`; then not).
             ValueError: the message exceeds MAX_FRAME_BYTES; nothing was sent (the
                 connection stays usable).
             TimeoutError: no reply within the timeout; the connection is then unusable.
@@ -138,7 +141,7 @@ class Connection:
         self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
         fds: list[int] = []
         try:
-            self._sock.sendall(frame)
+            self._send_request(frame)
             if max_fds:
                 fds = self._recv_header_with_fds(max_fds)
             else:
@@ -169,6 +172,49 @@ class Connection:
                 self._broken = f"{type(exc).__name__}: {exc}"
             raise
         return reply, fds
+
+    def _send_request(self, frame: bytes) -> None:
+        """Send a request frame. When the daemon has closed the connection already (a
+        refusal at accept, such as `max_clients`, is an Error frame and a close, often
+        before the client writes), the send fails with EPIPE while the Error frame waits
+        unread: it is read then, and raised as the DaemonError it is, so that the caller
+        learns the daemon's reason instead of an errno.
+
+        Raises:
+            DaemonError: the daemon's refusal; the connection is over.
+            OSError: the send failed for another reason (no refusal is waiting).
+        """
+        try:
+            self._sock.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            refusal = self._waiting_refusal()
+            if refusal is None:
+                raise
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise DaemonError(refusal.code, refusal.message) from None
+
+    def _waiting_refusal(self) -> Error | None:
+        """The Error frame the daemon sent before closing, if it waits complete in the
+        receive queue (read without blocking); None otherwise."""
+        data = bytearray()
+        try:
+            while len(data) < _MAX_REFUSAL_BYTES:
+                chunk = self._sock.recv(_MAX_REFUSAL_BYTES - len(data), socket.MSG_DONTWAIT)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:  # nothing more waits (EAGAIN), or the connection is reset
+            pass
+        if len(data) < FRAME_LENGTH.size:
+            return None
+        (length,) = FRAME_LENGTH.unpack_from(data)
+        if len(data) < FRAME_LENGTH.size + length:
+            return None
+        try:
+            reply = reply_decoder.decode(data[FRAME_LENGTH.size : FRAME_LENGTH.size + length])
+        except (msgspec.MsgspecError, ValueError):
+            return None
+        return reply if isinstance(reply, Error) else None
 
     def _recv_header_with_fds(self, max_fds: int) -> list[int]:
         """Receive the reply's length prefix and the descriptors sent with it, made

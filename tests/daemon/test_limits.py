@@ -16,7 +16,7 @@ import pytest
 
 from raw_frames import connect, frame, read_replies, split_frames
 from lmcached.daemon.connection import SILENT_GRACE_S
-from lmcached.wire.connection import Connection, hello
+from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
@@ -209,6 +209,26 @@ def test_max_clients_refuses_with_an_error_but_sheds_silent_connections(daemon_f
     silent.close()
     info = daemon.info()
     assert info["errors_max_clients"] >= 1 and info["errors_max_clients_silent_dropped"] == 1
+
+
+def test_a_client_refused_at_max_clients_always_learns_max_clients(daemon_factory):
+    """The refusal is an Error frame and a close, often before the client writes its
+    HELLO: the write then fails with EPIPE, and the reply waiting unread must still be
+    what the client reports, not `[Errno 32] Broken pipe` (`lmcached` printed that)."""
+    daemon = daemon_factory("--capacity", "16MiB", "--block-size", "1MiB", "--max-clients", "1")
+    holder = Connection(daemon.socket)
+    hello(holder, "holder")
+    refused = Connection(daemon.socket, timeout_s=5.0)
+    wait_for(refused.peer_closed, what="the daemon closes the refused connection")
+    with pytest.raises(DaemonError) as caught:  # the write fails: EPIPE
+        hello(refused, "late")
+    assert caught.value.code == "max_clients"
+    assert "max number of clients reached (1; see --max-clients)" in str(caught.value)
+    with pytest.raises(ConnectionError, match="out of step"):  # that connection is over
+        refused.request(Ping())
+    refused.close()
+    holder.request(Ping())  # the admitted one is unaffected
+    holder.close()
 
 
 def test_buffer_budget_drops_the_clients_holding_the_most(daemon_factory):
