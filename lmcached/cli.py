@@ -12,6 +12,7 @@ status 2, with the usage).
 
 import json
 import sys
+import time
 
 import click
 
@@ -19,7 +20,7 @@ from lmcached.config import config_from_context, serve_params
 from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import configure_logging
 from lmcached.wire.connection import Connection, DaemonError, hello, list_clients
-from lmcached.wire.protocol import Clear, ConfigGet, Evict, Info, Ping, Shutdown
+from lmcached.wire.protocol import INFO_SECTIONS, Clear, ConfigGet, Evict, Info, Ping, Shutdown
 from lmcached.wire.socket_path import (
     UnsafeSocketPathError,
     check_client_socket_directory,
@@ -27,6 +28,27 @@ from lmcached.wire.socket_path import (
     no_daemon_message,
 )
 from lmcached.info_text import blocks_note, render_clients, render_info
+
+
+STOP_WAIT_S = 60.0  # how long `stop` waits for the daemon to exit, by default
+_EXIT_POLL_S = 0.05
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Wait until process `pid` has exited (a zombie, exited but not yet reaped by its
+    parent, counts as exited). Returns False if it still runs after `timeout_s`."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_EXIT_POLL_S)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,11 +117,20 @@ def _session(socket_path: str | None, name: str, talk):
     paths = [socket_path] if socket_path else client_socket_paths(name)
     conn = _connect(paths)
     path = conn.socket_path
+    answered = False
     try:
         with conn:
             hello(conn, "lmcached-cli")
+            answered = True
             return talk(conn)
     except (ConnectionError, TimeoutError, OSError) as exc:
+        if not answered and isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            # accepted, then closed before any reply: the daemon was stopping (a refusal
+            # such as max_clients is an Error reply, a DaemonError), or it does not accept
+            # this peer (SO_PEERCRED), which it logs
+            raise click.ClickException(
+                f"the daemon on {path} closed the connection without answering: it is "
+                "stopping, or it does not accept this user (see its log)") from None
         raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
     except DaemonError as exc:  # "<code>: <message>", the code as INFO counts it
         raise click.ClickException(str(exc)) from None
@@ -131,16 +162,17 @@ def _connect(paths: list[str]) -> Connection:
 
 
 @main.command()
-@click.argument("section", required=False)
+@click.argument("section", required=False, metavar="[SECTION]",
+                type=click.Choice(INFO_SECTIONS, case_sensitive=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_admin_options
 def info(section, as_json, socket_path, name) -> None:
-    """Server statistics: server, memory, blocks, clients, stats (or one SECTION).
+    """Server statistics: server, memory, blocks, clients, stats, l2 (or one SECTION).
 
     While no client has sent a layout (and --block-size is unset), the arena has no
     blocks yet; a note on stderr says why.
     """
-    reply = _request(socket_path, name, Info(section))
+    reply = _request(socket_path, name, Info(section and section.lower()))
     if as_json:
         click.echo(json.dumps(reply.sections, indent=2))
         return
@@ -186,19 +218,45 @@ def evict(lru, key, socket_path, name) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @_admin_options
 def clear(yes, socket_path, name) -> None:
-    """Evict every cached value that nobody is reading."""
+    """Evict every cached value that nobody is reading (asks first on a terminal)."""
     if not yes:
+        if not _stdin_is_terminal():
+            raise click.UsageError("clear asks for confirmation on a terminal, and stdin is "
+                                   "not one: pass --yes to clear without asking")
         click.confirm("Evict every unpinned value from the cache?", abort=True)
     reply = _request(socket_path, name, Clear())
     click.echo(f"evicted {reply.count}")
 
 
+def _stdin_is_terminal() -> bool:
+    return sys.stdin.isatty()
+
+
 @main.command()
+@click.option("--no-wait", is_flag=True, help="Return once the daemon has the request, "
+              "without waiting for it to exit.")
+@click.option("--timeout", "timeout_s", default=STOP_WAIT_S, show_default=True,
+              type=click.FloatRange(min=0), help="Seconds to wait for the daemon to exit.")
 @_admin_options
-def stop(socket_path, name) -> None:
-    """Stop the daemon gracefully (as SIGTERM)."""
-    _request(socket_path, name, Shutdown())
+def stop(no_wait, timeout_s, socket_path, name) -> None:
+    """Stop the daemon gracefully (as SIGTERM), and wait until it has exited: its
+    clients closed, its socket and arena removed."""
+    pid = _session(socket_path, name, _shutdown)
     click.echo("stopping")
+    if no_wait:
+        return
+    if not wait_for_exit(pid, timeout_s):
+        raise click.ClickException(f"the daemon (pid {pid}) has not exited after "
+                                   f"{timeout_s:g} s; see its log (it stops its L2 writes "
+                                   f"and device tiers first), or kill it: kill {pid}")
+    click.echo("stopped")
+
+
+def _shutdown(conn: Connection) -> int:
+    """Send SHUTDOWN; return the daemon's pid (SO_PEERCRED of the connection)."""
+    pid = conn.peer_pid()
+    conn.request(Shutdown())
+    return pid
 
 
 @main.command()

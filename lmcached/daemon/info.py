@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from lmcached import __version__
 from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
 from lmcached.daemon.stats import StatsSnapshot
@@ -21,8 +22,7 @@ from lmcached.wire.units import format_bytes
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.daemon.service import CacheService
 
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
-
+INFO_SECTIONS = protocol.INFO_SECTIONS  # their names are the wire contract's
 InfoFields = dict[str, int | float | str]
 _own_process = None  # a psutil.Process, made once: psutil.Process() reads /proc
 

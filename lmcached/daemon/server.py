@@ -281,25 +281,25 @@ class Server(ClientIO, ClientAccounting):
 
     # ----------------------------------------------------------------- teardown
     def _teardown(self) -> None:
-        """Stop the metrics endpoint, close clients, unlink the socket and the arena,
+        """Unlink the socket, stop the metrics endpoint, close clients, unlink the arena,
         then drop the name's lock (another daemon of the name may start and sweep), then
         restore the signal handlers: a second SIGTERM or SIGINT during the stop is caught
         (recorded) until the arena is unlinked. Idempotent."""
         self.notifier.notify("STOPPING=1", "STATUS=stopping")
+        if self._listener is not None:  # first: a client that comes now finds no daemon
+            if not self._accept_paused_until:
+                self._selector.unregister(self._listener)
+            try:
+                os.unlink(self.config.socket)
+            except FileNotFoundError:
+                pass
+            self._listener.close()
+            self._listener = None
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
         for conn in list(self._connections.values()):
             self._close(conn)
-        if self._listener is not None:
-            if not self._accept_paused_until:
-                self._selector.unregister(self._listener)
-            self._listener.close()
-            self._listener = None
-            try:
-                os.unlink(self.config.socket)
-            except FileNotFoundError:
-                pass
         if self.service is not None and self.service.l2 is not None:
             self.service.l2.close()  # its threads read the arena
         if self.service is not None:

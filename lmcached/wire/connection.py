@@ -28,6 +28,7 @@ from lmcached.wire.protocol import (
 
 # An Error frame the daemon sends before it closes a connection (a refusal) is far smaller.
 _MAX_REFUSAL_BYTES = 64 * 1024
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # poll(2) events of a connection the peer closed (or that broke).
 _PEER_GONE_EVENTS = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
@@ -293,6 +294,11 @@ class Connection:
     def close(self) -> None:
         """Close the socket (the daemon then releases this session's pins)."""
         self._sock.close()
+
+    def peer_pid(self) -> int:
+        """The daemon's process id, as the kernel saw it connect (SO_PEERCRED)."""
+        creds = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        return _UCRED.unpack(creds)[0]
 
     def peer_closed(self) -> bool:
         """Whether this connection is over: closed here, or by the daemon, with no wait.

@@ -205,8 +205,13 @@ class Scan(msgspec.Struct, tag="scan", array_like=True):
     count: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+# The sections INFO answers, in order (lmcached/daemon/info.py builds them; the CLI checks
+# a section name against them before it sends anything).
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
+
+
 class Info(msgspec.Struct, tag="info", array_like=True):
-    """Server statistics: every section, or one."""
+    """Server statistics: every section, or one (INFO_SECTIONS)."""
 
     section: str | None = None
 

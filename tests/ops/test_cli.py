@@ -94,12 +94,19 @@ def test_info_json_is_machine_readable(daemon):
     assert sections["server"]["name"] == daemon.name
 
 
-def test_info_unknown_section_fails_with_one_line_listing_the_sections(daemon):
+def test_info_unknown_section_is_a_usage_error_before_any_request(daemon):
+    """Checked by the CLI (exit status 2, the sections listed), so a typo never reaches
+    the daemon's error counters (the dashboard's error panel)."""
+    connections = info_json(daemon)["stats"]["connections_received"]
     result = run_cli("info", "nosuch", "--socket", daemon.socket)
-    assert result.exit_code == 1
-    assert result.stdout == ""
-    assert result.stderr == ("Error: bad_request: no INFO section 'nosuch'; sections: server, "
-                             "memory, blocks, clients, stats, l2\n")
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert ("Invalid value for '[SECTION]': 'nosuch' is not one of 'server', 'memory', "
+            "'blocks', 'clients', 'stats', 'l2'.") in result.stderr
+    stats = info_json(daemon)["stats"]
+    assert stats["errors"] == 0 and "errors_bad_request" not in stats
+    assert stats["connections_received"] == connections + 1  # info_json's: none between
+    result = run_cli("info", "MEMORY", "--socket", daemon.socket)  # as INFO: any case
+    assert result.exit_code == 0 and result.stdout.splitlines()[0] == "# Memory"
 
 
 BLOCKS_NOTE = ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
@@ -197,10 +204,21 @@ def test_clear_yes_evicts_everything_unpinned(daemon):
     assert info_json(daemon)["blocks"]["cached_values"] == 0
 
 
-def test_clear_asks_first_and_keeps_the_cache_when_refused(daemon):
+def test_clear_asks_first_and_keeps_the_cache_when_refused(daemon, monkeypatch):
     store_chunks(daemon, [1, 2]).close()
+    monkeypatch.setattr("lmcached.cli._stdin_is_terminal", lambda: True)
     result = run_cli("clear", "--socket", daemon.socket, input="n\n")
     assert result.exit_code == 1 and "Aborted" in result.stderr
+    assert info_json(daemon)["blocks"]["cached_values"] == 2
+
+
+def test_clear_without_a_terminal_says_to_pass_yes(daemon):
+    """In a script (no tty to ask on) clear printed only `Aborted!`."""
+    store_chunks(daemon, [1, 2]).close()
+    result = run_cli("clear", "--socket", daemon.socket)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.endswith("Error: clear asks for confirmation on a terminal, and "
+                                  "stdin is not one: pass --yes to clear without asking\n")
     assert info_json(daemon)["blocks"]["cached_values"] == 2
 
 
@@ -217,8 +235,22 @@ def test_config_shows_the_effective_configuration(daemon):
     assert json.loads(result.stdout)["name"] == daemon.name
 
 
-def test_stop_stops_the_daemon_gracefully(daemon):
+def test_stop_returns_once_the_daemon_has_exited(daemon):
+    """`stop` waits for the daemon's exit: when it returns, the process is gone, its
+    socket and arena removed, and the next command says there is no daemon (it printed
+    `[Errno 104] Connection reset by peer` while the daemon was stopping)."""
     result = run_cli("stop", "--socket", daemon.socket)
+    assert (result.exit_code, result.stdout) == (0, "stopping\nstopped\n")
+    assert daemon.proc.poll() == 0  # exited already (reaped here, not waited for)
+    assert not os.path.exists(daemon.socket)
+    assert not [s for s in list_segments() if s.startswith(f"lmcached.{daemon.name}.")]
+    result = run_cli("ping", "--socket", daemon.socket)
+    assert (result.exit_code, result.stderr) == (
+        1, f"Error: no daemon is running on {daemon.socket}\n")
+
+
+def test_stop_no_wait_returns_at_once(daemon):
+    result = run_cli("stop", "--no-wait", "--socket", daemon.socket)
     assert (result.exit_code, result.stdout) == (0, "stopping\n")
     assert daemon.proc.wait(timeout=15) == 0
     assert not os.path.exists(daemon.socket)
@@ -595,7 +627,7 @@ def test_serve_on_the_socket_of_a_running_daemon_is_one_error_line(daemon, uniqu
      "does not fit in capacity 8MB (--capacity) with the arena's 4096-byte header; use a "
      "smaller block size or a larger capacity"),
     (["--allow-group", "no-such-group-lmc"],
-     "Error: --allow-group: no group named 'no-such-group-lmc'"),
+     "Error: --allow-group: no group named 'no-such-group-lmc' (getent group lists them)"),
     (["--capacity", "1GiB", "--block-size", "2KiB"], "Error: block size 2KiB (--block-size) "
      "cuts capacity 1GiB (--capacity) into more than 262144 blocks; use a block size of at "
      "least 4096 bytes, or a smaller capacity"),
