@@ -198,9 +198,7 @@ class Arena:
             )
             arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
             if prefault:
-                waiting = None if progress is None else lambda: progress(0, capacity_bytes)
-                with pages.reservation_lock(waiting):
-                    arena.prefault(progress, reserve_fd=shm.fd)
+                arena._reserve(shm.fd, progress)
         except BaseException:
             # Undo the half-built segment (and free its reserved pages), then re-raise.
             posix_ipc.unlink_shared_memory(shm_name)
@@ -322,6 +320,31 @@ class Arena:
         self.num_blocks = num_blocks
         if self.is_owner:
             struct.pack_into("<Q", self._mmap, SEGMENT_HEADER.size - 8, block_bytes)
+
+    def reserve(self, progress: ProgressCallback | None = None) -> None:
+        """Reserve and prefault every page of an arena created with `prefault=False`
+        (what `create` does with `prefault=True`), so that its owner can answer requests
+        meanwhile: `progress` is called after each step, and may raise to give up.
+
+        Raises:
+            OSError: as `create` (ENOSPC, ENOMEM, EFAULT); the arena stays as it is:
+                its owner closes (unlinks) it.
+            Whatever `progress` raises.
+        """
+        assert self.is_owner and self._memfd is None, "reserve() is the owner's, of a named segment"
+        shm = posix_ipc.SharedMemory(self.segment_name)  # ours: /dev/shm is sticky
+        try:
+            self._reserve(shm.fd, progress)
+        finally:
+            shm.close_fd()
+
+    def _reserve(self, fd: int, progress: ProgressCallback | None) -> None:
+        """Prefault with every page reserved in the segment's file `fd`, one daemon at a
+        time (`pages.reservation_lock`: progress(0, capacity) while another reserves)."""
+        total = self.capacity_bytes
+        waiting = None if progress is None else lambda: progress(0, total)
+        with pages.reservation_lock(waiting):
+            self.prefault(progress, reserve_fd=fd)
 
     def prefault(self, progress: ProgressCallback | None = None,
                  reserve_fd: int | None = None) -> None:

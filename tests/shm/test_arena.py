@@ -39,6 +39,28 @@ def test_create_prefaults_with_progress_and_close_unlinks(unique_name):
     assert list_segments(unique_name) == []
 
 
+def test_reserve_prefaults_an_arena_created_sparse_and_may_be_given_up(unique_name):
+    """`create(prefault=False)` then `reserve()`: the daemon answers requests between
+    the steps; a step that raises leaves the arena to its owner to unlink."""
+    with Arena.create(unique_name, 200 * MiB, MiB, prefault=False) as arena:
+        path = f"/dev/shm/{arena.segment_name.lstrip('/')}"
+        assert os.stat(path).st_blocks * 512 <= HEADER_BYTES  # sparse: the header only
+        calls = []
+        arena.reserve(lambda done, total: calls.append((done, total)))
+        assert calls[-1] == (200 * MiB, 200 * MiB) and len(calls) >= 3  # in steps
+        assert os.stat(path).st_blocks * 512 >= 200 * MiB  # every page reserved
+    arena = Arena.create(unique_name, 200 * MiB, MiB, prefault=False)
+
+    def give_up(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        arena.reserve(give_up)
+    assert list_segments(unique_name) == [arena.segment_name.lstrip("/")]
+    arena.close()
+    assert list_segments(unique_name) == []
+
+
 def test_views_alias_the_arena_bytes_zero_copy(unique_name):
     with Arena.create(unique_name, 4 * MiB, 64 * 1024) as arena:
         base = arena.block_view(0).data_ptr()
