@@ -232,27 +232,33 @@ class Server(ClientIO, ClientAccounting):
                     if self._parked:
                         wake_at.append(min(c.parked.deadline for c in self._parked))
                     timeout = max(0.0, min(wake_at) - now) if wake_at else None
-                for key, mask in self._selector.select(timeout):
-                    data = key.data
-                    if data == "listener":
-                        self._accept()
-                    elif data == "wakeup":
-                        self._drain_wakeup()
-                    else:
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(data)
-                        if mask & selectors.EVENT_READ and not data.closed:
-                            self._on_readable(data)
-                if self._parked:
-                    self._resume_parked(time.monotonic())
-                for conn in list(self._ready):
-                    self._serve(conn)
+                self._loop_pass(timeout)
                 if scrapes:  # between two requests: a consistent snapshot
                     channel.serve_pending()
             if self._stop_signal is not None:
                 logger.info("received %s: stopping", signal.Signals(self._stop_signal).name)
         finally:
             self._teardown()
+
+    def _loop_pass(self, timeout: float | None) -> None:
+        """Wait up to `timeout` seconds for sockets (None: until one is ready), accept,
+        read and flush what they say, then serve every client with waiting frames up to
+        PASS_BUDGET (round robin)."""
+        for key, mask in self._selector.select(timeout):
+            data = key.data
+            if data == "listener":
+                self._accept()
+            elif data == "wakeup":
+                self._drain_wakeup()
+            else:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(data)
+                if mask & selectors.EVENT_READ and not data.closed:
+                    self._on_readable(data)
+        if self._parked:
+            self._resume_parked(time.monotonic())
+        for conn in list(self._ready):
+            self._serve(conn)
 
     def _drain_wakeup(self) -> None:
         try:
