@@ -27,7 +27,7 @@ from lmcached.wire.socket_path import (
     client_socket_paths,
     no_daemon_message,
 )
-from lmcached.info_text import blocks_note, render_clients, render_info
+from lmcached.info_text import blocks_note, loading_note, render_clients, render_info
 
 
 STOP_WAIT_S = 60.0  # how long `stop` waits for the daemon to exit, by default
@@ -120,7 +120,12 @@ def _session(socket_path: str | None, name: str, talk):
     answered = False
     try:
         with conn:
-            hello(conn, "lmcached-cli")
+            try:
+                hello(conn, "lmcached-cli")
+            except DaemonError as exc:
+                if exc.code != "loading":
+                    raise
+                # prefaulting: the admin requests are answered without a session
             answered = True
             return talk(conn)
     except (ConnectionError, TimeoutError, OSError) as exc:
@@ -177,9 +182,9 @@ def info(section, as_json, socket_path, name) -> None:
         click.echo(json.dumps(reply.sections, indent=2))
         return
     click.echo(render_info(reply.sections))
-    note = blocks_note(reply.sections)
-    if note:
-        click.echo(note, err=True)
+    for note in (loading_note(reply.sections), blocks_note(reply.sections)):
+        if note:
+            click.echo(note, err=True)
 
 
 @main.command()
@@ -197,9 +202,24 @@ def clients(as_json, socket_path, name) -> None:
 @main.command()
 @_admin_options
 def ping(socket_path, name) -> None:
-    """Check that the daemon answers (prints PONG)."""
-    _request(socket_path, name, Ping())
+    """Check that the daemon serves (prints PONG). While it prefaults its arena, prints
+    LOADING and the progress, and exits with status 1 (as until it serves)."""
+    loading = _session(socket_path, name, _ping)
+    if loading is not None:
+        click.echo(f"LOADING {loading}")
+        sys.exit(1)
     click.echo("PONG")
+
+
+def _ping(conn: Connection) -> str | None:
+    """PING: None when answered, the daemon's progress when it refuses with `loading`."""
+    try:
+        conn.request(Ping())
+    except DaemonError as exc:
+        if exc.code != "loading":
+            raise
+        return str(exc).removeprefix("loading: ")
+    return None
 
 
 @main.command()

@@ -199,6 +199,7 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
     values = {setting.field or key: params[key] for key, setting in SETTINGS.items()}
     cfg = ServerConfig(**values, config_file=params["config_file"],
                        cli_options=dict(ctx.meta.get(_CLI_OPTIONS_META, {})),
+                       sources={key: _source_label(ctx, key) for key in SETTINGS},
                        reread=reread_config)
     # The defaults that depend on other settings.
     cfg.socket = os.path.abspath(params["socket"] or default_socket_path(params["name"]))

@@ -34,6 +34,19 @@ def blocks_note(sections: dict[str, dict[str, int | float | str]]) -> str | None
             "cut it at start.")
 
 
+def loading_note(sections: dict[str, dict[str, int | float | str]]) -> str | None:
+    """What INFO's loading:1 means, or None when the daemon serves."""
+    server = sections.get("server", {})
+    if not server.get("loading"):
+        return None
+    eta = server.get("loading_eta_s", -1)
+    return (f"note: the daemon is loading: it prefaults its arena "
+            f"({server.get('loading_loaded_perc')}% at {server.get('loading_rate_gbps')} GB/s, "
+            + ("time left unknown yet" if eta < 0 else f"{eta} s left")
+            + "); until then it answers INFO, CLIENTS and CONFIG, and refuses clients' "
+            "requests with `loading` (a miss for them)")
+
+
 def render_clients(clients: list[dict[str, int | float | str]]) -> str:
     """One `id=... pid=... name=...` line per client session."""
     lines = []

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from lmcached.wire.connection import Connection
+from lmcached.wire.connection import Connection, DaemonError
 from lmcached.wire.protocol import Ping
 from lmcached.shm.janitor import sweep_orphans
 
@@ -23,7 +23,8 @@ from lmcached.shm.janitor import sweep_orphans
 def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None = None,
                  env: dict | None = None, timeout_s: float = 120.0,
                  preexec_fn=None) -> subprocess.Popen:
-    """Start a daemon and wait (deadline) until it answers PING.
+    """Start a daemon and wait (deadline) until it answers PING (not `loading`: its
+    arena is prefaulted).
 
     Args:
         name: daemon name (`--name`).
@@ -54,7 +55,10 @@ def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None 
             with Connection(socket, timeout_s=5) as conn:
                 conn.request(Ping())
             return proc
-        except OSError:
+        except (OSError, DaemonError) as exc:
+            if isinstance(exc, DaemonError) and exc.code != "loading":  # "loading": not yet
+                stop_daemon(proc)
+                raise RuntimeError(f"the daemon refused PING: {exc}") from None
             if time.monotonic() > deadline:
                 stop_daemon(proc)
                 raise RuntimeError(f"the daemon did not answer within {timeout_s:.0f} s") from None

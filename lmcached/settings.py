@@ -8,7 +8,6 @@ entry here and one field to `ServerConfig` (lmcached/daemon/server_config.py).
 """
 
 import dataclasses
-import grp
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -117,16 +116,6 @@ def _parse_log_level(value: str) -> str:
     return level
 
 
-def _parse_allow_group(value: str) -> str:
-    """A group that exists (whether the daemon's user is a member is checked at start-up,
-    `startup.resolve_allowed_group`), so that a typo is refused naming its source."""
-    try:
-        grp.getgrnam(value)
-    except KeyError:
-        raise ValueError(f"no group named {value!r} (getent group lists them)") from None
-    return value
-
-
 def _parse_l2_url(value: str) -> str:
     try:  # the L2 tier owns the URL's syntax; redis-py is imported only with --l2
         from lmcached.daemon.l2.redis_store import parse_l2_url
@@ -215,7 +204,7 @@ SETTINGS: dict[str, Setting] = {
         "INFO"),
     "allow_group": Setting(
         _NonEmpty,
-        _parse_allow_group, 'a group name, e.g. "lmcached"', "GROUP",
+        str, 'a group name, e.g. "lmcached"', "GROUP",
         "Also accept clients of this group: socket and arena 0660, group GROUP; only the "
         "daemon's user and root may stop, clear or evict."),
     "max_clients": Setting(

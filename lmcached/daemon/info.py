@@ -16,6 +16,7 @@ from lmcached.daemon.demotion import DEMOTION_STATS
 from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
+from lmcached.daemon.progress import loading_fields
 from lmcached.daemon.stats import StatsSnapshot
 from lmcached.wire.units import format_bytes
 
@@ -97,6 +98,7 @@ def info_sections(service: "CacheService",
             "pid": os.getpid(),
             "socket": service.config.socket,
             "uptime_s": int(time.time() - service.started_at),
+            **loading_fields(service.prefault),
             "generation": arena.generation,
             "shm_segment": arena.segment_name,
             "rss_bytes": rss,

@@ -9,9 +9,10 @@ asyncio: a selectors loop answers a round trip several times faster than asyncio
 Life cycle::
 
     catch SIGTERM/SIGINT/SIGHUP -> start-up steps (startup.py: socket directory, metrics
-    port, the name's lock, sweep, create and prefault the arena) -> listen -> READY=1 ->
-    serve -> SIGTERM/SIGINT or SHUTDOWN -> STOPPING=1 -> close clients, unlink socket
-    and arena, drop the name's lock -> exit 0
+    port, the name's lock, sweep, create the arena) -> listen -> prefault the arena,
+    answering with the `loading` state (`_load`) -> READY=1 -> serve -> SIGTERM/SIGINT
+    or SHUTDOWN -> STOPPING=1 -> unlink the socket, close clients, unlink the arena,
+    drop the name's lock -> exit 0
 
 Whatever stops the start-up is one `StartupError` whose message says why and what to do;
 the CLI prints it as one `Error: ...` line and exits with status 1. A stop signal during
@@ -27,6 +28,7 @@ import time
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
+from lmcached.daemon.progress import PrefaultProgress
 from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
@@ -41,6 +43,7 @@ from lmcached.daemon.startup import (
     claim_name,
     create_arena,
     create_l2_tier,
+    prefault_arena,
     prepare_socket,
     raise_fd_limit,
     resolve_allowed_group,
@@ -123,16 +126,39 @@ class Server(ClientIO, ClientAccounting):
             self._metrics = start_metrics(cfg.metrics_host, cfg.metrics_port)
         self._name_lock = claim_name(cfg.name)
         sweep(self._name_lock)
-        self.arena = create_arena(cfg, self._allowed_gid, self.notifier,
-                                  lambda: self._stop_signal)
+        self.arena = create_arena(cfg, self._allowed_gid)
         self._device_memories = self._open_device_tiers()
         self.service = CacheService(cfg, self.arena, self._device_memories,
                                     JobRunner(self._wake))
         if cfg.l2_url:
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
         self._listen(cfg.socket)
+        if cfg.prefault:
+            self._load()
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
+
+    def _load(self) -> None:
+        """Prefault the arena while answering clients (after Redis's LOADING state):
+        between two prefault steps (64 MiB, tens of ms) one loop pass answers INFO,
+        CLIENTS and CONFIG GET, refuses the other requests with `loading` (the progress,
+        rate and time left: clients take it as a miss), and a stop signal or a SHUTDOWN
+        ends the start-up.
+
+        Raises:
+            StartupError: the arena cannot be reserved (`prefault_arena`).
+            StartupInterrupted: a stop signal or a SHUTDOWN arrived.
+        """
+        progress = PrefaultProgress(self.config.capacity_bytes)
+        self.service.start_loading(progress)
+
+        def step() -> None:
+            self._loop_pass(0.0)
+            if self._stop_signal is not None or self.service.stop_requested:
+                raise StartupInterrupted(self._stop_signal)
+
+        prefault_arena(self.config, self.arena, self.notifier, progress, step)
+        self.service.loading = None
 
     def _open_device_tiers(self) -> list:
         """Allocate and export the device tiers of `--gpu-capacity` (CUDA libraries are
@@ -344,7 +370,8 @@ def run_server(config: ServerConfig) -> int:
     try:
         server.start()
     except StartupInterrupted as exc:
-        logger.info("received %s during start-up: stopped", signal.Signals(exc.signum).name)
+        logger.info("received %s during start-up: stopped",
+                    signal.Signals(exc.signum).name if exc.signum else "SHUTDOWN")
         return 0
     server.serve_forever()
     logger.info("stopped")

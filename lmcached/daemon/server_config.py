@@ -64,6 +64,9 @@ class ServerConfig:
             messages echo it in the user's units (`echo_size`).
         cli_options: the command-line options it was resolved from, as given (SIGHUP
             re-resolves with them, so a command-line --log-level keeps precedence).
+        sources: where each setting came from, by key (`--allow-group`,
+            `LMCACHED_ALLOW_GROUP`, `allow_group in /etc/lmcached/x.toml`, `default`), so
+            that an error found at start-up names it (`source_of`).
         reread: how SIGHUP resolves this configuration again from its sources
             (`lmcached.config.reread_config`, set by the operations layer that resolved
             it); None = SIGHUP re-reads nothing.
@@ -96,14 +99,20 @@ class ServerConfig:
     gpu_backend: str = "cuda"
     size_texts: dict = dataclasses.field(default_factory=dict, repr=False)
     cli_options: dict = dataclasses.field(default_factory=dict, repr=False)
+    sources: dict = dataclasses.field(default_factory=dict, repr=False)
     reread: Callable[["ServerConfig"], "ServerConfig"] | None = dataclasses.field(
         default=None, repr=False, compare=False)
+
+    def source_of(self, key: str) -> str:
+        """Where setting `key` came from (`sources`); its option (`--allow-group`) when
+        unknown (a ServerConfig made in code)."""
+        return self.sources.get(key) or "--" + key.replace("_", "-")
 
     def as_dict(self) -> dict[str, int | str]:
         """Flat view for `CONFIG GET`; absent values as '', booleans as 0/1."""
         out = {}
         for field in dataclasses.fields(self):
-            if field.name in ("cli_options", "size_texts", "reread"):
+            if field.name in ("cli_options", "size_texts", "sources", "reread"):
                 continue
             value = getattr(self, field.name)
             if field.name == "shm_mode":

@@ -63,6 +63,7 @@ from lmcached.daemon.value_handlers import ValueHandlers
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.demotion import Demoter
     from lmcached.daemon.l2.tier import L2Tier
+    from lmcached.daemon.progress import PrefaultProgress
 
 logger = init_logger(__name__)
 
@@ -70,6 +71,9 @@ _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
+# Requests answered while the arena is prefaulted (`loading`); the others, PING and HELLO
+# included (as Redis answers -LOADING), are refused with `loading` and its progress.
+LOADING_REQUESTS = frozenset({Info, Clients, ConfigGet, Shutdown})
 
 
 class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandlers):
@@ -108,6 +112,10 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             price (connection.py, REQUEST_COST).
         l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
             before it serves.
+        prefault: the arena's prefault (`progress.PrefaultProgress`: INFO's loading_*
+            fields), or None when the arena was not prefaulted.
+        loading: the same while the prefault runs (requests but LOADING_REQUESTS are
+            refused with `loading`), None once the daemon serves.
     """
 
     def __init__(self, config: ServerConfig, arena: Arena, device_memories=(),
@@ -130,6 +138,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self._free_ns_ids: list[int] = []  # a heap: the smallest freed id is given first
         self._next_ns = 1
         self.started_at = time.time()
+        self.prefault: "PrefaultProgress | None" = None
+        self.loading: "PrefaultProgress | None" = None
         self.stop_requested = False
         self.stats = DaemonStats()
         self.work_units = 0
@@ -158,6 +168,11 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.latency = RequestLatency(self._handlers) if config.metrics_port else None
         if arena.block_bytes:
             self._make_pool()
+
+    def start_loading(self, progress: "PrefaultProgress") -> None:
+        """Answer in the `loading` state until `loading` is set to None (the server does
+        so when the prefault `progress` reports ends)."""
+        self.prefault = self.loading = progress
 
     def attach_l2(self, tier: "L2Tier") -> None:
         """Use `tier` for every namespace and pool from now on (before serving)."""
@@ -311,6 +326,9 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                     "forbidden", f"{type(request).__name__.upper()} is allowed to the daemon's "
                     f"user (uid {os.geteuid()}) and root only, not to uid {session.uid}"
                 )
+            if self.loading is not None and type(request) not in LOADING_REQUESTS:
+                raise RequestError("loading", f"{self.loading.describe()}; the daemon serves "
+                                   "once the arena is prefaulted (INFO: loading_*)")
             if not session.greeted and not isinstance(request, (Hello, *_ADMIN_REQUESTS)):
                 raise RequestError("no_session", "send HELLO before any other request")
             return self._handlers[type(request)](session, request)

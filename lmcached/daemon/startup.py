@@ -9,19 +9,19 @@ here leaves `server.py` the loop. The order::
     resolve --allow-group -> check the socket's directory -> refuse if a daemon answers
     on the socket -> raise the file descriptor limit -> bind the metrics port
     (--metrics-port) -> take the lock of <name> (refuse if a daemon of that name runs)
-    -> sweep orphans of <name> -> create, reserve and prefault the arena -> start the L2
-    tier's threads (--l2)
+    -> sweep orphans of <name> -> create the arena -> start the L2 tier's threads (--l2)
+    -> listen -> reserve and prefault the arena, answering INFO, PING and the CLI with
+    the `loading` state meanwhile (`server.py`)
 
 The metrics port is bound before the arena is made, so that a port in use stops the
-start-up at once and not after minutes of prefault. A stop signal during the prefault
-ends it (`StartupInterrupted`); the half-built arena is unlinked.
+start-up at once and not after minutes of prefault. A stop signal or a SHUTDOWN during
+the prefault ends it (`StartupInterrupted`); the half-built arena is unlinked.
 """
 
 import errno
 import grp
 import os
 import resource
-import time
 from collections.abc import Callable
 
 from lmcached.daemon.server_config import ServerConfig
@@ -49,14 +49,16 @@ class StartupError(RuntimeError):
 
 
 class StartupInterrupted(Exception):
-    """A stop signal arrived while the arena was prefaulted; nothing is left behind.
+    """A stop signal or a SHUTDOWN arrived while the arena was prefaulted; nothing is
+    left behind.
 
     Args:
-        signum: the signal (SIGTERM, SIGINT).
+        signum: the signal (SIGTERM, SIGINT), or None for a SHUTDOWN request.
     """
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum} during start-up")
+    def __init__(self, signum: int | None) -> None:
+        super().__init__(f"signal {signum} during start-up" if signum else
+                         "SHUTDOWN during start-up")
         self.signum = signum
 
 
@@ -69,13 +71,15 @@ def resolve_allowed_group(cfg: ServerConfig) -> int | None:
     """
     if not cfg.allow_group:
         return None
+    source = cfg.source_of("allow_group")
     try:
         gid = grp.getgrnam(cfg.allow_group).gr_gid
     except KeyError:
-        raise StartupError(f"--allow-group: no group named {cfg.allow_group!r}") from None
+        raise StartupError(f"{source}: no group named {cfg.allow_group!r} (getent group "
+                           "lists them)") from None
     if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
         raise StartupError(
-            f"--allow-group {cfg.allow_group}: the daemon's user is not a member of that "
+            f"{source}: {cfg.allow_group}: the daemon's user is not a member of that "
             f"group, so it cannot give it the socket and the arena; add it (usermod "
             f"-aG {cfg.allow_group} USER) or pick one of its groups"
         )
@@ -177,53 +181,67 @@ def sweep(lock: NameLock) -> None:
         logger.warning("removed %d orphaned segment(s) of dead daemons: %s", len(removed), removed)
 
 
-def create_arena(cfg: ServerConfig, allowed_gid: int | None, notifier: SystemdNotifier,
-                 stop_signal: Callable[[], int | None]) -> Arena:
-    """Create and prefault the arena (progress on stderr, STATUS= for systemd).
+def create_arena(cfg: ServerConfig, allowed_gid: int | None) -> Arena:
+    """Create the arena, not yet prefaulted (`prefault_arena` does that while the daemon
+    answers INFO and PING).
 
     Args:
-        cfg: capacity, block size, mode, prefault of the arena.
+        cfg: capacity, block size, mode of the arena.
         allowed_gid: group to give the segment (--allow-group), or None.
-        notifier: systemd's notify socket.
-        stop_signal: returns the stop signal received so far, or None; asked after each
-            prefault step.
 
     Raises:
-        StartupError: the segment cannot be created, mapped or reserved (the message says
-            which limit to raise, or how much /dev/shm has free).
-        StartupInterrupted: a stop signal arrived during the prefault; the segment is
-            unlinked (`Arena.create` undoes a half-built arena).
+        StartupError: the segment cannot be created or mapped (the message says which
+            limit to raise, or how much /dev/shm has free).
     """
-    notifier.notify(f"STATUS=prefaulting {format_bytes(cfg.capacity_bytes)} arena")
-    show = PrefaultProgress(cfg.capacity_bytes)
-
-    def progress(done_bytes: int, total_bytes: int) -> None:
-        signum = stop_signal()
-        if signum is not None:
-            raise StartupInterrupted(signum)
-        show(done_bytes, total_bytes)
-
-    started = time.monotonic()
     try:
-        arena = Arena.create(cfg.name, cfg.capacity_bytes, cfg.block_bytes, mode=cfg.shm_mode,
-                             prefault=cfg.prefault, progress=progress, gid=allowed_gid)
+        return Arena.create(cfg.name, cfg.capacity_bytes, cfg.block_bytes, mode=cfg.shm_mode,
+                            prefault=False, gid=allowed_gid)
     except OSError as exc:
-        typed = cfg.size_texts.get("capacity")
-        capacity = echo_size(typed, cfg.capacity_bytes)
-        free = format_size(shm_free_bytes(), size_style(typed))
-        no_room = (f"/dev/shm has {free} free (other arenas or files take the rest): free "
-                   "space there, or lower --capacity")
-        hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
-                "cgroup's MemoryMax=): raise the limit or lower --capacity",
-                errno.ENOSPC: no_room,
-                errno.EFAULT: "the kernel cannot back its pages: " + no_room}
-        raise StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
-                           f"{hint.get(exc.errno, 'see the daemon log')}") from exc
-    elapsed = time.monotonic() - started
+        raise _arena_error(cfg, exc) from exc
+
+
+def prefault_arena(cfg: ServerConfig, arena: Arena, notifier: SystemdNotifier,
+                   progress: PrefaultProgress, step: Callable[[], None]) -> None:
+    """Reserve and prefault the arena (progress on stderr and in `progress`, STATUS= for
+    systemd every STATUS_INTERVAL_S), calling `step()` after each step: the daemon
+    answers what arrived meanwhile (the `loading` state), and may stop there.
+
+    Raises:
+        StartupError: the pages cannot be reserved (/dev/shm full: how much it has free)
+            or mapped (a memory limit); the caller unlinks the arena.
+        Whatever `step` raises (StartupInterrupted: a stop during the prefault).
+    """
+    notifier.notify(f"STATUS={progress.describe()}")
+
+    def on_step(done_bytes: int, total_bytes: int) -> None:
+        progress(done_bytes, total_bytes)
+        if progress.loading and progress.status_due():
+            notifier.notify(f"STATUS={progress.describe()}")
+        step()
+
+    try:
+        arena.reserve(on_step)
+    except OSError as exc:
+        raise _arena_error(cfg, exc) from exc
     logger.info("arena %s ready: %s in %.2f s (%.2f GB/s prefault)", arena.segment_name,
-                format_bytes(cfg.capacity_bytes), elapsed,
-                cfg.capacity_bytes / max(elapsed, 1e-9) / 1e9)
-    return arena
+                format_bytes(cfg.capacity_bytes), progress.elapsed_s,
+                progress.rate_bytes_per_s / 1e9)
+
+
+def _arena_error(cfg: ServerConfig, exc: OSError) -> StartupError:
+    """Why an arena of --capacity cannot be made, and the limit to raise or the space to
+    free."""
+    typed = cfg.size_texts.get("capacity")
+    capacity = echo_size(typed, cfg.capacity_bytes)
+    free = format_size(shm_free_bytes(), size_style(typed))
+    no_room = (f"/dev/shm has {free} free (other arenas or files take the rest): free "
+               "space there, or lower --capacity")
+    hint = {errno.ENOMEM: "this process may not map that much (ulimit -v, a memory "
+            "cgroup's MemoryMax=): raise the limit or lower --capacity",
+            errno.ENOSPC: no_room,
+            errno.EFAULT: "the kernel cannot back its pages: " + no_room}
+    return StartupError(f"cannot create a {capacity} arena: {exc.strerror or exc}; "
+                        f"{hint.get(exc.errno, 'see the daemon log')}")
 
 
 L2_SOCKET_TIMEOUT_S = 2.0  # a Redis operation slower than this counts as an outage

@@ -1,16 +1,20 @@
 """systemd's notify protocol: READY/STATUS, watchdog pings and STOPPING over a real socket."""
 
+import fcntl
 import logging
 import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 
 import pytest
 
+from lmcached.launcher import stop_daemon
 from lmcached.wire import envs
 from lmcached.daemon.notify import SystemdNotifier
 
@@ -39,6 +43,16 @@ def daemon_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in envs.SYSTEMD_VARS}
     env.update(extra)
     return env
+
+
+def start_daemon_process(name: str, directory: str, env: dict):
+    """`lmcached serve` with a 16 MiB arena, not waited for (it may be held loading)."""
+    log = open(os.path.join(directory, "d.log"), "w")
+    with log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lmcached.cli", "serve", "--name", name, "--socket",
+             os.path.join(directory, "d.sock"), "--capacity", "16MiB"], env=env,
+            stdout=log, stderr=subprocess.STDOUT)
 
 
 def receive(sock: socket.socket, timeout_s: float) -> list[str] | None:
@@ -73,7 +87,9 @@ def test_daemon_notifies_ready_status_watchdog_and_stopping(daemon_factory, noti
     ready, before = receive_until(sock, "READY=1", timeout_s=10)
     assert f"STATUS=serving on {daemon.socket}" in ready
     assert f"MAINPID={daemon.proc.pid}" in ready
-    assert ["STATUS=prefaulting 16.00M arena"] in before  # sent before READY, not after
+    statuses = [line for lines in before for line in lines if line.startswith("STATUS=")]
+    # sent before READY, not after
+    assert statuses[0].startswith("STATUS=prefaulting the 16.00M arena: 0% (0B), "), statuses
 
     # WATCHDOG_USEC=200000: a ping every 0.1 s, so several within one second.
     deadline = time.monotonic() + 1.0
@@ -88,6 +104,35 @@ def test_daemon_notifies_ready_status_watchdog_and_stopping(daemon_factory, noti
     stopping, _ = receive_until(sock, "STOPPING=1", timeout_s=10)
     assert "STATUS=stopping" in stopping
     assert daemon.proc.wait(timeout=15) == 0
+
+
+def test_status_tells_the_prefault_progress_as_it_goes(unique_name, short_tmp, notify_socket):
+    """STATUS= is updated about once a second while the arena is prefaulted (it was sent
+    once, with no progress, rate or time left). The daemon is held before its first
+    step: the test holds the lock daemons reserve their arenas under (shm/pages.py)."""
+    sock, path = notify_socket
+    lock = os.open("/dev/shm", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        daemon = start_daemon_process(unique_name, short_tmp, daemon_env(NOTIFY_SOCKET=path))
+    except BaseException:
+        os.close(lock)
+        raise
+    try:
+        try:
+            statuses = []
+            while len(statuses) < 3:  # one at the start, then one a second
+                lines = receive(sock, 10)
+                assert lines is not None and "READY=1" not in lines, statuses
+                statuses += [line for line in lines if line.startswith("STATUS=")]
+            assert all(s.startswith("STATUS=prefaulting the 16.00M arena: 0% (0B), 0.00 "
+                                    "GB/s, time left unknown yet") for s in statuses), statuses
+        finally:
+            os.close(lock)  # the daemon goes on
+        ready, _ = receive_until(sock, "READY=1", timeout_s=20)
+        assert any(line.startswith("STATUS=serving on ") for line in ready)
+    finally:
+        assert stop_daemon(daemon) == 0
 
 
 def test_daemon_without_watchdog_sends_no_pings(daemon_factory, notify_socket):

@@ -596,6 +596,22 @@ def serve_and_fail(name: str, socket_path: str, *args: str, preexec_fn=None) -> 
     return errors[0]
 
 
+@pytest.mark.parametrize("source", ["file", "env"])
+def test_an_allow_group_that_does_not_exist_is_refused_naming_its_source(
+        unique_name, short_tmp, monkeypatch, source):
+    """Like every other setting error (its group is looked up at start-up)."""
+    path = os.path.join(short_tmp, "d.toml")
+    with open(path, "w") as f:
+        f.write('allow_group = "no-such-group-lmc"\n')
+    if source == "file":
+        args, label = ("--config", path), f"allow_group in {path}"
+    else:
+        monkeypatch.setenv("LMCACHED_ALLOW_GROUP", "no-such-group-lmc")
+        args, label = (), "LMCACHED_ALLOW_GROUP"
+    assert serve_and_fail(unique_name, os.path.join(short_tmp, "d.sock"), *args) == (
+        f"Error: {label}: no group named 'no-such-group-lmc' (getent group lists them)")
+
+
 def test_serve_with_an_unsafe_socket_directory_is_one_error_line(unique_name, short_tmp):
     shared = os.path.join(short_tmp, "shared")
     os.mkdir(shared)

@@ -21,7 +21,7 @@ import pytest
 from lmcached import config
 from lmcached.wire import envs
 from lmcached.config import ServerConfig, load_config
-from lmcached.wire.connection import Connection
+from lmcached.wire.connection import Connection, DaemonError
 from lmcached.wire.protocol import Ping
 from lmcached.daemon.server import Server
 from lmcached.shm.janitor import list_segments
@@ -220,6 +220,9 @@ def wait_until_serving(proc: subprocess.Popen, socket_path: str, log_path: str) 
                 conn.request(Ping())
             return
         except OSError:
+            time.sleep(0.05)
+        except DaemonError as exc:  # the arena is still prefaulted
+            assert exc.code == "loading", exc
             time.sleep(0.05)
     raise AssertionError(f"daemon did not serve on {socket_path}:\n{Path(log_path).read_text()}")
 

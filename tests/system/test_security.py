@@ -278,17 +278,24 @@ def test_daemon_client_and_cli_find_the_same_default_socket(monkeypatch, short_t
     from lmcached.cli import main
     from lmcached.client.daemon_link import DaemonLink
     from lmcached.config import load_config
+    from lmcached.wire import socket_path
 
     for name in ("LMCACHED_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket_path, "RUN_DIRECTORY", os.path.join(short_tmp, "run-lmcached"))
     monkeypatch.setenv(variable, value.format(tmp=short_tmp))
     expected = expected.format(tmp=short_tmp)
     daemon_side = load_config({"name": "llama", "capacity": "1MiB"}, check_shm_free=False)
     assert daemon_side.socket == expected
-    assert DaemonLink(None, "llama").socket_path == expected
+    looked = socket_path.client_socket_paths("llama")  # the client looks there too
+    assert expected in looked and (looked == [expected]) == (variable == "LMCACHED_SOCKET")
     result = CliRunner().invoke(main, ["ping", "--name", "llama"])  # no daemon there
     assert result.exit_code == 1
-    assert result.stderr == f"Error: no daemon is running on {expected}\n"
+    assert result.stderr.startswith(f"Error: no daemon is running on {', '.join(looked)}")
+    os.makedirs(os.path.dirname(expected), 0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(expected)  # a daemon's socket there: a client given no path finds it
+        assert DaemonLink(None, "llama").socket_path == expected
 
 
 # -------------------------------------------------- --allow-group with a real second uid
