@@ -84,6 +84,7 @@ QUOTED_MESSAGES = [
     "looked there in this order; give --socket, or --name if the daemon has another name",
     "connect as the daemon's user or root, or as a member of the group the daemon allows",
     "cannot talk to the daemon on",
+    "the daemon serves once the arena is prefaulted (INFO: loading_*)",
     "closed the connection without answering: it is stopping, or it does not accept this user",
     "clear asks for confirmation on a terminal, and stdin is not one: pass --yes",
     "is allowed to the daemon's user",
