@@ -109,8 +109,10 @@ class CacheEngine:
 
         Args:
             layout: this worker's KV layout (the namespace of its chunks).
-            socket: the daemon's socket path; default: that of daemon `name`
-                ($LMCACHED_SOCKET, $XDG_RUNTIME_DIR/lmcached/<name>.sock, ...).
+            socket: the daemon's socket path; default: where daemon `name` listens
+                ($LMCACHED_SOCKET, else the first socket of /run/lmcached/<name>.sock,
+                $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached, /tmp/lmcached-<uid>:
+                lmcached.wire.socket_path.client_socket_paths), looked up at each connect.
             name: daemon name (default "default").
             timeout_s: timeout of this first connect and HELLO, seconds.
             strict: raise when the session cannot be opened now, instead of starting

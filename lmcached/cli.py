@@ -2,12 +2,14 @@
 
     lmcached serve [--capacity 8GiB] [--name NAME] [--socket PATH] ...
     lmcached info [SECTION] [--json]      lmcached clients [--json]
-    lmcached ping | stop | config | clear [--yes] | evict (--lru N | --key K)
+    lmcached ping | stop [--no-wait] | config | clear [--yes] | evict (--lru N | --key K)
     lmcached demo [--workers 2]
 
-Every admin command takes --socket / --name. Every error, a daemon that does not start
-included, is one `Error: ...` line on stderr and exit status 1 (click's usage errors:
-status 2, with the usage).
+Every admin command takes --socket / --name; without --socket it looks where the daemon
+NAME may listen (`client_socket_paths`: /run/lmcached first, as the systemd units put
+it). Every error, a daemon that does not start included, is one `Error: ...` line on
+stderr and exit status 1 (click's usage errors: status 2, with the usage); the daemon's
+own reason (an Error reply) is printed, not an errno.
 """
 
 import json

@@ -13,8 +13,10 @@ import time
 
 import psutil
 import pytest
+from click.testing import CliRunner
 
 from raw_frames import connect, frame, read_replies, split_frames
+from lmcached.cli import main
 from lmcached.daemon.connection import SILENT_GRACE_S
 from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.frames import encode_frame
@@ -227,6 +229,10 @@ def test_a_client_refused_at_max_clients_always_learns_max_clients(daemon_factor
     with pytest.raises(ConnectionError, match="out of step"):  # that connection is over
         refused.request(Ping())
     refused.close()
+    for _ in range(5):  # the CLI, whatever the race between its write and the close
+        result = CliRunner().invoke(main, ["ping", "--socket", daemon.socket])
+        assert result.exit_code == 1 and result.stderr == (
+            "Error: max_clients: max number of clients reached (1; see --max-clients)\n")
     holder.request(Ping())  # the admitted one is unaffected
     holder.close()
 
