@@ -149,8 +149,10 @@ def _connect(paths: list[str]) -> Connection:
 
     Raises:
         click.ClickException: no daemon on any of them (the message lists them), an
-            unsafe socket directory, or a socket that refuses us (e.g. permissions).
+            unsafe socket directory, or a socket that refuses us (e.g. permissions: said
+            when no later place has a daemon either).
     """
+    denied = None
     for path in paths:
         try:
             check_client_socket_directory(path)
@@ -159,12 +161,14 @@ def _connect(paths: list[str]) -> Connection:
             raise click.ClickException(str(exc)) from None
         except (FileNotFoundError, ConnectionRefusedError):
             continue  # no daemon there (or a stale socket): the next place
-        except PermissionError:
-            raise click.ClickException(
-                f"permission denied on {path}: connect as the daemon's user or root, or as "
-                f"a member of the group the daemon allows (--allow-group)") from None
+        except PermissionError:  # another user's daemon, maybe: this user's may follow
+            denied = denied or path
         except OSError as exc:
             raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
+    if denied is not None:
+        raise click.ClickException(
+            f"permission denied on {denied}: connect as the daemon's user or root, or as "
+            f"a member of the group the daemon allows (--allow-group)")
     raise click.ClickException(no_daemon_message(paths))
 
 

@@ -390,6 +390,23 @@ def run_as(user: dict, sock: str, mode: str, groups: list[int]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+CLI_AS_OTHER_USER = textwrap.dedent("""
+    import os, sys
+    from lmcached.cli import main  # imported first: the checkout may be root's alone
+    os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))
+    main(sys.argv[3:], prog_name="lmcached")
+""")
+
+
+def cli_as(user: dict, *args: str) -> str:
+    """Run `lmcached ARGS` as `user`; returns its stderr (it must exit with status 1)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_AS_OTHER_USER, str(user["uid"]), str(user["gid"]), *args],
+        capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 1, proc.stderr
+    return proc.stderr.strip()
+
+
 @pytest.fixture
 def group_socket_dir():
     """A socket directory the daemon creates itself, directly in /tmp (so that the other
@@ -446,12 +463,18 @@ def test_without_allow_group_another_user_cannot_connect(
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         groups = [second_user["group_gid"]]
         assert run_as(second_user, sock, "ping", groups)["connect"] == "PermissionError"
+        assert cli_as(second_user, "ping", "--socket", sock) == (
+            f"Error: permission denied on {sock}: connect as the daemon's user or root, or "
+            "as a member of the group the daemon allows (--allow-group)")
         # Even past the file permissions, the daemon itself refuses the peer (SO_PEERCRED).
         os.chmod(group_socket_dir, 0o755)
         os.chmod(sock, 0o666)
         refused = run_as(second_user, sock, "ping", groups)["connect"]
         assert refused in ("ConnectionResetError", "ConnectionError", "BrokenPipeError",
                            "ConnectionAbortedError"), refused
+        assert cli_as(second_user, "ping", "--socket", sock) == (
+            f"Error: the daemon on {sock} closed the connection without answering: it is "
+            "stopping, or it does not accept this user (see its log)")
         assert f"uid {second_user['uid']}" in daemon.log()
         with Connection(sock) as conn:
             conn.request(Ping())
