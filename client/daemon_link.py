@@ -14,7 +14,7 @@ does not speak, a reply that does not decode, a timeout -- into `CacheUnavailabl
 (callers treat it as a miss or a skipped store). The link then warns once per outage,
 skips the daemon for an exponentially growing back-off window, and reconnects on a later
 call, re-attaching to the new arena generation of a restarted daemon (never reading an
-old generation's bytes). A refusal that lasts until a setting changes (`permanent_refusal`:
+old generation's bytes). A refusal that lasts until a setting changes (client/link_failures.py:
 a chunk record the arena cannot hold, another protocol version, a socket this user may
 not open) is not an outage: one error naming the sizes and the fix, then a retry only
 every PERMANENT_BACKOFF_S. A session the daemon closed while the link was idle
@@ -33,7 +33,8 @@ import threading
 import time
 from typing import Callable, Sequence, TypeVar
 
-from lmcached.client.link_tiers import TierUnusable, close_other, describe, map_tiers
+from lmcached.client.link_failures import CacheUnavailable, describe, permanent_refusal
+from lmcached.client.link_tiers import TierUnusable, close_other, map_tiers
 from lmcached.client.snapshot import Snapshot
 from lmcached.shm.arena import Arena
 from lmcached.wire import envs
@@ -92,37 +93,7 @@ def default_data_timeout_s() -> float:
     return timeout_ms / 1000
 
 
-
-
-class CacheUnavailable(Exception):
-    """The daemon cannot be reached now; the caller degrades to a miss."""
-
-
-def permanent_refusal(exc: BaseException) -> str | None:
-    """Why a failed connect will fail again until a setting changes, or None for an
-    outage (a stopped, restarting or stalled daemon) worth retrying soon.
-
-    Permanent: a HELLO refused with a code of protocol.PERMANENT_ERROR_CODES (the
-    daemon's message names the sizes and the option to change), and a socket this
-    process may not open (EACCES).
-
-    Args:
-        exc: what `DaemonLink.connect` raised.
-
-    Returns:
-        The reason with its fix, for the one error the link logs; None if transient.
-    """
-    if isinstance(exc, DaemonError) and exc.permanent:
-        return describe(exc)
-    if isinstance(exc, PermissionError):
-        return (f"{describe(exc)}: run this process as the daemon's user or as a member of "
-                "the group the daemon was started with (--allow-group)")
-    return None
-
-
 _WARNED_DEVICES: set[str] = set()
-
-
 
 
 class DaemonLink:
