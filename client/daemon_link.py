@@ -65,7 +65,9 @@ T = TypeVar("T")
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 5.0
 PERMANENT_BACKOFF_S = 60.0  # after a refusal that only a change of settings lifts
-IDLE_PROBE_S = 0.5  # a session unused this long is checked for a close before a call
+# A session unused this long is checked for a close before a call (one poll(2)); an
+# --idle-timeout shorter than this shows as an outage (one warning, one miss).
+IDLE_PROBE_S = 0.1
 ADMIN_TIMEOUT_S = 10.0  # first connect, HELLO and admin requests
 DATA_TIMEOUT_S = 0.2  # serving-path requests and their reconnects ($LMCACHED_DATA_TIMEOUT_MS)
 
