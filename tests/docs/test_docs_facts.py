@@ -45,27 +45,27 @@ def _words(message: str) -> str:
 
 
 def test_quoted_daemon_log_lines_name_the_logger_and_level_that_print_them(daemon_factory):
-    daemon = daemon_factory("--capacity", "64MiB", "--idle-timeout", "0.5",
-                            "--max-clients", "2")
-    with Connection(daemon.socket) as conn:
+    idle = daemon_factory("--capacity", "64MiB", "--idle-timeout", "0.5")
+    with Connection(idle.socket) as conn:
         hello(conn, "docs", [LAYOUT])  # the first layout sets the block size
         deadline = time.monotonic() + 20
-        while "idle for more than" not in daemon.log():
+        while "idle for more than" not in idle.log():
             assert time.monotonic() < deadline, "the idle session was never closed"
             time.sleep(0.1)
-    with Connection(daemon.socket) as first, Connection(daemon.socket) as second:
+    full = daemon_factory("--capacity", "64MiB", "--max-clients", "2")
+    with Connection(full.socket) as first, Connection(full.socket) as second:
         hello(first, "a"), hello(second, "b")
         third = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        third.connect(daemon.socket)  # over --max-clients: refused with a log line
+        third.connect(full.socket)  # over --max-clients: refused with a log line
         third.settimeout(10)
         third.recv(4096)
         third.close()
         deadline = time.monotonic() + 20
-        while "max number of clients reached" not in daemon.log():
+        while "max number of clients reached" not in full.log():
             assert time.monotonic() < deadline, "the extra connection was never refused"
             time.sleep(0.1)
     printed = {}  # words -> (level, logger, message) of the daemon's own lines
-    for match in LOG_LINE.finditer(daemon.log()):
+    for match in LOG_LINE.finditer(idle.log() + full.log()):
         printed.setdefault(_words(match[3]), (match[1], match[2], match[3]))
     checked = set()
     for path, level, logger, message in _quoted_daemon_lines():
