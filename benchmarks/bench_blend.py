@@ -43,7 +43,7 @@ from train_blend_model import load_or_train  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lmcached.client.engine import CacheEngine  # noqa: E402
-from lmcached.client.hf import blend_prefill, layout_for_model, store_segments  # noqa: E402
+from lmcached.client.hf import CACHE_ARG, blend_prefill, layout_for_model, store_segments  # noqa: E402
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
 LEGOLINK_KS = (1, 4, 16)
@@ -95,7 +95,7 @@ def prefix_prefill(model, engine: CacheEngine, ids: torch.Tensor, prefix_len: in
     num_cached = min(int(ret_mask.sum()), ids.numel() - 1)
     cache = cache_from_kv(kv, num_cached, model.device) if num_cached else DynamicCache()
     rest = ids[num_cached:] if extra is None else torch.cat([ids[num_cached:], extra])
-    logits = model(rest[None].to(model.device), past_key_values=cache,
+    logits = model(rest[None].to(model.device), **{CACHE_ARG: cache},
                    logits_to_keep=1 + (0 if extra is None else extra.numel())).logits[0]
     return logits.float()
 
@@ -103,7 +103,7 @@ def prefix_prefill(model, engine: CacheEngine, ids: torch.Tensor, prefix_len: in
 def blended_logits(model, engine, ids, sep_id, extra, kwargs) -> tuple[torch.Tensor, object]:
     """blend_prefill, then `extra` fed over its cache: logits `[1 + len(extra), vocab]`."""
     out = blend_prefill(model, engine, ids, sep_id, **kwargs)
-    rest = model(extra[None].to(model.device), past_key_values=out.past_key_values).logits[0]
+    rest = model(extra[None].to(model.device), **{CACHE_ARG: out.past_key_values}).logits[0]
     return torch.cat([out.logits[None], rest.float()]), out
 
 

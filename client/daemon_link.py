@@ -14,8 +14,13 @@ does not speak, a reply that does not decode, a timeout -- into `CacheUnavailabl
 (callers treat it as a miss or a skipped store). The link then warns once per outage,
 skips the daemon for an exponentially growing back-off window, and reconnects on a later
 call, re-attaching to the new arena generation of a restarted daemon (never reading an
-old generation's bytes). Only `DaemonError` (the daemon refused one request; the session
-stays open) reaches callers as itself.
+old generation's bytes). A refusal that lasts until a setting changes (client/link_failures.py:
+a chunk record the arena cannot hold, another protocol version, a socket this user may
+not open) is not an outage: one error naming the sizes and the fix, then a retry only
+every PERMANENT_BACKOFF_S. A session the daemon closed while the link was idle
+(`--idle-timeout`) is re-opened at the start of the next call, with no miss and no
+warning (a new session: pins of the old one stay void, `holds`). Only `DaemonError` (the
+daemon refused one request; the session stays open) reaches callers as itself.
 
 Timeouts: requests on the serving path (DATA_PATH_REQUESTS) and the reconnects that
 `ensure_connected` makes on that path wait at most `data_timeout_s` (default 200 ms,
@@ -28,7 +33,8 @@ import threading
 import time
 from typing import Callable, Sequence, TypeVar
 
-from lmcached.client.link_tiers import TierUnusable, close_other, describe, map_tiers
+from lmcached.client.link_failures import CacheUnavailable, describe, permanent_refusal
+from lmcached.client.link_tiers import TierUnusable, close_other, map_tiers
 from lmcached.client.snapshot import Snapshot
 from lmcached.shm.arena import Arena
 from lmcached.wire import envs
@@ -58,6 +64,10 @@ T = TypeVar("T")
 
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 5.0
+PERMANENT_BACKOFF_S = 60.0  # after a refusal that only a change of settings lifts
+# A session unused this long is checked for a close before a call (one poll(2)); an
+# --idle-timeout shorter than this shows as an outage (one warning, one miss).
+IDLE_PROBE_S = 0.1
 ADMIN_TIMEOUT_S = 10.0  # first connect, HELLO and admin requests
 DATA_TIMEOUT_S = 0.2  # serving-path requests and their reconnects ($LMCACHED_DATA_TIMEOUT_MS)
 
@@ -85,15 +95,7 @@ def default_data_timeout_s() -> float:
     return timeout_ms / 1000
 
 
-
-
-class CacheUnavailable(Exception):
-    """The daemon cannot be reached now; the caller degrades to a miss."""
-
-
 _WARNED_DEVICES: set[str] = set()
-
-
 
 
 class DaemonLink:
@@ -166,6 +168,7 @@ class DaemonLink:
         self._backoff_s = BACKOFF_INITIAL_S
         self._next_attempt = 0.0
         self._down_reason: str | None = None
+        self._last_request_at = 0.0
         self._closed = False
         # Called with each newly attached arena / before an arena is unmapped (e.g. to
         # page-lock it for CUDA).
@@ -268,7 +271,7 @@ class DaemonLink:
         except Exception as exc:
             if strict:
                 raise
-            self.mark_down(describe(exc))
+            self.connect_failed(exc)
             return False
         return True
 
@@ -277,24 +280,45 @@ class DaemonLink:
         """Arena generation of the current session, or None while disconnected."""
         return self.hello_reply.generation if self.hello_reply else None
 
-    def mark_down(self, reason: str) -> None:
-        """Drop the session after a failure; warn once per outage; schedule a retry.
+    def mark_down(self, reason: str, permanent: bool = False) -> None:
+        """Drop the session after a failure; schedule a retry.
 
-        Until the retry (an exponentially growing back-off, BACKOFF_INITIAL_S up to
-        BACKOFF_MAX_S, reset by a successful connect) every request fails at once with
-        `CacheUnavailable` instead of paying a timeout again.
+        Until the retry every request fails at once with `CacheUnavailable` instead of
+        paying a timeout again. An outage warns once and retries after an exponentially
+        growing back-off (BACKOFF_INITIAL_S up to BACKOFF_MAX_S, reset by an answered
+        request); a permanent refusal logs one error per distinct reason and retries
+        after PERMANENT_BACKOFF_S (a daemon restarted with other settings is found
+        again).
+
+        Args:
+            reason: what failed, with its fix for a permanent refusal.
+            permanent: the failure lasts until a setting changes (`permanent_refusal`).
         """
         with self.lock:
             self._drop_session()
-            if self._down_reason is None:
-                logger.warning(
-                    "lmcached daemon at %s is unavailable (%s): serving without the cache "
-                    "(misses, skipped stores) and reconnecting in the background",
-                    self.socket_path, reason,
-                )
+            if permanent:
+                if reason != self._down_reason:
+                    logger.error(
+                        "lmcached daemon at %s refuses this client (%s): serving without "
+                        "the cache (misses, skipped stores); next try in %.0f s",
+                        self.socket_path, reason, PERMANENT_BACKOFF_S,
+                    )
+                self._next_attempt = time.monotonic() + PERMANENT_BACKOFF_S
+            else:
+                if self._down_reason is None:
+                    logger.warning(
+                        "lmcached daemon at %s is unavailable (%s): serving without the "
+                        "cache (misses, skipped stores) and reconnecting in the background",
+                        self.socket_path, reason,
+                    )
+                self._next_attempt = time.monotonic() + self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
             self._down_reason = reason
-            self._next_attempt = time.monotonic() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+
+    def connect_failed(self, exc: BaseException) -> None:
+        """`mark_down` after a failed connect: permanent when `permanent_refusal` says so."""
+        refusal = permanent_refusal(exc)
+        self.mark_down(refusal or describe(exc), refusal is not None)
 
     def ensure_connected(self) -> HelloReply:
         """The current session, reconnecting (timeout `data_timeout_s`) if the backoff allows.
@@ -316,7 +340,7 @@ class DaemonLink:
             try:
                 self.connect(self.data_timeout_s)
             except Exception as exc:  # any failure to open a session means "no cache now"
-                self.mark_down(describe(exc))
+                self.connect_failed(exc)
                 raise CacheUnavailable(describe(exc)) from None
             return self.hello_reply
 
@@ -358,6 +382,7 @@ class DaemonLink:
             except BaseException:  # interrupted half-way: the stream is out of step
                 self._drop_session()
                 raise
+            self._last_request_at = time.monotonic()
             if self._down_reason is not None:
                 self._recovered()
             return answer
@@ -366,11 +391,27 @@ class DaemonLink:
         """The current session (reconnecting if the back-off allows), or None if there
         is none now. For readers that need the arena but send nothing."""
         with self.lock:
+            self._reopen_if_closed_while_idle()
             try:
                 return Snapshot(self, self.ensure_connected(), self.arena, [], self.tiers,
                                 self.home_tier)
             except CacheUnavailable:
                 return None
+
+    def _reopen_if_closed_while_idle(self) -> None:
+        """Drop a session unused for IDLE_PROBE_S that the daemon has closed meanwhile
+        (`--idle-timeout`, or a daemon stopped since), so that `ensure_connected` opens a
+        new one now instead of the next request failing on the old socket (a miss and
+        an "unavailable" warning when the daemon was never down). One poll(2), only
+        after IDLE_PROBE_S without a request: nothing on a busy link. The new session
+        has a new id, so pins of the old one never look held (`holds`)."""
+        conn = self._conn
+        if (conn is None or time.monotonic() - self._last_request_at < IDLE_PROBE_S
+                or not conn.peer_closed()):
+            return
+        logger.debug("lmcached daemon at %s closed idle session %d (--idle-timeout): "
+                     "opening a new one", self.socket_path, self.hello_reply.session_id)
+        self._drop_session()
 
     def call(self, what: str, body: Callable[[Snapshot], T], default: T) -> T:
         """Run `body(snapshot)` on one snapshot of the session, under the lock.

@@ -27,6 +27,7 @@ import dataclasses
 import time
 
 import torch
+import transformers
 from transformers import DynamicCache, PreTrainedModel
 
 from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
@@ -41,6 +42,18 @@ from lmcached.wire.logger import init_logger
 logger = init_logger(__name__)
 
 BLEND_STRATEGIES = ("cacheblend", "legolink")
+
+# The name of the cache a model's forward (and `generate`) takes and its output holds:
+# transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and is
+# removed in 5.40); the 5.x releases before it know only `past_key_values`.
+CACHE_ARG = ("cache" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 24)
+             else "past_key_values")
+
+
+def model_cache(out) -> DynamicCache:
+    """The cache of a model's forward output, by its name in this transformers
+    (`CACHE_ARG`)."""
+    return getattr(out, CACHE_ARG)
 
 
 def check_model_supported(model: PreTrainedModel) -> None:
@@ -180,20 +193,20 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
         num_cached = min(num_cached, num_tokens - 1)
         if num_cached > 0:
             cache = _cache_from_kv(kv, num_cached)
-    out = model(ids[:, num_cached:], past_key_values=cache, use_cache=True)
+    out = model(ids[:, num_cached:], **{CACHE_ARG: cache}, use_cache=True)
     logits = out.logits[0, -1].float()
     next_token = int(logits.argmax())
     ttft_s = time.perf_counter() - started
-    cache = out.past_key_values
+    cache = model_cache(out)
     if engine is not None and store:
         # DynamicCache.update concatenates into new tensors, so decoding does not touch
         # the tensors this background store reads.
         engine.store(ids[0], cache, blocking=False)
     generated = [next_token]
     for _ in range(max_new_tokens - 1):
-        out = model(torch.tensor([[next_token]], device=ids.device), past_key_values=cache,
+        out = model(torch.tensor([[next_token]], device=ids.device), **{CACHE_ARG: cache},
                     use_cache=True)
-        cache = out.past_key_values
+        cache = model_cache(out)
         next_token = int(out.logits[0, -1].argmax())
         generated.append(next_token)
     num_stored = engine.flush() if engine is not None and store else 0
@@ -253,7 +266,7 @@ def store_segments(model: PreTrainedModel, engine: CacheEngine, input_ids: torch
         if engine.lookup(segment.cpu()) >= end - start:
             continue
         out = model(segment[None].to(model.device), use_cache=True, logits_to_keep=1)
-        engine.store(segment.cpu(), out.past_key_values)
+        engine.store(segment.cpu(), model_cache(out))
         num_computed += end - start
     return num_computed
 
@@ -400,7 +413,7 @@ def generate_after_blend(model: PreTrainedModel, prefill: BlendPrefill,
     next_token = int(prefill.logits.argmax())
     generated = [next_token]
     for _ in range(max_new_tokens - 1):
-        out = model(torch.tensor([[next_token]], device=model.device), past_key_values=cache,
+        out = model(torch.tensor([[next_token]], device=model.device), **{CACHE_ARG: cache},
                     use_cache=True)
         next_token = int(out.logits[0, -1].argmax())
         generated.append(next_token)

@@ -11,14 +11,10 @@ apart from the link's call path. A tier that cannot be mapped here raises
 
 import os
 
+from lmcached.client.link_failures import describe
 from lmcached.shm.arena import Arena
 from lmcached.wire.protocol import HelloReply, OpenTier, TierInfo
 from lmcached.wire.connection import Connection, DaemonError
-
-
-def describe(exc: BaseException) -> str:
-    """`TypeName: message` of an exception, for warnings and down reasons."""
-    return f"{type(exc).__name__}: {exc}"
 
 
 class TierUnusable(Exception):

@@ -77,7 +77,7 @@ class TensorStore:
         except DaemonError as exc:
             no_hint = msgspec.structs.replace(namespace, record_bytes=VALUE_HEADER_BYTES)
             if exc.code != "too_large" or namespace == no_hint:
-                self.link.mark_down(str(exc))
+                self.link.connect_failed(exc)
                 return
             logger.warning(
                 "the daemon's arena cannot hold a %d-byte value (the size hint of namespace "
@@ -87,7 +87,7 @@ class TensorStore:
             self.link.layouts = (no_hint,)
             self.link.try_connect()
         except Exception as exc:  # no daemon now: misses, and reconnects with back-off
-            self.link.mark_down(f"{type(exc).__name__}: {exc}")
+            self.link.connect_failed(exc)
 
     def put(self, key: str, tensor: torch.Tensor) -> bool:
         """Store `tensor` under `key`, replacing any value (readers keep the old one).

@@ -55,7 +55,8 @@ class NamespaceRegistry:
             raise RequestError("bad_request", "HELLO was already sent on this connection")
         if req.version != PROTOCOL_VERSION:
             raise RequestError(
-                "version", f"protocol version {req.version}; this daemon speaks {PROTOCOL_VERSION}"
+                "version", f"protocol version {req.version}; this daemon speaks "
+                f"{PROTOCOL_VERSION}: use an lmcached client of the daemon's version"
             )
         if len(req.layouts) > MAX_LAYOUTS_PER_SESSION:
             raise RequestError(
@@ -107,11 +108,7 @@ class NamespaceRegistry:
                 "first layout (%s, chunk record %d bytes) set block_bytes=%d: %d blocks",
                 layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
             )
-        if layout.record_bytes > self.arena.num_blocks * self.arena.block_bytes:
-            raise RequestError(
-                "too_large",
-                f"a chunk record of {layout.record_bytes} bytes does not fit in the arena",
-            )
+        self._check_record_fits(layout.record_bytes)
         layout = _namespace_layout(layout)
         ns = self.namespaces.get(layout)
         if ns is None:

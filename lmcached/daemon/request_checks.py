@@ -6,6 +6,7 @@ allocation or pin is bounded by the session's share of the host arena
 of `CacheService`: its state is the service's.
 """
 
+import math
 
 from lmcached.daemon import keys
 from lmcached.wire.protocol import (
@@ -18,6 +19,8 @@ from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.replies import RequestError
+from lmcached.shm.arena import HEADER_BYTES
+from lmcached.wire.units import format_bytes
 
 
 class RequestChecks:
@@ -107,6 +110,38 @@ class RequestChecks:
         """Host arena blocks `session` may still allocate or pin (its share, less what it
         holds), so that one session never keeps the rest of the arena from the others."""
         return self._session_cap_blocks() - session.num_host_blocks_held
+
+    def _check_record_fits(self, record_bytes: int) -> None:
+        """Refuse (at HELLO) a layout whose full chunk record could never be stored: it
+        needs more blocks than one session may hold (`_session_cap_blocks`), or than the
+        arena has.
+
+        Args:
+            record_bytes: the layout's full chunk record, bytes.
+
+        Raises:
+            RequestError: `too_large` (a permanent refusal for clients,
+                protocol.PERMANENT_ERROR_CODES), naming the record, block, share and
+                arena sizes and the options that make it fit.
+        """
+        block_bytes, num_blocks = self.arena.block_bytes, self.arena.num_blocks
+        needed = -(-record_bytes // block_bytes)
+        cap = self._session_cap_blocks()
+        if needed <= cap:
+            return
+        share = self.config.max_session_share
+        capacity_mib = -(-(math.ceil(needed * 100 / share) * block_bytes + HEADER_BYTES)
+                         // (1 << 20))
+        fixes = f"start the daemon with --capacity {capacity_mib}MiB or more"
+        if needed <= num_blocks:
+            fixes += f" or --max-session-share {math.ceil(needed * 100 / num_blocks)}"
+        raise RequestError(
+            "too_large", f"a chunk record of {record_bytes} bytes ({format_bytes(record_bytes)}) "
+            f"needs {needed} blocks of {block_bytes} bytes, and one session may hold {cap} of "
+            f"the arena's {num_blocks} (--max-session-share {share:g}% of "
+            f"{format_bytes(num_blocks * block_bytes)}): {fixes}, or give the client a "
+            "smaller chunk_size"
+        )
 
     def _max_value_bytes(self) -> int:
         """The largest value a PUT (or an ALLOC in a key-value namespace) may ask for:

@@ -38,11 +38,19 @@ class DaemonError(RuntimeError):
 
     Attributes:
         code: machine-readable error kind (e.g. "bad_request", "not_owner").
+        message: the daemon's explanation (sizes, the option to change).
     """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
+
+    @property
+    def permanent(self) -> bool:
+        """Whether a HELLO refused so stays refused until a setting changes
+        (protocol.PERMANENT_ERROR_CODES): not an outage to retry soon."""
+        return self.code in protocol.PERMANENT_ERROR_CODES
 
 
 class Connection:

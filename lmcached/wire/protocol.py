@@ -350,6 +350,13 @@ class Error(msgspec.Struct, tag="error", array_like=True):
     message: str
 
 
+# Codes of a HELLO refusal that lasts as long as the daemon's and the client's settings
+# do (another protocol version; a chunk record larger than the arena or than one
+# session's share; a malformed HELLO; a request only the daemon's user may make): a
+# client logs one error and retries only after a long back-off, not as for an outage.
+PERMANENT_ERROR_CODES = frozenset({"version", "too_large", "bad_request", "forbidden"})
+
+
 class LookupReply(msgspec.Struct, tag="lookup_reply", array_like=True):
     """How many leading chunks of a LOOKUP are READY (no pins taken)."""
 

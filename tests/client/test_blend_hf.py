@@ -16,10 +16,12 @@ transformers = pytest.importorskip("transformers")
 
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.client.hf import (  # noqa: E402
+    CACHE_ARG,
     blend_prefill,
     generate_after_blend,
     generate_with_cache,
     layout_for_model,
+    model_cache,
     store_segments,
 )
 
@@ -74,7 +76,7 @@ QUESTION = text(9, 4)
 @torch.inference_mode()
 def full_prefill(model, ids, position_ids=None):
     out = model(ids[None], position_ids=position_ids, use_cache=True)
-    return out.logits[0, -1].float(), out.past_key_values
+    return out.logits[0, -1].float(), model_cache(out)
 
 
 def assert_cache_close(cache, reference, atol=LOGITS_ATOL):
@@ -203,7 +205,7 @@ def test_greedy_after_blend_at_ratio_one_equals_plain_greedy(model, daemon):
     first = reference[:1]
     with torch.inference_mode():
         out = model.generate(torch.cat([prompt, first])[None], do_sample=False,
-                             past_key_values=prefill.past_key_values,
+                             **{CACHE_ARG: prefill.past_key_values},
                              max_new_tokens=9, min_new_tokens=9)
     assert torch.equal(out[0, len(prompt):], reference)
 

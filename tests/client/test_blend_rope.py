@@ -9,6 +9,8 @@ from lmcached.client.blend.rope import LlamaRotary
 
 transformers = pytest.importorskip("transformers")
 
+from lmcached.client.hf import model_cache  # noqa: E402
+
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 # The model's fp32 K at position p uses fp32 angles p * inv_freq, whose rounding grows
@@ -37,7 +39,7 @@ def layer0_k(model, ids, positions):
     """[kv_heads, n, head_dim] layer-0 K of `ids` computed at `positions` (int64 [n])."""
     with torch.no_grad():
         out = model(ids[None], position_ids=positions[None], use_cache=True)
-    return out.past_key_values.layers[0].keys[0]
+    return model_cache(out).layers[0].keys[0]
 
 
 @pytest.mark.parametrize("kind", ["default", "llama3"])

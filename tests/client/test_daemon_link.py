@@ -9,8 +9,10 @@ import os
 import time
 
 import pytest
+import torch
 
-from lmcached.client import daemon_link, link_tiers
+from engine_worker import prompt_kv, small_layout
+from lmcached.client import CacheEngine, daemon_link, link_tiers
 from lmcached.client.chain import chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
@@ -228,3 +230,82 @@ def test_a_link_given_no_socket_finds_its_daemon_where_it_started_later(
         link.close()
     finally:
         assert daemon.stop() == 0
+
+
+# ------------------------------------------- permanent refusals, idle-closed sessions
+def lmcached_records(caplog, level: int = logging.WARNING) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("lmcached") and r.levelno >= level]
+
+
+def test_a_layout_too_large_for_a_session_is_one_error_naming_sizes_and_fix_no_retry_storm(
+        daemon, caplog):
+    """A 32 MiB chunk record against a 64 MiB arena of 1 MiB blocks (one session may hold
+    31 of its 63 blocks) can never be stored: one ERROR naming the sizes and the options,
+    misses for every call, and no second HELLO within the long back-off (a transient
+    back-off would have retried about five times in 1.5 s)."""
+    caplog.set_level(logging.INFO, logger="lmcached")
+    big = KVLayout("too-big", num_layers=32, num_kv_heads=8, head_size=128,
+                   dtype="bfloat16", chunk_size=256)
+    record_bytes = big.record_bytes(256)
+    tokens = list(range(512))
+    engine = CacheEngine.connect(big, socket=daemon.socket, data_timeout_s=0.2)
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # a serving loop: one cache call per step
+            assert engine.lookup(tokens) == 0
+            time.sleep(0.01)
+        assert engine.link.hello_reply is None
+    finally:
+        engine.close()
+    assert daemon.info()["errors_too_large"] == 1  # one HELLO, not a retry storm
+    records = lmcached_records(caplog)
+    assert [r.levelno for r in records] == [logging.ERROR], [r.getMessage() for r in records]
+    message = records[0].getMessage()
+    for part in (f"a chunk record of {record_bytes} bytes", "needs 33 blocks of 1048576 bytes",
+                 "one session may hold 31 of the arena's 63", "--max-session-share 50%",
+                 "--capacity 67MiB or more or --max-session-share 53", "smaller chunk_size",
+                 "refuses this client", f"next try in {daemon_link.PERMANENT_BACKOFF_S:.0f} s"):
+        assert part in message, (part, message)
+    assert not any("unavailable" in r.getMessage() or "is back" in r.getMessage()
+                   for r in caplog.records)
+
+
+def test_a_strict_connect_raises_the_permanent_refusal(daemon):
+    big = KVLayout("too-big", num_layers=32, num_kv_heads=8, head_size=128,
+                   dtype="bfloat16", chunk_size=256)
+    with pytest.raises(DaemonError) as refused:
+        CacheEngine.connect(big, socket=daemon.socket, strict=True)
+    assert refused.value.code == "too_large" and refused.value.permanent
+
+
+def test_a_session_closed_while_idle_is_reopened_without_a_miss_or_warning(daemon_factory,
+                                                                            caplog):
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB",
+                            "--idle-timeout", "0.5")
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = prompt_kv(layout, tokens)
+    engine = CacheEngine.connect(layout, socket=daemon.socket, strict=True)
+    try:
+        assert engine.store(tokens, kv) == 4
+        old = engine.link.hello_reply
+        deadline = time.monotonic() + 20
+        while daemon.info().get("errors_idle_timeout", 0) < 1:  # the daemon closed our session
+            assert time.monotonic() < deadline, "the daemon never closed the idle session"
+            time.sleep(0.1)
+        caplog.clear()
+        caplog.set_level(logging.DEBUG, logger="lmcached")
+        assert engine.lookup(tokens) == 64  # a hit, not a miss
+        got, ret_mask = engine.retrieve(tokens, return_tuple=False)
+        assert bool(ret_mask.all()) and torch.equal(got, kv)
+        assert not lmcached_records(caplog), [r.getMessage() for r in caplog.records]
+        new = engine.link.hello_reply
+        assert new.session_id != old.session_id and new.generation == old.generation
+        # Pins of the closed session never look held by the new one.
+        assert not engine.link.holds(old.session_id, old.generation)
+        assert engine.link.holds(new.session_id, new.generation)
+        assert any("idle" in r.getMessage() for r in caplog.records
+                   if r.levelno == logging.DEBUG)
+    finally:
+        engine.close()
+    assert daemon.info()["pinned_blocks"] == 0

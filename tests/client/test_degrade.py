@@ -56,14 +56,16 @@ def assert_misses_only(engine: CacheEngine) -> None:
         assert views.num_tokens == 0
 
 
-def assert_misses_with_one_warning(engine: CacheEngine, caplog) -> None:
+def assert_misses_with_one_warning(engine: CacheEngine, caplog,
+                                   says: str = "unavailable") -> None:
     """Three rounds of calls (later ones retry the connect after the back-off) are all
-    misses, and the outage gave exactly one warning."""
+    misses, and the outage (or the permanent refusal) gave exactly one warning (error)
+    that `says` so."""
     for _ in range(3):
         assert_misses_only(engine)
         time.sleep(0.06)
     warnings = lmcached_warnings(caplog)
-    assert len(warnings) == 1 and "unavailable" in warnings[0], warnings
+    assert len(warnings) == 1 and says in warnings[0], warnings
 
 
 def views_missed(engine: CacheEngine) -> bool:
@@ -219,6 +221,9 @@ CONNECT_FAILURES = {
         lambda mp, d, tmp: mp.setattr(connection.socket, "socket", _DeniedSocket) or d.socket,
         PermissionError),
 }
+# Failures only a change of settings lifts: one error with the fix, a long back-off.
+PERMANENT_FAILURES = {"protocol_version": "use an lmcached client of the daemon's version",
+                      "socket_eacces": "--allow-group"}
 
 
 @pytest.mark.parametrize("failure", sorted(CONNECT_FAILURES))
@@ -236,7 +241,11 @@ def test_a_failed_connect_degrades_to_misses_with_one_warning(failure, daemon, s
     engine = CacheEngine.connect(layout, socket=path, data_timeout_s=DATA_TIMEOUT_S)
     try:
         assert engine.link.hello_reply is None
-        assert_misses_with_one_warning(engine, caplog)
+        if failure in PERMANENT_FAILURES:
+            assert_misses_with_one_warning(engine, caplog, "refuses this client")
+            assert PERMANENT_FAILURES[failure] in lmcached_warnings(caplog)[0]
+        else:
+            assert_misses_with_one_warning(engine, caplog)
     finally:
         engine.close()
     monkeypatch.undo()

@@ -227,3 +227,38 @@ def test_operator_block_size_wins_over_the_layout(make_service):
     service = make_service(capacity_bytes=8 << 20, block_bytes=0, config_block_bytes=1 << 20)
     _, reply = greet(service, LAYOUT)
     assert reply.block_bytes == 1 << 20 and reply.num_blocks == 7
+
+
+def test_a_record_over_one_sessions_share_is_refused_at_hello_with_fixes_that_work(
+        make_service):
+    """A chunk record needing more blocks than --max-session-share lets one session hold
+    could never be stored (every ALLOC would answer NOSPACE): HELLO refuses it with
+    `too_large`, naming the sizes, and each option value it names makes it fit."""
+    service = make_service(max_session_share=50.0)  # 8 of the 16 blocks of 64 KiB
+    record_bytes = 8 * BLOCK_BYTES + 1  # 9 blocks
+    assert isinstance(greet(service, layout(model_name="fits", record_bytes=8 * BLOCK_BYTES))[1],
+                      HelloReply)
+    _, reply = greet(service, layout(model_name="over", record_bytes=record_bytes))
+    assert error_code(reply) == "too_large"
+    assert (f"a chunk record of {record_bytes} bytes (512.00K) needs 9 blocks of "
+            f"{BLOCK_BYTES} bytes, and one session may hold 8 of the arena's 16 "
+            "(--max-session-share 50% of 1.00M)") in reply.message
+    assert ("start the daemon with --capacity 2MiB or more or --max-session-share 57, or "
+            "give the client a smaller chunk_size") in reply.message
+    bigger = make_service(capacity_bytes=2 << 20, max_session_share=50.0)
+    wider = make_service(max_session_share=57.0)
+    for fixed in (bigger, wider):
+        assert isinstance(greet(fixed, layout(model_name="over", record_bytes=record_bytes))[1],
+                          HelloReply)
+
+
+def test_a_record_over_the_whole_arena_names_the_capacity_it_needs(make_service):
+    service = make_service()  # 16 blocks of 64 KiB, a session may hold them all
+    _, reply = greet(service, layout(model_name="huge", record_bytes=20 * BLOCK_BYTES))
+    assert error_code(reply) == "too_large"
+    assert "needs 20 blocks" in reply.message
+    assert "max-session-share 100% of 1.00M" in reply.message
+    assert "--capacity 2MiB or more, or give the client a smaller chunk_size" in reply.message
+    assert isinstance(greet(make_service(capacity_bytes=2 << 20),
+                            layout(model_name="huge", record_bytes=20 * BLOCK_BYTES))[1],
+                      HelloReply)

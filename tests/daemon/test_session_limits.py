@@ -317,12 +317,12 @@ def test_a_giant_alloc_is_refused_and_evicts_nothing(daemon_factory):
         with pytest.raises(DaemonError, match=rf"bad_request: ALLOC of a "
                            rf"{before['capacity_bytes']}-byte record .* {RECORD} bytes"):
             conn.request(Alloc(ns, chunk_hashes([1]), [before["capacity_bytes"]]))
-        # A layout that claims a record as large as the arena: its ALLOC fits no share.
+        # A layout that claims a record as large as the arena fits no session's share:
+        # refused at HELLO, before any ALLOC.
         arena_bytes = before["num_blocks"] * before["block_bytes"]
         liar = Layout("liar", 1, 0, "vllm", "uint8", 1, 1, 1, 1, arena_bytes)
-        liar_conn, liar_ns = raw_session(daemon, liar)
-        reply = liar_conn.request(Alloc(liar_ns, chunk_hashes([1]), [arena_bytes]))
-        assert reply.status == [NOSPACE]
+        with pytest.raises(DaemonError, match=r"too_large: .* one session may hold 63 of "):
+            raw_session(daemon, liar)
         after = daemon.info()
         for field in ("evictions", "cached_values", "cached_blocks", "stores"):
             assert after[field] == before[field], field
@@ -330,7 +330,6 @@ def test_a_giant_alloc_is_refused_and_evicts_nothing(daemon_factory):
         for tokens in prompts:  # every cached chunk still there, bytes equal
             assert_cached(engine, tokens)
         conn.close()
-        liar_conn.close()
     assert daemon.info()["pinned_blocks"] == 0
 
 

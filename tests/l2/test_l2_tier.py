@@ -16,7 +16,12 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import L2Tier
-from lmcached.daemon.l2.values import l2_key, namespace_fingerprint, verify_value
+from lmcached.daemon.l2.values import (
+    VERIFY_REASONS,
+    l2_key,
+    namespace_fingerprint,
+    verify_value,
+)
 from lmcached.wire.protocol import (
     local_block,
     tier_of,
@@ -187,7 +192,11 @@ def test_write_through_pins_until_written_and_writes_verifiable_values(nodes):
     node.store(prompt)
     pool = node.service.pool
     assert pool.num_pinned_blocks == 4, "queued chunks stay pinned until written"
-    assert node.tier.info()["l2_queue_values"] == 4
+    info = node.tier.info()
+    assert info["l2_queue_values"] == 4
+    # Every verify reason is an INFO field from the start, 0 until a value fails it.
+    assert {k: v for k, v in info.items() if k.startswith("l2_fetch_verify_")} == {
+        f"l2_fetch_verify_{reason}": 0 for reason in VERIFY_REASONS}
     store.gate.set()
     node.settle(lambda: node.tier.info()["l2_writes"] == 4)
     assert pool.num_pinned_blocks == 0 and node.tier.queued_bytes == 0

@@ -108,6 +108,8 @@ def test_tiny_demo_shares_prefixes_across_processes_with_identical_outputs():
     for column in ("worker", "request", "prompt", "cached", "cross", "TTFT ms", "no-cache", "same"):
         assert re.search(rf"^  {re.escape(column)} +\S", stderr, re.MULTILINE), column
     assert "cross-process hit tokens" in stderr
+    # no library warning among the table's lines (transformers' deprecations)
+    assert not re.search(r"deprecat|Warning\b", stderr, re.IGNORECASE), stderr
     # the demo (its daemon is named after the demo's pid) stopped its daemon and removed its segment
     assert not [s for s in os.listdir("/dev/shm") if s.startswith(f"lmcached.demo-{proc.pid}")]
 

@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_value, l2_key, namespace_fingerprint
+from lmcached.daemon.l2.values import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value, l2_key,
+                                      namespace_fingerprint)
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import Layout
 from lmcached.wire.record_format import ROOT_HASH
@@ -426,9 +427,8 @@ class L2Tier:
                      "fetch_nospace", "fetch_oversize", "fetch_down", "fetch_errors",
                      "fetch_gone", "fetch_waits_timed_out"):
             out[f"l2_{name}"] = stats[name]
-        for name in sorted(stats):
-            if name.startswith("fetch_verify_"):
-                out[f"l2_{name}"] = stats[name]
+        for reason in VERIFY_REASONS:  # every reason, 0 until it happens
+            out[f"l2_fetch_verify_{reason}"] = stats[f"fetch_verify_{reason}"]
         for kind, count in sorted(self.store.errors.items()):
             out[f"l2_errors_{kind}"] = count
         return out
