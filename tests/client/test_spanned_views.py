@@ -4,10 +4,15 @@ layer that lies in one block, a copy only where a layer crosses a block boundary
 no pin left after the views are closed. Real daemons (the conftest fixture stops them by
 pid; `no_leaked_segments` checks /dev/shm after each test)."""
 
+import numpy as np
 import pytest
 import torch
 
-from lmcached.client import CacheEngine, KVLayout
+from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
+from lmcached.client.kv_io import KVSource
+from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.views import SpannedRecord
+from lmcached.shm.arena import Arena
 from test_engine import make_kv
 
 # fp32, 8 layers of 16 KiB for a full 64-token chunk: a 131,648-byte record over three
@@ -61,6 +66,35 @@ def test_views_of_multi_block_records_equal_retrieve(daemon_factory, fmt, skip):
         with pytest.raises(RuntimeError, match="released"):
             views.layer(0)
         assert daemon.info()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "huggingface"])
+def test_layers_of_a_record_in_scattered_blocks_read_through_tiered_records(unique_name, fmt):
+    """Blocks of a record come from the LRU free queue in any order: a span of reversed,
+    non-adjacent blocks reads back layer by layer, also through `TieredRecords` (an
+    engine that mapped a device tier: multi-block records are in the host arena)."""
+    layout = KVLayout("spanned", fmt=fmt, **SPANNED)
+    host = Arena.create_memfd(unique_name, 7, 1 << 20, 64 * 1024)
+    device = Arena.create_memfd(unique_name, 7, 1 << 20, 64 * 1024)
+    try:
+        records = TieredRecords({0: RecordIO(host, layout), 1: RecordIO(device, layout)})
+        span = [9, 2, 5]
+        tokens = np.arange(64, dtype=np.int64)
+        kv = make_kv(layout, 64, seed=3)
+        records.write(span, hash_request_tokens(64, tokens)[0], tokens,
+                      KVSource(kv, layout), 0, 64)
+        assert torch.equal(records.read_kv(span, 64), kv)
+        for layer in range(layout.num_layers):
+            assert torch.equal(records.layer_view(span, 64, layer), kv[layer]), layer
+        viewed = SpannedRecord(records, span, 64, first=10)
+        expected = kv.narrow(layout.token_dim, 10, 54)
+        assert torch.equal(viewed.gather(layout.token_dim), expected)
+        out = torch.zeros(layout.chunk_shape(54))
+        viewed.copy_to(out, layout.token_dim)
+        assert torch.equal(out, expected)
+    finally:
+        host.close()
+        device.close()
 
 
 LLAMA_3_8B = dict(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16",
