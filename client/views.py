@@ -18,6 +18,7 @@ import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.kv_io import ChunkCopier, copy_tensor
+from lmcached.client.retrieve import copy_record
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
@@ -57,11 +58,10 @@ class SpannedRecord:
         kv = self.records.read_kv(self.span, self.num_tokens)
         return kv.narrow(token_dim, self.first, self.num_tokens - self.first)
 
-    def copy_to(self, dst: torch.Tensor, token_dim: int) -> None:
+    def copy_to(self, dst: torch.Tensor) -> None:
         """dst = the chunk, layer by layer (only layers that cross a block boundary go
         through a temporary). `dst`: `chunk_shape(num_tokens - first)`, any device."""
-        for layer in range(dst.shape[0]):
-            copy_tensor(dst[layer], self.layer(layer, token_dim))
+        copy_record(dst, self.records, self.span, self.num_tokens, self.first)
 
 
 class RetrievedViews:
@@ -164,7 +164,7 @@ class RetrievedViews:
             if isinstance(entry, SpannedRecord):
                 n = entry.num_tokens - entry.first
                 dst = out.narrow(self._token_dim, start, n)
-                tasks.append(functools.partial(entry.copy_to, dst, self._token_dim))
+                tasks.append(functools.partial(entry.copy_to, dst))
             else:
                 n = entry.shape[self._token_dim]
                 dst = out.narrow(self._token_dim, start, n)

@@ -47,6 +47,11 @@ def test_views_of_multi_block_records_equal_retrieve(daemon_factory, fmt, skip):
         assert int(ret_mask.sum()) == 200 - skip
         torch.testing.assert_close(expected, kv.narrow(layout.token_dim, skip, 200 - skip),
                                    rtol=0, atol=0)
+        layers_out = tuple((torch.zeros(layout.chunk_shape(200)[2:]),
+                            torch.zeros(layout.chunk_shape(200)[2:])) for _ in range(8))
+        got, _ = eng.retrieve(tokens, mask=mask, out=layers_out)  # per-layer destinations
+        for layer, (k, v) in enumerate(got):
+            assert torch.equal(torch.stack((k, v)), expected[layer]), layer
         arena = arena_range(eng, tokens)
         with eng.retrieve_views(tokens, mask=mask) as views:
             assert (views.start_token, views.num_tokens) == (skip, 200 - skip)
@@ -90,7 +95,7 @@ def test_layers_of_a_record_in_scattered_blocks_read_through_tiered_records(uniq
         expected = kv.narrow(layout.token_dim, 10, 54)
         assert torch.equal(viewed.gather(layout.token_dim), expected)
         out = torch.zeros(layout.chunk_shape(54))
-        viewed.copy_to(out, layout.token_dim)
+        viewed.copy_to(out)
         assert torch.equal(out, expected)
     finally:
         host.close()
