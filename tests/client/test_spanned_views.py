@@ -127,4 +127,9 @@ def test_views_on_a_derived_block_size_with_a_llama_3_8b_layout(daemon_factory, 
                        for chunk in views.chunks)
             assert torch.equal(torch.cat(views.layer(31), dim=layout.token_dim - 1), kv[31])
         assert daemon.info()["pinned_blocks"] == 0
-    assert daemon.info()["block_bytes"] * blocks_per_chunk >= layout.record_bytes(256)
+    block_bytes = daemon.info()["block_bytes"]
+    assert block_bytes * blocks_per_chunk >= layout.record_bytes(256)
+    fill_ratio = layout.record_bytes(256) / (blocks_per_chunk * block_bytes)
+    assert (f"block_bytes={block_bytes} for the daemon's life" in daemon.log()
+            and f"{blocks_per_chunk} block(s) per chunk, fill ratio {fill_ratio:.4f}; start "
+            f"the daemon with --block-size {block_bytes} " in daemon.log())
