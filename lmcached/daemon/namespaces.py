@@ -209,7 +209,8 @@ class NamespaceRegistry:
         """
         wanted = _round_up(layout.record_bytes, BLOCK_ALIGN_BYTES)
         usable = self.arena.capacity_bytes - HEADER_BYTES
-        ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
+        ceiling = max(BLOCK_ALIGN_BYTES,  # an arena under 16 pages: one page
+                      usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES)
         if wanted > ceiling:  # several blocks per record: equal pieces, each <= ceiling
             num_pieces = -(-wanted // ceiling)
             wanted = _round_up(-(-layout.record_bytes // num_pieces), BLOCK_ALIGN_BYTES)
