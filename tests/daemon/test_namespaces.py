@@ -213,12 +213,13 @@ def test_a_record_larger_than_the_derived_block_spans_several_equal_blocks(make_
     assert_everything_returned(service)
 
 
-@pytest.mark.parametrize("capacity_bytes", [8 << 10, 40 << 10])
-def test_an_arena_of_fewer_than_16_pages_derives_page_blocks(make_service, capacity_bytes):
+@pytest.mark.parametrize("capacity_bytes, record_bytes", [(8 << 10, 3000), (40 << 10, 5000)])
+def test_an_arena_of_fewer_than_16_pages_derives_page_blocks(make_service, capacity_bytes,
+                                                            record_bytes):
     """The smallest arenas (--capacity 8KiB holds the header and one page) cannot keep 16
     blocks: their derived block is one page, whatever the record."""
     service = make_service(capacity_bytes=capacity_bytes, block_bytes=0)
-    session, reply = greet(service, layout(model_name="small", record_bytes=5000))
+    session, reply = greet(service, layout(model_name="small", record_bytes=record_bytes))
     assert isinstance(reply, HelloReply), reply
     assert reply.block_bytes == 4096
     assert reply.num_blocks == (capacity_bytes - HEADER_BYTES) // 4096
