@@ -98,6 +98,9 @@ class NamespaceRegistry:
         # The schema (protocol.Layout) has already checked every field's range.
         if self.pool is None:
             block_bytes = self.config.block_bytes or self._block_bytes_for(layout)
+            usable = self.arena.capacity_bytes - HEADER_BYTES
+            if layout.record_bytes > usable // block_bytes * block_bytes:
+                raise _too_large(layout)  # refused before it sets the daemon's block size
             try:
                 self.arena.set_block_bytes(block_bytes)
             except ValueError as exc:
@@ -109,10 +112,7 @@ class NamespaceRegistry:
             else:
                 self._warn_derived_block_bytes(layout)
         if layout.record_bytes > self.arena.num_blocks * self.arena.block_bytes:
-            raise RequestError(
-                "too_large",
-                f"a chunk record of {layout.record_bytes} bytes does not fit in the arena",
-            )
+            raise _too_large(layout)
         layout = _namespace_layout(layout)
         ns = self.namespaces.get(layout)
         if ns is None:
@@ -235,6 +235,13 @@ class NamespaceRegistry:
             layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
             blocks_per_record, fill_ratio, best,
         )
+
+
+def _too_large(layout: Layout) -> RequestError:
+    """The refusal of a layout whose chunk record is larger than the arena's blocks."""
+    return RequestError(
+        "too_large", f"a chunk record of {layout.record_bytes} bytes does not fit in the arena"
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -192,13 +192,15 @@ def test_a_hello_refused_half_way_leaves_no_namespace(service):
 
 def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
     """Without --block-size, one HELLO with a 64 MiB chunk on a 64 MiB arena used to make
-    the arena one block; now the arena keeps MIN_DERIVED_BLOCKS blocks."""
+    the arena one block, then 64 blocks of a 1 MiB: now it is refused before it sets the
+    block size, and the next layout sets it from its own record."""
     service = make_service(capacity_bytes=64 << 20, block_bytes=0)
     _, reply = greet(service, layout(model_name="huge", record_bytes=64 << 20))
     assert error_code(reply) == "too_large"  # it does not fit at all
-    assert service.arena.num_blocks >= MIN_DERIVED_BLOCKS
+    assert (service.arena.block_bytes, service.arena.num_blocks, service.pool) == (0, 0, None)
     _, reply = greet(service, LAYOUT)  # a real model still gets a useful arena
     assert isinstance(reply, HelloReply) and reply.num_blocks >= MIN_DERIVED_BLOCKS
+    assert reply.block_bytes == 4096  # its own 1,000-byte record, in one page
 
 
 def test_a_record_larger_than_the_derived_block_spans_several_equal_blocks(make_service):
