@@ -18,6 +18,7 @@ import torch
 
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.kv_io import ChunkCopier, copy_tensor
+from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.client.retrieve import copy_record
 from lmcached.wire.logger import init_logger
 
@@ -42,7 +43,7 @@ class SpannedRecord:
         first: the first viewed token in it (the mask's skip, in a first chunk).
     """
 
-    records: object
+    records: RecordIO | TieredRecords
     span: list[int]
     num_tokens: int
     first: int = 0
