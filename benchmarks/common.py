@@ -56,8 +56,9 @@ def running_daemon(capacity: str, block_size: str | None = None,
 
 def record_block_size(layout) -> str:
     """`--block-size` for one chunk record of `layout` per block, rounded up to 4 KiB, as
-    production sets it (a daemon that derives it from a record larger than 1/64 of the
-    arena would split records over several blocks, and zero-copy views need one)."""
+    production sets it (a daemon that derives it cuts a record over several blocks when
+    the arena holds fewer than 16 records, and views then copy the layers that cross a
+    block boundary)."""
     return str(-(-layout.record_bytes(layout.chunk_size) // 4096) * 4096)
 
 

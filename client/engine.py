@@ -40,7 +40,7 @@ from lmcached.client.kv_io import ChunkCopier, KVSource, suffix_mask_skip
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import TieredRecords
 from lmcached.client.retrieve import PinnedLookups, copy_records_out
-from lmcached.client.views import RetrievedViews
+from lmcached.client.views import RetrievedViews, SpannedRecord
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
@@ -429,36 +429,35 @@ class CacheEngine:
         view starts at the first masked-in token (a narrowed view of its chunk).
 
         Returns:
-            RetrievedViews with `.chunks` (one view per chunk,
+            RetrievedViews with `.chunks` (one tensor per chunk,
             `layout.chunk_shape(chunk_tokens)`, layout.dtype, cpu (arena); the first
-            one without the masked tokens of its chunk), `.num_tokens`, `.start_token`
-            (the mask's skip), `.block_ids`.
+            one without the masked tokens of its chunk), `.layer(i)`, `.num_tokens`,
+            `.start_token` (the mask's skip), `.block_ids`. A chunk whose record spans
+            several blocks (the daemon's block is smaller than its record) is read
+            layer by layer (`SpannedRecord`): only layers crossing a block boundary,
+            and `.chunks`, copy.
 
         Raises:
-            ValueError: bad mask, or chunks of this layout span several blocks (the
-                daemon's --block-size is smaller than a chunk): use `retrieve`.
+            ValueError: bad mask.
         """
         layout = self.layout
         token_array = as_token_array(tokens)
         skip = suffix_mask_skip(mask, len(token_array))
-        hello = self.link.hello_reply
-        if hello is not None and self.layout.record_bytes(self.layout.chunk_size) > hello.block_bytes:
-            raise ValueError(
-                f"a chunk record of {self.layout.record_bytes(self.layout.chunk_size)} bytes spans "
-                f"several {hello.block_bytes}-byte blocks: zero-copy views need one block per "
-                "chunk (start the daemon without --block-size, or use retrieve())"
-            )
         run = self._pinned(token_array, skip) if len(token_array) > skip else None
         if run is None:
             self.miss_tokens += len(token_array) - skip
             return RetrievedViews([], [], skip, 0, None)
         spans, chunks = run.from_chunk(skip // layout.chunk_size)
         records = run.records
-        views = [records.kv_view(span[0], end - start) for span, (start, end) in zip(spans, chunks)]
-        if views and chunks[0][0] < skip:
-            dropped = skip - chunks[0][0]  # masked tokens of the first chunk
-            views[0] = views[0].narrow(layout.token_dim, dropped,
-                                       views[0].shape[layout.token_dim] - dropped)
+        views = []
+        for span, (start, end) in zip(spans, chunks):
+            first = max(skip - start, 0)  # masked tokens of the first chunk
+            if len(span) > 1:
+                views.append(SpannedRecord(records, span, end - start, first))
+            else:
+                view = records.kv_view(span[0], end - start)
+                views.append(view.narrow(layout.token_dim, first, end - start - first)
+                             if first else view)
         num_hit = chunks[-1][1] - skip if chunks else 0
         self.hit_tokens += num_hit
         self.miss_tokens += len(token_array) - skip - num_hit

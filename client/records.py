@@ -308,6 +308,31 @@ class RecordIO:
         shape = self.layout.chunk_shape(num_tokens)
         return torch.from_numpy(record[self._kv_offset :]).view(self._dtype).view(shape)
 
+    def layer_view(self, span: list[int], num_tokens: int, layer: int) -> torch.Tensor:
+        """KV of one layer of a record: `layout.chunk_shape(num_tokens)[1:]`, cpu.
+
+        Records are layer-major, so a layer is one run of bytes: a zero-copy view of the
+        arena when that run lies in one block (always, for a one-block record), and a
+        gathered copy only when it crosses a block boundary (a record larger than the
+        daemon's block: at most `len(span) - 1` layers of it cross one).
+
+        Args:
+            span: block ids of the record, in order.
+            num_tokens: tokens of the record's chunk.
+            layer: 0 <= layer < layout.num_layers.
+        """
+        if len(span) == 1:
+            return self.kv_view(span[0], num_tokens)[layer]
+        shape = self.layout.chunk_shape(num_tokens)[1:]
+        layer_bytes = self.layout.record_bytes(num_tokens) - self._kv_offset
+        layer_bytes //= self.layout.num_layers
+        start = self._kv_offset + layer * layer_bytes
+        index, offset = divmod(start, self.arena.block_bytes)
+        if offset + layer_bytes <= self.arena.block_bytes:
+            return self.arena.view(span[index], self._dtype, shape, offset_bytes=offset)
+        pieces = self.pieces(span, start, start + layer_bytes)
+        return torch.from_numpy(np.concatenate(pieces)).view(self._dtype).view(shape)
+
 
 
 def check_headers(headers: np.ndarray, chunk_hashes: list[bytes], token_array: np.ndarray,
@@ -425,6 +450,12 @@ class TieredRecords:
         """`RecordIO.read_kv` of the record in `span`, in its tier."""
         records, local = self._split(span)
         return records.read_kv(local, num_tokens)
+
+    def layer_view(self, span: list[int], num_tokens: int, layer: int) -> torch.Tensor:
+        """`RecordIO.layer_view` of the record in `span`, in its tier (a record spanning
+        several blocks is always in the host arena: device tiers hold one-block records)."""
+        records, local = self._split(span)
+        return records.layer_view(local, num_tokens, layer)
 
 
 def scatter(arena: Arena, block_ids: list[int], parts: list[np.ndarray]) -> None:

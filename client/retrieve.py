@@ -123,11 +123,14 @@ def copy_records_out(records: RecordIO, copier: ChunkCopier, spans: list[list[in
 
         def copy_to_layers(span, start, end):
             first = max(start, skip)
-            # chunk_shape(end - first): the record without the tokens before `skip`
-            record = records.read_kv(span, end - start).narrow(token_dim, first - start,
-                                                               end - first)
+            # a one-block record (any tier) is one view; a longer one is read per layer
+            whole = records.kv_view(span[0], end - start) if len(span) == 1 else None
             for layer, (k_out, v_out) in enumerate(out):
-                for dst, src in ((k_out, record[layer, 0]), (v_out, record[layer, 1])):
+                kv = whole[layer] if whole is not None else \
+                    records.layer_view(span, end - start, layer)
+                # chunk_shape(end - first)[1:]: the layer without the tokens before `skip`
+                kv = kv.narrow(layer_token_dim + 1, first - start, end - first)
+                for dst, src in ((k_out, kv[0]), (v_out, kv[1])):
                     copy_tensor(dst.narrow(layer_token_dim, first - skip, end - first), src)
 
         copier.run([functools.partial(copy_to_layers, span, start, end)
@@ -146,7 +149,7 @@ def copy_records_out(records: RecordIO, copier: ChunkCopier, spans: list[list[in
     for span, (start, end) in zip(spans, chunks):
         first = max(start, skip)
         dst = blob.narrow(token_dim, first - skip, end - first)
-        tasks.append(functools.partial(_copy_record, dst, records, span, end - start,
+        tasks.append(functools.partial(copy_record, dst, records, span, end - start,
                                        first - start))
     copier.run(tasks)
     synchronize_if_cuda(blob)  # host-to-device copies done before RELEASE
@@ -155,9 +158,26 @@ def copy_records_out(records: RecordIO, copier: ChunkCopier, spans: list[list[in
     return blob
 
 
-def _copy_record(dst: torch.Tensor, records: RecordIO, span: list[int], num_tokens: int,
-                 first: int) -> None:
-    """dst = tokens [first, first + dst's token count) of the record of a `num_tokens` chunk."""
+def copy_record(dst: torch.Tensor, records: RecordIO, span: list[int], num_tokens: int,
+                first: int) -> None:
+    """dst = tokens [first, first + dst's token count) of the record of a `num_tokens` chunk.
+
+    A one-block record is copied from its view; a record spanning several blocks layer
+    by layer from `records.layer_view` (views, but for the layers that cross a block
+    boundary), not gathered whole first: one copy of its bytes, not two.
+
+    Args:
+        dst: `layout.chunk_shape(n)`, any device.
+        records: the reader of the record's arena.
+        span: block ids of the record.
+        num_tokens: tokens of the record.
+        first: the record's first token to copy.
+    """
     token_dim = records.layout.token_dim
-    copy_tensor(dst, records.read_kv(span, num_tokens).narrow(token_dim, first,
-                                                              dst.shape[token_dim]))
+    n = dst.shape[token_dim]
+    if len(span) == 1:
+        copy_tensor(dst, records.kv_view(span[0], num_tokens).narrow(token_dim, first, n))
+        return
+    for layer in range(records.layout.num_layers):
+        copy_tensor(dst[layer],
+                    records.layer_view(span, num_tokens, layer).narrow(token_dim - 1, first, n))

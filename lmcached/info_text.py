@@ -30,8 +30,8 @@ def blocks_note(sections: dict[str, dict[str, int | float | str]]) -> str | None
     return ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
             "yet. The arena is allocated, but without --block-size it is cut into blocks "
             "when the first layout arrives (block size: that layout's chunk record, rounded "
-            "up to 4 KiB, at most 1/64 of the arena). Start the daemon with --block-size to "
-            "cut it at start.")
+            "up to 4 KiB, or cut in equal pieces where the arena would hold fewer than 16). "
+            "Start the daemon with --block-size to cut it at start.")
 
 
 def loading_note(sections: dict[str, dict[str, int | float | str]]) -> str | None:

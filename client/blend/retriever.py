@@ -29,7 +29,6 @@ and V at a time, gathered straight from the pinned arena blocks. It follows LMCa
 
 import dataclasses
 import functools
-import math
 import weakref
 from typing import Sequence
 
@@ -241,19 +240,11 @@ def _layer_in_record(chunk: _Chunk, layer: int) -> torch.Tensor:
     """K and V of one layer of a chunk's record: `layout.chunk_shape(t)[1:]`, layout dtype, cpu.
 
     A view of the arena when the layer's bytes lie in one block (always, for a record in
-    one block); otherwise those bytes (the record is `[num_layers, 2, ...]`, so one
-    layer's K and V are one contiguous range) gathered into a temporary buffer.
+    one block); otherwise gathered into a temporary buffer (`RecordIO.layer_view`).
     """
     if chunk.kv is not None:
         return chunk.kv[layer]
-    records, n = chunk.records, chunk.num_tokens
-    layout = records.layout
-    shape = layout.chunk_shape(n)[1:]
-    layer_bytes = math.prod(shape) * layout.itemsize
-    start = layout.kv_offset + layer * layer_bytes
-    pieces = records.pieces(chunk.span, start, start + layer_bytes)  # uint8 views of the arena
-    raw = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return torch.from_numpy(raw).view(layout.torch_dtype).view(shape)
+    return chunk.records.layer_view(chunk.span, chunk.num_tokens, layer)
 
 
 class SPTBlendRetriever(BlendRetriever):

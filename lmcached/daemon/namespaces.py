@@ -22,14 +22,15 @@ from lmcached.wire.protocol import (
 )
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import HEADER_BYTES
-from lmcached.shm.geometry import MIN_BLOCK_BYTES
+from lmcached.shm.geometry import MIN_BLOCK_BYTES, min_block_bytes
 from lmcached.daemon.replies import RequestError
 from lmcached.wire.logger import init_logger
+from lmcached.wire.units import format_bytes
 
 logger = init_logger(__name__)
 
 BLOCK_ALIGN_BYTES = 4096  # a block size chosen from a layout is rounded up to this
-MIN_DERIVED_BLOCKS = 64  # a block size derived from a layout leaves at least this many
+MIN_DERIVED_BLOCKS = 16  # a block size derived from a layout leaves at least this many
 MAX_DERIVED_BLOCKS = 1 << 16  # ... and at most this many (a client may not choose more)
 # Namespaces (docs/architecture.md, "Namespaces"): one HELLO registers one layout per
 # rank it serves (a vLLM scheduler: TP x PP ranks, 8 on a node, 64 across 8 nodes'
@@ -99,15 +100,19 @@ class NamespaceRegistry:
         # The schema (protocol.Layout) has already checked every field's range.
         if self.pool is None:
             block_bytes = self.config.block_bytes or self._block_bytes_for(layout)
+            usable = self.arena.capacity_bytes - HEADER_BYTES
+            if layout.record_bytes > usable // block_bytes * block_bytes:
+                raise _too_large(layout, usable)  # refused before it sets the block size
             try:
                 self.arena.set_block_bytes(block_bytes)
             except ValueError as exc:
                 raise RequestError("too_large", str(exc)) from None
             self._make_pool()
-            logger.info(
-                "first layout (%s, chunk record %d bytes) set block_bytes=%d: %d blocks",
-                layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
-            )
+            if self.config.block_bytes:
+                logger.info("block_bytes=%d (--block-size): %d blocks", block_bytes,
+                            self.arena.num_blocks)
+            else:
+                self._warn_derived_block_bytes(layout)
         self._check_record_fits(layout.record_bytes)
         layout = _namespace_layout(layout)
         ns = self.namespaces.get(layout)
@@ -183,15 +188,68 @@ class NamespaceRegistry:
                      layout.model_name)
 
     def _block_bytes_for(self, layout: Layout) -> int:
-        """Block size derived from the first layout when `--block-size` is unset: its
-        record size rounded up to BLOCK_ALIGN_BYTES, but never so large that the arena
-        has fewer than MIN_DERIVED_BLOCKS blocks (a larger record then spans several
-        blocks), so that no client can shrink the usable arena for the others, and never
-        so small that it has more than MAX_DERIVED_BLOCKS blocks or blocks below
-        MIN_BLOCK_BYTES (a smaller record then leaves the rest of its block unused), so
-        that no client can make every walk over the cached values long."""
-        wanted = -(-layout.record_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+        """Block size derived from the first layout when `--block-size` is unset.
+
+        The rule (README's options table, docs/architecture.md "Block size"): the
+        layout's record size rounded up to BLOCK_ALIGN_BYTES, so that one chunk takes
+        one block, whenever the arena still holds MIN_DERIVED_BLOCKS such blocks (any
+        capacity >= 1 GiB for Llama-3-8B's 32 MiB chunks: 31 blocks). A larger record
+        is cut into the fewest equal page-rounded pieces that leave MIN_DERIVED_BLOCKS
+        blocks (two 16 MiB + 4 KiB blocks per 32 MiB chunk in a 512 MiB arena), so the
+        record still fills its blocks and no client can shrink the usable arena for the
+        others. Never so small that the arena has more than MAX_DERIVED_BLOCKS blocks
+        or blocks below MIN_BLOCK_BYTES (a smaller record then leaves the rest of its
+        block unused; issue 22), so that no client can make every walk over the cached
+        values long.
+
+        Args:
+            layout: the first layout of the daemon's life.
+
+        Returns:
+            The block size in bytes, a multiple of BLOCK_ALIGN_BYTES.
+        """
+        wanted = _round_up(layout.record_bytes, BLOCK_ALIGN_BYTES)
         usable = self.arena.capacity_bytes - HEADER_BYTES
-        ceiling = usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES
-        floor = -(-usable // (MAX_DERIVED_BLOCKS * BLOCK_ALIGN_BYTES)) * BLOCK_ALIGN_BYTES
-        return max(MIN_BLOCK_BYTES, floor, min(wanted, ceiling))
+        ceiling = max(BLOCK_ALIGN_BYTES,  # an arena under 16 pages: one page
+                      usable // MIN_DERIVED_BLOCKS // BLOCK_ALIGN_BYTES * BLOCK_ALIGN_BYTES)
+        if wanted > ceiling:  # several blocks per record: equal pieces, each <= ceiling
+            num_pieces = -(-wanted // ceiling)
+            wanted = _round_up(-(-layout.record_bytes // num_pieces), BLOCK_ALIGN_BYTES)
+        floor = _round_up(-(-usable // MAX_DERIVED_BLOCKS), BLOCK_ALIGN_BYTES)
+        return max(MIN_BLOCK_BYTES, floor, wanted)
+
+    def _warn_derived_block_bytes(self, layout: Layout) -> None:
+        """Log the block size the first layout set, with its fill ratio and the
+        `--block-size` that keeps it whichever client comes first (issue 28 item 6)."""
+        block_bytes = self.arena.block_bytes
+        blocks_per_record = -(-layout.record_bytes // block_bytes)
+        fill_ratio = layout.record_bytes / (blocks_per_record * block_bytes)
+        one_block = max(_round_up(layout.record_bytes, BLOCK_ALIGN_BYTES),
+                        _round_up(min_block_bytes(self.arena.capacity_bytes), BLOCK_ALIGN_BYTES))
+        usable = self.arena.capacity_bytes - HEADER_BYTES
+        best = one_block if usable // one_block >= MIN_DERIVED_BLOCKS else block_bytes
+        logger.warning(
+            "--block-size is unset: the first layout (%s, chunk record %d bytes) set "
+            "block_bytes=%d for the daemon's life: %d blocks, %d block(s) per chunk, fill "
+            "ratio %.4f; start the daemon with --block-size %d so that the block size does "
+            "not depend on which client comes first",
+            layout.model_name, layout.record_bytes, block_bytes, self.arena.num_blocks,
+            blocks_per_record, fill_ratio, best,
+        )
+
+
+def _too_large(layout: Layout, usable_bytes: int) -> RequestError:
+    """The refusal (a permanent one for clients) of a first layout whose chunk record is
+    larger than the whole arena, naming both sizes and the fix."""
+    needed_mib = -(-(layout.record_bytes + HEADER_BYTES) // (1 << 20))
+    return RequestError(
+        "too_large",
+        f"a chunk record of {layout.record_bytes} bytes ({format_bytes(layout.record_bytes)}) "
+        f"does not fit in the arena's {usable_bytes} usable bytes: start the daemon with "
+        f"--capacity {needed_mib}MiB or more (several times that, to cache more than one "
+        f"chunk), or give the client a smaller chunk_size",
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

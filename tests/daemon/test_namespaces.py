@@ -3,6 +3,7 @@ bounded, freed, and the block size a first layout may set (lmcached/daemon/names
 Split from test_service.py (pure move); its helpers and fixtures live there.
 """
 
+import logging
 import os
 
 import pytest
@@ -24,6 +25,7 @@ from lmcached.wire.protocol import (
     Hello,
     HelloReply,
     Info,
+    Layout,
     Lookup,
     Ok,
     Ping,
@@ -190,23 +192,86 @@ def test_a_hello_refused_half_way_leaves_no_namespace(service):
 
 def test_a_huge_first_layout_cannot_shrink_the_arena(make_service):
     """Without --block-size, one HELLO with a 64 MiB chunk on a 64 MiB arena used to make
-    the arena one block; now the arena keeps MIN_DERIVED_BLOCKS blocks."""
+    the arena one block, then 64 blocks of a 1 MiB: now it is refused before it sets the
+    block size, and the next layout sets it from its own record."""
     service = make_service(capacity_bytes=64 << 20, block_bytes=0)
     _, reply = greet(service, layout(model_name="huge", record_bytes=64 << 20))
     assert error_code(reply) == "too_large"  # it does not fit at all
-    assert service.arena.num_blocks >= MIN_DERIVED_BLOCKS
+    assert "--capacity 65MiB or more" in reply.message  # the sizes and the fix
+    assert (service.arena.block_bytes, service.arena.num_blocks, service.pool) == (0, 0, None)
     _, reply = greet(service, LAYOUT)  # a real model still gets a useful arena
     assert isinstance(reply, HelloReply) and reply.num_blocks >= MIN_DERIVED_BLOCKS
+    assert reply.block_bytes == 4096  # its own 1,000-byte record, in one page
 
 
-def test_a_record_larger_than_the_derived_block_spans_several_blocks(make_service):
+def test_a_record_larger_than_the_derived_block_spans_several_equal_blocks(make_service):
+    """A record too large for MIN_DERIVED_BLOCKS blocks is cut into the fewest equal
+    page-rounded pieces (it used to take 3 blocks of (8 MiB - 4 KiB) / 64)."""
     service = make_service(capacity_bytes=8 << 20, block_bytes=0)
-    session, reply = greet(service, layout(model_name="big", record_bytes=300_000))
-    assert reply.block_bytes == 124 << 10  # (8 MiB - 4 KiB header) / 64, in whole pages
-    assert reply.num_blocks >= MIN_DERIVED_BLOCKS
-    alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [300_000]))
-    assert alloc.status == [ALLOCATED] and alloc.span_lengths == [3]
+    session, reply = greet(service, layout(model_name="big", record_bytes=1_000_000))
+    assert reply.block_bytes == 123 * 4096  # half the record, in whole pages
+    assert reply.num_blocks == 16 == MIN_DERIVED_BLOCKS
+    alloc = service.handle(session, Alloc(1, chunk_hashes([1]), [1_000_000]))
+    assert alloc.status == [ALLOCATED] and alloc.span_lengths == [2]
     assert_everything_returned(service)
+
+
+@pytest.mark.parametrize("capacity_bytes, record_bytes", [(8 << 10, 3000), (40 << 10, 5000)])
+def test_an_arena_of_fewer_than_16_pages_derives_page_blocks(make_service, capacity_bytes,
+                                                            record_bytes):
+    """The smallest arenas (--capacity 8KiB holds the header and one page) cannot keep 16
+    blocks: their derived block is one page, whatever the record."""
+    service = make_service(capacity_bytes=capacity_bytes, block_bytes=0)
+    session, reply = greet(service, layout(model_name="small", record_bytes=record_bytes))
+    assert isinstance(reply, HelloReply), reply
+    assert reply.block_bytes == 4096
+    assert reply.num_blocks == (capacity_bytes - HEADER_BYTES) // 4096
+
+
+LLAMA_3_8B = Layout("meta-llama/Meta-Llama-3-8B", 1, 0, "vllm", "bfloat16", 32, 8, 128, 256,
+                    (32 << 20) + 2112)  # README's layout: a 32 MiB + 2,112-byte record
+
+
+@pytest.mark.parametrize("capacity_bytes, num_blocks", [(1 << 30, 31), (3 << 29, 47)])
+def test_the_derived_block_holds_a_whole_llama_3_8b_chunk_from_1_gib(make_service,
+                                                                     capacity_bytes, num_blocks):
+    """The rule keeps a typical model's chunk in one block for a capacity >= 1 GiB (it
+    used to derive 16 MiB / 24 MiB blocks, 3 / 2 per chunk: fill ratio 0.67 / 0.67)."""
+    service = make_service(capacity_bytes=capacity_bytes, block_bytes=0)
+    session, reply = greet(service, LLAMA_3_8B)
+    assert reply.block_bytes == 33558528  # the record rounded up to 4 KiB
+    assert reply.num_blocks == num_blocks
+    alloc = service.handle(session, Alloc(1, chunk_hashes([1, 2]), [LLAMA_3_8B.record_bytes] * 2))
+    assert alloc.status == [ALLOCATED] * 2 and alloc.span_lengths == [1, 1]
+    assert_everything_returned(service)
+
+
+def test_a_derived_block_size_is_warned_with_its_fill_ratio_and_the_flag(make_service, caplog):
+    service = make_service(capacity_bytes=1 << 30, block_bytes=0)
+    greet(service, LLAMA_3_8B)
+    assert ("--block-size is unset: the first layout (meta-llama/Meta-Llama-3-8B, chunk record "
+            "33556544 bytes) set block_bytes=33558528 for the daemon's life: 31 blocks, 1 "
+            "block(s) per chunk, fill ratio 0.9999; start the daemon with --block-size "
+            "33558528 so that the block size does not depend on which client comes first"
+            ) in caplog.text
+    assert [r.levelname for r in caplog.records if "--block-size" in r.message] == ["WARNING"]
+
+
+def test_the_warning_of_a_tiny_record_names_a_block_that_it_fills_better(make_service, caplog):
+    """A 1,000-byte record in a 1 GiB arena gets the 16 KiB floor (fill ratio 0.06); an
+    operator may go down to 4 KiB blocks (capacity / 262144), and the warning says so."""
+    service = make_service(capacity_bytes=1 << 30, block_bytes=0)
+    greet(service, layout(model_name="tiny", record_bytes=1000))
+    assert "block_bytes=16384" in caplog.text and "fill ratio 0.0610" in caplog.text
+    assert "start the daemon with --block-size 4096 " in caplog.text
+
+
+def test_an_operator_block_size_is_not_warned(make_service, caplog):
+    caplog.set_level(logging.INFO, logger="lmcached.daemon.namespaces")
+    service = make_service(capacity_bytes=8 << 20, block_bytes=0, config_block_bytes=1 << 20)
+    greet(service, LAYOUT)
+    assert "block_bytes=1048576 (--block-size): 7 blocks" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 @pytest.mark.parametrize("record_bytes", [1, 1000, 4096])

@@ -100,7 +100,8 @@ QUOTED_MESSAGES = [
     "refuses this client",
     "this daemon speaks",
     "KV dtype is",
-    "zero-copy views need one block per chunk",
+    "--block-size is unset: the first layout",
+    "start the daemon with --block-size",
     "does not hold the requested tokens (hash collision, corrupted index, or a tier this "
     "process has not mapped): treated as a miss",
     "pinned lookups were never retrieved: unpinning the oldest",

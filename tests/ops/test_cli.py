@@ -112,8 +112,8 @@ def test_info_unknown_section_is_a_usage_error_before_any_request(daemon):
 BLOCKS_NOTE = ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
                "yet. The arena is allocated, but without --block-size it is cut into blocks "
                "when the first layout arrives (block size: that layout's chunk record, "
-               "rounded up to 4 KiB, at most 1/64 of the arena). Start the daemon with "
-               "--block-size to cut it at start.\n")
+               "rounded up to 4 KiB, or cut in equal pieces where the arena would hold fewer "
+               "than 16). Start the daemon with --block-size to cut it at start.\n")
 
 
 def test_info_before_any_layout_says_why_there_are_no_blocks(daemon_factory):
