@@ -21,7 +21,7 @@ from lmcached.wire.units import format_bytes
 if TYPE_CHECKING:  # service.py imports this module
     from lmcached.daemon.service import CacheService
 
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2", "disk")
 
 InfoFields = dict[str, int | float | str]
 _own_process = None  # a psutil.Process, made once: psutil.Process() reads /proc
@@ -134,6 +134,7 @@ def info_sections(service: "CacheService",
         },
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
+        "disk": service.disk.info() if service.disk is not None else {"disk_enabled": 0},
     }
 
 

@@ -1,0 +1,151 @@
+"""The disk tier end to end: real daemons on a temporary directory, real worker processes.
+
+Chunks the arena evicts come back bit-exact from disk; a daemon stopped (SIGTERM) or
+killed (SIGKILL during a burst of spills) and started again serves them again, and no
+torn slot is ever served; a slot corrupted or a file truncated under the daemon is a
+counted miss and the daemon serves on; a second daemon on one directory is refused.
+docs/operator.md, "The disk tier", describes the behaviour.
+"""
+
+import os
+import signal
+
+import pytest
+
+from conftest import start_daemon
+from engine_worker import small_layout
+from test_engine_multiprocess import run_worker
+from test_limits import wait_for
+from lmcached.client import hash_request_tokens
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES
+from lmcached.daemon.l2.values import ENVELOPE_BYTES, namespace_fingerprint
+
+pytestmark = pytest.mark.slow
+
+# Workers wait up to 10 s for a reply, and daemons up to 5 s for a disk fetch: the
+# chunks come back whole however loaded the machine is.
+WORKER_ENV = {**os.environ, "LMCACHED_DATA_TIMEOUT_MS": "10000"}
+# 1 MiB arena of 64 KiB blocks: 15 blocks, one 16-token chunk each; a prompt of 100
+# tokens is 7 chunks, so a third prompt evicts the first.
+ARENA = ("--capacity", "1MiB", "--block-size", "64KiB", "--disk-fetch-wait", "5")
+NUM_CHUNKS = 7
+
+
+def disk_args(directory: str, *more: str) -> tuple[str, ...]:
+    return (*ARENA, "--disk-path", directory, "--disk-capacity", "8MiB", *more)
+
+
+def store(daemon, start: int) -> None:
+    assert run_worker("store", daemon.socket, start, 100, 0, 1, env=WORKER_ENV) == {
+        "stored": NUM_CHUNKS}
+
+
+def retrieve(daemon, start: int) -> dict:
+    return run_worker("retrieve", daemon.socket, start, 100, 0, 1, env=WORKER_ENV)
+
+
+def written(daemon, count: int) -> dict:
+    """Wait until `count` chunks are on disk and no write is queued."""
+    def done():
+        info = daemon.info()
+        return info if info["disk_writes"] >= count and not info["disk_queue_values"] else None
+    return wait_for(done, what=f"{count} disk writes", timeout_s=30)
+
+
+@pytest.fixture
+def disk_dir(short_tmp):
+    return os.path.join(short_tmp, "disk")
+
+
+def test_evicted_chunks_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
+    daemon = daemon_factory(*disk_args(disk_dir))
+    for start in (0, 1000, 2000):
+        store(daemon, start)
+    info = written(daemon, 6)  # 21 chunks in 15 blocks: the 6 least recently used spill
+    assert info["evictions"] == info["disk_writes"] == 6 and info["disk_used_slots"] == 6
+    assert info["disk_direct_io"] == 1  # /tmp is ext4 here; tmpfs would say 0
+    assert retrieve(daemon, 0) == {"hit": 100, "mismatches": 0}
+    info = daemon.info()
+    assert info["disk_fetch_hit_chunks"] == 6 and info["disk_fetch_failures"] == 0
+    assert info["pinned_blocks"] == 0 and info["writing_blocks"] == 0
+    # The other prompts were evicted in turn: they too are served, from disk or arena.
+    for start in (1000, 2000):
+        assert retrieve(daemon, start) == {"hit": 100, "mismatches": 0}
+    assert daemon.info()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill_during_spills"])
+def test_a_restarted_daemon_serves_what_its_disk_holds(daemon_factory, disk_dir, stop):
+    daemon = daemon_factory(*disk_args(disk_dir, "--disk-policy", "write-through"))
+    prompts = range(0, 6000, 1000)
+    for start in prompts[:3]:
+        store(daemon, start)
+    written(daemon, 3 * NUM_CHUNKS)
+    if stop == "sigterm":
+        daemon.stop()
+    else:  # a burst of writes in flight when the daemon dies
+        for start in prompts[3:]:
+            store(daemon, start)
+        os.kill(daemon.proc.pid, signal.SIGKILL)
+        daemon.proc.wait(10)
+    # Same name and socket: the new daemon sweeps the killed one's segment and socket.
+    restarted = start_daemon(daemon.name, daemon.socket, daemon.log_path + ".2",
+                             *disk_args(disk_dir))
+    try:
+        info = restarted.info()
+        assert info["cached_values"] == 0 and info["disk_restored_chunks"] >= 3 * NUM_CHUNKS
+        for start in prompts[:3]:  # written before the stop: every one is whole
+            assert retrieve(restarted, start) == {"hit": 100, "mismatches": 0}
+        for start in prompts[3:]:  # in flight at the kill: a prefix at most, never torn
+            assert retrieve(restarted, start)["mismatches"] == 0
+        assert restarted.info()["pinned_blocks"] == 0
+    finally:
+        restarted.stop()
+
+
+def test_a_corrupted_slot_and_a_truncated_file_are_counted_misses(daemon_factory, disk_dir):
+    daemon = daemon_factory(*disk_args(disk_dir, "--disk-policy", "write-through"))
+    store(daemon, 0)
+    store(daemon, 2000)
+    written(daemon, 2 * NUM_CHUNKS)
+    daemon.stop()
+    layout = small_layout()
+    fp = namespace_fingerprint(layout.to_wire())
+    hashes = hash_request_tokens(layout.chunk_size, list(range(100)))
+    path = os.path.join(disk_dir, FILE_NAME)
+    with open(path, "rb") as f:
+        superblock = f.read(PAGE_BYTES)
+    slot_bytes = int.from_bytes(superblock[16:24], "little")
+    with open(path, "r+b") as f:  # flip the last KV byte of the slot of chunk 3
+        for slot in range((os.path.getsize(path) - PAGE_BYTES) // slot_bytes):
+            f.seek(PAGE_BYTES + slot * slot_bytes)
+            envelope = f.read(ENVELOPE_BYTES)
+            if envelope[32:48] == fp and envelope[48:64] == hashes[3]:
+                length = int.from_bytes(envelope[8:16], "little")
+                f.seek(PAGE_BYTES + slot * slot_bytes + ENVELOPE_BYTES + length - 1)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                break
+        else:
+            raise AssertionError("chunk 3 is in no slot")
+    restarted = daemon_factory(*disk_args(disk_dir), name=daemon.name)
+    assert retrieve(restarted, 0) == {"hit": 3 * 16, "mismatches": 0}
+    info = restarted.info()
+    assert info["disk_fetch_verify_checksum"] == 1 and info["disk_fetch_hit_chunks"] == 3
+    assert info["disk_used_slots"] == 2 * NUM_CHUNKS - 1, "a slot that failed is forgotten"
+    os.truncate(path, PAGE_BYTES)  # every slot gone under the running daemon
+    assert retrieve(restarted, 2000) == {"hit": 0, "mismatches": 0}
+    info = restarted.info()
+    assert info["disk_errors_io"] >= 1 and info["pinned_blocks"] == 0
+    store(restarted, 5000)  # the daemon serves on
+    assert retrieve(restarted, 5000) == {"hit": 100, "mismatches": 0}
+
+
+def test_a_second_daemon_on_one_directory_is_refused(daemon_factory, disk_dir, unique_name,
+                                                      short_tmp):
+    daemon_factory(*disk_args(disk_dir))
+    with pytest.raises(RuntimeError, match=r"--disk-path .* is used by another lmcached "
+                       r"daemon \(pid \d+\); two daemons never share a disk tier"):
+        start_daemon(f"{unique_name}-second", os.path.join(short_tmp, "second.sock"),
+                     os.path.join(short_tmp, "second.log"), *disk_args(disk_dir))
