@@ -27,11 +27,12 @@ def write_record(slot_file: SlotFile, slot: int, record: bytes, chunk_hash: byte
     slot_file.write(slot, buffer, len(record), encode_envelope(FP, chunk_hash, [record]))
 
 
-def chain(num_chunks: int, kv_bytes: int = 5000) -> list[tuple[bytes, bytes, bytes]]:
-    """(parent, chunk hash, record) of a prompt's chunks."""
+def chain(num_chunks: int, kv_bytes: int = 5000, first_token: int = 0) -> list[tuple[bytes, bytes, bytes]]:
+    """(parent, chunk hash, record) of a prompt's chunks of 16 tokens from `first_token`."""
     out, parent = [], ROOT_HASH
     for i in range(num_chunks):
-        chunk_hash, record = make_record(parent, range(16 * i, 16 * i + 16), kv_bytes, seed=i)
+        start = first_token + 16 * i
+        chunk_hash, record = make_record(parent, range(start, start + 16), kv_bytes, seed=start)
         out.append((parent, chunk_hash, record))
         parent = chunk_hash
     return out

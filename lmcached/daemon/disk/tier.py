@@ -414,20 +414,31 @@ class DiskTier:
             self.stats["fetches_skipped"] += 1
             return None
         job = DiskFetchJob(key, list(namespaces), fps)
-        total = 0
-        for offset, chunk_hash in enumerate(chunk_hashes):
+        total = num_run = 0
+        for chunk_hash in chunk_hashes:
             entries = [index.get((fp, chunk_hash)) for fp in fps]
             if None in entries or (job.items and total > MAX_FETCH_BYTES):
                 break
-            i = first + offset
+            i = first + num_run
             parent = hashes[(i - 1) * 16:i * 16] if i else ROOT_HASH
             for fp, prefix, entry in zip(fps, prefixes, entries):
                 job.items.append(ReadItem((fp, chunk_hash), prefix + chunk_hash, entry.slot,
                                           entry.record_bytes, parent))
                 index.start_read(entry.slot)  # before any allocation can evict a slot
                 total += entry.record_bytes
-        job.held = prefix_blocks()
-        pool.touch(job.held)
+            num_run += 1
+        # The chain's arena parts before and after the run are pinned until the job ends:
+        # installing the run never evicts the rest of the chain it completes.
+        held = prefix_blocks()
+        cached = pool.cached
+        for chunk_hash in chunk_hashes[num_run:]:
+            spans = [cached.get(prefix + chunk_hash) for prefix in prefixes]
+            if None in spans:
+                break
+            for span in spans:
+                held.extend(span)
+        job.held = held
+        pool.touch(held)
         self._allocate(pool, job)
         if not job.items:
             pool.free(job.held)
