@@ -149,3 +149,50 @@ def test_a_second_daemon_on_one_directory_is_refused(daemon_factory, disk_dir, u
                        r"daemon \(pid \d+\); two daemons never share a disk tier"):
         start_daemon(f"{unique_name}-second", os.path.join(short_tmp, "second.sock"),
                      os.path.join(short_tmp, "second.log"), *disk_args(disk_dir))
+
+
+def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
+    """The vLLM connector's worker saves a prompt, later prompts evict it to disk, and the
+    scheduler's ACQUIRE of it (the daemon fetches from disk inside the request) loads it
+    into another worker's blocks byte for byte."""
+    import numpy as np
+    import torch
+
+    from test_vllm_worker import CHUNK, LAYERS, cpu_layout_cache, page_bytes_of, raw_block, \
+        registered_worker, worker_settings
+    from lmcached.client.daemon_link import DaemonLink
+    from lmcached.client.vllm.specs import LoadSpec, SaveSpec
+    from lmcached.wire.protocol import Acquire
+
+    # 7 blocks of 32 KiB; a record (3 layers x 2 pages of 4 KiB, header) fits one block.
+    daemon = daemon_factory("--capacity", "256KiB", "--block-size", "32KiB", "--disk-path",
+                            disk_dir, "--disk-capacity", "8MiB", "--disk-fetch-wait", "5")
+    caches_a = {name: cpu_layout_cache("cpu") for name in LAYERS}
+    caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
+    settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
+    prompts = [np.arange(start, start + 2 * CHUNK, dtype=np.int64)
+               for start in (100, 2000, 3000, 4000, 5000)]
+    hashes = [hash_request_tokens(CHUNK, tokens) for tokens in prompts]
+    saver, loader = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
+    pins = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()], data_timeout_s=10)
+    try:
+        for i, (tokens, chunk_hashes) in enumerate(zip(prompts, hashes)):
+            saver.save([SaveSpec(f"r{i}", 0, tokens, chunk_hashes, block_ids=[3, 5, 7, 9])])
+        info = written(daemon, 2)  # 10 chunks in 7 blocks: the first prompt spilled
+        assert info["disk_used_slots"] >= 2
+        acquired = pins.request(Acquire(pins.ensure_connected().namespaces,
+                                        b"".join(hashes[0])))
+        spans = acquired.spans()
+        assert len(spans) == 2 and daemon.info()["disk_fetch_hit_chunks"] >= 2
+        loader.load([LoadSpec("b", 0, 0, prompts[0], hashes[0], [spans],
+                              [pins.hello_reply.generation], [[0, 1], [0, 1]], [[1, 2], [4, 6]])])
+        assert loader.take_load_errors() == set() and loader.num_loaded_tokens == 2 * CHUNK
+        for name in LAYERS:
+            for dst, src in ((1, 3), (2, 5), (4, 7), (6, 9)):
+                assert raw_block(caches_b[name], dst) == raw_block(caches_a[name], src)
+        pins.release([acquired.lease], pins.hello_reply.session_id)
+        assert daemon.info()["pinned_blocks"] == 0
+    finally:
+        pins.close()
+        saver.shutdown()
+        loader.shutdown()
