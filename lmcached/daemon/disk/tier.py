@@ -61,7 +61,8 @@ NUM_THREADS = 2  # writer threads, and as many reader threads
 WRITE_QUEUE_BYTES = 64 << 20  # write buffers (page-aligned), at least MIN_WRITE_BUFFERS
 MIN_WRITE_BUFFERS = 4
 MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
-MAX_FETCH_BYTES = 64 << 20  # records one fetch reads at most (a longer run: the next lookup)
+MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
+READ_BATCH_BYTES = 16 << 20  # a fetch is cut into batches of about this much, read in parallel
 CLOSE_DRAIN_S = 5.0  # graceful stop: queued writes get this long to reach the disk
 _CHUNK_TAG = CHUNK_TAG[0]
 _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
@@ -142,10 +143,11 @@ class DiskFetchJob:
         items: the chunks to read, chain order, namespaces interleaved.
         held: the arena blocks pinned until the job ends (the chain's arena part, then
             the chunks installed).
+        num_batches: its ReadBatches not applied by the loop yet.
         done: set by the loop once the job's chunks are installed or dropped.
     """
 
-    __slots__ = ("key", "namespaces", "fps", "items", "held", "done", "busy_us")
+    __slots__ = ("key", "namespaces", "fps", "items", "held", "num_batches", "done")
 
     def __init__(self, key: tuple, namespaces: list[int], fps: list[bytes]) -> None:
         self.key = key
@@ -153,8 +155,25 @@ class DiskFetchJob:
         self.fps = fps
         self.items: list[ReadItem] = []
         self.held: list[KVCacheBlock] = []
+        self.num_batches = 0
         self.done = False
-        self.busy_us = 0  # the reader's time on it, microseconds
+
+
+class ReadBatch:
+    """Consecutive items of a fetch (about READ_BATCH_BYTES) that one reader thread reads
+    in order; the batches of a fetch are read in parallel.
+
+    Attributes:
+        job: the fetch; items: its items in this batch.
+        busy_us: the reader's time on it, microseconds.
+    """
+
+    __slots__ = ("job", "items", "busy_us")
+
+    def __init__(self, job: DiskFetchJob, items: list[ReadItem]) -> None:
+        self.job = job
+        self.items = items
+        self.busy_us = 0
 
 
 class DiskTier:
@@ -210,7 +229,7 @@ class DiskTier:
         self._writes = jobs.add_queue("disk-writer", self._write, self._finish_writes,
                                       num_threads=NUM_THREADS)
         self._reads = jobs.add_queue("disk-reader", self._read, self._finish_reads,
-                                     num_threads=NUM_THREADS, max_jobs=MAX_FETCH_JOBS)
+                                     num_threads=NUM_THREADS)
 
     # ------------------------------------------------------------- geometry
     def _num_slots(self, slot_bytes: int) -> int:
@@ -445,7 +464,17 @@ class DiskTier:
             return None
         self._fetch_jobs[key] = job
         self.stats["fetches"] += 1
-        self._reads.submit(job)  # never full: at most MAX_FETCH_JOBS are in flight
+        batches, batch, num_bytes = [], [], 0
+        for item in job.items:
+            if batch and num_bytes + item.record_bytes > READ_BATCH_BYTES:
+                batches.append(batch)
+                batch, num_bytes = [], 0
+            batch.append(item)
+            num_bytes += item.record_bytes
+        batches.append(batch)
+        job.num_batches = len(batches)
+        for batch in batches:  # at most MAX_FETCH_JOBS jobs of MAX_FETCH_BYTES are queued
+            self._reads.submit(ReadBatch(job, batch))
         return job
 
     def _allocate(self, pool: BlockPool, job: DiskFetchJob) -> None:
@@ -476,14 +505,15 @@ class DiskTier:
             buffer = self._local.buffer = aligned_buffer(slot_bytes)
         return buffer
 
-    def _read(self, jobs: list[DiskFetchJob]) -> None:
-        """Reader thread: read, verify and copy each chunk of a job into its blocks."""
+    def _read(self, batches: list[ReadBatch]) -> None:
+        """Reader thread: read, verify and copy each chunk of a batch into its blocks;
+        after a chunk that fails, the rest of the batch is skipped."""
         arena = self.arena
-        for job in jobs:
+        for batch in batches:
             started = time.perf_counter()
             buffer = self._reader_buffer()
             failed = False
-            for item in job.items:
+            for item in batch.items:
                 if failed or self._reads.stopping:
                     item.failure = "skipped"
                     continue
@@ -502,17 +532,18 @@ class DiskTier:
                 except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
                     item.failure = f"errors_{error_kind(exc)}: {exc}"
                 failed = item.failure is not None
-            job.busy_us = int((time.perf_counter() - started) * 1e6)
-            self._reads.post(job)
+            batch.busy_us = int((time.perf_counter() - started) * 1e6)
+            self._reads.post(batch)
 
-    def _finish_reads(self, jobs: list[DiskFetchJob]) -> None:
-        """Commit what was read and verified, drop the slots that failed, unpin the
-        chain (loop thread)."""
+    def _finish_reads(self, batches: list[ReadBatch]) -> None:
+        """Commit what was read and verified, drop the slots that failed; after a fetch's
+        last batch, unpin its chain (loop thread)."""
         pool, index, stats = self.pool, self.index, self.stats
-        for job in jobs:
-            stats["read_busy_us"] += job.busy_us
+        for batch in batches:
+            job = batch.job
+            stats["read_busy_us"] += batch.busy_us
             current = all(self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
-            for item in job.items:
+            for item in batch.items:
                 index.end_read(item.slot)
                 if item.failure is None and current and pool.commit(item.blocks, item.pool_key):
                     job.held.extend(item.blocks)
@@ -537,6 +568,9 @@ class DiskTier:
                 entry = index.get(item.key)
                 if entry is not None and entry.slot == item.slot:
                     index.drop(item.key)  # a slot that failed once is never read again
+            job.num_batches -= 1
+            if job.num_batches:
+                continue
             if job.held:
                 pool.free(job.held)
             job.held = []
@@ -591,8 +625,8 @@ class DiskTier:
         if dropped:
             logger.warning("stopping: %d chunk writes to the disk tier were still queued: "
                            "dropped", len(dropped))
-        for job in left:
-            for item in job.items:
+        for batch in left:
+            for item in batch.items:
                 item.failure = "skipped"
         if left and self.pool is not None:
             self._finish_reads(left)
