@@ -58,8 +58,9 @@ logger = init_logger(__name__)
 
 POLICIES = ("on-evict", "write-through")
 NUM_THREADS = 2  # writer threads, and as many reader threads
-WRITE_QUEUE_BYTES = 64 << 20  # write buffers (page-aligned), at least MIN_WRITE_BUFFERS
-MIN_WRITE_BUFFERS = 4
+WRITE_QUEUE_BYTES = 64 << 20  # on-evict copies waiting (page-aligned buffers), at least
+MIN_WRITE_BUFFERS = 4  # this many
+PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
 MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
 MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
 READ_BATCH_BYTES = 16 << 20  # a fetch is cut into batches of about this much, read in parallel
@@ -88,7 +89,8 @@ class WriteJob:
     Attributes:
         key: its disk key (namespace fingerprint, chunk hash).
         slot: the slot reserved for it.
-        buffer: a page-aligned write buffer; the record is at ENVELOPE_BYTES.
+        buffer: a page-aligned write buffer holding the record at ENVELOPE_BYTES (on-evict);
+            None: the writer copies it out of `blocks` into a buffer of its own.
         record_bytes: the record's length.
         blocks: its arena blocks, pinned until written (write-through); None when the
             record was copied into `buffer` already (on-evict).
@@ -222,8 +224,10 @@ class DiskTier:
         self._fps: dict[Layout, bytes | None] = {}
         self._buffers: list = []
         self._writing: set[DiskKey] = set()
+        self._pinned_bytes = 0  # write-through values pinned until written
+        self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
         self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
-        self._local = threading.local()  # a reader's buffer
+        self._local = threading.local()  # each worker thread's slot buffer
         self._log = RateLimitedLog()
         self._runner = jobs
         self._writes = jobs.add_queue("disk-writer", self._write, self._finish_writes,
@@ -274,6 +278,8 @@ class DiskTier:
         self.index = DiskIndex(num_slots)
         num_buffers = max(MIN_WRITE_BUFFERS, WRITE_QUEUE_BYTES // slot_bytes)
         self._buffers = [aligned_buffer(slot_bytes) for _ in range(num_buffers)]
+        for buffer in self._buffers:  # touched now, not by the first spills' copies
+            np.frombuffer(buffer, dtype=np.uint8).fill(0)
         if kept:
             started = time.monotonic()
             self.num_restored = self.index.rebuild(self.slots.scan(progress))
@@ -337,19 +343,21 @@ class DiskTier:
         if ENVELOPE_BYTES + num_bytes > self.slots.slot_bytes:
             stats["write_drops_oversize"] += 1
             return
-        if not self._buffers:
+        if (not self._buffers if pin_in is None
+                else self._pinned_bytes + num_bytes > self._pinned_limit_bytes):
             stats["write_drops_queue_full"] += 1
             return
         slot = index.reserve()
         if slot is None:
             stats["write_drops_busy"] += 1
             return
-        job = WriteJob(key, slot, self._buffers.pop(), num_bytes, None)
         if pin_in is None:
+            job = WriteJob(key, slot, self._buffers.pop(), num_bytes, None)
             self._copy_out(blocks, job.buffer)
         else:
             pin_in.touch(blocks)
-            job.blocks = blocks
+            self._pinned_bytes += num_bytes
+            job = WriteJob(key, slot, None, num_bytes, blocks)
         self._writing.add(key)
         self._writes.submit(job)
 
@@ -368,11 +376,13 @@ class DiskTier:
         for job in jobs:
             started = time.perf_counter()
             try:
-                if job.blocks is not None:
-                    self._copy_out(job.blocks, job.buffer)
-                record = memoryview(job.buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
+                buffer = job.buffer
+                if buffer is None:
+                    buffer = self._thread_buffer()
+                    self._copy_out(job.blocks, buffer)
+                record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
                 envelope = encode_envelope(job.key[0], job.key[1], [record])
-                self.slots.write(job.slot, job.buffer, job.record_bytes, envelope)
+                self.slots.write(job.slot, buffer, job.record_bytes, envelope)
             except Exception as exc:  # noqa: BLE001 - counted and logged by the loop
                 job.error = exc
             job.busy_us = int((time.perf_counter() - started) * 1e6)
@@ -383,11 +393,14 @@ class DiskTier:
         write-through blocks (loop thread)."""
         stats = self.stats
         for job in jobs:
-            self._buffers.append(job.buffer)
+            if job.buffer is not None:
+                self._buffers.append(job.buffer)
             self._writing.discard(job.key)
             stats["write_busy_us"] += job.busy_us
-            if job.blocks is not None and self.pool is not None:
-                self.pool.free(job.blocks)
+            if job.blocks is not None:
+                self._pinned_bytes -= job.record_bytes
+                if self.pool is not None:
+                    self.pool.free(job.blocks)
             if job.error is not None:
                 self.index.release(job.slot)
                 stats["write_failures"] += 1
@@ -498,7 +511,8 @@ class DiskTier:
             kept.append(item)
         job.items = kept
 
-    def _reader_buffer(self):
+    def _thread_buffer(self):
+        """This worker thread's page-aligned buffer of one slot."""
         slot_bytes = self.slots.slot_bytes
         buffer = getattr(self._local, "buffer", None)
         if buffer is None or len(buffer) < slot_bytes:
@@ -511,7 +525,7 @@ class DiskTier:
         arena = self.arena
         for batch in batches:
             started = time.perf_counter()
-            buffer = self._reader_buffer()
+            buffer = self._thread_buffer()
             failed = False
             for item in batch.items:
                 if failed or self._reads.stopping:
@@ -621,6 +635,7 @@ class DiskTier:
             self._runner.remove_queue(queue)
         for job in dropped:
             if job.blocks is not None and self.pool is not None:
+                self._pinned_bytes -= job.record_bytes
                 self.pool.free(job.blocks)
         if dropped:
             logger.warning("stopping: %d chunk writes to the disk tier were still queued: "
