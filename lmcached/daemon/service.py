@@ -222,14 +222,18 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         write-through of the disk tier and of L2."""
         if self.disk is not None:
             self.disk.write_through(self.pool, values)
+            self.disk.write_ahead()
         if self.l2 is not None:
             self.l2.write_through(self.pool, values)
 
     def housekeeping(self) -> None:
-        """Periodic work of the loop thread: start demotions a device tier needs, and
-        abort the values that stayed WRITING longer than `--writing-timeout`."""
+        """Periodic work of the loop thread: start demotions a device tier needs and the
+        disk tier's writes ahead of eviction, and abort the values that stayed WRITING
+        longer than `--writing-timeout`."""
         if self.demoter is not None:
             self.demoter.plan()
+        if self.disk is not None:
+            self.disk.write_ahead()
         if self.config.writing_timeout_s and self.pool is not None:
             self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
 

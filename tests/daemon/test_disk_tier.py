@@ -94,20 +94,59 @@ def assert_nothing_held(service: CacheService) -> None:
     service.tiers.check_invariants()
 
 
-def test_evicted_chunks_are_read_back_bit_exact(disk_service):
-    service = disk_service
+def arena_prefix(service: CacheService) -> int:
+    """How many of prompt A's first chunks the arena holds."""
+    n = 0
+    while n < len(PROMPT_A) and service.pool.cached.get(b"c" + (1).to_bytes(4, "little")
+                                                         + PROMPT_A[n][1]):
+        n += 1
+    return n
+
+
+def stored_and_settled(service: CacheService):
+    """A session that stored prompts A then B; every disk write ended."""
     session = greeted(service, LAYOUT)
     store_both(service, session)
-    settle(service, lambda: disk_info(service)["disk_writes"] == 2 and not service.disk._writing)
-    assert lookup(service, session) == 4  # 2 from disk; the fetch never evicts A's others
+    settle(service, lambda: not service.disk._writing)
+    return session
+
+
+def test_evicted_chunks_are_read_back_bit_exact(disk_service):
+    service = disk_service
+    session = stored_and_settled(service)
     info = disk_info(service)
-    assert info["disk_fetch_hit_chunks"] == 2 and info["disk_fetch_failures"] == 0
+    assert info["disk_writes"] >= 2 and arena_prefix(service) < 4, info  # some of A on disk
+    assert lookup(service, session) == 4  # the fetch never evicts A's chunks in the arena
+    info = disk_info(service)
+    assert info["disk_fetch_hit_chunks"] >= 1 and info["disk_fetch_failures"] == 0
     reply = service.handle(session, Acquire([1], HASHES_A))
     assert isinstance(reply, BlocksReply) and len(reply.block_ids) == 4
     arena = service.arena
     for block_id, n, (_, _, record) in zip(reply.block_ids, reply.num_bytes, PROMPT_A):
         assert bytes(arena.numpy_view(arena.block_offset(block_id), n)) == record
     service.handle(session, Release([reply.lease]))
+    assert_nothing_held(service)
+
+
+def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_service):
+    service = disk_service
+    session = greeted(service, LAYOUT)
+    store_both(service, session)  # the arena is full: A0, next in line, is written ahead
+    settle(service, lambda: not service.disk._writing)
+    fp = service.disk._ns_fp(1)
+    assert (fp, PROMPT_A[0][1]) in service.disk.index.entries
+    copies = disk_info(service)["disk_spill_copies"]
+    for _ in range(4):  # each store evicts the chunk written ahead after the last one
+        settle(service, lambda: not service.disk._writing)
+        before = disk_info(service)
+        fresh = chain(1, KV_BYTES, first_token=50_000 + 100 * before["disk_writes"])
+        (_, chunk_hash, record), = fresh
+        alloc = service.handle(session, Alloc(1, chunk_hash, [len(record)]))
+        assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+        after = disk_info(service)
+        assert after["disk_spills_present"] == before["disk_spills_present"] + 1
+    assert disk_info(service)["disk_spill_copies"] == copies, "an eviction copied a chunk"
+    settle(service, lambda: not service.disk._writing)
     assert_nothing_held(service)
 
 
@@ -119,31 +158,30 @@ def test_a_failing_write_is_a_counted_drop(disk_service, monkeypatch, code, kind
     def fail(self, *args):
         raise OSError(code, os.strerror(code))
     monkeypatch.setattr(SlotFile, "write", fail)
-    session = greeted(service, LAYOUT)
-    store_both(service, session)
-    settle(service, lambda: not service.disk._writing)
+    session = stored_and_settled(service)
     info = disk_info(service)
-    assert info[f"disk_errors_{kind}"] == 2 and info["disk_write_failures"] == 2
+    assert info[f"disk_errors_{kind}"] >= 1
+    assert info["disk_write_failures"] == info[f"disk_errors_{kind}"]
     assert info["disk_writes"] == 0 and info["disk_used_slots"] == 0
     assert len(service.disk.index.free_slots) == service.disk.index.num_slots  # all given back
-    assert lookup(service, session) == 0  # chunk 0 was evicted: a miss, no error
+    assert lookup(service, session) == arena_prefix(service) < 4  # a miss, not an error
+    assert info["disk_fetches"] == 0
     assert_nothing_held(service)
 
 
 def test_a_failing_read_is_a_counted_miss_and_the_slot_is_forgotten(disk_service, monkeypatch):
     service = disk_service
-    session = greeted(service, LAYOUT)
-    store_both(service, session)
-    settle(service, lambda: disk_info(service)["disk_writes"] == 2 and not service.disk._writing)
+    session = stored_and_settled(service)
+    first_missing = arena_prefix(service)
+    fp = service.disk._ns_fp(1)
+    assert (fp, PROMPT_A[first_missing][1]) in service.disk.index.entries
 
     def fail(self, *args):
         raise OSError(errno.EIO, "Input/output error")
     monkeypatch.setattr(SlotFile, "read", fail)
-    assert lookup(service, session) == 0
+    assert lookup(service, session) == first_missing
     info = disk_info(service)
     assert info["disk_errors_io"] == 1 and info["disk_fetch_failures"] == 1
-    fp = service.disk._ns_fp(1)
-    assert (fp, PROMPT_A[0][1]) not in service.disk.index.entries, \
+    assert (fp, PROMPT_A[first_missing][1]) not in service.disk.index.entries, \
         "the slot that failed is never read again"
-    assert (fp, PROMPT_A[1][1]) in service.disk.index.entries  # not read: kept
     assert_nothing_held(service)

@@ -8,9 +8,12 @@ on the loop, a fetch that a LOOKUP / ACQUIRE waits for with a bound (`replies.De
 
 Flows (docs/operator.md, "The disk tier"):
 
-- on-evict (default): the block pool's `on_evict` hook copies an evicted chunk into a
-  free write buffer (`spill`) and a writer thread writes it to a slot; a chunk already on
-  disk is only moved to the back of the disk LRU. No free buffer: dropped and counted.
+- on-evict (default): once the arena has fewer empty blocks than 1/AHEAD_SHARE of it, the
+  least recently used chunks (next in line for eviction, up to that share) are pinned and
+  written ahead (`write_ahead`), so that their eviction costs nothing: the block pool's
+  `on_evict` hook (`spill`) finds them on disk and only moves them to the back of the disk
+  LRU. A chunk evicted before it was written ahead is copied into a free write buffer
+  and written by a writer thread; no free buffer: dropped and counted.
 - write-through: every committed chunk is pinned and queued; the writer copies it out
   of the arena and unpins it through the loop.
 - fetch on miss: a lookup that misses in the arena at chunk i, while the disk index holds
@@ -61,6 +64,9 @@ NUM_THREADS = 2  # writer threads, and as many reader threads
 WRITE_QUEUE_BYTES = 64 << 20  # on-evict copies waiting (page-aligned buffers), at least
 MIN_WRITE_BUFFERS = 4  # this many
 PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
+AHEAD_SHARE = 8  # on-evict writes ahead the next 1/AHEAD_SHARE of the arena to be evicted
+MAX_AHEAD_VALUES = 64  # values one write-ahead pass may start (bounded loop work)
+ERROR_HOLD_S = 1.0  # after a write error, nothing is written ahead for this long
 MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
 MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
 READ_BATCH_BYTES = 16 << 20  # a fetch is cut into batches of about this much, read in parallel
@@ -71,7 +77,8 @@ _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "
 ERROR_KINDS = ("nospace", "io", "readonly", "other")
 COUNTERS = (
     "writes", "write_bytes", "write_busy_us", "write_drops_queue_full", "write_drops_oversize",
-    "write_drops_busy", "write_failures", "spills_present", "fetches", "fetches_joined",
+    "write_drops_busy", "write_failures", "spills_present", "spills_ahead", "spill_copies",
+    "fetches", "fetches_joined",
     "fetches_skipped", "fetch_hit_chunks", "fetch_bytes", "read_busy_us", "fetch_nospace",
     "fetch_failures", "fetch_waits_timed_out",
 )
@@ -84,29 +91,41 @@ def error_kind(exc: BaseException) -> str:
 
 
 class WriteJob:
-    """One chunk on its way to a slot.
+    """One chunk on its way to a slot, in one of three modes.
+
+    - "copied": evicted; its record was copied into `buffer` on the loop.
+    - "pinned": write-through; `blocks` are pinned until the writer copied them out.
+    - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` out
+      under `lock`, and an eviction meanwhile (`DiskTier.spill`) takes the lock too: it
+      cancels a job not copied yet, or lets a copied one go on (`evicted`).
 
     Attributes:
-        key: its disk key (namespace fingerprint, chunk hash).
+        key: its disk key (namespace fingerprint, chunk hash); pool_key: its pool key.
         slot: the slot reserved for it.
-        buffer: a page-aligned write buffer holding the record at ENVELOPE_BYTES (on-evict);
-            None: the writer copies it out of `blocks` into a buffer of its own.
+        mode: "copied", "pinned" or "ahead".
+        buffer: the page-aligned write buffer holding the record at ENVELOPE_BYTES
+            ("copied"); None: the writer copies `blocks` into a buffer of its own.
         record_bytes: the record's length.
-        blocks: its arena blocks, pinned until written (write-through); None when the
-            record was copied into `buffer` already (on-evict).
+        blocks: its arena blocks (the pool's span list of the value); None ("copied").
+        lock, copied, cancelled, evicted: the "ahead" handshake above.
         error: the write's OSError or other exception, or None.
         busy_us: how long the writer worked on it, in microseconds.
     """
 
-    __slots__ = ("key", "slot", "buffer", "record_bytes", "blocks", "error", "busy_us")
+    __slots__ = ("key", "pool_key", "slot", "mode", "buffer", "record_bytes", "blocks",
+                 "lock", "copied", "cancelled", "evicted", "error", "busy_us")
 
-    def __init__(self, key: DiskKey, slot: int, buffer, record_bytes: int,
-                 blocks: list[KVCacheBlock] | None) -> None:
+    def __init__(self, key: DiskKey, pool_key: bytes, slot: int, mode: str, buffer,
+                 record_bytes: int, blocks: list[KVCacheBlock] | None) -> None:
         self.key = key
+        self.pool_key = pool_key
         self.slot = slot
+        self.mode = mode
         self.buffer = buffer
         self.record_bytes = record_bytes
         self.blocks = blocks
+        self.lock = threading.Lock() if mode == "ahead" else None
+        self.copied = self.cancelled = self.evicted = False
         self.error: BaseException | None = None
         self.busy_us = 0
 
@@ -225,7 +244,9 @@ class DiskTier:
         self._buffers: list = []
         self._writing: set[DiskKey] = set()
         self._pinned_bytes = 0  # write-through values pinned until written
+        self._ahead: dict[bytes, WriteJob] = {}  # pool key -> its write ahead in flight
         self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
+        self._ahead_held_until = 0.0  # a write failed: no writes ahead until then
         self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
         self._local = threading.local()  # each worker thread's slot buffer
         self._log = RateLimitedLog()
@@ -310,13 +331,52 @@ class DiskTier:
         return None if fp is None else (fp, pool_key[5:])
 
     # ---------------------------------------------------------------- writes
+    def write_ahead(self) -> int:
+        """Queue the chunks next in line for eviction (on-evict policy; loop thread):
+        when the arena has fewer empty blocks than 1/AHEAD_SHARE of it, the values of the
+        next that many blocks in eviction order (at most MAX_AHEAD_VALUES) that are not on
+        disk yet, unpinned (their place in the LRU order stays).
+
+        Returns:
+            How many writes were started.
+        """
+        pool, index = self.pool, self.index
+        if (self.policy != "on-evict" or index is None or pool is None
+                or time.monotonic() < self._ahead_held_until):
+            return 0
+        reserve = max(1, pool.num_blocks // AHEAD_SHARE)
+        if pool.num_empty_blocks >= reserve:
+            return 0  # no eviction soon
+        started = window = 0
+        for pool_key, blocks in pool.lru_values(MAX_AHEAD_VALUES):
+            window += len(blocks)  # the next `reserve` blocks in eviction order, no more
+            if window > reserve:
+                break
+            key = self._disk_key(pool_key)
+            if key is None or key in index.entries or key in self._writing:
+                continue
+            if self._queue_write(pool_key, blocks, "ahead"):
+                started += 1
+        return started
+
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
-        chunk into a write buffer before its blocks are reused. Never raises."""
+        chunk into a write buffer before its blocks are reused, unless it is on disk or
+        its write ahead has copied it already. Never raises."""
         if self.policy != "on-evict" or self.index is None:
             return
         try:
-            self._queue_write(pool_key, blocks, None)
+            job = self._ahead.get(pool_key)
+            if job is not None:
+                with job.lock:  # waits for a copy in progress: the blocks stay intact
+                    if job.copied:
+                        job.evicted = True
+                        self.stats["spills_ahead"] += 1
+                        return
+                    job.cancelled = True
+                del self._ahead[pool_key]
+                self._writing.discard(job.key)
+            self._queue_write(pool_key, blocks, "copied")
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("disk spill of an evicted chunk failed")
             self.stats["write_failures"] += 1
@@ -327,39 +387,45 @@ class DiskTier:
         if self.policy != "write-through" or self.index is None:
             return
         for pool_key, blocks in values:
-            self._queue_write(pool_key, blocks, pool)
+            self._queue_write(pool_key, blocks, "pinned")
 
-    def _queue_write(self, pool_key: bytes, blocks: list[KVCacheBlock],
-                     pin_in: BlockPool | None) -> None:
+    def _queue_write(self, pool_key: bytes, blocks: list[KVCacheBlock], mode: str) -> bool:
+        """Queue one value's write in `mode` (`WriteJob`). Returns whether a write was
+        queued (else it is on disk, being written, or dropped and counted)."""
         key = self._disk_key(pool_key)
         if key is None or key in self._writing:
-            return
+            return False
         stats, index = self.stats, self.index
         if key in index.entries:  # the same chunk is on disk: only its place in the LRU
             index.touch(key)
             stats["spills_present"] += 1
-            return
+            return False
         num_bytes = sum(b.num_bytes for b in blocks)
         if ENVELOPE_BYTES + num_bytes > self.slots.slot_bytes:
             stats["write_drops_oversize"] += 1
-            return
-        if (not self._buffers if pin_in is None
-                else self._pinned_bytes + num_bytes > self._pinned_limit_bytes):
+            return False
+        if ((mode == "copied" and not self._buffers) or (
+                mode == "pinned" and self._pinned_bytes + num_bytes > self._pinned_limit_bytes)):
             stats["write_drops_queue_full"] += 1
-            return
+            return False
         slot = index.reserve()
         if slot is None:
             stats["write_drops_busy"] += 1
-            return
-        if pin_in is None:
-            job = WriteJob(key, slot, self._buffers.pop(), num_bytes, None)
+            return False
+        if mode == "copied":
+            job = WriteJob(key, pool_key, slot, mode, self._buffers.pop(), num_bytes, None)
             self._copy_out(blocks, job.buffer)
+            stats["spill_copies"] += 1
         else:
-            pin_in.touch(blocks)
-            self._pinned_bytes += num_bytes
-            job = WriteJob(key, slot, None, num_bytes, blocks)
+            job = WriteJob(key, pool_key, slot, mode, None, num_bytes, blocks)
+            if mode == "pinned":
+                self.pool.touch(blocks)
+                self._pinned_bytes += num_bytes
+            else:
+                self._ahead[pool_key] = job
         self._writing.add(key)
         self._writes.submit(job)
+        return True
 
     def _copy_out(self, blocks: list[KVCacheBlock], buffer) -> None:
         """Copy a value's bytes from its arena blocks into `buffer` at ENVELOPE_BYTES."""
@@ -379,7 +445,16 @@ class DiskTier:
                 buffer = job.buffer
                 if buffer is None:
                     buffer = self._thread_buffer()
-                    self._copy_out(job.blocks, buffer)
+                    if job.lock is None:
+                        self._copy_out(job.blocks, buffer)
+                    else:
+                        with job.lock:
+                            if not job.cancelled:  # else evicted before the copy
+                                self._copy_out(job.blocks, buffer)
+                                job.copied = True
+                        if job.cancelled:
+                            self._writes.post(job)
+                            continue
                 record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
                 envelope = encode_envelope(job.key[0], job.key[1], [record])
                 self.slots.write(job.slot, buffer, job.record_bytes, envelope)
@@ -393,15 +468,27 @@ class DiskTier:
         write-through blocks (loop thread)."""
         stats = self.stats
         for job in jobs:
+            stats["write_busy_us"] += job.busy_us
             if job.buffer is not None:
                 self._buffers.append(job.buffer)
+            if job.cancelled:  # evicted before its write ahead copied it: spilled anew
+                self.index.release(job.slot)
+                continue
             self._writing.discard(job.key)
-            stats["write_busy_us"] += job.busy_us
-            if job.blocks is not None:
+            if job.mode == "pinned":
                 self._pinned_bytes -= job.record_bytes
                 if self.pool is not None:
                     self.pool.free(job.blocks)
+            elif job.mode == "ahead":
+                del self._ahead[job.pool_key]
+                # Copied intact only if not evicted before the copy: evicted after it
+                # (`spill`), or still the same value in the pool.
+                if job.error is None and not job.evicted and (
+                        self.pool is None or self.pool.cached.get(job.pool_key) is not job.blocks):
+                    self.index.release(job.slot)  # evicted by a request (EVICT, CLEAR)
+                    continue
             if job.error is not None:
+                self._ahead_held_until = time.monotonic() + ERROR_HOLD_S
                 self.index.release(job.slot)
                 stats["write_failures"] += 1
                 self._count_error("write", job.error)
@@ -409,6 +496,8 @@ class DiskTier:
             self.index.insert(job.key, job.slot, job.record_bytes)
             stats["writes"] += 1
             stats["write_bytes"] += job.record_bytes
+        if jobs and not self._writes.stopping:
+            self.write_ahead()
 
     def _count_error(self, what: str, exc: BaseException) -> None:
         kind = error_kind(exc)
@@ -634,7 +723,7 @@ class DiskTier:
             queue.finish_done()
             self._runner.remove_queue(queue)
         for job in dropped:
-            if job.blocks is not None and self.pool is not None:
+            if job.mode == "pinned" and self.pool is not None:
                 self._pinned_bytes -= job.record_bytes
                 self.pool.free(job.blocks)
         if dropped:
