@@ -44,6 +44,7 @@ class DiskIndex:
         free_slots: empty slots (a stack).
         reading: slot -> reads in flight.
         num_evictions: chunks evicted to make room.
+        num_stored_bytes: bytes of the records of `entries`.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -52,6 +53,7 @@ class DiskIndex:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.reading: dict[int, int] = {}
         self.num_evictions = 0
+        self.num_stored_bytes = 0
 
     def rebuild(self, headers) -> int:
         """Index the committed slots the scan found (`SlotFile.scan`), in slot order; a
@@ -62,6 +64,7 @@ class DiskIndex:
             if key in self.entries or header.slot >= self.num_slots:
                 continue
             self.entries[key] = DiskEntry(header.slot, header.record_bytes)
+            self.num_stored_bytes += header.record_bytes
             used.add(header.slot)
         self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
         return len(self.entries)
@@ -89,6 +92,7 @@ class DiskIndex:
                 continue
             slot = entry.slot
             self.num_evictions += 1
+            self.num_stored_bytes -= entry.record_bytes
             break
         for key, entry in reversed(skipped):  # back at the front, in their order
             self.entries[key] = entry
@@ -102,6 +106,7 @@ class DiskIndex:
             self.free_slots.append(slot)
             return
         self.entries[key] = DiskEntry(slot, record_bytes)
+        self.num_stored_bytes += record_bytes
 
     def release(self, slot: int) -> None:
         """Give back a reserved slot whose write failed."""
@@ -112,6 +117,7 @@ class DiskIndex:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.free_slots.append(entry.slot)
+            self.num_stored_bytes -= entry.record_bytes
 
     def start_read(self, slot: int) -> None:
         """Mark a slot as being read: `reserve` never hands it out meanwhile."""

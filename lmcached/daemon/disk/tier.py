@@ -693,7 +693,7 @@ class DiskTier:
             "disk_slot_bytes": slots.slot_bytes if slots else 0,
             "disk_slots": slots.num_slots if slots else 0,
             "disk_used_slots": len(index.entries) if index else 0,
-            "disk_stored_bytes": sum(e.record_bytes for e in index.entries.values()) if index else 0,
+            "disk_stored_bytes": index.num_stored_bytes if index else 0,
             "disk_restored_chunks": self.num_restored,
             "disk_scan_s": round(self.scan_s, 3),
             "disk_queue_values": len(self._writing),
