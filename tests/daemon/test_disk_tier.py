@@ -23,8 +23,8 @@ from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
-from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Commit, Layout, Lookup, \
-    LookupReply, Ok, Release
+from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Layout, \
+    Lookup, LookupReply, Ok, Release
 
 NUM_BLOCKS = 6
 KV_BYTES = 5000
@@ -185,3 +185,27 @@ def test_a_failing_read_is_a_counted_miss_and_the_slot_is_forgotten(disk_service
     assert (fp, PROMPT_A[first_missing][1]) not in service.disk.index.entries, \
         "the slot that failed is never read again"
     assert_nothing_held(service)
+
+
+@pytest.mark.parametrize("request_type", ["clear", "evict"])
+def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them_back(
+        disk_service, request_type):
+    service = disk_service
+    session = stored_and_settled(service)
+    tier = service.disk
+    on_disk = [h for _, h, _ in PROMPT_A if (tier._ns_fp(1), h) in tier.index.entries]
+    assert on_disk
+    if request_type == "clear":
+        reply = service.handle(session, Clear())
+        assert reply.count >= len(on_disk) and disk_info(service)["disk_used_slots"] == 0
+    else:
+        for chunk_hash in on_disk:
+            assert service.handle(session, Evict(key=chunk_hash.hex())).count == 1
+    assert not any((tier._ns_fp(1), h) in tier.index.entries for h in on_disk)
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
+    service.jobs.process_completions()
+    assert lookup(service, session) == arena_prefix(service)  # a miss, not a disk hit
+    restarted, kept = SlotFile.open(tier.directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    found = {h.chunk_hash for h in restarted.scan()}
+    restarted.close()
+    assert kept and not found & set(on_disk), "a restart would serve an erased chunk"

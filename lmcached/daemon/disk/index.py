@@ -108,6 +108,21 @@ class DiskIndex:
         self.entries[key] = DiskEntry(slot, record_bytes)
         self.num_stored_bytes += record_bytes
 
+    def forget(self, key: DiskKey) -> DiskEntry | None:
+        """Remove `key` from the index and return its entry (None when absent); its slot
+        stays out of the empty ones until the caller `release`s it (after erasing it)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.num_stored_bytes -= entry.record_bytes
+        return entry
+
+    def forget_all(self) -> list[DiskEntry]:
+        """`forget` every chunk; returns their entries."""
+        entries = list(self.entries.values())
+        self.entries.clear()
+        self.num_stored_bytes = 0
+        return entries
+
     def release(self, slot: int) -> None:
         """Give back a reserved slot whose write failed."""
         self.free_slots.append(slot)

@@ -216,6 +216,17 @@ class SlotFile:
         view[:ENVELOPE_BYTES] = envelope  # 2: the commit mark, last
         self._pwrite(view[:PAGE_BYTES], offset)
 
+    def erase(self, slot: int, buffer: mmap.mmap) -> None:
+        """Zero the page of `slot` that holds its envelope: the rebuild skips it from now
+        on (an EVICT or CLEAR that a restart must not undo).
+
+        Raises:
+            OSError: the write failed.
+        """
+        view = memoryview(buffer)[:PAGE_BYTES]
+        view[:] = bytes(PAGE_BYTES)
+        self._pwrite(view, self.slot_offset(slot))
+
     def _pwrite(self, view: memoryview, offset: int) -> None:
         written = os.pwritev(self._fd, [view], offset)
         if written != len(view):

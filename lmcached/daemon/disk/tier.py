@@ -39,7 +39,7 @@ import numpy as np
 
 from lmcached.daemon.connection import RateLimitedLog
 from lmcached.daemon.disk.directory import DirectoryLock
-from lmcached.daemon.disk.index import DiskIndex, DiskKey
+from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
 from lmcached.daemon.disk.slots import SlotFile, aligned_buffer, read_superblock, slot_bytes_for
 from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.l2.values import (
@@ -98,11 +98,14 @@ class WriteJob:
     - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` out
       under `lock`, and an eviction meanwhile (`DiskTier.spill`) takes the lock too: it
       cancels a job not copied yet, or lets a copied one go on (`evicted`).
+    - "erase": no chunk; the envelope page of `slot` is zeroed (`DiskTier.evict`, `clear`).
 
     Attributes:
         key: its disk key (namespace fingerprint, chunk hash); pool_key: its pool key.
         slot: the slot reserved for it.
-        mode: "copied", "pinned" or "ahead".
+        mode: "copied", "pinned", "ahead" or "erase".
+        epoch: the tier's `clear` count when it was queued (a chunk queued before a
+            CLEAR is not indexed after it).
         buffer: the page-aligned write buffer holding the record at ENVELOPE_BYTES
             ("copied"); None: the writer copies `blocks` into a buffer of its own.
         record_bytes: the record's length.
@@ -113,7 +116,7 @@ class WriteJob:
     """
 
     __slots__ = ("key", "pool_key", "slot", "mode", "buffer", "record_bytes", "blocks",
-                 "lock", "copied", "cancelled", "evicted", "error", "busy_us")
+                 "lock", "copied", "cancelled", "evicted", "epoch", "error", "busy_us")
 
     def __init__(self, key: DiskKey, pool_key: bytes, slot: int, mode: str, buffer,
                  record_bytes: int, blocks: list[KVCacheBlock] | None) -> None:
@@ -126,6 +129,7 @@ class WriteJob:
         self.blocks = blocks
         self.lock = threading.Lock() if mode == "ahead" else None
         self.copied = self.cancelled = self.evicted = False
+        self.epoch = 0
         self.error: BaseException | None = None
         self.busy_us = 0
 
@@ -247,6 +251,7 @@ class DiskTier:
         self._ahead: dict[bytes, WriteJob] = {}  # pool key -> its write ahead in flight
         self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
         self._ahead_held_until = 0.0  # a write failed: no writes ahead until then
+        self._epoch = 0  # CLEARs so far
         self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
         self._local = threading.local()  # each worker thread's slot buffer
         self._log = RateLimitedLog()
@@ -423,9 +428,35 @@ class DiskTier:
                 self._pinned_bytes += num_bytes
             else:
                 self._ahead[pool_key] = job
+        job.epoch = self._epoch
         self._writing.add(key)
         self._writes.submit(job)
         return True
+
+    def evict(self, pool_key: bytes) -> bool:
+        """Forget one chunk (an admin's EVICT) and erase its slot's envelope in the
+        background, so that a restart does not bring it back. True when it was on disk."""
+        key = self._disk_key(pool_key) if self.index is not None else None
+        entry = self.index.forget(key) if key is not None else None
+        if entry is None:
+            return False
+        self._erase([entry])
+        return True
+
+    def clear(self) -> int:
+        """Forget every chunk (an admin's CLEAR) and erase their slots' envelopes in the
+        background; writes in flight are not indexed when they end. Returns how many
+        chunks were forgotten."""
+        if self.index is None:
+            return 0
+        self._epoch += 1
+        entries = self.index.forget_all()
+        self._erase(entries)
+        return len(entries)
+
+    def _erase(self, entries) -> None:
+        for entry in entries:  # the slots come back to the empty ones once erased
+            self._writes.submit(WriteJob(None, b"", entry.slot, "erase", None, 0, None))
 
     def _copy_out(self, blocks: list[KVCacheBlock], buffer) -> None:
         """Copy a value's bytes from its arena blocks into `buffer` at ENVELOPE_BYTES."""
@@ -442,6 +473,10 @@ class DiskTier:
         for job in jobs:
             started = time.perf_counter()
             try:
+                if job.mode == "erase":
+                    self.slots.erase(job.slot, self._thread_buffer())
+                    self._writes.post(job)
+                    continue
                 buffer = job.buffer
                 if buffer is None:
                     buffer = self._thread_buffer()
@@ -474,6 +509,11 @@ class DiskTier:
             if job.cancelled:  # evicted before its write ahead copied it: spilled anew
                 self.index.release(job.slot)
                 continue
+            if job.mode == "erase":
+                self.index.release(job.slot)
+                if job.error is not None:
+                    self._count_error("erase", job.error)
+                continue
             self._writing.discard(job.key)
             if job.mode == "pinned":
                 self._pinned_bytes -= job.record_bytes
@@ -492,6 +532,9 @@ class DiskTier:
                 self.index.release(job.slot)
                 stats["write_failures"] += 1
                 self._count_error("write", job.error)
+                continue
+            if job.epoch != self._epoch:  # queued before a CLEAR: erased, not indexed
+                self._erase([DiskEntry(job.slot, job.record_bytes)])
                 continue
             self.index.insert(job.key, job.slot, job.record_bytes)
             stats["writes"] += 1
