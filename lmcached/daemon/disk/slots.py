@@ -25,6 +25,7 @@ vLLM's offloading disk backend and LMCache's local disk), with a buffered fallba
 the filesystem refuses it (tmpfs), logged once.
 """
 
+import errno
 import mmap
 import os
 import struct
@@ -44,6 +45,15 @@ SUPERBLOCK_VERSION = 1
 SCAN_THREADS = 4
 SCAN_PROGRESS_SLOTS = 65536  # progress is reported after every this many slots
 _ZERO_ENVELOPE = bytes(ENVELOPE_BYTES)
+_ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
+                errno.EIO: "io", errno.EROFS: "readonly"}
+ERROR_KINDS = ("nospace", "io", "readonly", "other")
+
+
+def error_kind(exc: BaseException) -> str:
+    """The INFO kind of an I/O error: nospace (ENOSPC, EFBIG, EDQUOT), io (EIO, a short
+    read or write), readonly (EROFS) or other."""
+    return _ERROR_KINDS.get(getattr(exc, "errno", None), "other")
 
 
 def round_up(num_bytes: int, multiple: int = PAGE_BYTES) -> int:
