@@ -64,7 +64,8 @@ def test_info_prints_sections_and_field_lines(daemon):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     headers = [line for line in lines if line.startswith("# ")]
-    assert headers == ["# Server", "# Memory", "# Blocks", "# Clients", "# Stats", "# L2"]
+    assert headers == ["# Server", "# Memory", "# Blocks", "# Clients", "# Stats", "# L2",
+                       "# Disk"]
     fields = [line for line in lines if line and not line.startswith("# ")]
     assert fields and all(FIELD_LINE.match(line) for line in fields), fields
     assert f"capacity_bytes:{64 * MiB}" in lines
@@ -85,7 +86,7 @@ def test_info_section_prints_only_that_section(daemon):
 def test_info_json_is_machine_readable(daemon):
     store_chunks(daemon, [1, 2]).close()
     sections = info_json(daemon)
-    assert list(sections) == ["server", "memory", "blocks", "clients", "stats", "l2"]
+    assert list(sections) == ["server", "memory", "blocks", "clients", "stats", "l2", "disk"]
     assert sections["memory"]["capacity_bytes"] == 64 * MiB
     assert sections["memory"]["used_bytes"] == 2 * MiB  # two 1 MiB blocks
     assert sections["blocks"]["cached_values"] == 2
@@ -97,7 +98,7 @@ def test_info_unknown_section_fails_with_one_line_listing_the_sections(daemon):
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr == ("Error: bad_request: no INFO section 'nosuch'; sections: server, "
-                             "memory, blocks, clients, stats, l2\n")
+                             "memory, blocks, clients, stats, l2, disk\n")
 
 
 BLOCKS_NOTE = ("note: block_bytes and num_blocks are 0 because no client has sent a layout "
