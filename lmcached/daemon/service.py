@@ -234,6 +234,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             self.demoter.plan()
         if self.disk is not None:
             self.disk.write_ahead()
+            self.disk.check_file()
         if self.config.writing_timeout_s and self.pool is not None:
             self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
 

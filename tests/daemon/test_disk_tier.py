@@ -209,3 +209,14 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
     found = {h.chunk_hash for h in restarted.scan()}
     restarted.close()
     assert kept and not found & set(on_disk), "a restart would serve an erased chunk"
+
+
+def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_service, caplog):
+    service = disk_service
+    session = stored_and_settled(service)
+    os.unlink(service.disk.slots.path)
+    service.housekeeping()
+    assert disk_info(service)["disk_file_deleted"] == 1
+    assert "the slot file was deleted" in caplog.text
+    assert lookup(service, session) == 4  # through the open descriptor, until a restart
+    assert_nothing_held(service)

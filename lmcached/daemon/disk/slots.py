@@ -308,6 +308,11 @@ class SlotFile:
             return None
         return SlotHeader(slot, ns_fp, chunk_hash, record_bytes)
 
+    def is_deleted(self) -> bool:
+        """Whether the file was unlinked under the daemon (its slots still work through
+        the open descriptor, and are lost when it closes)."""
+        return os.fstat(self._fd).st_nlink == 0
+
     def close(self) -> None:
         """Close the file (idempotent); its slots stay for the next start."""
         if self._fd >= 0:

@@ -213,6 +213,17 @@ class DiskTier(DiskWrites, DiskFetches):
             buffer = self._local.buffer = aligned_buffer(slot_bytes)
         return buffer
 
+    def check_file(self) -> bool:
+        """Housekeeping (loop thread): whether the slot file was deleted under the
+        daemon; logged at most once per interval. The tier goes on through its open
+        descriptor, and its chunks are lost at the next start."""
+        if self.slots is None or not self.slots.is_deleted():
+            return False
+        self._log.warning("disk tier %s: the slot file was deleted while the daemon runs; "
+                          "chunks are served until the daemon stops and lost then: restart "
+                          "it to create the file anew", self.directory)
+        return True
+
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, int | float | str]:
         """INFO section `disk` (docs/operator.md, "The disk tier")."""
@@ -222,6 +233,7 @@ class DiskTier(DiskWrites, DiskFetches):
             "disk_path": self.directory,
             "disk_policy": self.policy,
             "disk_direct_io": int(bool(slots and slots.direct)),
+            "disk_file_deleted": int(bool(slots and slots.is_deleted())),
             "disk_capacity_bytes": self.capacity_bytes,
             "disk_slot_bytes": slots.slot_bytes if slots else 0,
             "disk_slots": slots.num_slots if slots else 0,
