@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from lmcached.daemon.server_config import (
+    DEFAULT_DISK_CAPACITY,
     DEFAULT_MAX_CLIENTS,
     DEFAULT_MAX_SESSION_SHARE,
     DEFAULT_METRICS_HOST,
@@ -130,6 +131,17 @@ def _parse_l2_queue(value: Size) -> int:
     if queue_bytes < 1 << 20:
         raise ValueError(f"L2 queue {echo_size(value, queue_bytes)} is less than 1MiB")
     return queue_bytes
+
+
+def _parse_disk_capacity(value: Size) -> str:
+    # A percentage is of the directory's free space, known only at start: kept as text.
+    if isinstance(value, str) and value.strip().endswith("%"):
+        parse_size(value, total_bytes=1 << 50)  # checks the percentage
+        return value.strip()
+    capacity_bytes = parse_size(value)
+    if capacity_bytes < 1 << 20:
+        raise ValueError(f"disk capacity {echo_size(value, capacity_bytes)} is less than 1MiB")
+    return str(capacity_bytes)
 
 
 def _parse_gpu_capacity(value: Size) -> int:
@@ -286,6 +298,32 @@ SETTINGS: dict[str, Setting] = {
         int, "a whole number of threads, 1-64", "N",
         "Threads that write chunks to L2, and as many that fetch them.",
         2),
+    "disk_path": Setting(
+        _NonEmpty,
+        str, 'a directory, e.g. "/var/cache/lmcached"', "DIR",
+        "Disk tier (docs/operator.md): a slot file in DIR (local NVMe) holds the chunks the "
+        "arena evicts and serves them back; a restarted daemon serves them again. DIR must "
+        "be the daemon user's alone (not a symlink, not writable by others); a missing one "
+        "is created 0700; one daemon per DIR.",
+        None, "off"),
+    "disk_capacity": Setting(
+        Size,
+        _parse_disk_capacity, 'a size such as "100GiB", or "50%" of the free space', "SIZE",
+        "Size of the disk tier's slot file: bytes, 100GiB, or a percentage of the free space "
+        "of --disk-path's filesystem at start.",
+        DEFAULT_DISK_CAPACITY),
+    "disk_policy": Setting(
+        Literal["on-evict", "write-through"],
+        str, '"on-evict" or "write-through"', "POLICY",
+        "Which chunks go to disk: on-evict (chunks the arena evicts under pressure) or "
+        "write-through (every stored chunk, asynchronously).",
+        "on-evict"),
+    "disk_fetch_wait": Setting(
+        Annotated[float, msgspec.Meta(ge=0, le=60)],  # seconds
+        float, "seconds, e.g. 0.5; 0 = do not wait", "SECONDS",
+        "How long a lookup that misses in the arena waits for the disk tier to read the "
+        "rest of its prefix; keep it below the clients' LMCACHED_DATA_TIMEOUT_MS.",
+        0.1, field="disk_fetch_wait_s"),
     "gpu_capacity": Setting(
         Size,
         _parse_gpu_capacity, 'a size such as "8GiB"', "SIZE",

@@ -16,8 +16,9 @@ What lives here:
     pool_invariants.py         `check_pool_invariants`: every invariant of a block pool
     tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the
-                               loop applies): demotion and L2 are its queues
+                               loop applies): demotion, L2 and the disk tier are its queues
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
+    disk/                      the disk tier (--disk-path): slot file, index, threads
     stats.py                   every counter of the request semantics and the block pools,
                                one typed snapshot (INFO and the metrics read it); latency
     info.py                    INFO / CLIENTS fields

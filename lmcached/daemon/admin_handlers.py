@@ -98,13 +98,18 @@ class AdminHandlers:
             return CountReply(0)
         if req.key is not None:
             named = keys.keys_named(self._ns_prefix, req.key)
-            return CountReply(sum(self.tiers.evict(key) for key in named))
+            disk = self.disk
+            return CountReply(sum(self.tiers.evict(key) | (disk is not None and disk.evict(key))
+                                  for key in named))
         if req.lru < 0:
             raise RequestError("bad_request", "EVICT needs lru >= 0")
         return CountReply(self.pool.evict_lru(req.lru))
 
     def _clear(self, session: Session, req: Clear) -> CountReply:
-        return CountReply(self.tiers.clear() if self.pool is not None else 0)
+        num_values = self.tiers.clear() if self.pool is not None else 0
+        if self.disk is not None:
+            num_values += self.disk.clear()
+        return CountReply(num_values)
 
     def _open_tier(self, session: Session, req: OpenTier) -> TierHandle:
         tier = self.tiers.device_tier(req.tier_id)

@@ -136,6 +136,7 @@ def info_sections(service: "CacheService",
         },
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
+        "disk": service.disk.info() if service.disk is not None else {"disk_enabled": 0},
     }
 
 

@@ -227,6 +227,50 @@ L2_COUNTERS = {
     "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
 }
 
+# INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md).
+DISK_COUNTERS = {
+    "disk_writes": ("lmcached_disk_writes", "Chunks written to the disk tier."),
+    "disk_write_bytes": ("lmcached_disk_written_bytes", "Bytes of the chunks written to disk."),
+    "disk_fetches": ("lmcached_disk_fetches", "Disk fetches started by lookups that missed "
+                     "in the arena."),
+    "disk_fetch_hit_chunks": ("lmcached_disk_hit_chunks", "Chunks read from disk into the arena."),
+    "disk_fetch_bytes": ("lmcached_disk_fetched_bytes", "Bytes of the chunks read from disk."),
+    "disk_fetch_waits_timed_out": ("lmcached_disk_fetch_waits_timed_out", "Lookups answered "
+                                   "before their disk fetch ended (--disk-fetch-wait)."),
+    "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU)."),
+}
+
+
+def disk_families(disk: InfoFields) -> Iterator[Metric]:
+    """The lmcached_disk_* families of INFO's `disk` section; none without a disk tier."""
+    if not disk.get("disk_enabled"):
+        return
+    for field, (name, doc) in DISK_COUNTERS.items():
+        yield _counter(name, doc, disk[field])
+    yield _gauge("lmcached_disk_used_slots", "Slots of the disk tier holding a chunk.",
+                 disk["disk_used_slots"])
+    yield _gauge("lmcached_disk_slots", "Slots of the disk tier.", disk["disk_slots"])
+    yield _gauge("lmcached_disk_stored_bytes", "Bytes of the chunks on disk.",
+                 disk["disk_stored_bytes"])
+    drops = CounterMetricFamily("lmcached_disk_write_drops", "Chunk writes to disk dropped, "
+                                "by reason.", labels=["reason"])
+    for reason in ("queue_full", "oversize", "busy"):
+        drops.add_metric([reason], disk[f"disk_write_drops_{reason}"])
+    yield drops
+    rejects = CounterMetricFamily("lmcached_disk_fetch_rejects", "Slots read back and not "
+                                  "served, by reason (verify_*: failed verification).",
+                                  labels=["reason"])
+    for field, value in disk.items():
+        if field.startswith("disk_fetch_verify_"):
+            rejects.add_metric([field[len("disk_fetch_"):]], value)
+    yield rejects
+    errors = CounterMetricFamily("lmcached_disk_errors", "Disk tier I/O errors by kind.",
+                                 labels=["kind"])
+    for field, value in disk.items():
+        if field.startswith("disk_errors_"):
+            errors.add_metric([field[len("disk_errors_"):]], value)
+    yield errors
+
 
 def l2_families(l2: InfoFields) -> Iterator[Metric]:
     """The lmcached_l2_* families of INFO's `l2` section; none when L2 is off."""
@@ -385,6 +429,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                  "(INFO fill_ratio).", memory["fill_ratio"])
     yield from device_tier_families(memory, blocks, stats)
     yield from l2_families(snap.info["l2"])
+    yield from disk_families(snap.info["disk"])
     latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "
                                     "loop spent answering a request, by type.", labels=["type"])
     bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]

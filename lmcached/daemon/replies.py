@@ -15,13 +15,16 @@ class RequestError(Exception):
 
 
 class Deferred:
-    """A LOOKUP or ACQUIRE that waits for an L2 fetch (docs/l2.md, "How a fetch looks to
-    a client"): the server parks its connection until `job.done` or `deadline`
-    (time.monotonic()), then answers it with `CacheService.resume`."""
+    """A LOOKUP or ACQUIRE that waits for a fetch from the disk tier or L2 (docs/l2.md,
+    "How a fetch looks to a client"): the server parks its connection until `job.done`
+    or `deadline` (time.monotonic()), then answers it with `CacheService.resume`, which
+    counts a wait that ran out in `stats["fetch_waits_timed_out"]` (the fetching tier's
+    counters)."""
 
-    __slots__ = ("request", "job", "deadline")
+    __slots__ = ("request", "job", "deadline", "stats")
 
-    def __init__(self, request, job, deadline: float) -> None:
+    def __init__(self, request, job, deadline: float, stats) -> None:
         self.request = request
         self.job = job
         self.deadline = deadline
+        self.stats = stats

@@ -42,6 +42,7 @@ from lmcached.daemon.startup import (
     StartupInterrupted,
     claim_name,
     create_arena,
+    create_disk_tier,
     create_l2_tier,
     prefault_arena,
     prepare_socket,
@@ -132,6 +133,9 @@ class Server(ClientIO, ClientAccounting):
                                     JobRunner(self._wake))
         if cfg.l2_url:
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
+        if cfg.disk_path:
+            self.service.attach_disk(create_disk_tier(cfg, self.arena, self.service.jobs,
+                                                      self.notifier))
         self._listen(cfg.socket)
         if cfg.prefault:
             self._load()
@@ -334,6 +338,9 @@ class Server(ClientIO, ClientAccounting):
             self._close(conn)
         if self.service is not None and self.service.l2 is not None:
             self.service.l2.close()  # its threads read the arena
+        if self.service is not None and self.service.disk is not None:
+            self.service.disk.close()  # its threads read and write the arena
+            self.service.disk = None
         if self.service is not None:
             self.service.close()  # the demotion thread reads device tiers and the arena
         for memory in self._device_memories:

@@ -21,6 +21,7 @@ DEFAULT_WRITING_TIMEOUT_S = 60.0  # an allocation not committed by then is abort
 DEFAULT_BUFFER_BUDGET_BYTES = 128 << 20
 DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are for this node's Prometheus agent
 DEFAULT_L2_QUEUE_BYTES = 256 << 20
+DEFAULT_DISK_CAPACITY = "10%"  # of the disk directory's free space at start
 
 
 @dataclasses.dataclass
@@ -57,6 +58,11 @@ class ServerConfig:
         l2_queue_bytes: bytes of L2 writes that may wait.
         l2_fetch_wait_s: how long a LOOKUP / ACQUIRE waits for an L2 fetch, in seconds.
         l2_threads: L2 writer threads (and as many fetch threads).
+        disk_path: the disk tier's directory, None = no disk tier.
+        disk_capacity: the disk tier's size: whole bytes, or a percentage of the
+            directory's free space ("10%"), as text; resolved at start.
+        disk_policy: "on-evict" or "write-through".
+        disk_fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a disk fetch, in seconds.
         gpu_capacity_bytes: bytes of each GPU tier; 0 = no GPU tier.
         gpu_devices: the CUDA devices with a GPU tier, in tier order (tier 1, 2, ...).
         gpu_backend: "cuda", or "fake" (memfd tiers, devices "fake-<i>": tests).
@@ -94,6 +100,10 @@ class ServerConfig:
     l2_queue_bytes: int = DEFAULT_L2_QUEUE_BYTES
     l2_fetch_wait_s: float = 0.1
     l2_threads: int = 2
+    disk_path: str | None = None
+    disk_capacity: str = DEFAULT_DISK_CAPACITY
+    disk_policy: str = "on-evict"
+    disk_fetch_wait_s: float = 0.1
     gpu_capacity_bytes: int = 0
     gpu_devices: tuple[int, ...] = ()
     gpu_backend: str = "cuda"

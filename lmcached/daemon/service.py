@@ -62,6 +62,7 @@ from lmcached.daemon.value_handlers import ValueHandlers
 
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.demotion import Demoter
+    from lmcached.daemon.disk.tier import DiskTier
     from lmcached.daemon.l2.tier import L2Tier
     from lmcached.daemon.progress import PrefaultProgress
 
@@ -116,6 +117,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             fields), or None when the arena was not prefaulted.
         loading: the same while the prefault runs (requests but LOADING_REQUESTS are
             refused with `loading`), None once the daemon serves.
+        disk: the disk tier (`lmcached/daemon/disk/tier.py`), or None without --disk-path;
+            set by the server before it serves.
     """
 
     def __init__(self, config: ServerConfig, arena: Arena, device_memories=(),
@@ -127,6 +130,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.jobs = jobs if jobs is not None else JobRunner()
         self.pool: BlockPool | None = None
         self.l2: "L2Tier | None" = None
+        self.disk: "DiskTier | None" = None
         self._resuming = False  # answering a Deferred: do not start another fetch
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
@@ -180,15 +184,42 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         for layout, ns in self.namespaces.items():
             tier.register_namespace(ns, layout)
         if self.pool is not None:
-            self.pool.on_evict = tier.spill
+            self.pool.on_evict = self._evict_hook()
             tier.pool = self.pool
+
+    def attach_disk(self, tier: "DiskTier") -> None:
+        """Use the disk tier `tier` from now on (before serving): lookups that miss in
+        the arena read from it before L2, and chunks evicted from the arena spill to it."""
+        self.disk = tier
+        tier.layout_of = self._ns_layout.get
+        if self.pool is not None:
+            self.pool.on_evict = self._evict_hook()
+            tier.pool = self.pool
+
+    def _evict_hook(self):
+        """The host pool's `on_evict`: the disk tier's spill, then L2's; None without."""
+        hooks = [tier.spill for tier in (self.disk, self.l2) if tier is not None]
+        if len(hooks) < 2:
+            return hooks[0] if hooks else None
+
+        def spill_everywhere(key, blocks) -> None:
+            for hook in hooks:
+                hook(key, blocks)
+        return spill_everywhere
 
     def _make_pool(self) -> None:
         tiers = self.tiers
-        tiers.make_pools(self.l2.spill if self.l2 is not None else None)
+        tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
         if self.l2 is not None:
             self.l2.pool = self.pool
+        if self.disk is not None:
+            self.disk.pool = self.pool
+            try:
+                self.disk.set_block_bytes(self.arena.block_bytes)
+            except OSError as exc:  # the disk tier stays empty: never a client's error
+                logger.error("the disk tier cannot size its slot file for blocks of %d "
+                             "bytes (%s): it stays unused", self.arena.block_bytes, exc)
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
                 pool.group_of = keys.namespace_tag_of
@@ -202,15 +233,23 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                         tier.kind, tier.device, tier.memory.num_blocks, tier.memory.block_bytes)
 
     def _host_committed(self, values: list) -> None:
-        """Values just committed in the host arena by a demotion: L2 write-through."""
+        """Values just committed in the host arena (by a COMMIT or a demotion): the
+        write-through of the disk tier and of L2."""
+        if self.disk is not None:
+            self.disk.write_through(self.pool, values)
+            self.disk.write_ahead()
         if self.l2 is not None:
             self.l2.write_through(self.pool, values)
 
     def housekeeping(self) -> None:
-        """Periodic work of the loop thread: start demotions a device tier needs, and
-        abort the values that stayed WRITING longer than `--writing-timeout`."""
+        """Periodic work of the loop thread: start demotions a device tier needs and the
+        disk tier's writes ahead of eviction, and abort the values that stayed WRITING
+        longer than `--writing-timeout`."""
         if self.demoter is not None:
             self.demoter.plan()
+        if self.disk is not None:
+            self.disk.write_ahead()
+            self.disk.check_file()
         if self.config.writing_timeout_s and self.pool is not None:
             self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
 
@@ -308,7 +347,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         """Answer a parked request from the arena, after its fetch ended or its wait
         passed (a fetch still running goes on installing for later lookups)."""
         if not deferred.job.done:
-            self.l2.stats["fetch_waits_timed_out"] += 1
+            deferred.stats["fetch_waits_timed_out"] += 1
         self._resuming = True
         try:
             return self._answer(session, deferred.request, count=False)

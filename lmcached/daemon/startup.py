@@ -10,8 +10,9 @@ here leaves `server.py` the loop. The order::
     on the socket -> raise the file descriptor limit -> bind the metrics port
     (--metrics-port) -> take the lock of <name> (refuse if a daemon of that name runs)
     -> sweep orphans of <name> -> create the arena -> start the L2 tier's threads (--l2)
-    -> listen -> reserve and prefault the arena, answering INFO, PING and the CLI with
-    the `loading` state meanwhile (`server.py`)
+    -> check and lock the disk tier's directory, rebuild its index (--disk-path) -> listen
+    -> reserve and prefault the arena, answering INFO, PING and the CLI with the `loading`
+    state meanwhile (`server.py`)
 
 The metrics port is bound before the arena is made, so that a port in use stops the
 start-up at once and not after minutes of prefault. A stop signal or a SHUTDOWN during
@@ -22,6 +23,8 @@ import errno
 import grp
 import os
 import resource
+import shutil
+import time
 from collections.abc import Callable
 
 from lmcached.daemon.server_config import ServerConfig
@@ -277,3 +280,70 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
     return L2Tier(store, arena, url=cfg.l2_url, policy=cfg.l2_policy, ttl_s=cfg.l2_ttl_s,
                   queue_bytes=cfg.l2_queue_bytes, fetch_wait_s=cfg.l2_fetch_wait_s,
                   num_threads=cfg.l2_threads, jobs=jobs)
+
+
+def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
+    """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
+    space of the directory's filesystem, counting the slot file already there as free
+    (a restart keeps the size it had)."""
+    text = cfg.disk_capacity
+    if not text.endswith("%"):
+        return int(text)
+    from lmcached.daemon.disk.slots import FILE_NAME
+
+    free = shutil.disk_usage(directory).free
+    try:
+        free += os.stat(os.path.join(directory, FILE_NAME)).st_blocks * 512
+    except FileNotFoundError:
+        pass
+    return int(free * float(text[:-1]) / 100)
+
+
+def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
+                     notifier: SystemdNotifier):
+    """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"): its directory
+    checked and locked, and the index of a slot file left by an earlier daemon rebuilt
+    (warm restart) before the daemon says READY.
+
+    Args:
+        cfg: the disk_* settings.
+        arena: the daemon's arena (its block size, when known, sizes the slots).
+        jobs: the daemon's background job runner (the tier's threads are its queues).
+        notifier: systemd's notify socket (STATUS= during the index rebuild).
+
+    Raises:
+        StartupError: the directory is unsafe, used by another daemon, or the slot file
+            cannot be opened (the message names the cause and the fix).
+    """
+    from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, \
+        prepare_disk_directory
+    from lmcached.daemon.disk.tier import DiskTier
+
+    try:
+        directory = prepare_disk_directory(cfg.disk_path)
+        lock = DirectoryLock(directory)
+    except DiskDirectoryError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        capacity = disk_capacity_bytes(cfg, directory)
+        tier = DiskTier(directory, lock, capacity_bytes=capacity, policy=cfg.disk_policy,
+                        fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs)
+        notifier.notify(f"STATUS=rebuilding the disk tier's index ({directory})")
+        next_log = [time.monotonic() + 1.0]
+
+        def progress(done_slots: int, num_slots: int) -> None:
+            if time.monotonic() >= next_log[0]:
+                next_log[0] = time.monotonic() + 1.0
+                logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
+
+        tier.load(progress)
+        if arena.block_bytes:
+            tier.set_block_bytes(arena.block_bytes, progress)
+    except OSError as exc:
+        lock.release()
+        raise StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
+                           f"{exc.strerror or exc}; check the filesystem (read-only? full?) "
+                           f"or choose another --disk-path") from exc
+    logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory, format_bytes(capacity),
+                cfg.disk_policy, cfg.disk_fetch_wait_s)
+    return tier

@@ -46,23 +46,31 @@ class ValueHandlers:
 
     def _fetch_rest(self, req: Lookup | Acquire, per_namespace: list[list[bytes]],
                     num_chunks: int) -> Deferred | None:
-        """Start (or join) an L2 fetch of the chunks after the arena's `num_chunks`; a
-        Deferred when the request is to wait for it (docs/l2.md). A new fetch pins the
-        arena's part of the chain until it ends, so that installing the rest never
-        evicts it."""
-        if self.l2 is None or self._resuming or num_chunks * HASH_BYTES >= len(req.hashes):
+        """Start (or join) a fetch of the chunks after the arena's `num_chunks`, from the
+        disk tier when it holds the next one, else from L2; a Deferred when the request
+        is to wait for it (docs/l2.md). A new fetch pins the arena's part of the chain
+        until it ends, so that installing the rest never evicts it."""
+        if (self.l2 is None and self.disk is None) or self._resuming \
+                or num_chunks * HASH_BYTES >= len(req.hashes):
             return None
         cached = self.pool.cached
         # The host arena's part of the prefix is pinned while the rest is installed; a
         # part on a device tier cannot be evicted by host allocations, and is not pinned.
-        job = self.l2.start_fetch(
-            self.pool, req.namespaces, [self._ns_prefix[ns] for ns in req.namespaces],
-            req.hashes, num_chunks,
-            lambda: [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
-                     if key in cached for b in cached[key]])
-        if job is None or not self.l2.fetch_wait_s:
-            return None
-        return Deferred(req, job, time.monotonic() + self.l2.fetch_wait_s)
+        prefixes = [self._ns_prefix[ns] for ns in req.namespaces]
+
+        def prefix_blocks():
+            return [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
+                    if key in cached for b in cached[key]]
+        for tier in (self.disk, self.l2):  # lookup order: arena, disk, L2
+            if tier is None:
+                continue
+            job = tier.start_fetch(self.pool, req.namespaces, prefixes, req.hashes,
+                                   num_chunks, prefix_blocks)
+            if job is not None:
+                if not tier.fetch_wait_s:
+                    return None
+                return Deferred(req, job, time.monotonic() + tier.fetch_wait_s, tier.stats)
+        return None
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
@@ -82,7 +90,8 @@ class ValueHandlers:
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
-        if len(per_namespace) > 1 or self.l2 is not None:  # the prefix READY everywhere
+        if len(per_namespace) > 1 or self.l2 is not None or self.disk is not None:
+            # the prefix READY everywhere
             for chunk_keys in per_namespace:
                 num_chunks = tiers.ready_prefix(chunk_keys[:num_chunks], readable)
             deferred = self._fetch_rest(req, per_namespace, num_chunks)
@@ -202,9 +211,8 @@ class ValueHandlers:
                 else:  # another session committed the same chunk first
                     pool.abort(value.blocks)
             self.stats.stores += sum(indexed)
-            if self.l2 is not None and not replace:
-                self.l2.write_through(pool, [(v.key, v.blocks) for v, ok in zip(group, indexed)
-                                             if ok])
+            if (self.l2 is not None or self.disk is not None) and not replace:
+                self._host_committed([(v.key, v.blocks) for v, ok in zip(group, indexed) if ok])
             if committed:
                 pool.free(committed)  # the writer's reference; tail first
         return Ok()

@@ -35,6 +35,11 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_L2_QUEUE": "bytes of L2 writes that may wait before writes are dropped (256MiB)",
     "LMCACHED_L2_FETCH_WAIT": "seconds a lookup waits for an L2 fetch (default 0.1)",
     "LMCACHED_L2_THREADS": "L2 writer threads, and as many fetch threads (default 2)",
+    "LMCACHED_DISK_PATH": "directory of the disk tier's slot file (default: no disk tier)",
+    "LMCACHED_DISK_CAPACITY": "disk tier size: bytes, 100GiB, or 50% of the directory's free "
+    "space (default 10%)",
+    "LMCACHED_DISK_POLICY": "which chunks go to disk: on-evict (default) or write-through",
+    "LMCACHED_DISK_FETCH_WAIT": "seconds a lookup waits for a disk fetch (default 0.1)",
     "LMCACHED_GPU_CAPACITY": "GPU tier size per device, e.g. 8GiB (default: no GPU tier)",
     "LMCACHED_GPU_DEVICE": "CUDA devices with a GPU tier, e.g. 0 or 0,1 (default 0)",
     "LMCACHED_GPU_BACKEND": "cuda, or fake: memfd tiers standing in for GPUs (tests)",

@@ -207,7 +207,7 @@ class Scan(msgspec.Struct, tag="scan", array_like=True):
 
 # The sections INFO answers, in order (lmcached/daemon/info.py builds them; the CLI checks
 # a section name against them before it sends anything).
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2")
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2", "disk")
 
 
 class Info(msgspec.Struct, tag="info", array_like=True):

@@ -159,8 +159,9 @@ def test_info_reports_every_section_from_the_service_state(service):
     lookup(service, session, [1], [0])
     reply = service.handle(session, Info())
     assert isinstance(reply, InfoReply) and list(reply.sections) == list(INFO_SECTIONS)
-    server, memory, blocks, clients, stats, l2 = (reply.sections[name] for name in INFO_SECTIONS)
-    assert l2 == {"l2_enabled": 0}  # no --l2
+    server, memory, blocks, clients, stats, l2, disk = (reply.sections[name]
+                                                        for name in INFO_SECTIONS)
+    assert l2 == {"l2_enabled": 0} and disk == {"disk_enabled": 0}  # no --l2, --disk-path
     assert server["protocol_version"] == PROTOCOL_VERSION
     assert (server["name"], server["socket"]) == (service.arena.name, "/nonexistent")
     assert (server["generation"], server["pid"]) == (service.arena.generation, os.getpid())

@@ -25,6 +25,7 @@ from raw_frames import frame, recv_reply
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.metrics import (
+    DISK_COUNTERS,
     L2_COUNTERS,
     MAX_NAMESPACE_ROWS,
     OTHER_NAMESPACES,
@@ -33,6 +34,7 @@ from lmcached.daemon.metrics import (
     DaemonCollector,
     SnapshotChannel,
     device_tier_families,
+    disk_families,
     metric_families,
     take_snapshot,
 )
@@ -360,6 +362,10 @@ def exposed_names(service) -> set[str]:
              "l2_write_drops_queue_full": 0, "l2_write_drops_down": 0,
              "l2_write_drops_oversize": 0,
              **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
+    disk_on = {"disk_enabled": 1, "disk_used_slots": 0, "disk_slots": 0,
+               "disk_stored_bytes": 0, "disk_errors_io": 0, "disk_fetch_verify_checksum": 0,
+               **{f"disk_write_drops_{r}": 0 for r in ("queue_full", "oversize", "busy")},
+               **dict.fromkeys(DISK_COUNTERS, 0)}  # the families of a daemon with --disk-path
     tier = {"tier1_device": "fake-0", "tier1_capacity_bytes": 0, "tier1_stored_bytes": 0,
             "tier1_state": "ok"}
     tier_blocks = {f"tier1_{state}_blocks": 0 for state in
@@ -367,7 +373,8 @@ def exposed_names(service) -> set[str]:
     tier_stats = {"tier1_hits": 0, **dict.fromkeys(DEMOTION_STATS, 0)}
     families = [*metric_families(take_snapshot(service)), *DaemonCollector(
         SnapshotChannel()).collect(), *l2_families(l2_on),
-        *device_tier_families({"device_tiers": 1, **tier}, tier_blocks, tier_stats)]
+        *device_tier_families({"device_tiers": 1, **tier}, tier_blocks, tier_stats),
+        *disk_families(disk_on)]
     suffix = {"counter": "_total", "info": "_info"}
     return {family.name + suffix.get(family.type, "") for family in families}
 

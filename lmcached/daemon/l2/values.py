@@ -132,16 +132,36 @@ def encode_value(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> bytes:
     Raises:
         ValueError: a hash that is not 16 bytes.
     """
+    views = [memoryview(piece).cast("B") for piece in record_pieces]
+    return b"".join([encode_envelope(ns_fp, chunk_hash, views), *views])
+
+
+def encode_envelope(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> bytes:
+    """The envelope alone (ENVELOPE_BYTES, pad included) of a record: what goes before
+    it in an L2 value, or in a disk tier slot (lmcached/daemon/disk/slots.py), which
+    writes the record in place and the envelope last.
+
+    Args:
+        ns_fp: namespace fingerprint, 16 bytes.
+        chunk_hash: the chunk's hash, 16 bytes.
+        record_pieces: the record's bytes in order (bytes or memoryviews); read once.
+
+    Returns:
+        ENVELOPE_BYTES bytes.
+
+    Raises:
+        ValueError: a hash that is not 16 bytes.
+    """
     _check_hash("ns_fp", ns_fp)
     _check_hash("chunk_hash", chunk_hash)
-    views = [memoryview(piece).cast("B") for piece in record_pieces]
     hasher = xxhash.xxh3_64()
-    for view in views:
+    record_bytes = 0
+    for piece in record_pieces:
+        view = memoryview(piece).cast("B")
         hasher.update(view)
-    record_bytes = sum(view.nbytes for view in views)
-    envelope = ENVELOPE.pack(L2_MAGIC, ENVELOPE_VERSION, 0, record_bytes, hasher.intdigest(),
-                             bytes(ns_fp), bytes(chunk_hash))
-    return b"".join([envelope, _PAD, *views])
+        record_bytes += view.nbytes
+    return ENVELOPE.pack(L2_MAGIC, ENVELOPE_VERSION, 0, record_bytes, hasher.intdigest(),
+                         bytes(ns_fp), bytes(chunk_hash)) + _PAD
 
 
 def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> memoryview:

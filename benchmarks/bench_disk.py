@@ -1,0 +1,244 @@
+"""The disk tier: fetch and spill GB/s against dd's O_DIRECT reads and writes of the same
+bytes on the same filesystem, what spilling costs a store, and the index rebuild of a
+warm restart. Ratios are to baselines measured in the same run.
+
+Daemons are started by `lmcached.launcher` on a temporary directory under `--dir`
+(default /var/tmp: a disk, not tmpfs); everything is removed after. docs/operator.md
+("The disk tier") explains the figures.
+
+    spill     a daemon with --disk-policy write-through stores a prompt (Llama-3.2-1B KV,
+              256-token chunks of 8 MiB); the time from the store's start until every
+              chunk is on disk. Baseline: dd oflag=direct of as many slot-sized blocks
+              into a preallocated file in the same directory.
+    fetch     the daemon is stopped and another started on the same directory (a warm
+              restart: empty arena); the time of one LOOKUP of the prompt is the fetch
+              (reads, checksums, token checks, copies into arena blocks). Baseline: dd
+              iflag=direct of the same slots.
+    store     cold stores into an arena of twice the prompt, with an on-evict disk tier
+              (every store evicts and spills the previous prompt) and without one, in turn
+    rebuild   the index rebuild of a slot file of --slots slots, all committed, after its
+              pages were dropped from the page cache (posix_fadvise DONTNEED)
+
+    python benchmarks/bench_disk.py [--tokens 4096] [--repeat 3] [--slots 100000]
+                                    [--dir /var/tmp] [--out FILE.json]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import GB, LLAMA_1B, machine_info, median, record_block_size  # noqa: E402
+from lmcached.client import CacheEngine  # noqa: E402
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
+from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_envelope  # noqa: E402
+from lmcached.launcher import temporary_daemon  # noqa: E402
+from lmcached.wire.connection import Connection  # noqa: E402
+from lmcached.wire.protocol import Info  # noqa: E402
+
+MiB = 1 << 20
+CLIENT_TIMEOUT_S = 120.0  # the benchmark waits for whole fetches (serving uses 200 ms)
+
+
+def disk_info(socket: str) -> dict:
+    with Connection(socket, timeout_s=30) as conn:
+        return conn.request(Info("disk")).sections["disk"]
+
+
+def wait_on_disk(socket: str, num_chunks: int, timeout_s: float = 300) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = disk_info(socket)
+        if info["disk_writes"] >= num_chunks and not info["disk_queue_values"]:
+            return info
+        drops = sum(v for k, v in info.items() if k.startswith("disk_write_drops_"))
+        if drops or info["disk_write_failures"]:
+            raise RuntimeError(f"the disk tier dropped writes: {info}")
+        time.sleep(0.002)
+    raise RuntimeError(f"the disk tier did not write {num_chunks} chunks: {info}")
+
+
+def connect(socket: str) -> CacheEngine:
+    return CacheEngine.connect(LLAMA_1B, socket=socket, strict=True, timeout_s=CLIENT_TIMEOUT_S,
+                               data_timeout_s=CLIENT_TIMEOUT_S)
+
+
+def dd_seconds(*args: str) -> float:
+    """Seconds dd says it took (its last stderr line)."""
+    done = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = re.search(r"copied, ([0-9.eE+-]+) s", done.stderr)
+    return float(match.group(1))
+
+
+def daemon_args(disk_dir: str, capacity_bytes: int, *more: str) -> list[str]:
+    return ["--capacity", str(capacity_bytes), "--block-size", record_block_size(LLAMA_1B),
+            "--log-level", "WARNING", "--max-session-share", "100", "--disk-path", disk_dir,
+            *more]
+
+
+def bench_spill_and_fetch(root: str, num_tokens: int, repeat: int) -> dict:
+    """Spill GB/s (write-through) and fetch GB/s after a warm restart, against dd."""
+    nbytes = num_tokens * LLAMA_1B.token_bytes
+    num_chunks = num_tokens // LLAMA_1B.chunk_size
+    # Write-through pins at most a quarter of the arena while its chunks wait for the
+    # disk (lmcached/daemon/disk/tier.py, PINNED_SHARE): 6x the prompt holds it whole.
+    capacity = 6 * nbytes + 64 * MiB
+    disk_dir = os.path.join(root, "tier")
+    disk_args = ("--disk-capacity", str((repeat + 2) * (nbytes + num_chunks * 2 * PAGE_BYTES)),
+                 "--disk-fetch-wait", "60")
+    kv = torch.randn(LLAMA_1B.chunk_shape(num_tokens)).to(torch.bfloat16)
+    prompts = [torch.arange(r * 10**6, r * 10**6 + num_tokens) for r in range(repeat + 1)]
+    spill_s = []
+    with temporary_daemon(*daemon_args(disk_dir, capacity, *disk_args, "--disk-policy",
+                                       "write-through"), name=f"dska-{os.getpid()}") as a:
+        with connect(a) as engine:
+            for r, tokens in enumerate(prompts):
+                started = time.perf_counter()
+                engine.store(tokens, kv)
+                wait_on_disk(a, (r + 1) * num_chunks)
+                if r:  # the first round warms up
+                    spill_s.append(time.perf_counter() - started)
+        slot_bytes = disk_info(a)["disk_slot_bytes"]
+    fetch_s, fetched = [], []
+    with temporary_daemon(*daemon_args(disk_dir, capacity, *disk_args),
+                          name=f"dskb-{os.getpid()}") as b:
+        info = disk_info(b)
+        with connect(b) as engine:
+            for tokens in prompts[1:]:
+                before = disk_info(b)["disk_fetch_bytes"]
+                started = time.perf_counter()
+                hit = engine.lookup(tokens)
+                fetch_s.append(time.perf_counter() - started)
+                fetched.append(disk_info(b)["disk_fetch_bytes"] - before)
+                if hit != num_tokens:
+                    raise RuntimeError(f"found {hit} of {num_tokens} tokens on disk")
+    path = os.path.join(disk_dir, FILE_NAME)
+    dd_read_s = [dd_seconds(f"if={path}", "of=/dev/null", f"bs={slot_bytes}",
+                            f"skip={PAGE_BYTES + (r + 1) * num_chunks * slot_bytes}",
+                            f"count={num_chunks}", "iflag=direct,skip_bytes")
+                 for r in range(repeat)]
+    dd_file = os.path.join(root, "dd-write")
+    with open(dd_file, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, slot_bytes * num_chunks)
+    dd_write_s = [dd_seconds("if=/dev/zero", f"of={dd_file}", f"bs={slot_bytes}",
+                             f"count={num_chunks}", "oflag=direct", "conv=notrunc")
+                  for _ in range(repeat)]
+    os.unlink(dd_file)
+    fetched_bytes = median(fetched)
+    return {"num_tokens": num_tokens, "bytes": nbytes, "fetched_bytes": fetched_bytes,
+            "slot_bytes": slot_bytes, "spill_s": spill_s, "fetch_s": fetch_s,
+            "dd_read_s": dd_read_s, "dd_write_s": dd_write_s,
+            "spill_gbps": nbytes / median(spill_s) / GB,
+            "fetch_gbps": fetched_bytes / median(fetch_s) / GB,
+            "dd_read_gbps": num_chunks * slot_bytes / median(dd_read_s) / GB,
+            "dd_write_gbps": num_chunks * slot_bytes / median(dd_write_s) / GB,
+            "fetch_vs_dd": (fetched_bytes / median(fetch_s)) / (num_chunks * slot_bytes / median(dd_read_s)),
+            "spill_vs_dd": (nbytes / median(spill_s)) / (num_chunks * slot_bytes / median(dd_write_s)),
+            "warm_restart": {"restored_chunks": info["disk_restored_chunks"],
+                             "scan_s": info["disk_scan_s"]}}
+
+
+def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
+    """Cold stores that evict the previous prompt: with an on-evict disk tier and without."""
+    nbytes = num_tokens * LLAMA_1B.token_bytes
+    capacity = 2 * nbytes + 32 * MiB
+    kv = torch.randn(LLAMA_1B.chunk_shape(num_tokens)).to(torch.bfloat16)
+    on_s, off_s = [], []
+    on_args = daemon_args(os.path.join(root, "store-tier"), capacity, "--disk-capacity",
+                          str(4 * nbytes))
+    off_args = on_args[:on_args.index("--disk-path")]
+    with temporary_daemon(*on_args, name=f"dskon-{os.getpid()}") as on, \
+            temporary_daemon(*off_args, name=f"dskoff-{os.getpid()}") as off:
+        with connect(on) as engine_on, connect(off) as engine_off:
+            for r in range(2 * repeat + 2):  # two rounds fill the arenas
+                tokens = torch.arange(r * 10**6, r * 10**6 + num_tokens)
+                order = [(engine_off, off_s), (engine_on, on_s)]
+                for engine, samples in order if r % 2 else order[::-1]:
+                    started = time.perf_counter()
+                    engine.store(tokens, kv)
+                    if r >= 2:
+                        samples.append(time.perf_counter() - started)
+        info = disk_info(on)
+    return {"num_tokens": num_tokens, "bytes": nbytes, "store_spill_s": on_s,
+            "store_no_disk_s": off_s, "store_spill_gbps": nbytes / median(on_s) / GB,
+            "store_no_disk_gbps": nbytes / median(off_s) / GB,
+            "ratio_on_off": median(off_s) / median(on_s), "disk_writes": info["disk_writes"],
+            "write_drops": info["disk_write_drops_queue_full"]}
+
+
+def bench_rebuild(root: str, num_slots: int) -> dict:
+    """Index rebuild of a full slot file (one small record per slot), cold page cache."""
+    directory = os.path.join(root, "rebuild")
+    os.mkdir(directory, 0o700)
+    slot_bytes = 2 * PAGE_BYTES
+    slot_file, _ = SlotFile.open(directory, slot_bytes, num_slots)
+    buffer = aligned_buffer(slot_bytes)
+    record = os.urandom(1000)
+    buffer[ENVELOPE_BYTES:ENVELOPE_BYTES + len(record)] = record
+    started = time.perf_counter()
+    for slot in range(num_slots):
+        envelope = encode_envelope(b"\1" * 16, slot.to_bytes(16, "little"), [record])
+        slot_file.write(slot, buffer, len(record), envelope)
+    write_s = time.perf_counter() - started
+    fd = os.open(slot_file.path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    started = time.perf_counter()
+    found = slot_file.scan()
+    scan_s = time.perf_counter() - started
+    slot_file.close()
+    shutil.rmtree(directory)
+    if len(found) != num_slots:
+        raise RuntimeError(f"the scan found {len(found)} of {num_slots} slots")
+    return {"num_slots": num_slots, "slot_bytes": slot_bytes, "write_s": write_s,
+            "scan_s": scan_s, "scan_s_per_100k_slots": scan_s * 100_000 / num_slots}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--slots", type=int, default=100_000)
+    parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="lmcached-bench-disk-", dir=args.dir)
+    try:
+        fs = subprocess.run(["df", "-T", root], capture_output=True, text=True).stdout
+        print(f"disk tier on {root}:\n{fs}", flush=True)
+        io = bench_spill_and_fetch(root, args.tokens, args.repeat)
+        print(f"spill {io['spill_gbps']:.2f} GB/s vs dd oflag=direct {io['dd_write_gbps']:.2f} "
+              f"GB/s ({io['spill_vs_dd']:.2f}x); fetch {io['fetch_gbps']:.2f} GB/s vs dd "
+              f"iflag=direct {io['dd_read_gbps']:.2f} GB/s ({io['fetch_vs_dd']:.2f}x); warm "
+              f"restart found {io['warm_restart']['restored_chunks']} chunks in "
+              f"{io['warm_restart']['scan_s']:.3f} s", flush=True)
+        store = bench_store(root, args.tokens, args.repeat)
+        print(f"cold store evicting to disk {store['store_spill_gbps']:.2f} GB/s vs without a "
+              f"disk tier {store['store_no_disk_gbps']:.2f} GB/s (ratio "
+              f"{store['ratio_on_off']:.2f}; {store['disk_writes']} chunks spilled, "
+              f"{store['write_drops']} dropped)", flush=True)
+        rebuild = bench_rebuild(root, args.slots)
+        print(f"index rebuild: {rebuild['num_slots']} slots in {rebuild['scan_s']:.2f} s "
+              f"({rebuild['scan_s_per_100k_slots']:.2f} s per 100k slots, page cache dropped)",
+              flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"machine": machine_info(), "filesystem": fs, "spill_fetch": io, "store": store,
+              "rebuild": rebuild}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The disk tier: chunks the arena evicts spill to a local slot file, misses are fetched
+back, and a restarted daemon finds them again (`--disk-path`, docs/operator.md).
+
+What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/disk/`):
+
+- `directory`: the directory's safety checks and the lock that keeps a second daemon out.
+- `slots`: the I/O. The preallocated slot file, O_DIRECT reads and writes of whole slots,
+  the envelope written last, and the scan of envelopes that rebuilds the index.
+- `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).
+- `tier`: the daemon's side. The file's geometry, the writer and reader threads (the
+  daemon's job runner), INFO `disk`; its parts `writes` (spills on eviction, writes ahead
+  of eviction, write-through, erasures) and `fetch` (reads into arena blocks).
+
+What it may import: the daemon's modules (the L2 tier's envelope and checks in
+`lmcached.daemon.l2.values`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,
+numpy and xxhash. Never torch and never `lmcached.client`.
+"""

@@ -1,0 +1,260 @@
+"""The disk tier's fetches: the run of a chain the disk holds, read back into arena blocks.
+
+Why this file exists: it is the read half of the disk tier (`tier.py` owns the file,
+the index and the threads; `writes.py` is the write half). `DiskFetches` is a part of
+`DiskTier` with no state of its own: `start_fetch` and `_finish_reads` run on the loop
+thread, `_read` on the reader threads, where it touches no block metadata, only the
+bytes of the WRITING blocks the loop allocated for it.
+"""
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from lmcached.daemon.disk.index import DiskKey
+from lmcached.daemon.disk.slots import error_kind
+from lmcached.daemon.l2.values import L2VerifyError, verify_value
+from lmcached.wire.record_format import ROOT_HASH
+from lmcached.daemon.block_pool import BlockPool
+from lmcached.daemon.free_queue import KVCacheBlock
+
+MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
+MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
+READ_BATCH_BYTES = 16 << 20  # a fetch is cut into batches of about this much, read in parallel
+
+
+class ReadItem:
+    """One chunk of one namespace read back from a slot into WRITING arena blocks.
+
+    Attributes:
+        key: its disk key; pool_key: its block-pool key.
+        slot, record_bytes: where it is and how long (from the index).
+        parent: the hash of the chunk before it (token ids are verified from it).
+        blocks: WRITING arena blocks for the record.
+        failure: None when read and verified; else a counter suffix ("verify_checksum",
+            "errors_io", ...) or "skipped" (an earlier chunk of the chain failed).
+    """
+
+    __slots__ = ("key", "pool_key", "slot", "record_bytes", "parent", "blocks", "failure")
+
+    def __init__(self, key: DiskKey, pool_key: bytes, slot: int, record_bytes: int,
+                 parent: bytes) -> None:
+        self.key = key
+        self.pool_key = pool_key
+        self.slot = slot
+        self.record_bytes = record_bytes
+        self.parent = parent
+        self.blocks: list[KVCacheBlock] = []
+        self.failure: str | None = None
+
+
+class DiskFetchJob:
+    """A fetch of the run of a chain the disk holds, in chain order.
+
+    Attributes:
+        key: (namespaces, first hash, last hash): a lookup of the same chain joins it.
+        namespaces, fps: the request's namespace ids and their fingerprints.
+        items: the chunks to read, chain order, namespaces interleaved.
+        held: the arena blocks pinned until the job ends (the chain's arena part, then
+            the chunks installed).
+        num_batches: its ReadBatches not applied by the loop yet.
+        done: set by the loop once the job's chunks are installed or dropped.
+    """
+
+    __slots__ = ("key", "namespaces", "fps", "items", "held", "num_batches", "done")
+
+    def __init__(self, key: tuple, namespaces: list[int], fps: list[bytes]) -> None:
+        self.key = key
+        self.namespaces = namespaces
+        self.fps = fps
+        self.items: list[ReadItem] = []
+        self.held: list[KVCacheBlock] = []
+        self.num_batches = 0
+        self.done = False
+
+
+class ReadBatch:
+    """Consecutive items of a fetch (about READ_BATCH_BYTES) that one reader thread reads
+    in order; the batches of a fetch are read in parallel.
+
+    Attributes:
+        job: the fetch; items: its items in this batch.
+        busy_us: the reader's time on it, microseconds.
+    """
+
+    __slots__ = ("job", "items", "busy_us")
+
+    def __init__(self, job: DiskFetchJob, items: list[ReadItem]) -> None:
+        self.job = job
+        self.items = items
+        self.busy_us = 0
+
+
+class DiskFetches:
+    """The fetch methods of `DiskTier` (a part of it, no state of its own)."""
+
+    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
+                    hashes: bytes, first: int,
+                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> DiskFetchJob | None:
+        """Start (or join) a fetch of the run of `hashes[first:]` the disk holds in every
+        listed namespace (loop thread). None, and nothing started, when the disk holds
+        no such chunk, a namespace is not on disk, MAX_FETCH_JOBS are in flight, or the
+        arena has no room for the first chunk.
+
+        Args: as `L2Tier.start_fetch` (lmcached/daemon/l2/tier.py).
+        """
+        index = self.index
+        if index is None:
+            return None
+        fps = [self._ns_fp(ns) for ns in namespaces]
+        if None in fps:
+            return None
+        chunk_hashes = [hashes[i:i + 16] for i in range(first * 16, len(hashes), 16)]
+        if not all(index.get((fp, chunk_hashes[0])) for fp in fps):
+            return None
+        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])
+        job = self._fetch_jobs.get(key)
+        if job is not None:
+            self.stats["fetches_joined"] += 1
+            return job
+        if len(self._fetch_jobs) >= MAX_FETCH_JOBS:
+            self.stats["fetches_skipped"] += 1
+            return None
+        job = DiskFetchJob(key, list(namespaces), fps)
+        total = num_run = 0
+        for chunk_hash in chunk_hashes:
+            entries = [index.get((fp, chunk_hash)) for fp in fps]
+            if None in entries or (job.items and total > MAX_FETCH_BYTES):
+                break
+            i = first + num_run
+            parent = hashes[(i - 1) * 16:i * 16] if i else ROOT_HASH
+            for fp, prefix, entry in zip(fps, prefixes, entries):
+                job.items.append(ReadItem((fp, chunk_hash), prefix + chunk_hash, entry.slot,
+                                          entry.record_bytes, parent))
+                index.start_read(entry.slot)  # before any allocation can evict a slot
+                total += entry.record_bytes
+            num_run += 1
+        # The chain's arena parts before and after the run are pinned until the job ends:
+        # installing the run never evicts the rest of the chain it completes.
+        held = prefix_blocks()
+        cached = pool.cached
+        for chunk_hash in chunk_hashes[num_run:]:
+            spans = [cached.get(prefix + chunk_hash) for prefix in prefixes]
+            if None in spans:
+                break
+            for span in spans:
+                held.extend(span)
+        job.held = held
+        pool.touch(held)
+        self._allocate(pool, job)
+        if not job.items:
+            pool.free(job.held)
+            return None
+        self._fetch_jobs[key] = job
+        self.stats["fetches"] += 1
+        batches, batch, num_bytes = [], [], 0
+        for item in job.items:
+            if batch and num_bytes + item.record_bytes > READ_BATCH_BYTES:
+                batches.append(batch)
+                batch, num_bytes = [], 0
+            batch.append(item)
+            num_bytes += item.record_bytes
+        batches.append(batch)
+        job.num_batches = len(batches)
+        for batch in batches:  # at most MAX_FETCH_JOBS jobs of MAX_FETCH_BYTES are queued
+            self._reads.submit(ReadBatch(job, batch))
+        return job
+
+    def _allocate(self, pool: BlockPool, job: DiskFetchJob) -> None:
+        """WRITING blocks for each item; the items from the first that finds no room on
+        are dropped (counted), as are chunks the arena holds already."""
+        block_bytes = self.arena.block_bytes
+        kept = []
+        for n, item in enumerate(job.items):
+            if item.pool_key in pool.cached:
+                self.index.end_read(item.slot)
+                continue
+            blocks = pool.allocate(-(-item.record_bytes // block_bytes))
+            if blocks is None:
+                self.stats["fetch_nospace"] += 1
+                for rest in job.items[n:]:
+                    self.index.end_read(rest.slot)
+                break
+            for i, block in enumerate(blocks):
+                block.num_bytes = min(block_bytes, item.record_bytes - i * block_bytes)
+            item.blocks = blocks
+            kept.append(item)
+        job.items = kept
+
+    def _read(self, batches: list[ReadBatch]) -> None:
+        """Reader thread: read, verify and copy each chunk of a batch into its blocks;
+        after a chunk that fails, the rest of the batch is skipped."""
+        arena = self.arena
+        for batch in batches:
+            started = time.perf_counter()
+            buffer = self._thread_buffer()
+            failed = False
+            for item in batch.items:
+                if failed or self._reads.stopping:
+                    item.failure = "skipped"
+                    continue
+                try:
+                    value = self.slots.read(item.slot, item.record_bytes, buffer)
+                    record = verify_value(value, item.key[0], item.key[1], item.parent)
+                    src = np.frombuffer(record, dtype=np.uint8)
+                    pos = 0
+                    for block in item.blocks:
+                        n = block.num_bytes
+                        np.copyto(arena.numpy_view(arena.block_offset(block.block_id), n),
+                                  src[pos:pos + n])
+                        pos += n
+                except L2VerifyError as exc:
+                    item.failure = f"verify_{exc.reason}"
+                except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
+                    item.failure = f"errors_{error_kind(exc)}: {exc}"
+                failed = item.failure is not None
+            batch.busy_us = int((time.perf_counter() - started) * 1e6)
+            self._reads.post(batch)
+
+    def _finish_reads(self, batches: list[ReadBatch]) -> None:
+        """Commit what was read and verified, drop the slots that failed; after a fetch's
+        last batch, unpin its chain (loop thread)."""
+        pool, index, stats = self.pool, self.index, self.stats
+        for batch in batches:
+            job = batch.job
+            stats["read_busy_us"] += batch.busy_us
+            current = all(self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
+            for item in batch.items:
+                index.end_read(item.slot)
+                if item.failure is None and current and pool.commit(item.blocks, item.pool_key):
+                    job.held.extend(item.blocks)
+                    if item.key in index.entries:
+                        index.touch(item.key)
+                    stats["fetch_hit_chunks"] += 1
+                    stats["fetch_bytes"] += item.record_bytes
+                    continue
+                pool.abort(item.blocks)
+                if item.failure in (None, "skipped"):
+                    continue
+                stats["fetch_failures"] += 1
+                if item.failure.startswith("errors_"):
+                    kind, _, detail = item.failure.partition(": ")
+                    stats[kind] = stats.get(kind, 0) + 1
+                    self._log.warning("disk tier %s: a read failed (%s); counted in INFO "
+                                      "disk_%s, the chunk is a miss", self.directory, detail,
+                                      kind)
+                else:
+                    name = f"fetch_{item.failure}"
+                    stats[name] = stats.get(name, 0) + 1
+                entry = index.get(item.key)
+                if entry is not None and entry.slot == item.slot:
+                    index.drop(item.key)  # a slot that failed once is never read again
+            job.num_batches -= 1
+            if job.num_batches:
+                continue
+            if job.held:
+                pool.free(job.held)
+            job.held = []
+            job.done = True
+            self._fetch_jobs.pop(job.key, None)

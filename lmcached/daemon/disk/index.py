@@ -1,0 +1,147 @@
+"""The disk tier's index: which slot holds which chunk, least recently used first.
+
+Why this file exists: the slot file (`slots.py`) knows bytes, the tier (`tier.py`)
+knows requests; this is the bookkeeping between them, on the loop thread only, and
+rebuilt from the slots' envelopes at start. Eviction is LRU, like the arena's free queue
+(lmcached/daemon/free_queue.py): a hit moves a chunk to the back, a new slot is taken
+from the empty ones first, then from the front. A slot being read is never reused, and
+a slot being written is in no list until its write completes::
+
+    free_slots: [s, s, ...]                 empty, taken first
+    entries:    front (LRU) ... back (MRU)  (ns fp, chunk hash) -> DiskEntry
+    reading:    slot -> reads in flight     skipped by eviction
+"""
+
+import collections
+
+DiskKey = tuple[bytes, bytes]  # (namespace fingerprint, chunk hash), 16 bytes each
+MAX_EVICTION_SKIPS = 64  # busy slots `reserve` passes over before it gives up
+
+
+class DiskEntry:
+    """One committed slot.
+
+    Attributes:
+        slot: its slot number.
+        record_bytes: its record's length in bytes.
+    """
+
+    __slots__ = ("slot", "record_bytes")
+
+    def __init__(self, slot: int, record_bytes: int) -> None:
+        self.slot = slot
+        self.record_bytes = record_bytes
+
+
+class DiskIndex:
+    """Chunk -> slot, in LRU order, with the empty slots and the slots being read.
+
+    Args:
+        num_slots: slots of the file.
+
+    Attributes:
+        entries: committed chunks, least recently used first.
+        free_slots: empty slots (a stack).
+        reading: slot -> reads in flight.
+        num_evictions: chunks evicted to make room.
+        num_stored_bytes: bytes of the records of `entries`.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.entries: collections.OrderedDict[DiskKey, DiskEntry] = collections.OrderedDict()
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.reading: dict[int, int] = {}
+        self.num_evictions = 0
+        self.num_stored_bytes = 0
+
+    def rebuild(self, headers) -> int:
+        """Index the committed slots the scan found (`SlotFile.scan`), in slot order; a
+        chunk found in two slots keeps the first. Returns how many were indexed."""
+        used = set()
+        for header in headers:
+            key = (header.ns_fp, header.chunk_hash)
+            if key in self.entries or header.slot >= self.num_slots:
+                continue
+            self.entries[key] = DiskEntry(header.slot, header.record_bytes)
+            self.num_stored_bytes += header.record_bytes
+            used.add(header.slot)
+        self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        return len(self.entries)
+
+    def get(self, key: DiskKey) -> DiskEntry | None:
+        """The entry of `key`, or None; no LRU change."""
+        return self.entries.get(key)
+
+    def touch(self, key: DiskKey) -> None:
+        """Make `key` the most recently used (it was read or spilled again)."""
+        self.entries.move_to_end(key)
+
+    def reserve(self) -> int | None:
+        """A slot to write a new chunk into: an empty one, else the least recently used
+        chunk's (evicted; a slot being read is passed over). None when every candidate
+        within MAX_EVICTION_SKIPS is being read."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        skipped = []
+        slot = None
+        while self.entries and len(skipped) < MAX_EVICTION_SKIPS:
+            key, entry = self.entries.popitem(last=False)
+            if entry.slot in self.reading:
+                skipped.append((key, entry))
+                continue
+            slot = entry.slot
+            self.num_evictions += 1
+            self.num_stored_bytes -= entry.record_bytes
+            break
+        for key, entry in reversed(skipped):  # back at the front, in their order
+            self.entries[key] = entry
+            self.entries.move_to_end(key, last=False)
+        return slot
+
+    def insert(self, key: DiskKey, slot: int, record_bytes: int) -> None:
+        """Index a slot whose write completed, most recently used. A key indexed
+        meanwhile in another slot keeps it: this slot goes back to the empty ones."""
+        if key in self.entries:
+            self.free_slots.append(slot)
+            return
+        self.entries[key] = DiskEntry(slot, record_bytes)
+        self.num_stored_bytes += record_bytes
+
+    def forget(self, key: DiskKey) -> DiskEntry | None:
+        """Remove `key` from the index and return its entry (None when absent); its slot
+        stays out of the empty ones until the caller `release`s it (after erasing it)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.num_stored_bytes -= entry.record_bytes
+        return entry
+
+    def forget_all(self) -> list[DiskEntry]:
+        """`forget` every chunk; returns their entries."""
+        entries = list(self.entries.values())
+        self.entries.clear()
+        self.num_stored_bytes = 0
+        return entries
+
+    def release(self, slot: int) -> None:
+        """Give back a reserved slot whose write failed."""
+        self.free_slots.append(slot)
+
+    def drop(self, key: DiskKey) -> None:
+        """Forget `key` (its slot failed a read or its checksum); its slot is empty."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.free_slots.append(entry.slot)
+            self.num_stored_bytes -= entry.record_bytes
+
+    def start_read(self, slot: int) -> None:
+        """Mark a slot as being read: `reserve` never hands it out meanwhile."""
+        self.reading[slot] = self.reading.get(slot, 0) + 1
+
+    def end_read(self, slot: int) -> None:
+        """A read of `slot` ended."""
+        left = self.reading[slot] - 1
+        if left:
+            self.reading[slot] = left
+        else:
+            del self.reading[slot]

@@ -1,0 +1,320 @@
+"""The disk tier's slot file: a preallocated file cut into fixed-size slots, one record each.
+
+Why this file exists: it is the only code that reads and writes the disk tier's bytes
+(`tier.py` decides when, on worker threads). Layout (all integers little-endian)::
+
+    offset 0        4096            4096 + slot_bytes      4096 + 2 * slot_bytes
+    | superblock    | slot 0                  | slot 1                  | ...
+    | "LMCDISK1",   | envelope (64 B, the L2  |
+    |  version u32, |   value's: magic, len,  |
+    |  slot_bytes,  |   xxh3_64, ns fp, hash) |
+    |  num_slots    | record (as in the arena: header, token ids, KV), zero pad to 4 KiB
+
+A slot is exactly an L2 value (lmcached/daemon/l2/values.py) padded to whole pages, so
+`verify_value` checks what is read back: envelope, checksum, token ids.
+
+Torn writes: a slot is written in two steps, the record with a zeroed envelope first,
+then the page that holds the envelope (the commit mark) last. A crash between them, or
+during the first, leaves a slot whose envelope has no magic: the index rebuild skips it.
+A crash during the last leaves the old envelope or the new one, both over a record that
+the checksum (verified on every read) judges. After Redis's RDB rename and the
+"commit record last" rule of write-ahead logs.
+
+I/O is O_DIRECT (page-aligned buffers and offsets; no page-cache pollution, after
+vLLM's offloading disk backend and LMCache's local disk), with a buffered fallback where
+the filesystem refuses it (tmpfs), logged once.
+"""
+
+import errno
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, ENVELOPE_VERSION, L2_MAGIC
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+PAGE_BYTES = 4096
+FILE_NAME = "slots.lmcached"
+SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, flags, slot_bytes, num_slots
+SUPERBLOCK_MAGIC = b"LMCDISK1"
+SUPERBLOCK_VERSION = 1
+SCAN_THREADS = 4
+SCAN_PROGRESS_SLOTS = 65536  # progress is reported after every this many slots
+_ZERO_ENVELOPE = bytes(ENVELOPE_BYTES)
+_ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
+                errno.EIO: "io", errno.EROFS: "readonly"}
+ERROR_KINDS = ("nospace", "io", "readonly", "other")
+
+
+def error_kind(exc: BaseException) -> str:
+    """The INFO kind of an I/O error: nospace (ENOSPC, EFBIG, EDQUOT), io (EIO, a short
+    read or write), readonly (EROFS) or other."""
+    return _ERROR_KINDS.get(getattr(exc, "errno", None), "other")
+
+
+def round_up(num_bytes: int, multiple: int = PAGE_BYTES) -> int:
+    """`num_bytes` rounded up to a multiple of `multiple`."""
+    return -(-num_bytes // multiple) * multiple
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Bytes of a slot that holds one arena block's record and its envelope: whole pages."""
+    return round_up(block_bytes + ENVELOPE_BYTES)
+
+
+def aligned_buffer(num_bytes: int) -> mmap.mmap:
+    """A page-aligned anonymous buffer of `num_bytes` (rounded up to pages), for O_DIRECT."""
+    return mmap.mmap(-1, round_up(num_bytes))
+
+
+class SlotHeader:
+    """A slot's envelope as the index rebuild read it.
+
+    Attributes:
+        slot: the slot number.
+        ns_fp: the namespace fingerprint, 16 bytes.
+        chunk_hash: the chunk hash, 16 bytes.
+        record_bytes: the record's length in bytes.
+    """
+
+    __slots__ = ("slot", "ns_fp", "chunk_hash", "record_bytes")
+
+    def __init__(self, slot: int, ns_fp: bytes, chunk_hash: bytes, record_bytes: int) -> None:
+        self.slot = slot
+        self.ns_fp = ns_fp
+        self.chunk_hash = chunk_hash
+        self.record_bytes = record_bytes
+
+
+def read_superblock(directory: str) -> tuple[int, int] | None:
+    """(slot_bytes, num_slots) of the slot file in `directory`, or None when there is
+    none or it is not one of ours (too short, another magic or version)."""
+    try:
+        with open(os.path.join(directory, FILE_NAME), "rb") as f:
+            data = f.read(SUPERBLOCK.size)
+    except FileNotFoundError:
+        return None
+    if len(data) < SUPERBLOCK.size:
+        return None
+    magic, version, _flags, slot_bytes, num_slots = SUPERBLOCK.unpack(data)
+    if magic != SUPERBLOCK_MAGIC or version != SUPERBLOCK_VERSION or slot_bytes % PAGE_BYTES:
+        return None
+    return slot_bytes, num_slots
+
+
+class SlotFile:
+    """The slot file of one disk directory, open for reading and writing slots.
+
+    Use `SlotFile.open`. Every method but `close` may run on any thread at once: each
+    is one or two positioned system calls on a shared descriptor.
+
+    Attributes:
+        path: the file's path.
+        slot_bytes: bytes per slot (a multiple of PAGE_BYTES).
+        num_slots: how many slots.
+        direct: whether I/O bypasses the page cache (O_DIRECT).
+    """
+
+    def __init__(self, path: str, fd: int, slot_bytes: int, num_slots: int, direct: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.direct = direct
+
+    @classmethod
+    def open(cls, directory: str, slot_bytes: int, num_slots: int) -> tuple["SlotFile", bool]:
+        """Open the directory's slot file with this geometry, creating it (or formatting
+        it anew, when its slot size differs) as needed; space is preallocated
+        (posix_fallocate) where the filesystem allows.
+
+        Args:
+            directory: the checked and locked disk directory.
+            slot_bytes: bytes per slot, a multiple of PAGE_BYTES.
+            num_slots: slots wanted (a larger or smaller file is resized; slots cut off
+                are lost).
+
+        Returns:
+            (the file, kept): `kept` is True when the existing slots were kept (their
+            index can be rebuilt with `scan`).
+
+        Raises:
+            OSError: the file cannot be created, opened or sized.
+            ValueError: slot_bytes is not a multiple of PAGE_BYTES, or num_slots < 1.
+        """
+        if slot_bytes % PAGE_BYTES or slot_bytes <= 0 or num_slots < 1:
+            raise ValueError(f"slot file of {num_slots} slots of {slot_bytes} bytes: slots "
+                             f"must be whole pages ({PAGE_BYTES} bytes), at least one")
+        path = os.path.join(directory, FILE_NAME)
+        found = read_superblock(directory)
+        kept = found is not None and found[0] == slot_bytes
+        if found is not None and not kept:
+            logger.warning("disk tier %s was written with slots of %d bytes, the arena's "
+                           "blocks now need %d: its chunks are dropped", path, found[0],
+                           slot_bytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags | (0 if kept else os.O_TRUNC), 0o600)
+        try:
+            size = PAGE_BYTES + slot_bytes * num_slots
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:  # no room, or a filesystem without it: sparse, counted later
+                logger.warning("disk tier %s: cannot preallocate %d bytes (%s): slots are "
+                               "allocated as they are written, and a full disk is counted "
+                               "(INFO disk_errors_nospace)", path, size, exc.strerror or exc)
+            superblock = aligned_buffer(PAGE_BYTES)
+            SUPERBLOCK.pack_into(superblock, 0, SUPERBLOCK_MAGIC, SUPERBLOCK_VERSION, 0,
+                                 slot_bytes, num_slots)
+            os.pwrite(fd, superblock, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        direct_fd = cls._reopen_direct(path)
+        if direct_fd is not None:
+            os.close(fd)
+            fd = direct_fd
+        return cls(path, fd, slot_bytes, num_slots, direct_fd is not None), kept
+
+    @staticmethod
+    def _reopen_direct(path: str) -> int | None:
+        """The file opened O_DIRECT, or None (logged once) where the filesystem refuses."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            logger.info("disk tier %s: O_DIRECT refused (%s, e.g. tmpfs): buffered I/O",
+                        path, exc.strerror or exc)
+            return None
+        probe = aligned_buffer(PAGE_BYTES)
+        try:
+            os.preadv(fd, [probe], 0)
+        except OSError as exc:
+            os.close(fd)
+            logger.info("disk tier %s: O_DIRECT reads fail (%s): buffered I/O", path,
+                        exc.strerror or exc)
+            return None
+        return fd
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of `slot` in the file."""
+        return PAGE_BYTES + slot * self.slot_bytes
+
+    def write(self, slot: int, buffer: mmap.mmap, record_bytes: int, envelope: bytes) -> None:
+        """Write a record into `slot`, its envelope last (the module's "Torn writes").
+
+        Args:
+            slot: the slot number.
+            buffer: a page-aligned buffer of at least `slot_bytes` whose bytes
+                [ENVELOPE_BYTES, ENVELOPE_BYTES + record_bytes) are the record; its first
+                ENVELOPE_BYTES are overwritten.
+            record_bytes: the record's length.
+            envelope: the slot's envelope (`values.encode_envelope` of the record).
+
+        Raises:
+            OSError: the write failed (ENOSPC, EIO, EROFS, a short write as EIO).
+        """
+        length = round_up(ENVELOPE_BYTES + record_bytes)
+        assert length <= self.slot_bytes, f"record of {record_bytes} bytes > slot; bug"
+        offset = self.slot_offset(slot)
+        view = memoryview(buffer)
+        view[:ENVELOPE_BYTES] = _ZERO_ENVELOPE  # 1: the record, under no commit mark
+        self._pwrite(view[:length], offset)
+        view[:ENVELOPE_BYTES] = envelope  # 2: the commit mark, last
+        self._pwrite(view[:PAGE_BYTES], offset)
+
+    def erase(self, slot: int, buffer: mmap.mmap) -> None:
+        """Zero the page of `slot` that holds its envelope: the rebuild skips it from now
+        on (an EVICT or CLEAR that a restart must not undo).
+
+        Raises:
+            OSError: the write failed.
+        """
+        view = memoryview(buffer)[:PAGE_BYTES]
+        view[:] = bytes(PAGE_BYTES)
+        self._pwrite(view, self.slot_offset(slot))
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        written = os.pwritev(self._fd, [view], offset)
+        if written != len(view):
+            raise OSError(5, f"short write: {written} of {len(view)} bytes at {offset}")
+
+    def read(self, slot: int, record_bytes: int, buffer: mmap.mmap) -> memoryview:
+        """Read `slot` (envelope and a record of `record_bytes`) into `buffer`.
+
+        Returns:
+            A view of the value in `buffer`: ENVELOPE_BYTES + record_bytes bytes, to be
+            checked with `values.verify_value`.
+
+        Raises:
+            OSError: the read failed, or came back short (a truncated file) as EIO.
+        """
+        length = round_up(ENVELOPE_BYTES + record_bytes)
+        view = memoryview(buffer)[:length]
+        got = os.preadv(self._fd, [view], self.slot_offset(slot))
+        if got < ENVELOPE_BYTES + record_bytes:
+            raise OSError(5, f"short read: {got} of {length} bytes (file truncated?)")
+        return view[:ENVELOPE_BYTES + record_bytes]
+
+    def scan(self, progress: Callable[[int, int], None] | None = None,
+             num_threads: int = SCAN_THREADS) -> list[SlotHeader]:
+        """Read every slot's envelope: the records a restarted daemon may serve.
+
+        A slot counts when its envelope has the magic, version and flags of
+        `values.ENVELOPE`, and a record length that fits the slot; its checksum and
+        token ids are verified when it is read (`read`, `values.verify_value`). Runs on
+        `num_threads` threads over ranges of slots, with buffered reads of one page.
+
+        Args:
+            progress: called as progress(done_slots, num_slots) now and then (any thread).
+
+        Returns:
+            The committed slots, in slot order.
+        """
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        num_slots = self.num_slots
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            step = max(1, min(SCAN_PROGRESS_SLOTS, -(-num_slots // num_threads)))
+            ranges = [(start, min(num_slots, start + step)) for start in range(0, num_slots, step)]
+            done = [0]
+
+            def scan_range(bounds: tuple[int, int]) -> list[SlotHeader]:
+                found = []
+                for slot in range(*bounds):
+                    header = self._header(os.pread(fd, ENVELOPE_BYTES, self.slot_offset(slot)), slot)
+                    if header is not None:
+                        found.append(header)
+                done[0] += bounds[1] - bounds[0]
+                if progress is not None:
+                    progress(done[0], num_slots)
+                return found
+
+            with ThreadPoolExecutor(num_threads, thread_name_prefix="lmcached-disk-scan") as pool:
+                return [h for found in pool.map(scan_range, ranges) for h in found]
+        finally:
+            os.close(fd)
+
+    def _header(self, data: bytes, slot: int) -> SlotHeader | None:
+        if len(data) < ENVELOPE_BYTES:
+            return None
+        magic, version, flags, record_bytes, _checksum, ns_fp, chunk_hash = ENVELOPE.unpack_from(data)
+        if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags or record_bytes < 1
+                or ENVELOPE_BYTES + record_bytes > self.slot_bytes
+                or any(data[ENVELOPE.size:ENVELOPE_BYTES])):
+            return None
+        return SlotHeader(slot, ns_fp, chunk_hash, record_bytes)
+
+    def is_deleted(self) -> bool:
+        """Whether the file was unlinked under the daemon (its slots still work through
+        the open descriptor, and are lost when it closes)."""
+        return os.fstat(self._fd).st_nlink == 0
+
+    def close(self) -> None:
+        """Close the file (idempotent); its slots stay for the next start."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,284 @@
+"""The daemon's disk tier: chunks spilled to a local slot file, fetched back on a miss,
+and found again after a restart.
+
+Why this file exists: it is the glue between the block pool (loop thread) and the slot
+file (`slots.py`, worker threads), a sibling of the L2 tier (lmcached/daemon/l2/tier.py)
+with the same shape: job queues of the daemon's runner (`jobs.py`), completions applied
+on the loop, a fetch that a LOOKUP / ACQUIRE waits for with a bound (`replies.Deferred`).
+`DiskTier` holds the state; its write methods are in `writes.py`, its fetch methods in
+`fetch.py`.
+
+Flows (docs/operator.md, "The disk tier"):
+
+- on-evict (default): once the arena has fewer empty blocks than 1/AHEAD_SHARE of it, the
+  least recently used chunks (next in line for eviction, up to that share) are pinned and
+  written ahead (`write_ahead`), so that their eviction costs nothing: the block pool's
+  `on_evict` hook (`spill`) finds them on disk and only moves them to the back of the disk
+  LRU. A chunk evicted before it was written ahead is copied into a free write buffer
+  and written by a writer thread; no free buffer: dropped and counted.
+- write-through: every committed chunk is pinned and queued; the writer copies it out
+  of the arena and unpins it through the loop.
+- fetch on miss: a lookup that misses in the arena at chunk i, while the disk index holds
+  chunk i (of every namespace asked), starts a `DiskFetchJob`: the loop pins the arena's
+  part of the chain, allocates WRITING blocks for the run the disk holds, a reader thread
+  reads each slot, verifies it (`values.verify_value`: envelope, checksum, token ids)
+  and copies the record into its blocks; the loop commits what verified and forgets the
+  slots that did not (counted, `disk_fetch_verify_*`). A fetch of the same chain in flight
+  is joined.
+- warm restart: the index is rebuilt from the slots' envelopes before the daemon says
+  READY (`load`); checksums are verified when a slot is read.
+
+Faults (ENOSPC, EIO, EROFS, a truncated file) are counted by kind (`disk_errors_*`),
+logged at most once per interval, and are misses or dropped writes for clients.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from lmcached.daemon.connection import RateLimitedLog
+from lmcached.daemon.disk.directory import DirectoryLock
+from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
+from lmcached.daemon.disk.index import DiskIndex, DiskKey
+from lmcached.daemon.disk.slots import ERROR_KINDS, SlotFile, aligned_buffer, read_superblock, \
+    slot_bytes_for
+from lmcached.daemon.disk.writes import DiskWrites, WriteJob
+from lmcached.daemon.keys import CHUNK_TAG
+from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import Layout
+from lmcached.shm.arena import Arena
+from lmcached.daemon.block_pool import BlockPool
+from lmcached.daemon.jobs import JobRunner
+
+logger = init_logger(__name__)
+
+POLICIES = ("on-evict", "write-through")
+NUM_THREADS = 2  # writer threads, and as many reader threads
+WRITE_QUEUE_BYTES = 64 << 20  # on-evict copies waiting (page-aligned buffers), at least
+MIN_WRITE_BUFFERS = 4  # this many
+PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
+CLOSE_DRAIN_S = 5.0  # graceful stop: queued writes get this long to reach the disk
+_CHUNK_TAG = CHUNK_TAG[0]
+COUNTERS = (
+    "writes", "write_bytes", "write_busy_us", "write_drops_queue_full", "write_drops_oversize",
+    "write_drops_busy", "write_failures", "spills_present", "spills_ahead", "spill_copies",
+    "fetches", "fetches_joined",
+    "fetches_skipped", "fetch_hit_chunks", "fetch_bytes", "read_busy_us", "fetch_nospace",
+    "fetch_failures", "fetch_waits_timed_out",
+)
+
+
+class DiskTier(DiskWrites, DiskFetches):
+    """Spills chunks to a slot file and fetches misses back (module docstring).
+
+    Args:
+        directory: the checked disk directory; lock: its lock, held until `close`.
+        capacity_bytes: bytes the slot file may take.
+        policy: "on-evict" or "write-through".
+        fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a disk fetch, in seconds.
+        arena: the daemon's arena (records are copied in and out of its blocks).
+        jobs: the daemon's job runner: the tier adds "disk-writer" and "disk-reader"
+            queues of NUM_THREADS threads each.
+        layout_of: namespace id -> its Layout, or None for a freed id (the service's).
+
+    Attributes:
+        slots: the slot file, or None until the block size is known.
+        index: chunk -> slot, or None until the block size is known.
+        pool: the host arena's block pool, set by the service once it exists.
+        stats: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
+
+    Raises:
+        ValueError: unknown policy, capacity below one page, fetch_wait_s < 0.
+    """
+
+    def __init__(self, directory: str, lock: DirectoryLock, *, capacity_bytes: int,
+                 policy: str, fetch_wait_s: float, arena: Arena, jobs: JobRunner,
+                 layout_of: Callable[[int], Layout | None] = lambda ns: None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"disk policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if fetch_wait_s < 0:
+            raise ValueError(f"disk fetch wait {fetch_wait_s} s: must be >= 0")
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self.fetch_wait_s = fetch_wait_s
+        self.arena = arena
+        self.layout_of = layout_of
+        self.slots: SlotFile | None = None
+        self.index: DiskIndex | None = None
+        self.pool: BlockPool | None = None
+        self.num_restored = 0
+        self.scan_s = 0.0
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self._lock = lock
+        self._fps: dict[Layout, bytes | None] = {}
+        self._buffers: list = []
+        self._writing: set[DiskKey] = set()
+        self._pinned_bytes = 0  # write-through values pinned until written
+        self._ahead: dict[bytes, WriteJob] = {}  # pool key -> its write ahead in flight
+        self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
+        self._ahead_held_until = 0.0  # a write failed: no writes ahead until then
+        self._epoch = 0  # CLEARs so far
+        self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
+        self._local = threading.local()  # each worker thread's slot buffer
+        self._log = RateLimitedLog()
+        self._runner = jobs
+        self._writes = jobs.add_queue("disk-writer", self._write, self._finish_writes,
+                                      num_threads=NUM_THREADS)
+        self._reads = jobs.add_queue("disk-reader", self._read, self._finish_reads,
+                                     num_threads=NUM_THREADS)
+
+    # ------------------------------------------------------------- geometry
+    def _num_slots(self, slot_bytes: int) -> int:
+        return (self.capacity_bytes - 4096) // slot_bytes
+
+    def load(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """At start: open the slot file left by an earlier daemon (if any) with its slot
+        size and rebuild the index from its envelopes (warm restart).
+
+        Returns:
+            How many chunks were found.
+
+        Raises:
+            OSError: the file cannot be opened or sized.
+        """
+        found = read_superblock(self.directory)
+        if found is None:
+            return 0
+        return self._open(found[0], progress)
+
+    def set_block_bytes(self, block_bytes: int,
+                        progress: Callable[[int, int], None] | None = None) -> None:
+        """Size the slots for the arena's blocks (once the block size is known); a slot
+        file of another slot size is formatted anew, its chunks dropped (logged).
+
+        Raises:
+            OSError: the file cannot be created or sized.
+        """
+        slot_bytes = slot_bytes_for(block_bytes)
+        if self.slots is None or self.slots.slot_bytes != slot_bytes:
+            self._open(slot_bytes, progress)
+
+    def _open(self, slot_bytes: int, progress) -> int:
+        num_slots = self._num_slots(slot_bytes)
+        if num_slots < 1:
+            logger.warning("disk tier %s: --disk-capacity %d bytes holds no slot of %d bytes: "
+                           "the disk tier is off", self.directory, self.capacity_bytes, slot_bytes)
+            return 0
+        if self.slots is not None:
+            self.slots.close()
+        self.slots, kept = SlotFile.open(self.directory, slot_bytes, num_slots)
+        self.index = DiskIndex(num_slots)
+        num_buffers = max(MIN_WRITE_BUFFERS, WRITE_QUEUE_BYTES // slot_bytes)
+        self._buffers = [aligned_buffer(slot_bytes) for _ in range(num_buffers)]
+        for buffer in self._buffers:  # touched now, not by the first spills' copies
+            np.frombuffer(buffer, dtype=np.uint8).fill(0)
+        if kept:
+            started = time.monotonic()
+            self.num_restored = self.index.rebuild(self.slots.scan(progress))
+            self.scan_s = time.monotonic() - started
+        logger.info("disk tier %s: %d slots of %d bytes (%s I/O), %d chunks found in %.2f s",
+                    self.slots.path, num_slots, slot_bytes,
+                    "O_DIRECT" if self.slots.direct else "buffered", self.num_restored,
+                    self.scan_s)
+        return self.num_restored
+
+    # ------------------------------------------------------------ namespaces
+    def _ns_fp(self, ns: int) -> bytes | None:
+        """The fingerprint of namespace `ns` when its chunks may go to disk (not a
+        key-value namespace), else None."""
+        layout = self.layout_of(ns)
+        if layout is None:
+            return None
+        fp = self._fps.get(layout, b"")
+        if fp == b"":
+            fp = None if layout.fmt == "kv" else namespace_fingerprint(layout)
+            self._fps[layout] = fp
+        return fp
+
+    def _disk_key(self, pool_key: bytes) -> DiskKey | None:
+        if pool_key[0] != _CHUNK_TAG:
+            return None
+        fp = self._ns_fp(int.from_bytes(pool_key[1:5], "little"))
+        return None if fp is None else (fp, pool_key[5:])
+
+    def _thread_buffer(self):
+        """This worker thread's page-aligned buffer of one slot."""
+        slot_bytes = self.slots.slot_bytes
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < slot_bytes:
+            buffer = self._local.buffer = aligned_buffer(slot_bytes)
+        return buffer
+
+    def check_file(self) -> bool:
+        """Housekeeping (loop thread): whether the slot file was deleted under the
+        daemon; logged at most once per interval. The tier goes on through its open
+        descriptor, and its chunks are lost at the next start."""
+        if self.slots is None or not self.slots.is_deleted():
+            return False
+        self._log.warning("disk tier %s: the slot file was deleted while the daemon runs; "
+                          "chunks are served until the daemon stops and lost then: restart "
+                          "it to create the file anew", self.directory)
+        return True
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, int | float | str]:
+        """INFO section `disk` (docs/operator.md, "The disk tier")."""
+        slots, index, stats = self.slots, self.index, self.stats
+        out: dict[str, int | float | str] = {
+            "disk_enabled": 1,
+            "disk_path": self.directory,
+            "disk_policy": self.policy,
+            "disk_direct_io": int(bool(slots and slots.direct)),
+            "disk_file_deleted": int(bool(slots and slots.is_deleted())),
+            "disk_capacity_bytes": self.capacity_bytes,
+            "disk_slot_bytes": slots.slot_bytes if slots else 0,
+            "disk_slots": slots.num_slots if slots else 0,
+            "disk_used_slots": len(index.entries) if index else 0,
+            "disk_stored_bytes": index.num_stored_bytes if index else 0,
+            "disk_restored_chunks": self.num_restored,
+            "disk_scan_s": round(self.scan_s, 3),
+            "disk_queue_values": len(self._writing),
+            "disk_fetches_in_flight": len(self._fetch_jobs),
+            "disk_evictions": index.num_evictions if index else 0,
+        }
+        for name in COUNTERS:
+            out[f"disk_{name}"] = stats[name]
+        for kind in ERROR_KINDS:
+            out[f"disk_errors_{kind}"] = stats.get(f"errors_{kind}", 0)
+        for name in sorted(stats):
+            if name.startswith("fetch_verify_"):
+                out[f"disk_{name}"] = stats[name]
+        return out
+
+    # --------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Stop the threads (queued writes get CLOSE_DRAIN_S to reach the disk), close
+        the file and drop the directory's lock. Loop thread, before the arena is
+        unmapped."""
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        self._writes.stop(drain=True)
+        self._reads.stop()
+        dropped = self._writes.join(deadline)
+        left = self._reads.join(deadline)
+        for queue in (self._writes, self._reads):
+            queue.finish_done()
+            self._runner.remove_queue(queue)
+        for job in dropped:
+            if job.mode == "pinned" and self.pool is not None:
+                self._pinned_bytes -= job.record_bytes
+                self.pool.free(job.blocks)
+        if dropped:
+            logger.warning("stopping: %d chunk writes to the disk tier were still queued: "
+                           "dropped", len(dropped))
+        for batch in left:
+            for item in batch.items:
+                item.failure = "skipped"
+        if left and self.pool is not None:
+            self._finish_reads(left)
+        if self.slots is not None:
+            self.slots.close()
+        self._lock.release()

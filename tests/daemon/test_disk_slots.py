@@ -1,0 +1,172 @@
+"""The disk tier's slot file, index and directory (lmcached/daemon/disk/): no daemon.
+
+A slot holds an L2 value (envelope + record) written record first and envelope last, so
+that a write cut short at any point is never indexed by the rebuild after a restart; a
+slot whose bytes changed is refused by the checksum when read. The directory is refused
+when it is not the daemon's alone, and a second daemon is refused by the lock.
+"""
+
+import os
+
+import pytest
+
+from test_l2_values import FP, make_record
+from lmcached.daemon.disk import slots as slots_module
+from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, prepare_disk_directory
+from lmcached.daemon.disk.index import DiskIndex
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer
+from lmcached.daemon.l2.values import ENVELOPE_BYTES, L2VerifyError, encode_envelope, verify_value
+from lmcached.wire.record_format import ROOT_HASH
+
+SLOT_BYTES = 3 * PAGE_BYTES
+
+
+def write_record(slot_file: SlotFile, slot: int, record: bytes, chunk_hash: bytes) -> None:
+    buffer = aligned_buffer(slot_file.slot_bytes)
+    buffer[ENVELOPE_BYTES:ENVELOPE_BYTES + len(record)] = record
+    slot_file.write(slot, buffer, len(record), encode_envelope(FP, chunk_hash, [record]))
+
+
+def chain(num_chunks: int, kv_bytes: int = 5000, first_token: int = 0) -> list[tuple[bytes, bytes, bytes]]:
+    """(parent, chunk hash, record) of a prompt's chunks of 16 tokens from `first_token`."""
+    out, parent = [], ROOT_HASH
+    for i in range(num_chunks):
+        start = first_token + 16 * i
+        chunk_hash, record = make_record(parent, range(start, start + 16), kv_bytes, seed=start)
+        out.append((parent, chunk_hash, record))
+        parent = chunk_hash
+    return out
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    path = tmp_path / "disk"
+    return prepare_disk_directory(str(path))
+
+
+def test_records_read_back_bit_exact_and_a_reopened_file_finds_them(disk_dir):
+    slot_file, kept = SlotFile.open(disk_dir, SLOT_BYTES, 8)
+    assert not kept and os.stat(os.path.join(disk_dir, FILE_NAME)).st_size == PAGE_BYTES + 8 * SLOT_BYTES
+    records = chain(3)
+    for slot, (_, chunk_hash, record) in zip((5, 0, 7), records):
+        write_record(slot_file, slot, record, chunk_hash)
+    buffer = aligned_buffer(SLOT_BYTES)
+    for slot, (parent, chunk_hash, record) in zip((5, 0, 7), records):
+        value = slot_file.read(slot, len(record), buffer)
+        assert bytes(verify_value(value, FP, chunk_hash, parent)) == record
+    slot_file.close()
+
+    reopened, kept = SlotFile.open(disk_dir, SLOT_BYTES, 8)  # a restart
+    assert kept
+    found = reopened.scan()
+    assert [(h.slot, h.ns_fp, h.chunk_hash, h.record_bytes) for h in found] == [
+        (0, FP, records[1][1], len(records[1][2])), (5, FP, records[0][1], len(records[0][2])),
+        (7, FP, records[2][1], len(records[2][2]))]
+    reopened.close()
+    other, kept = SlotFile.open(disk_dir, 2 * PAGE_BYTES, 8)  # the block size changed
+    assert not kept and other.scan() == []
+    other.close()
+
+
+@pytest.mark.parametrize("cut", ["inside_the_first_write", "after_the_first_write"])
+def test_a_write_cut_short_is_never_indexed(disk_dir, monkeypatch, cut):
+    """A daemon killed while writing a slot (over an older record) leaves no record the
+    rebuild indexes: the envelope, the commit mark, is written last."""
+    slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 2)
+    (_, old_hash, old_record), (_, new_hash, new_record) = chain(2)
+    write_record(slot_file, 1, old_record, old_hash)
+    real_pwrite = SlotFile._pwrite
+    calls = []
+
+    def killed(self, view, offset):
+        calls.append(len(view))
+        if cut == "inside_the_first_write" and len(calls) == 1:
+            real_pwrite(self, view[:PAGE_BYTES], offset)  # the first page reached the disk
+            raise SystemExit("killed")
+        if cut == "after_the_first_write" and len(calls) == 2:
+            raise SystemExit("killed")
+        real_pwrite(self, view, offset)
+
+    monkeypatch.setattr(SlotFile, "_pwrite", killed)
+    with pytest.raises(SystemExit):
+        write_record(slot_file, 1, new_record, new_hash)
+    monkeypatch.undo()
+    slot_file.close()
+    restarted, kept = SlotFile.open(disk_dir, SLOT_BYTES, 2)
+    assert kept and restarted.scan() == [], "a torn slot was indexed"
+    restarted.close()
+
+
+def test_a_tampered_or_truncated_slot_is_refused_when_read(disk_dir):
+    slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 2)
+    (parent, chunk_hash, record), _ = chain(2)
+    write_record(slot_file, 0, record, chunk_hash)
+    write_record(slot_file, 1, record, chunk_hash)
+    path = os.path.join(disk_dir, FILE_NAME)
+    with open(path, "r+b") as f:  # one KV byte of slot 0
+        f.seek(PAGE_BYTES + ENVELOPE_BYTES + len(record) - 1)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    buffer = aligned_buffer(SLOT_BYTES)
+    with pytest.raises(L2VerifyError) as refused:
+        verify_value(slot_file.read(0, len(record), buffer), FP, chunk_hash, parent)
+    assert refused.value.reason == "checksum"
+    os.truncate(path, PAGE_BYTES + SLOT_BYTES + 100)  # slot 1 cut short under the daemon
+    with pytest.raises(OSError, match="short read"):
+        slot_file.read(1, len(record), buffer)
+    slot_file.close()
+
+
+def test_the_index_evicts_least_recently_used_and_never_a_slot_being_read():
+    index = DiskIndex(3)
+    keys = [(FP, bytes([i]) * 16) for i in range(5)]
+    for key in keys[:3]:
+        index.insert(key, index.reserve(), 100)
+    assert [e.slot for e in index.entries.values()] == [0, 1, 2]
+    index.touch(keys[0])  # now 1, 2, 0
+    index.start_read(1)
+    slot = index.reserve()  # full: the LRU chunk not being read is evicted
+    assert slot == 2 and keys[2] not in index.entries and index.num_evictions == 1
+    assert list(index.entries) == [keys[1], keys[0]], "the chunk being read keeps its place"
+    index.insert(keys[3], slot, 100)
+    index.end_read(1)
+    assert index.reserve() == 1 and keys[1] not in index.entries
+    assert index.num_stored_bytes == 200  # keys[0] and keys[3]
+    index.drop(keys[0])
+    assert index.num_stored_bytes == 100 and 0 in index.free_slots
+
+
+def test_unsafe_directories_are_refused_with_the_fix(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(DiskDirectoryError, match="is a symlink"):
+        prepare_disk_directory(str(link))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(DiskDirectoryError, match=r"writable by every user .*chmod 0700"):
+        prepare_disk_directory(str(shared))
+    made = prepare_disk_directory(str(tmp_path / "new" / "disk"))
+    assert os.stat(made).st_mode & 0o777 == 0o700
+
+
+def test_a_second_owner_of_a_directory_is_refused_naming_the_first(disk_dir):
+    first = DirectoryLock(disk_dir)
+    with pytest.raises(DiskDirectoryError, match=rf"used by another lmcached daemon \(pid "
+                       rf"{os.getpid()}\).*its own --disk-path"):
+        DirectoryLock(disk_dir)
+    first.release()
+    DirectoryLock(disk_dir).release()
+
+
+def test_buffered_io_where_o_direct_is_refused(disk_dir, monkeypatch):
+    monkeypatch.setattr(slots_module.SlotFile, "_reopen_direct", staticmethod(lambda path: None))
+    slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 2)
+    (parent, chunk_hash, record), _ = chain(2)
+    write_record(slot_file, 1, record, chunk_hash)
+    value = slot_file.read(1, len(record), aligned_buffer(SLOT_BYTES))
+    assert not slot_file.direct and bytes(verify_value(value, FP, chunk_hash, parent)) == record
+    slot_file.close()

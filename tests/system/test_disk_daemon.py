@@ -1,0 +1,197 @@
+"""The disk tier end to end: real daemons on a temporary directory, real worker processes.
+
+Chunks the arena evicts come back bit-exact from disk; a daemon stopped (SIGTERM) or
+killed (SIGKILL during a burst of spills) and started again serves them again, and no
+torn slot is ever served; a slot corrupted or a file truncated under the daemon is a
+counted miss and the daemon serves on; a second daemon on one directory is refused.
+docs/operator.md, "The disk tier", describes the behaviour.
+"""
+
+import os
+import signal
+
+import pytest
+
+from conftest import start_daemon
+from engine_worker import small_layout
+from test_engine_multiprocess import run_worker
+from test_limits import wait_for
+from lmcached.client import hash_request_tokens
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES
+from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, namespace_fingerprint
+
+pytestmark = pytest.mark.slow
+
+# Workers wait up to 10 s for a reply, and daemons up to 5 s for a disk fetch: the
+# chunks come back whole however loaded the machine is.
+WORKER_ENV = {**os.environ, "LMCACHED_DATA_TIMEOUT_MS": "10000"}
+# 1 MiB arena of 64 KiB blocks: 15 blocks, one 16-token chunk each; a prompt of 100
+# tokens is 7 chunks, so a third prompt evicts the first.
+ARENA = ("--capacity", "1MiB", "--block-size", "64KiB", "--disk-fetch-wait", "5")
+NUM_CHUNKS = 7
+
+
+def disk_args(directory: str, *more: str) -> tuple[str, ...]:
+    return (*ARENA, "--disk-path", directory, "--disk-capacity", "8MiB", *more)
+
+
+def store(daemon, start: int) -> None:
+    assert run_worker("store", daemon.socket, start, 100, 0, 1, env=WORKER_ENV) == {
+        "stored": NUM_CHUNKS}
+
+
+def retrieve(daemon, start: int) -> dict:
+    return run_worker("retrieve", daemon.socket, start, 100, 0, 1, env=WORKER_ENV)
+
+
+def written(daemon, count: int) -> dict:
+    """Wait until `count` chunks are on disk and no write is queued."""
+    def done():
+        info = daemon.info()
+        return info if info["disk_writes"] >= count and not info["disk_queue_values"] else None
+    return wait_for(done, what=f"{count} disk writes", timeout_s=30)
+
+
+@pytest.fixture
+def disk_dir(short_tmp):
+    return os.path.join(short_tmp, "disk")
+
+
+def test_evicted_chunks_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
+    daemon = daemon_factory(*disk_args(disk_dir))
+    for start in (0, 1000, 2000):
+        store(daemon, start)
+    info = written(daemon, 6)  # 21 chunks in 15 blocks: the 6 least recently used spill
+    assert info["evictions"] == 6 and info["disk_used_slots"] == info["disk_writes"] >= 6
+    assert info["disk_direct_io"] == 1  # /tmp is ext4 here; tmpfs would say 0
+    assert retrieve(daemon, 0) == {"hit": 100, "mismatches": 0}
+    info = daemon.info()
+    assert info["disk_fetch_hit_chunks"] == 6 and info["disk_fetch_failures"] == 0
+    assert info["pinned_blocks"] == 0 and info["writing_blocks"] == 0
+    # The other prompts were evicted in turn: they too are served, from disk or arena.
+    for start in (1000, 2000):
+        assert retrieve(daemon, start) == {"hit": 100, "mismatches": 0}
+    assert daemon.info()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill_during_spills"])
+def test_a_restarted_daemon_serves_what_its_disk_holds(daemon_factory, disk_dir, stop):
+    daemon = daemon_factory(*disk_args(disk_dir, "--disk-policy", "write-through"))
+    prompts = range(0, 6000, 1000)
+    for start in prompts[:3]:
+        store(daemon, start)
+    written(daemon, 3 * NUM_CHUNKS)
+    if stop == "sigterm":
+        daemon.stop()
+    else:  # a burst of writes in flight when the daemon dies
+        for start in prompts[3:]:
+            store(daemon, start)
+        os.kill(daemon.proc.pid, signal.SIGKILL)
+        daemon.proc.wait(10)
+    # Same name and socket: the new daemon sweeps the killed one's segment and socket.
+    restarted = start_daemon(daemon.name, daemon.socket, daemon.log_path + ".2",
+                             *disk_args(disk_dir))
+    try:
+        info = restarted.info()
+        assert info["cached_values"] == 0 and info["disk_restored_chunks"] >= 3 * NUM_CHUNKS
+        for start in prompts[:3]:  # written before the stop: every one is whole
+            assert retrieve(restarted, start) == {"hit": 100, "mismatches": 0}
+        for start in prompts[3:]:  # in flight at the kill: a prefix at most, never torn
+            assert retrieve(restarted, start)["mismatches"] == 0
+        assert restarted.info()["pinned_blocks"] == 0
+    finally:
+        restarted.stop()
+
+
+def test_a_corrupted_slot_and_a_truncated_file_are_counted_misses(daemon_factory, disk_dir):
+    daemon = daemon_factory(*disk_args(disk_dir, "--disk-policy", "write-through"))
+    store(daemon, 0)
+    store(daemon, 2000)
+    written(daemon, 2 * NUM_CHUNKS)
+    daemon.stop()
+    layout = small_layout()
+    fp = namespace_fingerprint(layout.to_wire())
+    hashes = hash_request_tokens(layout.chunk_size, list(range(100)))
+    path = os.path.join(disk_dir, FILE_NAME)
+    with open(path, "rb") as f:
+        superblock = f.read(PAGE_BYTES)
+    slot_bytes = int.from_bytes(superblock[16:24], "little")
+    with open(path, "r+b") as f:  # flip the last KV byte of the slot of chunk 3
+        for slot in range((os.path.getsize(path) - PAGE_BYTES) // slot_bytes):
+            f.seek(PAGE_BYTES + slot * slot_bytes)
+            _, _, _, length, _, slot_fp, slot_hash = ENVELOPE.unpack(f.read(ENVELOPE.size))
+            if (slot_fp, slot_hash) == (fp, hashes[3]):
+                f.seek(PAGE_BYTES + slot * slot_bytes + ENVELOPE_BYTES + length - 1)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                break
+        else:
+            raise AssertionError("chunk 3 is in no slot")
+    restarted = daemon_factory(*disk_args(disk_dir), name=daemon.name)
+    assert retrieve(restarted, 0) == {"hit": 3 * 16, "mismatches": 0}
+    info = restarted.info()
+    assert info["disk_fetch_verify_checksum"] == 1 and info["disk_fetch_hit_chunks"] == 3
+    assert info["disk_used_slots"] == 2 * NUM_CHUNKS - 1, "a slot that failed is forgotten"
+    os.truncate(path, PAGE_BYTES)  # every slot gone under the running daemon
+    assert retrieve(restarted, 2000) == {"hit": 0, "mismatches": 0}
+    info = restarted.info()
+    assert info["disk_errors_io"] >= 1 and info["pinned_blocks"] == 0
+    store(restarted, 5000)  # the daemon serves on
+    assert retrieve(restarted, 5000) == {"hit": 100, "mismatches": 0}
+
+
+def test_a_second_daemon_on_one_directory_is_refused(daemon_factory, disk_dir, unique_name,
+                                                      short_tmp):
+    daemon_factory(*disk_args(disk_dir))
+    with pytest.raises(RuntimeError, match=r"--disk-path .* is used by another lmcached "
+                       r"daemon \(pid \d+\); two daemons never share a disk tier"):
+        start_daemon(f"{unique_name}-second", os.path.join(short_tmp, "second.sock"),
+                     os.path.join(short_tmp, "second.log"), *disk_args(disk_dir))
+
+
+def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
+    """The vLLM connector's worker saves a prompt, later prompts evict it to disk, and the
+    scheduler's ACQUIRE of it (the daemon fetches from disk inside the request) loads it
+    into another worker's blocks byte for byte."""
+    import numpy as np
+    import torch
+
+    from test_vllm_worker import CHUNK, LAYERS, cpu_layout_cache, page_bytes_of, raw_block, \
+        registered_worker, worker_settings
+    from lmcached.client.daemon_link import DaemonLink
+    from lmcached.client.vllm.specs import LoadSpec, SaveSpec
+    from lmcached.wire.protocol import Acquire
+
+    # 7 blocks of 32 KiB; a record (3 layers x 2 pages of 4 KiB, header) fits one block.
+    daemon = daemon_factory("--capacity", "256KiB", "--block-size", "32KiB", "--disk-path",
+                            disk_dir, "--disk-capacity", "8MiB", "--disk-fetch-wait", "5")
+    caches_a = {name: cpu_layout_cache("cpu") for name in LAYERS}
+    caches_b = {name: torch.zeros_like(caches_a[name]) for name in LAYERS}
+    settings = worker_settings(daemon.socket, page_bytes_of(caches_a[LAYERS[0]]))
+    prompts = [np.arange(start, start + 2 * CHUNK, dtype=np.int64)
+               for start in (100, 2000, 3000, 4000, 5000)]
+    hashes = [hash_request_tokens(CHUNK, tokens) for tokens in prompts]
+    saver, loader = registered_worker(settings, caches_a), registered_worker(settings, caches_b)
+    pins = DaemonLink(daemon.socket, layouts=[settings.layouts[0].to_wire()], data_timeout_s=10)
+    try:
+        for i, (tokens, chunk_hashes) in enumerate(zip(prompts, hashes)):
+            saver.save([SaveSpec(f"r{i}", 0, tokens, chunk_hashes, block_ids=[3, 5, 7, 9])])
+        info = written(daemon, 2)  # 10 chunks in 7 blocks: the first prompt spilled
+        assert info["disk_used_slots"] >= 2
+        acquired = pins.request(Acquire(pins.ensure_connected().namespaces,
+                                        b"".join(hashes[0])))
+        spans = acquired.spans()
+        assert len(spans) == 2 and daemon.info()["disk_fetch_hit_chunks"] >= 2
+        loader.load([LoadSpec("b", 0, 0, prompts[0], hashes[0], [spans],
+                              [pins.hello_reply.generation], [[0, 1], [0, 1]], [[1, 2], [4, 6]])])
+        assert loader.take_load_errors() == set() and loader.num_loaded_tokens == 2 * CHUNK
+        for name in LAYERS:
+            for dst, src in ((1, 3), (2, 5), (4, 7), (6, 9)):
+                assert raw_block(caches_b[name], dst) == raw_block(caches_a[name], src)
+        pins.release([acquired.lease], pins.hello_reply.session_id)
+        assert daemon.info()["pinned_blocks"] == 0
+    finally:
+        pins.close()
+        saver.shutdown()
+        loader.shutdown()
