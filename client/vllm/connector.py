@@ -78,7 +78,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.layout import KVLayout
+from lmcached.client.vllm.blend_plugin import BLEND_ARCHITECTURES
+from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
+from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
@@ -101,6 +105,7 @@ class LMCachedConnectorMetadata(KVConnectorMetadata):
     step: int
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    blends: list[BlendSpec] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -195,6 +200,44 @@ def namespace_layouts(vllm_config, kv_cache_config, chunk_size: int,
     raise UnsupportedConfig(f"no KVLayout describes {page_bytes}-byte pages of {spec!r}")
 
 
+def segment_layouts(vllm_config, chunk_size: int, model_name: str | None = None) -> list[KVLayout]:
+    """The namespace of CacheBlend's document segments for every TP rank.
+
+    Segments are stored token-major per layer (fmt "vllm": `[num_layers, 2, num_tokens,
+    num_kv_heads, head_size]`, the model dtype), computed alone from position 0, so they
+    do not depend on vLLM's paged format, block size or attention backend; each rank
+    stores its own head slice.
+
+    Args:
+        vllm_config: the engine's VllmConfig.
+        chunk_size: tokens per chunk.
+        model_name: the model id in the namespace (default: model_config.model).
+
+    Returns:
+        One KVLayout per TP rank (index = rank).
+    """
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    name = "|".join([model_name or model_config.model, "blend-segments",
+                     f"vllm-{vllm.__version__}"])
+    return [KVLayout(name, model_config.get_num_layers(parallel),
+                     num_kv_heads=model_config.get_num_kv_heads(parallel),
+                     head_size=model_config.get_head_size(), dtype=model_config.dtype,
+                     chunk_size=chunk_size, fmt="vllm",
+                     world_size=parallel.tensor_parallel_size, worker_id=rank)
+            for rank in range(parallel.tensor_parallel_size)]
+
+
+def _blend_refusal(vllm_config) -> str | None:
+    """Why no request of this engine can be blended (None: they can)."""
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        return "tensor_parallel"
+    architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
+    if not any(name in BLEND_ARCHITECTURES for name in architectures):
+        return "no_model"
+    return None
+
+
 def _geometries(spec, page_bytes: int) -> list[dict]:
     """KVLayout geometries for pages of `page_bytes`, the most descriptive first."""
     block_size = spec.block_size
@@ -263,6 +306,8 @@ class LMCachedConnector(KVConnectorBase_V1):
             transfer.kv_load_failure_policy = "recompute"
         self.scheduler_side: LMCachedConnectorScheduler | None = None
         self.worker_side: LMCachedConnectorWorker | None = None
+        self.blend_scheduler: BlendScheduler | None = None
+        self.blend_worker: BlendWorker | None = None
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -279,10 +324,21 @@ class LMCachedConnector(KVConnectorBase_V1):
             timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
             verify=transfer.get_from_extra_config("verify", "tokens"),
         )
+        blend_layouts = segment_layouts(vllm_config, self.chunk_size,
+                                        transfer.get_from_extra_config("namespace", None))
+        refusal = _blend_refusal(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = LMCachedConnectorScheduler(self.settings)
+            self.blend_scheduler = BlendScheduler(
+                self.settings, blend_layouts[0], refusal,
+                int(transfer.get_from_extra_config("blend_tokens_per_step",
+                                                   DEFAULT_BLEND_TOKENS_PER_STEP)))
         else:
-            self.worker_side = LMCachedConnectorWorker(self.settings, _tensor_parallel_rank())
+            rank = _tensor_parallel_rank()
+            self.worker_side = LMCachedConnectorWorker(self.settings, rank)
+            if refusal is None:
+                self.blend_worker = BlendWorker(self.settings, blend_layouts[rank],
+                                                vllm_config.model_config.hf_config)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -327,11 +383,18 @@ class LMCachedConnector(KVConnectorBase_V1):
         """
         if self.scheduler_side is None:
             return 0, False
+        if self.blend_scheduler is not None:
+            handled, num_tokens = self.blend_scheduler.get_num_new_matched_tokens(
+                request, num_computed_tokens)
+            if handled:
+                return num_tokens, False
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load."""
-        if self.scheduler_side is not None:
+        if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
+            self.blend_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        elif self.scheduler_side is not None:
             self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
@@ -339,7 +402,10 @@ class LMCachedConnector(KVConnectorBase_V1):
         by the end of this step and not stored yet), for every worker."""
         if self.scheduler_side is None:
             return LMCachedConnectorMetadata(0)
-        return LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+        meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+        if self.blend_scheduler is not None:
+            meta.blends = self.blend_scheduler.build_step(scheduler_output)
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         """Release the pins of steps every rank has loaded; replan saves after failures."""
@@ -352,6 +418,8 @@ class LMCachedConnector(KVConnectorBase_V1):
         at once (saves are synchronous)."""
         if self.scheduler_side is not None:
             self.scheduler_side.request_finished(request)
+        if self.blend_scheduler is not None:
+            self.blend_scheduler.request_finished(request)
         return False, None
 
     # ------------------------------------------------------------------- worker
@@ -380,13 +448,20 @@ class LMCachedConnector(KVConnectorBase_V1):
         if meta.loads:
             agree = _all_ranks_first_failure if self.settings.world_size > 1 else None
             self.worker_side.load(meta.loads, agree)
+        if meta.blends and self.blend_worker is not None:
+            from lmcached.client.vllm.blend_models import registered_model
+
+            self.blend_worker.run(meta.blends, registered_model())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loaded every layer before the forward."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        return self.worker_side.take_load_errors() if self.worker_side else set()
+        errors = self.worker_side.take_load_errors() if self.worker_side else set()
+        if self.blend_worker is not None:
+            errors |= self.blend_worker.take_load_errors()
+        return errors
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
@@ -421,6 +496,10 @@ class LMCachedConnector(KVConnectorBase_V1):
             self.scheduler_side.shutdown()
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.blend_scheduler is not None:
+            self.blend_scheduler.shutdown()
+        if self.blend_worker is not None:
+            self.blend_worker.shutdown()
 
 def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import (
