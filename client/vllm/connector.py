@@ -14,7 +14,10 @@ Extra config keys: `socket` (default: that of daemon `name`), `name` ("default")
 `chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
 in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
 ("tokens": loads check each record's header and token ids; "checksum": saves also seal
-a payload checksum into every record, and loads check it: README, "Trust model").
+a payload checksum into every record, and loads check it: README, "Trust model"),
+`blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
+`kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
+served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
 
 One engine step (the scheduler and the workers may be separate processes: they share
 only the pickled metadata, the daemon and its arena)::
