@@ -31,16 +31,19 @@ import sys
 import time
 
 
-def build_model(path: str, num_layers: int = 2, dtype: str = "bfloat16") -> None:
-    """A random-weight Llama (head_size 32: CPU attention needs >= 32), saved without
-    a tokenizer; seeded, so every build is the same model."""
+def build_model(path: str, num_layers: int = 2, dtype: str = "bfloat16",
+                hidden_size: int = 128) -> None:
+    """A random-weight Llama (hidden 128: 4 heads of 32, CPU attention needs >= 32;
+    larger: heads of 64), saved without a tokenizer; seeded, so every build is the same
+    model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=1000, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=max(4, hidden_size // 64),
+        num_key_value_heads=max(2, hidden_size // 128), max_position_embeddings=16384,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=dtype,
     )
     LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
@@ -123,15 +126,21 @@ def run(args) -> dict:
                              extra_args={"kv_transfer_params": t} if t else None)
               for t in transfer_params]
     if args.mode == "ttft":
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-        llm.generate([{"prompt_token_ids": [5] * 8}], one, use_tqdm=False)  # warm-up
+        one = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
+                              extra_args={"kv_transfer_params": t} if t else None)
+               for t in transfer_params]
+        warm_up = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                 detokenize=False)
+        llm.generate([{"prompt_token_ids": [5] * 8}], warm_up, use_tqdm=False)
         ttft, cached = [], []
-        for prompt in prompts:
+        for prompt, params_one in zip(prompts, one):
             t0 = time.perf_counter()
-            (out,) = llm.generate([prompt], one, use_tqdm=False)
+            (out,) = llm.generate([prompt], params_one, use_tqdm=False)
             ttft.append(time.perf_counter() - t0)
             cached.append(out.num_cached_tokens)
         result.update(ttft_s=ttft, num_cached_tokens=cached)
+        if args.socket:
+            result["blend"] = blend_counters(llm)
     else:
         engine, steps = llm.llm_engine, {"n": 0}
         inner_step = engine.step
@@ -173,6 +182,7 @@ def main() -> int:
     build.add_argument("path")
     build.add_argument("--layers", type=int, default=2)
     build.add_argument("--dtype", default="bfloat16")
+    build.add_argument("--hidden", type=int, default=128)
     gen = sub.add_parser("run")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompts", required=True, help="JSON list of token-id lists")
@@ -195,7 +205,7 @@ def main() -> int:
     gen.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.command == "build-model":
-        build_model(args.path, args.layers, args.dtype)
+        build_model(args.path, args.layers, args.dtype, args.hidden)
         return 0
     result = run(args)
     result["pid"] = os.getpid()

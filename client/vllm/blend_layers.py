@@ -10,8 +10,9 @@ each decoder layer of vLLM's own model from its submodules (`embed_input_ids`,
 `mlp`) and lets a `BlendExecutor` (lmcached.client.blend: the one implementation of the
 selection and the re-rotation, shared with the Hugging Face path, client/hf_blend.py)
 decide at each layer which rows go on. The selected rows attend over the layer's long
-K/V through SDPA with an explicit mask (CPU; the design's FlashAttention varlen over the
-paged cache for CUDA is not written yet). With every row selected it computes what the
+K/V through SDPA with an explicit mask (the causal kernel when every row is selected; on
+any device: the design's FlashAttention varlen over the paged cache for CUDA is not
+written yet). With every row selected it computes what the
 model's own forward computes. vllm-free: the model is used through its attributes.
 """
 
@@ -134,13 +135,16 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
             continue
         rows_dev = rows.to(device)
         groups = attn.num_heads // attn.num_kv_heads
-        # [S, T] bool: query i sees key j iff j <= its position.
-        mask = key_positions[None, :] <= out.positions.to(device)[:, None]
+        if rows.numel() == num_tokens:  # every row: the causal kernel (~2.5x a mask's speed)
+            mask, causal = None, True
+        else:  # [S, T] bool: query i sees key j iff j <= its position.
+            mask = (key_positions[None, :] <= out.positions.to(device)[:, None])[None, None]
+            causal = False
         attn_out = F.scaled_dot_product_attention(
             out.q.transpose(0, 1)[None],  # [1, heads, S, head_size]
             out.k.transpose(0, 1).repeat_interleave(groups, dim=0)[None],  # [1, heads, T, D]
             out.v.transpose(0, 1).repeat_interleave(groups, dim=0)[None],
-            attn_mask=mask[None, None], scale=attn.scaling,
+            attn_mask=mask, is_causal=causal, scale=attn.scaling,
         )  # [1, heads, S, head_size]
         attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
         o, _ = attn.o_proj(attn_out)
