@@ -106,6 +106,9 @@ class BlendScheduler:
                     self._refuse(req_id, reason)
                 return False, 0
         state.num_local_tokens = num_computed_tokens
+        # vLLM asks again only for a request it schedules from scratch (new, waiting, or
+        # preempted and recomputed): blend (or store) it again in the step it runs.
+        state.sent = False
         if num_computed_tokens >= state.end:
             self._requests.pop(req_id)
             self._refuse(req_id, "local_hit")

@@ -139,3 +139,17 @@ def test_blend_work_beyond_the_step_budget_is_asked_again(daemon):
     assert scheduler.get_num_new_matched_tokens(two, 0) == (True, claim)  # next step
     assert scheduler.num_deferred == 1
     scheduler.shutdown()
+
+
+def test_a_request_scheduled_again_from_scratch_is_blended_again(daemon):
+    store_segment(daemon.socket, DOC)
+    scheduler = BlendScheduler(make_settings(daemon.socket), SEGMENTS)
+    request = fake_request("preempted", SYSTEM + DOC + QUESTION)
+    claim = len(SYSTEM + DOC)
+    for blocks in (fake_blocks(4), types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 6],))):
+        # vLLM preempted it and recomputes it: new blocks, and they need the blend again.
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (True, claim)
+        scheduler.update_state_after_alloc(request, blocks, claim)
+        (spec,) = scheduler.build_step(step_output(request))
+        assert spec.block_ids == blocks.get_block_ids()[0] and not spec.store_only
+    scheduler.shutdown()
