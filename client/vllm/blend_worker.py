@@ -85,13 +85,21 @@ class BlendWorker:
         for spec in specs:
             try:
                 with torch.inference_mode():
-                    self._run_one(spec, model)
+                    missing = self._run_one(spec, model)
             except Exception as exc:  # noqa: BLE001 - served by vLLM's recompute instead
                 logger.warning("lmcached blend of request %s failed, vLLM recomputes its "
                                "prompt: %s: %s", spec.req_id, type(exc).__name__, exc)
                 self.num_failed_blends += 1
                 if not spec.store_only:
                     self._load_errors.update(_claimed_blocks(spec, self.settings.block_size))
+                continue
+            try:  # a document not stored is only a later miss: the blend above stands
+                with torch.inference_mode():
+                    for segment in missing:
+                        self._store_segment(model, segment)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("lmcached blend: storing a document of request %s failed: "
+                               "%s: %s", spec.req_id, type(exc).__name__, exc)
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks of failed blends since the last call."""
@@ -105,7 +113,9 @@ class BlendWorker:
         executor.set_positional_encoder(rotary_of(self._hf_config).encoder)
         return executor
 
-    def _run_one(self, spec: BlendSpec, model) -> None:
+    def _run_one(self, spec: BlendSpec, model) -> list[torch.Tensor]:
+        """Blend one request (unless store-only); returns the token ids (int64 `[n]`,
+        cpu) of its segments that were not fully cached, to store."""
         if model is None:
             raise ValueError("no blend-aware model in this process: start vLLM with "
                              "--hf-overrides '{\"architectures\": [\"LMCachedLlamaForCausalLM\"]}'")
@@ -123,9 +133,7 @@ class BlendWorker:
                 self.num_blended_requests += 1
                 self.num_reused_tokens += run.num_reused_tokens
                 self.num_recomputed_tokens += run.recomputed_indices.numel()
-        for start, end in segments:
-            if not bool(valid[start:end].all()):
-                self._store_segment(model, ids[start:end])
+        return [ids[start:end] for start, end in segments if not bool(valid[start:end].all())]
 
     def _paged_writer(self, spec: BlendSpec, model):
         """A sink writing each layer's K/V of positions [num_local, end) into the

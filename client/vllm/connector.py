@@ -83,7 +83,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.blend_plugin import BLEND_ARCHITECTURES
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.blend_worker import BlendWorker, rotary_of
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
@@ -238,6 +238,11 @@ def _blend_refusal(vllm_config) -> str | None:
     architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
     if not any(name in BLEND_ARCHITECTURES for name in architectures):
         return "no_model"
+    try:
+        rotary_of(vllm_config.model_config.hf_config)
+    except (ValueError, TypeError, AttributeError) as exc:
+        logger.warning("lmcached blend: this model's RoPE cannot be re-rotated (%s)", exc)
+        return "rope"
     return None
 
 

@@ -9,6 +9,7 @@ test_vllm_blend_layers.py, its attention given a paged cache written through
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from lmcached.client import KVLayout
@@ -107,3 +108,29 @@ def test_a_failed_blend_is_reported_as_load_errors_and_releases_its_pins(daemon,
     worker.run([spec_of(doc + system)], None)  # no blend-aware model in this process
     assert worker.num_failed_blends == 2 and worker.take_load_errors()
     worker.shutdown()
+
+
+def test_a_document_that_cannot_be_stored_leaves_the_blend_standing(daemon, monkeypatch):
+    rng = np.random.default_rng(2)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system, store_only=True)], model)
+
+    def store(*args, **kwargs):
+        raise OSError("arena gone")
+
+    monkeypatch.setattr(worker.engine, "store", store)
+    worker.run([spec_of(system + doc)], model)  # doc is new: blended in place, then stored
+    assert (worker.num_blended_requests, worker.num_failed_blends) == (1, 0)
+    assert worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+def test_rope_that_a_delta_rotation_cannot_move_is_refused():
+    from lmcached.client.vllm.blend_worker import rotary_of
+
+    assert rotary_of(HF_CONFIG).head_dim == HEAD
+    yarn = types.SimpleNamespace(**{**vars(HF_CONFIG), "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}})
+    with pytest.raises(ValueError, match="yarn"):
+        rotary_of(yarn)
