@@ -81,9 +81,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm.blend_plugin import BLEND_ARCHITECTURES
+from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_worker import BlendWorker, rotary_of
+from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
@@ -203,49 +203,6 @@ def namespace_layouts(vllm_config, kv_cache_config, chunk_size: int,
     raise UnsupportedConfig(f"no KVLayout describes {page_bytes}-byte pages of {spec!r}")
 
 
-def segment_layouts(vllm_config, chunk_size: int, model_name: str | None = None) -> list[KVLayout]:
-    """The namespace of CacheBlend's document segments for every TP rank.
-
-    Segments are stored token-major per layer (fmt "vllm": `[num_layers, 2, num_tokens,
-    num_kv_heads, head_size]`, the model dtype), computed alone from position 0, so they
-    do not depend on vLLM's paged format, block size or attention backend; each rank
-    stores its own head slice.
-
-    Args:
-        vllm_config: the engine's VllmConfig.
-        chunk_size: tokens per chunk.
-        model_name: the model id in the namespace (default: model_config.model).
-
-    Returns:
-        One KVLayout per TP rank (index = rank).
-    """
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    name = "|".join([model_name or model_config.model, "blend-segments",
-                     f"vllm-{vllm.__version__}"])
-    return [KVLayout(name, model_config.get_num_layers(parallel),
-                     num_kv_heads=model_config.get_num_kv_heads(parallel),
-                     head_size=model_config.get_head_size(), dtype=model_config.dtype,
-                     chunk_size=chunk_size, fmt="vllm",
-                     world_size=parallel.tensor_parallel_size, worker_id=rank)
-            for rank in range(parallel.tensor_parallel_size)]
-
-
-def _blend_refusal(vllm_config) -> str | None:
-    """Why no request of this engine can be blended (None: they can)."""
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        return "tensor_parallel"
-    architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
-    if not any(name in BLEND_ARCHITECTURES for name in architectures):
-        return "no_model"
-    try:
-        rotary_of(vllm_config.model_config.hf_config)
-    except (ValueError, TypeError, AttributeError) as exc:
-        logger.warning("lmcached blend: this model's RoPE cannot be re-rotated (%s)", exc)
-        return "rope"
-    return None
-
-
 def _geometries(spec, page_bytes: int) -> list[dict]:
     """KVLayout geometries for pages of `page_bytes`, the most descriptive first."""
     block_size = spec.block_size
@@ -334,7 +291,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         )
         blend_layouts = segment_layouts(vllm_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
-        refusal = _blend_refusal(vllm_config)
+        refusal = blend_refusal(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = LMCachedConnectorScheduler(self.settings)
             self.blend_scheduler = BlendScheduler(
