@@ -10,6 +10,8 @@ connector (greedy token ids, and the first token's full distribution for the KL)
 
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,9 +22,6 @@ pytest.importorskip(
 )
 
 from test_vllm_connector import E2E_SCRIPT, E2E_TIMEOUT_S, run_instance  # noqa: E402
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 SEP = 999  # the separator token (random tokens are drawn below it)
 VOCAB = 1000
