@@ -94,7 +94,8 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py
+	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py \
+		tests/vllm_connector/test_vllm_blend.py
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm

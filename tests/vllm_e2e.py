@@ -2,16 +2,23 @@
 
 Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ guard)::
 
-    python tests/vllm_e2e.py build-model DIR
+    python tests/vllm_e2e.py build-model DIR [--layers 2] [--dtype bfloat16]
     python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
-        [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N]
+        [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N] \\
+        [--blend-model] [--logprobs N] [--dtype bfloat16]
+
+A prompt is a list of token ids, or a dict {"prompt_token_ids": [...], "cache_salt": str,
+"kv_transfer_params": {...}} (CacheBlend requests: docs/cacheblend.md).
 
 Modes (the result JSON always has "startup_s" and "mode"):
     outputs: generate() over the prompts, --batch at a time (default: all at once);
              "outputs" (greedy token ids) and "num_cached_tokens" per prompt (vLLM's
              local + external prefix hits), "generate_s" and "num_steps" (engine
              steps) per call, and with --time-hooks "connector_s": time spent inside
-             the connector's hooks per call.
+             the connector's hooks per call. With --logprobs N, "logprobs": the first
+             generated token's top-N logprobs ({token id: logprob}) per prompt. In
+             in-process mode with the connector, "blend": the connector's CacheBlend
+             counters (refusals by reason, claimed requests, blended requests, ...).
     ttft:    one generate(max_tokens=1) per prompt, in turn: "ttft_s" per prompt (the
              wall time of a one-token generate, i.e. the prefill) and "num_cached_tokens".
 Set VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING in the environment.
@@ -24,19 +31,22 @@ import sys
 import time
 
 
-def build_model(path: str) -> None:
-    """A random-weight Llama (head_size 32: CPU attention needs >= 32), saved without
-    a tokenizer; seeded, so every build is the same model."""
+def build_model(path: str, num_layers: int = 2, dtype: str = "bfloat16",
+                hidden_size: int = 128) -> None:
+    """A random-weight Llama (hidden 128: 4 heads of 32, CPU attention needs >= 32;
+    larger: heads of 64), saved without a tokenizer; seeded, so every build is the same
+    model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+        vocab_size=1000, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=max(4, hidden_size // 64),
+        num_key_value_heads=max(2, hidden_size // 128), max_position_embeddings=16384,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=dtype,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
 
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -63,13 +73,36 @@ def time_connector_hooks() -> dict:
     return spent
 
 
+def blend_counters(llm) -> dict | None:
+    """The connector's CacheBlend counters (in-process mode only: None otherwise)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    scheduler = getattr(connector, "blend_scheduler", None)
+    if scheduler is None:
+        return None
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "blend_worker", None)
+    counters = {"refusals": dict(scheduler.refusals),
+                "claimed_requests": scheduler.num_claimed_requests,
+                "store_only_requests": scheduler.num_store_only_requests}
+    if worker is not None:
+        counters.update(blended_requests=worker.num_blended_requests,
+                        reused_tokens=worker.num_reused_tokens,
+                        recomputed_tokens=worker.num_recomputed_tokens,
+                        stored_segments=worker.num_stored_segments,
+                        failed_blends=worker.num_failed_blends)
+    return counters
+
+
 def run(args) -> dict:
     from vllm import LLM, SamplingParams
 
     hook_time = time_connector_hooks() if args.time_hooks else None
 
     with open(args.prompts) as f:
-        prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+        prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in json.load(f)]
+    transfer_params = [p.pop("kv_transfer_params", None) for p in prompts]
     kwargs = {}
     if args.socket:
         kwargs["kv_transfer_config"] = {
@@ -78,24 +111,36 @@ def run(args) -> dict:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"socket": args.socket, "chunk_size": args.chunk_size},
         }
+    if args.blend_model:
+        kwargs["hf_overrides"] = {"architectures": ["LMCachedLlamaForCausalLM"]}
+    if args.logprobs:
+        kwargs["max_logprobs"] = args.logprobs
     start = time.perf_counter()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=0,
               tensor_parallel_size=args.tensor_parallel_size, **kwargs)
     result = {"mode": args.mode, "connector": bool(args.socket),
               "startup_s": round(time.perf_counter() - start, 3)}
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            detokenize=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                             detokenize=False, logprobs=args.logprobs or None,
+                             extra_args={"kv_transfer_params": t} if t else None)
+              for t in transfer_params]
     if args.mode == "ttft":
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-        llm.generate([{"prompt_token_ids": [5] * 8}], one, use_tqdm=False)  # warm-up
+        one = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
+                              extra_args={"kv_transfer_params": t} if t else None)
+               for t in transfer_params]
+        warm_up = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                 detokenize=False)
+        llm.generate([{"prompt_token_ids": [5] * 8}], warm_up, use_tqdm=False)
         ttft, cached = [], []
-        for prompt in prompts:
+        for prompt, params_one in zip(prompts, one):
             t0 = time.perf_counter()
-            (out,) = llm.generate([prompt], one, use_tqdm=False)
+            (out,) = llm.generate([prompt], params_one, use_tqdm=False)
             ttft.append(time.perf_counter() - t0)
             cached.append(out.num_cached_tokens)
         result.update(ttft_s=ttft, num_cached_tokens=cached)
+        if args.socket:
+            result["blend"] = blend_counters(llm)
     else:
         engine, steps = llm.llm_engine, {"n": 0}
         inner_step = engine.step
@@ -107,19 +152,25 @@ def run(args) -> dict:
         engine.step = counting_step
         batch = args.batch or len(prompts)
         result.update(generate_s=[], num_steps=[], outputs=[], num_cached_tokens=[],
-                      connector_s=[])
+                      connector_s=[], logprobs=[])
         for first in range(0, len(prompts), batch):
             steps["n"] = 0
             if hook_time is not None:
                 hook_time["s"] = 0.0
             t0 = time.perf_counter()
-            outs = llm.generate(prompts[first : first + batch], params, use_tqdm=False)
+            outs = llm.generate(prompts[first : first + batch], params[first : first + batch],
+                                use_tqdm=False)
             result["generate_s"].append(time.perf_counter() - t0)
             if hook_time is not None:
                 result["connector_s"].append(hook_time["s"])
             result["num_steps"].append(steps["n"])
             result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
             result["num_cached_tokens"] += [o.num_cached_tokens for o in outs]
+            if args.logprobs:
+                result["logprobs"] += [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                                       for o in outs]
+        if args.socket:
+            result["blend"] = blend_counters(llm)
     del llm
     return result
 
@@ -129,6 +180,9 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-model")
     build.add_argument("path")
+    build.add_argument("--layers", type=int, default=2)
+    build.add_argument("--dtype", default="bfloat16")
+    build.add_argument("--hidden", type=int, default=128)
     gen = sub.add_parser("run")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompts", required=True, help="JSON list of token-id lists")
@@ -144,9 +198,14 @@ def main() -> int:
                      help="time the connector's hooks (in-process mode only)")
     gen.add_argument("--batch", type=int, default=0,
                      help="prompts per generate() call (default: all in one)")
+    gen.add_argument("--blend-model", action="store_true",
+                     help="select LMCachedLlamaForCausalLM (CacheBlend inside vLLM)")
+    gen.add_argument("--logprobs", type=int, default=0,
+                     help="report the first token's top-N logprobs")
+    gen.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.command == "build-model":
-        build_model(args.path)
+        build_model(args.path, args.layers, args.dtype, args.hidden)
         return 0
     result = run(args)
     result["pid"] = os.getpid()

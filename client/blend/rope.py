@@ -178,15 +178,18 @@ class LlamaRotary:
                              f"got shape {tuple(delta_positions.shape)}")
         xr = x.reshape(*x.shape[:-1], width // self.head_dim, self.head_dim)
         exact = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
-        # [num_tokens, head_dim // 2], float64: the angle of each pair, for each token.
-        angles = (delta_positions.to(x.device, exact)[:, None]
-                  * self.inv_freq.to(x.device, exact)[None, :])
+        # Blended segments move all their tokens by one delta: the angles (float64 cos
+        # and sin are slow) are computed once per distinct delta, then gathered.
+        deltas, token_delta = torch.unique(delta_positions.to(x.device), return_inverse=True)
+        # [num_deltas, head_dim // 2], float64: the angle of each pair, for each delta.
+        angles = deltas.to(exact)[:, None] * self.inv_freq.to(x.device, exact)[None, :]
         shape = [1] * xr.dim()
-        shape[token_dim] = angles.shape[0]
+        shape[token_dim] = delta_positions.numel()
         shape[-1] = self.head_dim
         # [num_tokens, head_dim] -> broadcastable to xr, float32.
-        cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(torch.float32).view(shape)
-        sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(torch.float32).view(shape)
+        cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(torch.float32)[token_delta]
+        sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(torch.float32)[token_delta]
+        cos, sin = cos.view(shape), sin.view(shape)
         x32 = xr.to(torch.float32)
         half = self.head_dim // 2
         rotated_half = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)

@@ -14,7 +14,10 @@ Extra config keys: `socket` (default: that of daemon `name`), `name` ("default")
 `chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
 in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
 ("tokens": loads check each record's header and token ids; "checksum": saves also seal
-a payload checksum into every record, and loads check it: README, "Trust model").
+a payload checksum into every record, and loads check it: README, "Trust model"),
+`blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
+`kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
+served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
 
 One engine step (the scheduler and the workers may be separate processes: they share
 only the pickled metadata, the daemon and its arena)::
@@ -78,7 +81,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.layout import KVLayout
+from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
+from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
+from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
@@ -101,6 +108,7 @@ class LMCachedConnectorMetadata(KVConnectorMetadata):
     step: int
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    blends: list[BlendSpec] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -263,6 +271,8 @@ class LMCachedConnector(KVConnectorBase_V1):
             transfer.kv_load_failure_policy = "recompute"
         self.scheduler_side: LMCachedConnectorScheduler | None = None
         self.worker_side: LMCachedConnectorWorker | None = None
+        self.blend_scheduler: BlendScheduler | None = None
+        self.blend_worker: BlendWorker | None = None
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -279,10 +289,21 @@ class LMCachedConnector(KVConnectorBase_V1):
             timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
             verify=transfer.get_from_extra_config("verify", "tokens"),
         )
+        blend_layouts = segment_layouts(vllm_config, self.chunk_size,
+                                        transfer.get_from_extra_config("namespace", None))
+        refusal = blend_refusal(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = LMCachedConnectorScheduler(self.settings)
+            self.blend_scheduler = BlendScheduler(
+                self.settings, blend_layouts[0], refusal,
+                int(transfer.get_from_extra_config("blend_tokens_per_step",
+                                                   DEFAULT_BLEND_TOKENS_PER_STEP)))
         else:
-            self.worker_side = LMCachedConnectorWorker(self.settings, _tensor_parallel_rank())
+            rank = _tensor_parallel_rank()
+            self.worker_side = LMCachedConnectorWorker(self.settings, rank)
+            if refusal is None:
+                self.blend_worker = BlendWorker(self.settings, blend_layouts[rank],
+                                                vllm_config.model_config.hf_config)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -327,11 +348,18 @@ class LMCachedConnector(KVConnectorBase_V1):
         """
         if self.scheduler_side is None:
             return 0, False
+        if self.blend_scheduler is not None:
+            handled, num_tokens = self.blend_scheduler.get_num_new_matched_tokens(
+                request, num_computed_tokens)
+            if handled:
+                return num_tokens, False
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load."""
-        if self.scheduler_side is not None:
+        if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
+            self.blend_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        elif self.scheduler_side is not None:
             self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
@@ -339,7 +367,10 @@ class LMCachedConnector(KVConnectorBase_V1):
         by the end of this step and not stored yet), for every worker."""
         if self.scheduler_side is None:
             return LMCachedConnectorMetadata(0)
-        return LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+        meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+        if self.blend_scheduler is not None:
+            meta.blends = self.blend_scheduler.build_step(scheduler_output)
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         """Release the pins of steps every rank has loaded; replan saves after failures."""
@@ -352,6 +383,8 @@ class LMCachedConnector(KVConnectorBase_V1):
         at once (saves are synchronous)."""
         if self.scheduler_side is not None:
             self.scheduler_side.request_finished(request)
+        if self.blend_scheduler is not None:
+            self.blend_scheduler.request_finished(request)
         return False, None
 
     # ------------------------------------------------------------------- worker
@@ -380,13 +413,20 @@ class LMCachedConnector(KVConnectorBase_V1):
         if meta.loads:
             agree = _all_ranks_first_failure if self.settings.world_size > 1 else None
             self.worker_side.load(meta.loads, agree)
+        if meta.blends and self.blend_worker is not None:
+            from lmcached.client.vllm.blend_models import registered_model
+
+            self.blend_worker.run(meta.blends, registered_model())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loaded every layer before the forward."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        return self.worker_side.take_load_errors() if self.worker_side else set()
+        errors = self.worker_side.take_load_errors() if self.worker_side else set()
+        if self.blend_worker is not None:
+            errors |= self.blend_worker.take_load_errors()
+        return errors
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
@@ -421,6 +461,10 @@ class LMCachedConnector(KVConnectorBase_V1):
             self.scheduler_side.shutdown()
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.blend_scheduler is not None:
+            self.blend_scheduler.shutdown()
+        if self.blend_worker is not None:
+            self.blend_worker.shutdown()
 
 def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import (

@@ -149,3 +149,14 @@ def test_rotate_rejects_bad_arguments():
         rope.rotate(torch.randn(2, 4, 12), torch.zeros(4), token_dim=1)
     with pytest.raises(TypeError, match="floating-point"):
         LlamaRotary(torch.arange(4))
+
+
+def test_tokens_sharing_a_delta_rotate_as_if_each_were_alone():
+    # rotate() computes the angles once per distinct delta (segments move as a block).
+    rope = LlamaRotary.from_params(8, 10000.0)
+    x = torch.randn(2, 7, 3, 8)
+    deltas = torch.tensor([5, 5, 0, 900, 5, -3, 900])
+    rotated = rope.rotate(x, deltas, token_dim=1)
+    for token, delta in enumerate(deltas.tolist()):
+        alone = rope.rotate(x[:, token : token + 1], torch.tensor([delta]), token_dim=1)
+        assert torch.equal(rotated[:, token : token + 1], alone)

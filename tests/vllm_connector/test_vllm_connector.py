@@ -508,7 +508,7 @@ def vllm_segments() -> set[str]:
 
 def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | None = None,
                  multiprocessing: bool = False, mode: str = "outputs",
-                 tensor_parallel_size: int = 1) -> dict:
+                 tensor_parallel_size: int = 1, extra_args: tuple = ()) -> dict:
     """One vLLM instance in its own process group (killed as a group on timeout)."""
     prompts_path, out_path = os.path.join(tmp, f"{name}.in.json"), os.path.join(tmp, f"{name}.json")
     with open(prompts_path, "w") as f:
@@ -526,6 +526,7 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
            "--out", out_path, "--mode", mode, "--tensor-parallel-size", str(tensor_parallel_size)]
     if socket:
         cmd += ["--socket", socket]
+    cmd += list(extra_args)
     log_path = os.path.join(tmp, f"{name}.log")
     before = vllm_segments()
     with open(log_path, "w") as log:

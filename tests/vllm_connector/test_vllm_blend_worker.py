@@ -1,0 +1,136 @@
+"""CacheBlend's worker side (client/vllm/blend_worker.py) against a real daemon, without
+vLLM: documents stored by a first request, blended into paged slots by a later one,
+pins released on every path, and a failed blend reported as load errors (vLLM then
+recomputes those blocks exactly). The model is the vLLM-shaped stand-in of
+test_vllm_blend_layers.py, its attention given a paged cache written through
+`impl.do_kv_cache_update` as vLLM's backends are.
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from lmcached.client import KVLayout
+from lmcached.client.vllm.blend_params import BlendParams, BlendSpec
+from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.specs import ConnectorSettings
+
+from test_vllm_blend_layers import HEAD, HEADS, HIDDEN, KV_HEADS, LAYERS, FakeVllmLlama, reference_kv
+
+SEP, BLOCK, NUM_BLOCKS = 49, 4, 32
+LAYOUT = KVLayout("blend-worker-test", num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD,
+                  dtype="float32", chunk_size=8, fmt="vllm")
+HF_CONFIG = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                  head_dim=HEAD, hidden_size=HIDDEN, num_attention_heads=HEADS)
+
+
+class PagedAttention(torch.nn.Module):
+    """vLLM's Attention as the worker uses it: `kv_cache` and `impl.do_kv_cache_update`."""
+
+    def __init__(self):
+        super().__init__()
+        # [num_slots, 2, kv_heads, head]: slot = block_id * BLOCK + pos % BLOCK
+        self.kv_cache = torch.full((NUM_BLOCKS * BLOCK, 2, KV_HEADS, HEAD), float("nan"))
+        self.impl = types.SimpleNamespace(do_kv_cache_update=self._update)
+
+    @staticmethod
+    def _update(layer, key, value, kv_cache, slot_mapping):
+        kv_cache[slot_mapping, 0] = key
+        kv_cache[slot_mapping, 1] = value
+
+
+def paged_model() -> FakeVllmLlama:
+    model = FakeVllmLlama()
+    for layer in model.model.layers:
+        layer.self_attn.attn = PagedAttention()
+    return model
+
+
+def make_worker(socket: str) -> BlendWorker:
+    settings = ConnectorSettings(layouts=[LAYOUT], chunk_size=8, block_size=BLOCK, world_size=1,
+                                 socket=socket, daemon_name="unused", timeout_s=5.0)
+    return BlendWorker(settings, LAYOUT, HF_CONFIG)
+
+
+def spec_of(tokens, num_local=0, store_only=False, ratio=1.0) -> BlendSpec:
+    block_ids = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - -(-len(tokens) // BLOCK), -1))
+    return BlendSpec("r", BlendParams(SEP, recompute_ratio=ratio),
+                     np.asarray(tokens, dtype=np.int64), num_local, block_ids, store_only)
+
+
+def slots(spec: BlendSpec, positions) -> torch.Tensor:
+    return torch.tensor([spec.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in positions])
+
+
+def test_documents_stored_first_are_blended_into_the_paged_slots(daemon):
+    rng = np.random.default_rng(0)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system + doc, store_only=True)], model)
+    assert worker.num_stored_segments == 2 and worker.take_load_errors() == set()
+    assert all(torch.isnan(layer.self_attn.attn.kv_cache).all() for layer in model.model.layers)
+
+    tokens = doc + system  # another order; ratio 1.0: every row recomputed in context
+    spec = spec_of(tokens, num_local=4)
+    worker.run([spec], model)
+    assert worker.num_blended_requests == 1 and worker.num_reused_tokens == len(tokens)
+    expected = reference_kv(model, torch.tensor(tokens))
+    for layer, (k, v) in zip(model.model.layers, expected):
+        cache = layer.self_attn.attn.kv_cache
+        written = slots(spec, range(4, len(tokens)))
+        torch.testing.assert_close(cache[written, 0], k[4:], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache[written, 1], v[4:], rtol=1e-4, atol=1e-5)
+        assert torch.isnan(cache[slots(spec, range(4))]).all()  # vLLM's own hit: untouched
+    assert daemon.pins_held() == 0
+    worker.shutdown()
+
+
+def test_a_failed_blend_is_reported_as_load_errors_and_releases_its_pins(daemon, monkeypatch):
+    rng = np.random.default_rng(1)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system + doc, store_only=True)], model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layer 1 exploded")
+
+    monkeypatch.setattr(model.model.layers[1].post_attention_layernorm, "forward", broken)
+    spec = spec_of(doc + system, num_local=4)
+    worker.run([spec], model)  # never raises
+    first, last = 4 // BLOCK, -(-len(spec.tokens) // BLOCK)
+    assert worker.take_load_errors() == set(spec.block_ids[first:last])
+    assert worker.take_load_errors() == set()
+    assert worker.num_failed_blends == 1 and worker.num_blended_requests == 0
+    assert daemon.pins_held() == 0  # the segments it had pinned were released
+
+    worker.run([spec_of(doc + system)], None)  # no blend-aware model in this process
+    assert worker.num_failed_blends == 2 and worker.take_load_errors()
+    worker.shutdown()
+
+
+def test_a_document_that_cannot_be_stored_leaves_the_blend_standing(daemon, monkeypatch):
+    rng = np.random.default_rng(2)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system, store_only=True)], model)
+
+    def store(*args, **kwargs):
+        raise OSError("arena gone")
+
+    monkeypatch.setattr(worker.engine, "store", store)
+    worker.run([spec_of(system + doc)], model)  # doc is new: blended in place, then stored
+    assert (worker.num_blended_requests, worker.num_failed_blends) == (1, 0)
+    assert worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+def test_rope_that_a_delta_rotation_cannot_move_is_refused():
+    from lmcached.client.vllm.blend_worker import rotary_of
+
+    assert rotary_of(HF_CONFIG).head_dim == HEAD
+    yarn = types.SimpleNamespace(**{**vars(HF_CONFIG), "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}})
+    with pytest.raises(ValueError, match="yarn"):
+        rotary_of(yarn)
