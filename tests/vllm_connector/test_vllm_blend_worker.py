@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lmcached.client import KVLayout
+from lmcached.client.layout import RECORD_HEADER_BYTES
 from lmcached.client.vllm.blend_params import BlendParams, BlendSpec
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.specs import ConnectorSettings
@@ -83,6 +84,35 @@ def test_documents_stored_first_are_blended_into_the_paged_slots(daemon):
         torch.testing.assert_close(cache[written, 0], k[4:], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cache[written, 1], v[4:], rtol=1e-4, atol=1e-5)
         assert torch.isnan(cache[slots(spec, range(4))]).all()  # vLLM's own hit: untouched
+    assert daemon.pins_held() == 0
+    worker.shutdown()
+
+
+def test_a_segment_that_fails_its_check_is_a_miss_recomputed_in_context(daemon):
+    rng = np.random.default_rng(3)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system + doc, store_only=True)], model)
+    assert worker.num_stored_segments == 2
+    with worker.engine.retrieve_views(doc) as views:
+        first_block = views.block_ids[0]
+    # A stray writer changes one token id in the record of the document's first chunk.
+    token_ids = worker.engine.link.arena.view(first_block, torch.int64, (LAYOUT.chunk_size,),
+                                              offset_bytes=RECORD_HEADER_BYTES)
+    token_ids[2] += 1
+
+    tokens = system + doc  # ratio 0: only rows without reused K/V go through every layer
+    spec = spec_of(tokens, ratio=0.0)
+    worker.run([spec], model)
+    assert worker.engine.num_verify_failures == 1 and worker.take_load_errors() == set()
+    assert worker.num_blended_requests == 1 and worker.num_reused_tokens == len(system)
+    # The system prompt is reused at its own positions and the document, a miss, is
+    # computed in context: the blend is exactly a full prefill.
+    for layer, (k, v) in zip(model.model.layers, reference_kv(model, torch.tensor(tokens))):
+        cache = layer.self_attn.attn.kv_cache
+        written = slots(spec, range(len(tokens)))
+        torch.testing.assert_close(cache[written, 0], k, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache[written, 1], v, rtol=1e-4, atol=1e-5)
     assert daemon.pins_held() == 0
     worker.shutdown()
 
