@@ -27,6 +27,13 @@ from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
 # (layer_id, k, v): the long K/V of one layer, `[num_tokens, num_kv_heads, head_size]`
 # each, model dtype and device (reused rows re-rotated, fresh rows where recomputed).
 LayerSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+# (layer_id, attn, q, k, v, positions) -> out: the selected rows' attention at one layer.
+# attn: the layer's self_attn module (num_heads, num_kv_heads, scaling); q `[S, num_heads,
+# head_size]` of the selected rows; k, v the layer's long K/V `[T, num_kv_heads,
+# head_size]`; positions int64 `[S]` (increasing) of the selected rows, q's device.
+# out: `[S, num_heads, head_size]`, key j visible to row i iff j <= positions[i].
+AttentionFn = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -74,7 +81,8 @@ def _model_device(model) -> torch.device:
 
 
 def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
-                       executor: BlendExecutor, sink: LayerSink) -> BlendRun:
+                       executor: BlendExecutor, sink: LayerSink,
+                       attention: "AttentionFn | None" = None) -> BlendRun:
     """Prefill one prompt layer by layer, computing only the rows the executor selects.
 
     Per layer, with R the rows selected by the previous layer (every row at layer 0):
@@ -93,6 +101,9 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
             head_size]`.
         executor: a fresh executor (one per prompt) with its positional encoder set.
         sink: called once per layer, in order, with the layer's long K/V.
+        attention: the selected rows' attention, called after `sink` (default
+            `sdpa_attention`; client/vllm/blend_flash.py's reads the paged cache the
+            sink wrote).
 
     Returns:
         BlendRun.
@@ -102,7 +113,6 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
     num_tokens = input_ids.numel()
     query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
     all_positions = torch.arange(num_tokens, dtype=torch.int64)  # [T], cpu
-    key_positions = all_positions.to(device)
     hidden = decoder.embed_input_ids(input_ids.to(device))  # [T, hidden_size]
     rows = all_positions  # int64 [n], cpu: rows of this layer's fresh q/k/v
     num_reused = 0
@@ -134,21 +144,32 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
         if layer_id == last_layer or not rows.numel():
             continue
         rows_dev = rows.to(device)
-        groups = attn.num_heads // attn.num_kv_heads
-        if rows.numel() == num_tokens:  # every row: the causal kernel (~2.5x a mask's speed)
-            mask, causal = None, True
-        else:  # [S, T] bool: query i sees key j iff j <= its position.
-            mask = (key_positions[None, :] <= out.positions.to(device)[:, None])[None, None]
-            causal = False
-        attn_out = F.scaled_dot_product_attention(
-            out.q.transpose(0, 1)[None],  # [1, heads, S, head_size]
-            out.k.transpose(0, 1).repeat_interleave(groups, dim=0)[None],  # [1, heads, T, D]
-            out.v.transpose(0, 1).repeat_interleave(groups, dim=0)[None],
-            attn_mask=mask, is_causal=causal, scale=attn.scaling,
-        )  # [1, heads, S, head_size]
-        attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
+        attn_out = (attention or sdpa_attention)(layer_id, attn, out.q, out.k, out.v,
+                                                 out.positions.to(device))
+        attn_out = attn_out.reshape(rows.numel(), -1)  # [S, heads * head_size]
         o, _ = attn.o_proj(attn_out)
         selected = hidden[rows_dev] + o  # [S, hidden_size]
         selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
         hidden[rows_dev] = selected
     return BlendRun(num_reused_tokens=num_reused, recomputed_indices=rows)
+
+
+def sdpa_attention(layer_id: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """The selected rows' attention over the layer's long K/V: SDPA with an explicit mask
+    (the causal kernel when every row is selected). An `AttentionFn`; any device."""
+    num_tokens = k.shape[0]
+    groups = attn.num_heads // attn.num_kv_heads
+    if q.shape[0] == num_tokens:  # every row: the causal kernel (~2.5x a mask's speed)
+        mask, causal = None, True
+    else:  # [S, T] bool: query i sees key j iff j <= its position.
+        key_positions = torch.arange(num_tokens, device=positions.device)
+        mask = (key_positions[None, :] <= positions[:, None])[None, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, heads, S, head_size]
+        k.transpose(0, 1).repeat_interleave(groups, dim=0)[None],  # [1, heads, T, D]
+        v.transpose(0, 1).repeat_interleave(groups, dim=0)[None],
+        attn_mask=mask, is_causal=causal, scale=attn.scaling,
+    )  # [1, heads, S, head_size]
+    return out[0].transpose(0, 1)  # [S, heads, head_size]
