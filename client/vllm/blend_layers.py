@@ -10,10 +10,9 @@ each decoder layer of vLLM's own model from its submodules (`embed_input_ids`,
 `mlp`) and lets a `BlendExecutor` (lmcached.client.blend: the one implementation of the
 selection and the re-rotation, shared with the Hugging Face path, client/hf_blend.py)
 decide at each layer which rows go on. The selected rows attend over the layer's long
-K/V through SDPA with an explicit mask (the causal kernel when every row is selected; on
-any device: the design's FlashAttention varlen over the paged cache for CUDA is not
-written yet). With every row selected it computes what the
-model's own forward computes. vllm-free: the model is used through its attributes.
+K/V through SDPA with an explicit mask (the causal kernel when every row is selected),
+or on CUDA through FlashAttention varlen over the paged cache (client/vllm/blend_flash.py).
+With every row selected it computes what the model's own forward computes. vllm-free: the model is used through its attributes.
 """
 
 import dataclasses

@@ -27,6 +27,7 @@ from lmcached.client.blend.retriever import SPTBlendRetriever
 from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.engine import CacheEngine
 from lmcached.client.layout import KVLayout
+from lmcached.client.vllm.blend_flash import paged_flash_attention
 from lmcached.client.vllm.blend_layers import check_blend_model, run_blended_layers
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings
@@ -129,7 +130,9 @@ class BlendWorker:
             segments = list(task.segments)
             if not spec.store_only:
                 sink = self._paged_writer(spec, model)
-                run = run_blended_layers(model, ids, task, self._executor(spec), sink)
+                attention = paged_flash_attention(model, spec.block_ids)  # None: SDPA
+                run = run_blended_layers(model, ids, task, self._executor(spec), sink,
+                                         attention)
                 self.num_blended_requests += 1
                 self.num_reused_tokens += run.num_reused_tokens
                 self.num_recomputed_tokens += run.recomputed_indices.numel()

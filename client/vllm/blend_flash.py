@@ -1,0 +1,158 @@
+"""FlashAttention varlen over vLLM's paged cache for CacheBlend's selected rows (CUDA).
+
+Why this file exists: the rows CacheBlend (Yao et al., EuroSys 2025) or LegoLink select
+are not a contiguous suffix, which vLLM's attention backends assume
+(vllm/v1/attention/backends/flash_attn.py ~l.513 in 0.32.0). On CPU the layer loop
+(client/vllm/blend_layers.py) runs a masked SDPA over the layer's long K/V. On CUDA the
+loop has already written the layer's blended K/V into the request's paged blocks (the
+sink, `do_kv_cache_update`), so each maximal run of consecutive selected rows is one
+pseudo-sequence of FlashAttention varlen over the paged cache: its queries are the run,
+its keys the request's block table with `seqused_k` = the run's last position + 1, and
+the kernel's bottom-right causal mask then shows row i exactly the keys at positions <=
+its own (the design, /work/shared/designs/cacheblend-in-vllm.md, step 3). No mask is
+materialized and the K/V are read in place.
+
+    positions:   0 1 2 . . 5 6 . . 9        selected rows (S = 6)
+    runs:        [0 1 2]   [5 6]   [9]      cu_seqlens_q = [0, 3, 5, 6]
+    seqused_k:    3         7       10      block_table: the request's, repeated 3 times
+
+Selected on CUDA only, where vLLM ships `vllm.vllm_flash_attn` and the layer's backend
+is FlashAttention (its kv_cache `[num_blocks, num_kv_heads, block_size, 2 * head_size]`,
+flash_attn.py ~l.1252); otherwise `sdpa_attention` serves. Not yet run on a GPU: the
+pseudo-sequences and the call are checked on CPU against the masked SDPA with an
+emulation of the kernel's semantics (tests/vllm_connector/test_vllm_blend_flash.py).
+vllm-free at import.
+"""
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from lmcached.client.vllm.blend_layers import AttentionFn
+from lmcached.wire.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PseudoSequences:
+    """The selected rows of one request as FlashAttention varlen sequences.
+
+    Attributes:
+        cu_seqlens_q: int32 `[R + 1]`: where each run starts in the selected rows, then S.
+        seqused_k: int32 `[R]`: keys of each run: its last position + 1.
+        block_table: int32 `[R, num_blocks]`: the request's vLLM block ids, once per run.
+        max_seqlen_q: rows of the longest run.
+        max_seqlen_k: the largest `seqused_k`.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+    block_table: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def pseudo_sequences(positions: torch.Tensor, block_ids: list[int],
+                     device: torch.device | str = "cpu") -> PseudoSequences:
+    """Cut the selected rows into maximal runs of consecutive positions.
+
+    Args:
+        positions: int64 `[S]`, strictly increasing, S >= 1: the selected rows' positions.
+        block_ids: the request's vLLM block ids, covering positions `[0, positions[-1]]`.
+        device: where the tensors go (the kernel's device).
+
+    Returns:
+        PseudoSequences.
+
+    Raises:
+        ValueError: no positions, positions not strictly increasing, or block_ids too
+            short for the last position (the message says how many blocks are needed).
+    """
+    positions = positions.to("cpu", torch.int64)
+    if positions.numel() == 0:
+        raise ValueError("no selected rows: a layer without selected rows runs no attention")
+    steps = positions.diff()
+    if bool((steps <= 0).any()):
+        raise ValueError("selected positions must be strictly increasing")
+    ends = torch.cat([torch.nonzero(steps != 1).flatten() + 1,
+                      torch.tensor([positions.numel()])])  # [R]: end of each run in the rows
+    cu_seqlens_q = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+    seqused_k = positions[ends - 1] + 1
+    block_table = torch.tensor(block_ids, dtype=torch.int32)
+    return PseudoSequences(
+        cu_seqlens_q=cu_seqlens_q.to(device, torch.int32),
+        seqused_k=seqused_k.to(device, torch.int32),
+        block_table=block_table.expand(len(ends), -1).contiguous().to(device),
+        max_seqlen_q=int(ends.diff(prepend=torch.zeros(1, dtype=torch.int64)).max()),
+        max_seqlen_k=int(seqused_k.max()),
+    )
+
+
+def flash_paged_attention(varlen_fn: Callable, q: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, seqs: PseudoSequences, scale: float,
+                          fa_version: int | None = None) -> torch.Tensor:
+    """The selected rows' attention over the paged cache, one pseudo-sequence per run.
+
+    Args:
+        varlen_fn: `vllm.vllm_flash_attn.flash_attn_varlen_func` (or a function with its
+            keyword arguments and semantics: paged keys through `block_table`, causal
+            aligned to the end of `seqused_k`).
+        q: `[S, num_heads, head_size]`, model dtype: the selected rows' queries.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_size]` each,
+            holding the layer's K/V of every position the runs see.
+        seqs: `pseudo_sequences` of the selected rows' positions.
+        scale: the softmax scale (the layer's `scaling`).
+        fa_version: the FlashAttention version the layer's backend uses, if any.
+
+    Returns:
+        `[S, num_heads, head_size]`, q's dtype and device.
+    """
+    kwargs = {}
+    if fa_version is not None:
+        kwargs["fa_version"] = fa_version
+    return varlen_fn(q=q.contiguous(), k=key_cache, v=value_cache,
+                     cu_seqlens_q=seqs.cu_seqlens_q, max_seqlen_q=seqs.max_seqlen_q,
+                     seqused_k=seqs.seqused_k, max_seqlen_k=seqs.max_seqlen_k,
+                     softmax_scale=scale, causal=True, block_table=seqs.block_table,
+                     **kwargs)
+
+
+def paged_flash_attention(model, block_ids: list[int]) -> AttentionFn | None:
+    """The `AttentionFn` of one request over vLLM's paged cache, or None where it does
+    not apply (not CUDA, no `vllm.vllm_flash_attn`, a backend other than FlashAttention):
+    the caller then uses `sdpa_attention`.
+
+    The layer's blended K/V must be in the paged cache before the call (the layer loop
+    calls its sink first); positions below the claim are vLLM's own prefix-cache hit,
+    already there.
+
+    Args:
+        model: the blend-aware vLLM model (its layers' `self_attn.attn`).
+        block_ids: the request's vLLM block ids.
+    """
+    if next(model.parameters()).device.type != "cuda":
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+        if not is_flash_attn_varlen_func_available():
+            return None
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    layers = model.model.layers
+    if not hasattr(layers[0].self_attn.attn.impl, "vllm_flash_attn_version"):
+        return None  # FlashInfer, Triton, ...: their caches have other layouts
+
+    def attention(layer_id: int, attn, q, k, v, positions) -> torch.Tensor:
+        layer = layers[layer_id].self_attn.attn
+        # [num_blocks, num_kv_heads, block_size, 2 * D] -> K, V [num_blocks, block_size, H, D]
+        key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(attn.head_dim, dim=-1)
+        return flash_paged_attention(flash_attn_varlen_func, q, key_cache, value_cache,
+                                     pseudo_sequences(positions, block_ids, q.device),
+                                     attn.scaling, layer.impl.vllm_flash_attn_version)
+
+    logger.info("lmcached blend: selected rows attend through FlashAttention varlen over "
+                "the paged cache")
+    return attention
