@@ -26,6 +26,7 @@ its request, by one rotation of the position delta (see rope.py).
 """
 
 import math
+from typing import Callable
 
 import torch
 
@@ -258,7 +259,8 @@ class CacheBlendImpl(_SelectiveBlend):
     """
 
     def __init__(self, recompute_ratio: float, check_layer: int = 1, *,
-                 delta_rotation: bool = True):
+                 delta_rotation: bool = True,
+                 reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """Args:
             recompute_ratio: fraction of each request's reused tokens to recompute, in
                 [0, 1] (0.15 in the paper).
@@ -266,6 +268,11 @@ class CacheBlendImpl(_SelectiveBlend):
                 in LMCache and the paper's code (layer-0 K has no deviation to see).
             delta_rotation: one rotation by the position delta (True), or LMCache's
                 reverse + forward encoders (False).
+            reduce_scores: with tensor parallelism, a sum over the ranks (vLLM's
+                `tensor_model_parallel_all_reduce`) of the float32 `[N]` deviations of
+                each rank's head slice, so that every rank selects the same tokens
+                (the design: /work/shared/designs/cacheblend-in-vllm.md, step 4);
+                None with one rank.
 
         Raises:
             ValueError: ratio outside [0, 1] or check_layer not an int >= 0.
@@ -279,6 +286,7 @@ class CacheBlendImpl(_SelectiveBlend):
             raise ValueError(f"check_layer must be an int >= 0, got {check_layer!r}")
         self.recompute_ratio = float(recompute_ratio)
         self.check_layer = check_layer
+        self._reduce_scores = reduce_scores
 
     def blend(self, layer_id, retrieved_k, retrieved_v, valid_mask, original_positions,
               fresh_q, fresh_k, fresh_v, positions, query_start_loc, token_dim) -> BlendOutput:
@@ -322,7 +330,10 @@ class CacheBlendImpl(_SelectiveBlend):
         valid tokens of largest mean squared K deviation."""
         other_dims = [d for d in range(fresh_k.dim()) if d != token_dim]
         # float32 [N], cpu: mean squared deviation per token; -inf where nothing reused.
-        deviation = ((fresh_k.float() - reused_k.float()) ** 2).mean(dim=other_dims).cpu()
+        deviation = ((fresh_k.float() - reused_k.float()) ** 2).mean(dim=other_dims)
+        if self._reduce_scores is not None:  # every rank's heads: one selection on all ranks
+            deviation = self._reduce_scores(deviation)
+        deviation = deviation.cpu()
         deviation = torch.where(valid, deviation, torch.tensor(-math.inf))
         mask = ~valid
         for start, end in zip(qsl[:-1].tolist(), qsl[1:].tolist()):

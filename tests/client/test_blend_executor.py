@@ -138,6 +138,25 @@ def test_the_token_whose_k_deviates_most_is_selected(token_dim):
 
 
 @pytest.mark.parametrize("token_dim", [0, 1])
+def test_tensor_parallel_ranks_select_on_the_deviations_summed_over_ranks(token_dim):
+    batch = make_batch(BATCH)
+    num_tokens = batch["valid"].numel()
+    other_rank = torch.zeros(num_tokens)  # the other rank's heads deviate on 8 and 30
+    other_rank[[8, 30]] = 1.0
+    seen = []
+
+    def all_reduce(deviation):  # vLLM's tensor_model_parallel_all_reduce over 2 ranks
+        seen.append((deviation.dtype, tuple(deviation.shape)))
+        return deviation + other_rank
+
+    executor = CacheBlendImpl(0.04, reduce_scores=all_reduce)
+    _, check, _ = run_cacheblend(0.04, batch, token_dim, planted={7: 0.05, 27: 0.05},
+                                 executor=executor)
+    assert seen == [(torch.float32, (num_tokens,))]  # once, at the check layer
+    assert [i for i in check.local_indices.tolist() if batch["valid"][i]] == [8, 30]
+
+
+@pytest.mark.parametrize("token_dim", [0, 1])
 def test_check_layer_returns_selected_q_and_fresh_long_kv(token_dim):
     batch = make_batch(BATCH)
     executor = CacheBlendImpl(0.3)
