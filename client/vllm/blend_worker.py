@@ -16,13 +16,25 @@ before the forward and computes only the tail itself), this module:
 
 A blend that fails (the daemon went away, a pin of an ended session, a model the loop
 does not reproduce) reports the claimed blocks as load errors: vLLM recomputes them
-exactly (`kv_load_failure_policy="recompute"`). vllm-free.
+exactly (`kv_load_failure_policy="recompute"`).
+
+With tensor parallelism each rank blends its own head slice from its own namespace,
+and the model's row-parallel layers all-reduce over the rows each rank computes, so the
+ranks must compute the same rows, in step: they agree on which tokens each segment
+reuses (a chunk missing on one rank is a miss on all), sum the deviation scores over
+their heads before top-k (`CacheBlendImpl(reduce_scores=)`), and fail together when one
+rank cannot read a layer (otherwise one rank leaves the layer loop while the others
+wait in its all-reduces). vllm-free: the connector hands in the collectives.
 """
+
+import dataclasses
+from typing import Callable
 
 import numpy as np
 import torch
 
 from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
+from lmcached.client.blend.interfaces import BlendRetrieverResult, BlendRetrieverTask
 from lmcached.client.blend.retriever import SPTBlendRetriever
 from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.engine import CacheEngine
@@ -34,6 +46,20 @@ from lmcached.client.vllm.specs import ConnectorSettings
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelGroup:
+    """The collectives over vLLM's TP group a rank's blend needs (the connector builds
+    them from `get_tp_group()`); every rank calls them in the same order.
+
+    Attributes:
+        sum_scores: float32 `[N]` (any device) -> its sum over the ranks, same device.
+        min_flags: int64 `[n]`, cpu -> its element-wise minimum over the ranks.
+    """
+
+    sum_scores: Callable[[torch.Tensor], torch.Tensor]
+    min_flags: Callable[[torch.Tensor], torch.Tensor]
 
 
 def rotary_of(hf_config) -> LlamaRotary:
@@ -59,6 +85,7 @@ class BlendWorker:
         segment_layout: this rank's namespace of document segments (fmt "vllm",
             `[num_layers, 2, num_tokens, num_kv_heads, head_size]`, model dtype).
         hf_config: the model's Hugging Face config (RoPE parameters).
+        tp_group: the TP group's collectives; None with one rank.
 
     Attributes:
         num_blended_requests / num_reused_tokens / num_recomputed_tokens: blends done,
@@ -68,8 +95,9 @@ class BlendWorker:
     """
 
     def __init__(self, settings: ConnectorSettings, segment_layout: KVLayout,
-                 hf_config) -> None:
+                 hf_config, tp_group: TensorParallelGroup | None = None) -> None:
         self.settings = settings
+        self._tp_group = tp_group
         self.engine = CacheEngine.connect(segment_layout, settings.socket,
                                           settings.daemon_name, timeout_s=settings.timeout_s)
         self._hf_config = hf_config
@@ -94,13 +122,13 @@ class BlendWorker:
                 if not spec.store_only:
                     self._load_errors.update(_claimed_blocks(spec, self.settings.block_size))
                 continue
-            try:  # a document not stored is only a later miss: the blend above stands
-                with torch.inference_mode():
-                    for segment in missing:
+            for segment in missing:  # a document not stored is only a later miss
+                try:
+                    with torch.inference_mode():
                         self._store_segment(model, segment)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("lmcached blend: storing a document of request %s failed: "
-                               "%s: %s", spec.req_id, type(exc).__name__, exc)
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("lmcached blend: storing a document of request %s "
+                                   "failed: %s: %s", spec.req_id, type(exc).__name__, exc)
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks of failed blends since the last call."""
@@ -109,8 +137,9 @@ class BlendWorker:
 
     def _executor(self, spec: BlendSpec):
         params = spec.params
-        executor = (CacheBlendImpl(params.recompute_ratio) if params.strategy == "cacheblend"
-                    else LegoLinkImpl(params.legolink_k))
+        reduce_scores = self._tp_group.sum_scores if self._tp_group else None
+        executor = (CacheBlendImpl(params.recompute_ratio, reduce_scores=reduce_scores)
+                    if params.strategy == "cacheblend" else LegoLinkImpl(params.legolink_k))
         executor.set_positional_encoder(rotary_of(self._hf_config).encoder)
         return executor
 
@@ -124,19 +153,39 @@ class BlendWorker:
         ids = torch.from_numpy(np.asarray(spec.tokens, dtype=np.int64))
         retriever = SPTBlendRetriever(spec.params.separator, self.engine,
                                       device=next(model.parameters()).device)
-        query_start_loc = torch.tensor([0, ids.numel()])
-        with retriever.new_request(ids, query_start_loc) as task:
+        with self._pin(retriever, ids) as task:
             valid = task.valid_mask.clone()
             segments = list(task.segments)
             if not spec.store_only:
                 sink = self._paged_writer(spec, model)
                 attention = paged_flash_attention(model, spec.block_ids)  # None: SDPA
-                run = run_blended_layers(model, ids, task, self._executor(spec), sink,
+                layers = task if self._tp_group is None else _InStep(task, self._tp_group)
+                run = run_blended_layers(model, ids, layers, self._executor(spec), sink,
                                          attention)
                 self.num_blended_requests += 1
                 self.num_reused_tokens += run.num_reused_tokens
                 self.num_recomputed_tokens += run.recomputed_indices.numel()
         return [ids[start:end] for start, end in segments if not bool(valid[start:end].all())]
+
+    def _pin(self, retriever: SPTBlendRetriever, ids: torch.Tensor):
+        """Pin every segment's cached chunks; with TP, every rank keeps only the tokens
+        all ranks found (a segment's reused prefix is the shortest of the ranks')."""
+        group = self._tp_group
+        try:
+            task = retriever.new_request(ids, torch.tensor([0, ids.numel()]))
+        except Exception:
+            if group is not None:  # the others are waiting for this rank's answer
+                group.min_flags(torch.zeros(ids.numel() + 1, dtype=torch.int64))
+            raise
+        if group is None:
+            return task
+        flags = group.min_flags(torch.cat([torch.ones(1, dtype=torch.int64),
+                                           task.valid_mask.to(torch.int64)]))
+        if not int(flags[0]):
+            task.release()
+            raise RuntimeError("another tensor-parallel rank could not pin the documents")
+        task.valid_mask &= flags[1:].bool()  # shared by every result() of the task
+        return task
 
     def _paged_writer(self, spec: BlendSpec, model):
         """A sink writing each layer's K/V of positions [num_local, end) into the
@@ -165,7 +214,8 @@ class BlendWorker:
         def keep(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
             layers.append(torch.stack((k, v)).cpu())  # [2, T, kv_heads, head_size]
 
-        # Nothing retrieved: every row through every layer, as the model's forward.
+        # Nothing retrieved: every row through every layer, as the model's forward (the
+        # same collectives on every TP rank; only the store below is this rank's own).
         with SPTBlendRetriever(0, self.engine).empty_request(tokens.numel()) as task:
             run_blended_layers(model, tokens, task, CacheBlendImpl(1.0), keep)
         if self.engine.store(tokens, torch.stack(layers)):
@@ -181,3 +231,25 @@ def _claimed_blocks(spec: BlendSpec, block_size: int) -> set[int]:
     first = spec.num_local_tokens // block_size
     last = -(-len(spec.tokens) // block_size)
     return set(spec.block_ids[first:last])
+
+
+class _InStep(BlendRetrieverTask):
+    """A task whose layers every TP rank reads in step: a layer one rank cannot read
+    (`PinsLost`, the daemon gone) fails on every rank, before any of them runs the
+    layer's all-reduces."""
+
+    def __init__(self, task: BlendRetrieverTask, group: TensorParallelGroup) -> None:
+        self._task = task
+        self._group = group
+
+    def result(self, layer_id: int) -> BlendRetrieverResult:
+        """The wrapped task's layer, or the error of whichever rank failed to read it."""
+        error: Exception | None = None
+        try:
+            result = self._task.result(layer_id)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+        if not int(self._group.min_flags(torch.tensor([int(error is None)]))[0]):
+            raise error or RuntimeError(f"another tensor-parallel rank could not read "
+                                        f"layer {layer_id} of the documents")
+        return result

@@ -6,6 +6,8 @@ test_vllm_blend_layers.py, its attention given a paged cache written through
 `impl.do_kv_cache_update` as vLLM's backends are.
 """
 
+import dataclasses
+import threading
 import types
 
 import numpy as np
@@ -15,7 +17,7 @@ import torch
 from lmcached.client import KVLayout
 from lmcached.client.layout import RECORD_HEADER_BYTES
 from lmcached.client.vllm.blend_params import BlendParams, BlendSpec
-from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.blend_worker import BlendWorker, TensorParallelGroup
 from lmcached.client.vllm.specs import ConnectorSettings
 
 from test_vllm_blend_layers import HEAD, HEADS, HIDDEN, KV_HEADS, LAYERS, FakeVllmLlama, reference_kv
@@ -49,10 +51,11 @@ def paged_model() -> FakeVllmLlama:
     return model
 
 
-def make_worker(socket: str) -> BlendWorker:
-    settings = ConnectorSettings(layouts=[LAYOUT], chunk_size=8, block_size=BLOCK, world_size=1,
-                                 socket=socket, daemon_name="unused", timeout_s=5.0)
-    return BlendWorker(settings, LAYOUT, HF_CONFIG)
+def make_worker(socket: str, layout: KVLayout = LAYOUT, tp_group=None) -> BlendWorker:
+    settings = ConnectorSettings(layouts=[layout], chunk_size=8, block_size=BLOCK,
+                                 world_size=layout.world_size, socket=socket,
+                                 daemon_name="unused", timeout_s=5.0)
+    return BlendWorker(settings, layout, HF_CONFIG, tp_group)
 
 
 def spec_of(tokens, num_local=0, store_only=False, ratio=1.0) -> BlendSpec:
@@ -115,6 +118,110 @@ def test_a_segment_that_fails_its_check_is_a_miss_recomputed_in_context(daemon):
         torch.testing.assert_close(cache[written, 1], v, rtol=1e-4, atol=1e-5)
     assert daemon.pins_held() == 0
     worker.shutdown()
+
+
+class ThreadRanks:
+    """TP collectives between threads (one per rank), as vLLM's TP group between processes."""
+
+    def __init__(self, world_size: int):
+        self._barrier = threading.Barrier(world_size, timeout=20)
+        self._slots = [None] * world_size
+        self.calls = [[] for _ in range(world_size)]  # per rank: the collectives it entered
+
+    def group(self, rank: int) -> TensorParallelGroup:
+        def collective(name, x, reduce):
+            self.calls[rank].append(name)
+            self._slots[rank] = x.clone()
+            self._barrier.wait()
+            out = reduce(torch.stack(self._slots))
+            self._barrier.wait()
+            return out
+
+        return TensorParallelGroup(
+            sum_scores=lambda x: collective("sum", x, lambda s: s.sum(0)),
+            min_flags=lambda x: collective("min", x, lambda s: s.min(0).values))
+
+
+def run_ranks(work, world_size=2):
+    """work(rank) on one thread per rank; re-raises the first error."""
+    errors = []
+
+    def target(rank):
+        try:
+            work(rank)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+
+
+def test_tensor_parallel_ranks_reuse_only_what_every_rank_found(daemon):
+    rng = np.random.default_rng(4)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
+    ranks = ThreadRanks(2)
+    models = [paged_model() for _ in range(2)]
+    workers = [make_worker(daemon.socket, dataclasses.replace(LAYOUT, world_size=2, worker_id=r),
+                           ranks.group(r)) for r in range(2)]
+    run_ranks(lambda r: workers[r].run([spec_of(system + doc, store_only=True)], models[r]))
+    assert [w.num_stored_segments for w in workers] == [2, 2]  # each rank its namespace
+    with workers[1].engine.retrieve_views(doc) as views:  # rank 1 loses the document
+        first_block = views.block_ids[0]
+    workers[1].engine.link.arena.view(first_block, torch.int64, (LAYOUT.chunk_size,),
+                                      offset_bytes=RECORD_HEADER_BYTES)[2] += 1
+
+    tokens = system + doc
+    spec = spec_of(tokens, ratio=0.0)
+    run_ranks(lambda r: workers[r].run([spec], models[r]))
+    # Both ranks reuse only the system prompt (rank 0 still has the document, rank 1
+    # not): the same rows on every rank, and the blend is exactly a full prefill.
+    assert [w.num_reused_tokens for w in workers] == [len(system)] * 2
+    assert [w.num_failed_blends for w in workers] == [0, 0]
+    for model in models:
+        for layer, (k, v) in zip(model.model.layers, reference_kv(model, torch.tensor(tokens))):
+            cache = layer.self_attn.attn.kv_cache
+            torch.testing.assert_close(cache[slots(spec, range(len(tokens))), 0], k,
+                                       rtol=1e-4, atol=1e-5)
+    assert daemon.pins_held() == 0
+    for worker in workers:
+        worker.shutdown()
+
+
+def test_a_tensor_parallel_rank_that_cannot_read_a_layer_fails_the_blend_on_every_rank(
+        daemon, monkeypatch):
+    rng = np.random.default_rng(5)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
+    ranks = ThreadRanks(2)
+    models = [paged_model() for _ in range(2)]
+    workers = [make_worker(daemon.socket, dataclasses.replace(LAYOUT, world_size=2, worker_id=r),
+                           ranks.group(r)) for r in range(2)]
+    run_ranks(lambda r: workers[r].run([spec_of(system + doc, store_only=True)], models[r]))
+
+    from lmcached.client.blend.retriever import SPTBlendRetrieverTask
+    from lmcached.client.views import PinsLost
+
+    real_result = SPTBlendRetrieverTask.result
+
+    def result(task, layer_id):  # rank 1's session ends before it reads layer 1
+        if layer_id == 1 and task._engine is workers[1].engine:
+            raise PinsLost("the daemon session ended")
+        return real_result(task, layer_id)
+
+    monkeypatch.setattr(SPTBlendRetrieverTask, "result", result)
+    spec = spec_of(doc + system, num_local=4, ratio=0.15)
+    run_ranks(lambda r: workers[r].run([spec], models[r]))
+    assert ranks.calls[0] == ranks.calls[1]  # no rank waits in a collective the other skips
+    first, last = 4 // BLOCK, -(-len(spec.tokens) // BLOCK)
+    for worker in workers:
+        assert worker.num_failed_blends == 1 and worker.num_blended_requests == 0
+        assert worker.take_load_errors() == set(spec.block_ids[first:last])
+    assert daemon.pins_held() == 0
+    for worker in workers:
+        worker.shutdown()
 
 
 def test_a_failed_blend_is_reported_as_load_errors_and_releases_its_pins(daemon, monkeypatch):
