@@ -1,7 +1,7 @@
 """Which engines can blend, and where CacheBlend's documents are stored.
 
 Why this file exists: the connector (client/vllm/connector.py) decides once, from vLLM's
-configuration, whether its engine can blend at all (one TP rank, a blend-aware
+configuration, whether its engine can blend at all (a blend-aware
 `LMCached*ForCausalLM` architecture, a RoPE a delta rotation moves exactly) and which
 namespace holds the documents; both roles compute the same answer without seeing a
 tensor. Imports vllm (its version is part of the namespace).
@@ -51,8 +51,6 @@ def blend_refusal(vllm_config) -> str | None:
     Args:
         vllm_config: the engine's VllmConfig.
     """
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        return "tensor_parallel"
     architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
     if not any(name in BLEND_ARCHITECTURES for name in architectures):
         return "no_model"

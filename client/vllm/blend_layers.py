@@ -94,7 +94,8 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
     calls no module (a zero-row matmul is skipped).
 
     Args:
-        model: a vLLM model accepted by `check_blend_model`, tensor parallel size 1.
+        model: a vLLM model accepted by `check_blend_model` (one TP rank's: its heads;
+            every rank calls this on the same rows, in step).
         input_ids: int64 `[num_tokens]`, cpu: the tokens to prefill, from position 0.
         task: their retrieval (one request); K/V per layer `[num_tokens, num_kv_heads,
             head_size]`.

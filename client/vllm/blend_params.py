@@ -24,8 +24,7 @@ STRATEGIES = ("cacheblend", "legolink")
 
 # Why a request that asked for blending was served normally (counter names).
 REFUSALS = ("unsalted", "bad_params", "lora", "multimodal", "prompt_embeds",
-            "tensor_parallel", "no_model", "rope", "one_segment", "local_hit",
-            "daemon_unavailable")
+            "no_model", "rope", "one_segment", "local_hit", "daemon_unavailable")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,8 +51,8 @@ class BlendScheduler:
     Args:
         settings: the connector's settings (daemon, chunk size).
         segment_layout: rank 0's namespace of document segments.
-        refuse_all: a reason every blend request is refused for (tensor parallel,
-            no blend-aware model), or None.
+        refuse_all: a reason every blend request is refused for (no blend-aware
+            model, a RoPE that cannot be re-rotated), or None.
         tokens_per_step: claimed tokens one step may blend before "ask again".
 
     Attributes:

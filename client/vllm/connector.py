@@ -83,7 +83,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.blend_worker import BlendWorker, TensorParallelGroup
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
@@ -302,8 +302,9 @@ class LMCachedConnector(KVConnectorBase_V1):
             rank = _tensor_parallel_rank()
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
+                tp_group = _blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(self.settings, blend_layouts[rank],
-                                                vllm_config.model_config.hf_config)
+                                                vllm_config.model_config.hf_config, tp_group)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -473,6 +474,24 @@ def _tensor_parallel_rank() -> int:
     )
 
     return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+
+
+def _blend_tp_group() -> TensorParallelGroup:
+    """CacheBlend's collectives over vLLM's TP group (its CPU group: a few KiB a blend)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    def sum_scores(scores: torch.Tensor) -> torch.Tensor:
+        total = scores.to("cpu", torch.float32, copy=True)
+        torch.distributed.all_reduce(total, group=get_tp_group().cpu_group)
+        return total.to(scores.device)
+
+    def min_flags(flags: torch.Tensor) -> torch.Tensor:
+        least = flags.to("cpu", torch.int64, copy=True)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN,
+                                     group=get_tp_group().cpu_group)
+        return least
+
+    return TensorParallelGroup(sum_scores=sum_scores, min_flags=min_flags)
 
 
 def _all_ranks_first_failure(failed: list[int]) -> list[int]:

@@ -135,3 +135,33 @@ def test_blend_request_with_the_daemon_down_is_served_normally(rag, short_tmp):
                           socket, extra_args=BLEND_ARGS)
     assert result["outputs"] == [rag["outputs"]["reordered"]]
     assert result["blend"]["refusals"] == {"daemon_unavailable": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * E2E_TIMEOUT_S + 60)
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on CPU binds one core per worker")
+def test_blend_with_tensor_parallel_ranks_each_blending_its_heads(rag, daemon_factory):
+    daemon = daemon_factory("--capacity", "256MiB")
+    prompts, reference = rag["prompts"], rag["outputs"]
+    run_instance(rag["tmp"], "a-tp2", rag["model"],
+                 [blend_request(prompts["first"], recompute_ratio=1.0)], daemon.socket,
+                 multiprocessing=True, tensor_parallel_size=2, extra_args=BLEND_ARGS)
+    assert daemon.info()["stores"] == 2 * 4  # each rank: the system prompt and 3 documents
+
+    # Ratio 1.0 in another order and new documents behind the cached system prompt at
+    # ratio 0 are exact; 0.15 selects on deviations summed over both ranks' heads.
+    batch = [blend_request(prompts["reordered"], recompute_ratio=1.0),
+             blend_request(prompts["new_docs"], recompute_ratio=0.0),
+             prompts["plain1"],
+             blend_request(prompts["reordered2"], salt="tp-0.15", recompute_ratio=0.15)]
+    second = run_instance(rag["tmp"], "b-tp2", rag["model"], batch, daemon.socket,
+                          multiprocessing=True, tensor_parallel_size=2, extra_args=BLEND_ARGS)
+    assert second["outputs"][:3] == [reference["reordered"], reference["new_docs"],
+                                     reference["plain1"]]
+    stats = daemon.info()
+    # Both ranks pinned each cached segment of the three blends (4 + 1 + 4 segments, one
+    # chunk each) and stored new_docs' two documents.
+    assert stats["hits"] == 2 * 9, daemon.log()[-4000:]
+    assert stats["stores"] == 2 * (4 + 2)
+    assert daemon.pins_held() == 0
+    assert "ended holding" not in daemon.log()
