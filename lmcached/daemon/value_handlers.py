@@ -32,6 +32,7 @@ from lmcached.wire.protocol import (
     Release,
     tier_of,
 )
+from lmcached.wire.record_format import ROOT_HASH
 from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.replies import Deferred, RequestError
@@ -57,7 +58,7 @@ class ValueHandlers:
         # part on a device tier cannot be evicted by host allocations, and is not pinned.
         job = self.l2.start_fetch(
             self.pool, req.namespaces, [self._ns_prefix[ns] for ns in req.namespaces],
-            req.hashes, num_chunks,
+            req.hashes, num_chunks, req.parent or ROOT_HASH,
             lambda: [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
                      if key in cached for b in cached[key]])
         if job is None or not self.l2.fetch_wait_s:
@@ -65,7 +66,8 @@ class ValueHandlers:
         return Deferred(req, job, time.monotonic() + self.l2.fetch_wait_s)
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
-        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
+                                                       req.parent)
         self._require_pool()
         if not self._resuming:
             self.stats.lookups += 1
@@ -78,7 +80,8 @@ class ValueHandlers:
         return self._fetch_rest(req, per_namespace, num_chunks) or LookupReply(num_chunks)
 
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
-        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
+                                                       req.parent)
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
@@ -96,6 +99,9 @@ class ValueHandlers:
             pool.stats.misses += len(chunk_keys) - num_chunks
             self.stats.ns_hits[ns] += len(found)
             self.stats.ns_misses[ns] += len(chunk_keys) - len(found)
+            if req.salted:
+                self.stats.salted_hits += len(found)
+                self.stats.salted_misses += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:
