@@ -58,7 +58,10 @@ session, the arena was replaced, a record does not match) is reported through
 `kv_load_failure_policy="recompute"`); TP ranks agree on failures (a MIN all-reduce on
 the TP CPU group), and KV computed on top of a failed load is never saved. Not supported (the connector then neither loads nor
 saves): pipeline or context parallelism, hybrid/sliding-window KV cache groups; requests
-with LoRA, multimodal inputs, a cache salt or prompt embeddings are not cached.
+with LoRA, multimodal inputs or prompt embeddings are not cached. A request's cache salt
+(`cache_salt`, one per tenant) enters its chunk chain's root hash, as vLLM folds it into
+its first block hash: it is cached under keys no other salt (and no unsalted request)
+can hit, and the daemon counts its hits apart (INFO `salted_hits`).
 """
 
 import dataclasses
