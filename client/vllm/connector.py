@@ -374,6 +374,35 @@ class LMCachedConnector(KVConnectorBase_V1):
         except ValueError as exc:
             self._disable(str(exc))
 
+    # --------------------------------------------------------------- sleep mode
+    # vLLM 0.33 added these three to the base class; on 0.32 nothing calls them.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """True: `unregister_kv_caches` lets go of vLLM's KV tensors and
+        `restore_kv_caches` maps them again (vLLM >= 0.33 asks before it sleeps)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: drop every reference to vLLM's KV tensors (queued copies are
+        waited for). Until `restore_kv_caches`, a load fails as a load error (vLLM
+        recomputes it) and a save is skipped. Idempotent."""
+        if self.worker_side is not None:
+            self.worker_side.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: map the layers' KV tensors again, as bound to the attention
+        layers now (the same session; a no-op unless `unregister_kv_caches` ran)."""
+        if self.worker_side is None or self.worker_side.registered:
+            return
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        kv_caches = {}
+        for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
+            kv_cache = forward_context[name].kv_cache
+            # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
+            # virtual engine).
+            kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+        self.register_kv_caches(kv_caches)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Copy this step's planned chunks into their vLLM blocks (before the forward);
         TP ranks agree on the first failed chunk of each load."""
