@@ -5,6 +5,7 @@ Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ 
     python tests/vllm_e2e.py build-model DIR
     python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
         [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N]
+        [--cache-salt SALT]
 
 Modes (the result JSON always has "startup_s" and "mode"):
     outputs: generate() over the prompts, --batch at a time (default: all at once);
@@ -70,6 +71,9 @@ def run(args) -> dict:
 
     with open(args.prompts) as f:
         prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+    if args.cache_salt:  # a tenant: vLLM folds it into its block hashes, lmcached into its chain
+        for prompt in prompts:
+            prompt["cache_salt"] = args.cache_salt
     kwargs = {}
     if args.socket:
         kwargs["kv_transfer_config"] = {
@@ -144,6 +148,7 @@ def main() -> int:
                      help="time the connector's hooks (in-process mode only)")
     gen.add_argument("--batch", type=int, default=0,
                      help="prompts per generate() call (default: all in one)")
+    gen.add_argument("--cache-salt", help="every prompt's cache_salt (a tenant)")
     args = parser.parse_args()
     if args.command == "build-model":
         build_model(args.path)

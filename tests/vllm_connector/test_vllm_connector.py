@@ -508,7 +508,7 @@ def vllm_segments() -> set[str]:
 
 def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | None = None,
                  multiprocessing: bool = False, mode: str = "outputs",
-                 tensor_parallel_size: int = 1) -> dict:
+                 tensor_parallel_size: int = 1, cache_salt: str | None = None) -> dict:
     """One vLLM instance in its own process group (killed as a group on timeout)."""
     prompts_path, out_path = os.path.join(tmp, f"{name}.in.json"), os.path.join(tmp, f"{name}.json")
     with open(prompts_path, "w") as f:
@@ -526,6 +526,8 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
            "--out", out_path, "--mode", mode, "--tensor-parallel-size", str(tensor_parallel_size)]
     if socket:
         cmd += ["--socket", socket]
+    if cache_salt:
+        cmd += ["--cache-salt", cache_salt]
     log_path = os.path.join(tmp, f"{name}.log")
     before = vllm_segments()
     with open(log_path, "w") as log:
@@ -554,7 +556,11 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
 def e2e(tmp_path_factory):
     """A tiny random-weight Llama, prompts A and B sharing prefixes, and B's outputs
     without the connector (the reference)."""
-    tmp = str(tmp_path_factory.mktemp("vllm_e2e"))
+    return build_e2e(str(tmp_path_factory.mktemp("vllm_e2e")))
+
+
+def build_e2e(tmp: str) -> dict:
+    """The `e2e` fixture's model, prompts and reference outputs, built in `tmp`."""
     model = os.path.join(tmp, "model")
     subprocess.run([sys.executable, E2E_SCRIPT, "build-model", model], check=True,
                    timeout=E2E_TIMEOUT_S, capture_output=True)
