@@ -49,7 +49,7 @@ attention ISA, TP rank and size; the physical format the worker sees (attention 
 per-layer slab shape, strides, dtype) is folded into the record fingerprint on top, so a
 reader with any other format counts a mismatch and recomputes instead of loading it.
 
-Choices (vLLM 0.32.0): loads are synchronous (`load_async=False`: vLLM calls
+Choices (vLLM 0.32 and 0.33): loads are synchronous (`load_async=False`: vLLM calls
 `start_load_kv` before the forward pass of the step that scheduled them, so
 `wait_for_layer_load` has nothing to wait for); saves happen once per step in
 `wait_for_save`, after every layer's KV is in the paged cache. The scheduler holds the
@@ -229,7 +229,7 @@ def _cpu_attention_isa(spec, cache_dtype: str) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
-    except Exception as exc:  # private helper of 0.32.0; a failure only loses sharing
+    except Exception as exc:  # private helper (0.32, 0.33); a failure only loses sharing
         return f"unknown({type(exc).__name__})"
 
 

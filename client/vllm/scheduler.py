@@ -9,7 +9,7 @@ every rank's namespace at once (a pinned lookup, after LMCache's lookup(pin=True
 `update_state_after_alloc` plans the load on those pins instead of asking again; the
 pins are RELEASEd without waiting once every rank has loaded. Pinning at lookup also
 means a chunk vLLM was promised cannot be evicted before it is loaded. It is vllm-free: vLLM objects (Request, KVCacheBlocks, SchedulerOutput)
-are used through the attributes vLLM 0.32.0 gives them. Split from the connector after
+are used through the attributes vLLM 0.32 and 0.33 give them. Split from the connector after
 vLLM's NixlConnectorScheduler / LMCache's scheduler adapter.
 """
 
