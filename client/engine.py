@@ -306,7 +306,7 @@ class CacheEngine:
         return sum(future.result() for future in pending)
 
     def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int,
-                   salt: str | None) -> int:
+                   salt: str | None = None) -> int:
         """Store the chunks from the one holding token `skip` (`Chain.store`); the KV of
         token t is `source`'s token t - kv_start; chunks hashed under cache salt `salt`."""
         layout = self.layout
@@ -324,7 +324,7 @@ class CacheEngine:
 
     # ----------------------------------------------------------------- retrieve
     def _acquire(self, token_array: np.ndarray, first_chunk: int,
-                 salt: str | None) -> PinnedChunks | None:
+                 salt: str | None = None) -> PinnedChunks | None:
         """ACQUIRE and check the cached run of chunks from chunk `first_chunk` under cache
         salt `salt` (`Chain.acquire`); None when the daemon is unavailable or refused."""
         all_hashes = hash_request_tokens(self.layout.chunk_size, token_array, salt)
@@ -335,7 +335,7 @@ class CacheEngine:
         return self.chain.acquire(token_array, first_chunk, hashes, parent, salt)
 
     def _pinned(self, token_array: np.ndarray, skip: int,
-                salt: str | None) -> PinnedChunks | None:
+                salt: str | None = None) -> PinnedChunks | None:
         """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE.
 
         A pinned lookup is used only while its pins still hold (its session is the
