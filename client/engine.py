@@ -35,7 +35,7 @@ import torch
 from lmcached.client.chain import Chain, PinnedChunks, check_verify, chunk_ranges
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.daemon_link import DaemonLink
-from lmcached.client.hashing import as_token_array, hash_request_tokens
+from lmcached.client.hashing import as_token_array, hash_request_tokens, root_hash
 from lmcached.client.kv_io import ChunkCopier, KVSource, suffix_mask_skip
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import TieredRecords
@@ -185,7 +185,7 @@ class CacheEngine:
         return self.chain.num_checksum_failures
 
     # ------------------------------------------------------------------- lookup
-    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
+    def lookup(self, tokens: Tokens, pin: bool = False, cache_salt: str | None = None) -> int:
         """Number of leading tokens of `tokens` whose chunks are cached.
 
         Args:
@@ -197,38 +197,48 @@ class CacheEngine:
                 `lookup_unpin` gives up pins that will not be retrieved (the oldest are
                 unpinned beyond MAX_PINNED_LOOKUPS). With pin=True the count covers only
                 records that passed verification.
+            cache_salt: the request's cache salt (a tenant; vLLM's `cache_salt`), or
+                None. It enters the chain's root hash (client/hashing.py): only stores
+                under the same salt are found, and chunks stored with a salt are found
+                by no unsalted request. The same keyword on `store`, `retrieve`,
+                `retrieve_views`, `acquire` and `lookup_unpin`.
 
         Returns:
             0 when the daemon is unavailable.
+
+        Raises:
+            ValueError / TypeError: an empty or non-str cache_salt.
         """
         token_array = as_token_array(tokens)
         if pin:
-            run = self._acquire(token_array, 0)
+            run = self._acquire(token_array, 0, cache_salt)
             if run is None:
                 return 0
             self._pinned_lookups.add(run)
             return run.chunks[-1][1] if run.chunks else 0
-        hashes = hash_request_tokens(self.layout.chunk_size, token_array)
+        hashes = hash_request_tokens(self.layout.chunk_size, token_array, cache_salt)
         if not hashes:
             return 0
 
-        num_chunks = self.chain.lookup(hashes)
+        num_chunks = self.chain.lookup(hashes, root_hash(cache_salt))
         return min(num_chunks * self.layout.chunk_size, len(token_array))
 
-    def lookup_unpin(self, tokens: Tokens | None = None) -> int:
+    def lookup_unpin(self, tokens: Tokens | None = None, cache_salt: str | None = None) -> int:
         """Unpin what `lookup(tokens, pin=True)` pinned and no retrieve used.
 
         Args:
             tokens: the looked-up tokens; None: every pinned lookup of this engine.
+            cache_salt: the salt they were looked up under (see `lookup`).
 
         Returns:
             Pinned lookups released.
         """
-        return self._pinned_lookups.drop(None if tokens is None else as_token_array(tokens))
+        return self._pinned_lookups.drop(None if tokens is None else as_token_array(tokens),
+                                         cache_salt)
 
     # -------------------------------------------------------------------- store
     def store(self, tokens: Tokens, kv, mask=None, skip_existing: bool = True,
-              blocking: bool = True) -> int:
+              blocking: bool = True, cache_salt: str | None = None) -> int:
         """Store the KV of `tokens`, chunk by chunk, writing only chunks not yet cached.
 
         Args:
@@ -249,6 +259,7 @@ class CacheEngine:
             blocking: False copies and commits on a background thread and returns 0 at
                 once; `flush()` waits and returns the chunks written. The caller must
                 not modify `kv` until then.
+            cache_salt: the request's cache salt, or None (see `lookup`).
 
         Returns:
             Chunks written now (0 when all were cached, the daemon is down, or
@@ -258,8 +269,10 @@ class CacheEngine:
 
         Raises:
             ValueError / TypeError: tokens, kv or mask do not match each other or the
-                layout, or the mask does not skip whole chunks (nothing is stored).
+                layout, or the mask does not skip whole chunks, or an empty or non-str
+                cache_salt (nothing is stored).
         """
+        root_hash(cache_salt)  # a bad salt raises here, not on the store thread
         token_array = as_token_array(tokens)
         num_tokens = len(token_array)
         skip = suffix_mask_skip(mask, num_tokens, self.layout.chunk_size)
@@ -276,14 +289,15 @@ class CacheEngine:
         if num_tokens == skip:
             return 0
         if blocking:
-            return self._store_now(token_array, source, skip, kv_start)
+            return self._store_now(token_array, source, skip, kv_start, cache_salt)
         with self._pending_lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="lmcached-store"
                 )
             self._pending.append(
-                self._executor.submit(self._store_now, token_array, source, skip, kv_start)
+                self._executor.submit(self._store_now, token_array, source, skip, kv_start,
+                                      cache_salt)
             )
         return 0
 
@@ -293,13 +307,14 @@ class CacheEngine:
             pending, self._pending = self._pending, []
         return sum(future.result() for future in pending)
 
-    def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int) -> int:
+    def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int,
+                   salt: str | None = None) -> int:
         """Store the chunks from the one holding token `skip` (`Chain.store`); the KV of
-        token t is `source`'s token t - kv_start."""
+        token t is `source`'s token t - kv_start; chunks hashed under cache salt `salt`."""
         layout = self.layout
         first_chunk = skip // layout.chunk_size
         chunks = chunk_ranges(len(tokens), layout.chunk_size, first_chunk)
-        hashes = hash_request_tokens(layout.chunk_size, tokens)[first_chunk:]
+        hashes = hash_request_tokens(layout.chunk_size, tokens, salt)[first_chunk:]
 
         def write(records, span: list[int], i: int) -> None:
             start, stop = chunks[i]
@@ -310,15 +325,19 @@ class CacheEngine:
                                 functools.partial(synchronize_if_cuda, source.any_tensor))
 
     # ----------------------------------------------------------------- retrieve
-    def _acquire(self, token_array: np.ndarray, first_chunk: int) -> PinnedChunks | None:
-        """ACQUIRE and check the cached run of chunks from chunk `first_chunk`
-        (`Chain.acquire`); None when the daemon is unavailable or refused."""
-        hashes = hash_request_tokens(self.layout.chunk_size, token_array)[first_chunk:]
+    def _acquire(self, token_array: np.ndarray, first_chunk: int,
+                 salt: str | None = None) -> PinnedChunks | None:
+        """ACQUIRE and check the cached run of chunks from chunk `first_chunk` under cache
+        salt `salt` (`Chain.acquire`); None when the daemon is unavailable or refused."""
+        all_hashes = hash_request_tokens(self.layout.chunk_size, token_array, salt)
+        hashes = all_hashes[first_chunk:]
         if not hashes:
             return None
-        return self.chain.acquire(token_array, first_chunk, hashes)
+        parent = all_hashes[first_chunk - 1] if first_chunk else root_hash(salt)
+        return self.chain.acquire(token_array, first_chunk, hashes, parent, salt)
 
-    def _pinned(self, token_array: np.ndarray, skip: int) -> PinnedChunks | None:
+    def _pinned(self, token_array: np.ndarray, skip: int,
+                salt: str | None = None) -> PinnedChunks | None:
         """The pinned run for a retrieve: a pinned lookup of these tokens, else an ACQUIRE.
 
         A pinned lookup is used only while its pins still hold (its session is the
@@ -326,12 +345,13 @@ class CacheEngine:
         (counted in `num_stale_pins`) and the chunks are ACQUIREd again: its blocks may
         have been reused for another prompt since the lookup.
         """
-        run = self._pinned_lookups.take(token_array) if len(self._pinned_lookups) else None
+        run = (self._pinned_lookups.take(token_array, salt) if len(self._pinned_lookups)
+               else None)
         if run is not None:
             if run.holds_pins() and run.records_match():
                 return run
             self._drop_stale(run)
-        return self._acquire(token_array, skip // self.layout.chunk_size)
+        return self._acquire(token_array, skip // self.layout.chunk_size, salt)
 
     def _drop_stale(self, run: PinnedChunks) -> None:
         """Give up a pinned run whose pins no longer hold (counted, warned once)."""
@@ -345,7 +365,7 @@ class CacheEngine:
                 "from the daemon; further cases are only counted", run.session_id,
             )
 
-    def acquire(self, tokens: Tokens) -> PinnedChunks | None:
+    def acquire(self, tokens: Tokens, cache_salt: str | None = None) -> PinnedChunks | None:
         """Pin the cached chunk chain of `tokens` (from position 0) for reading in place.
 
         The lower-level read under `retrieve` and `retrieve_views`, for callers that
@@ -354,6 +374,7 @@ class CacheEngine:
 
         Args:
             tokens: `[num_tokens]` token ids.
+            cache_salt: the request's cache salt, or None (see `lookup`).
 
         Returns:
             The pinned, verified run (`spans`: block ids per chunk; `chunks`: its
@@ -362,9 +383,10 @@ class CacheEngine:
             `.release()` when done reading; until then the blocks are neither evicted
             nor rewritten.
         """
-        return self._pinned(as_token_array(tokens), 0)
+        return self._pinned(as_token_array(tokens), 0, cache_salt)
 
-    def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None):
+    def retrieve(self, tokens: Tokens, mask=None, return_tuple: bool = True, out=None,
+                 cache_salt: str | None = None):
         """Copy out the KV of the longest cached prefix of `tokens` (after the mask).
 
         Seed semantics (LMCache's `LMCacheEngine.retrieve`): the mask is a suffix mask
@@ -382,6 +404,7 @@ class CacheEngine:
             out: optional destination with room for every retrieved token: a blob
                 (token dim >= n) or a tuple of per-layer (K, V) buffers; results are
                 views of it (no allocation).
+            cache_salt: the request's cache salt, or None (see `lookup`).
 
         Returns:
             (kv, ret_mask): kv holds the n tokens `tokens[skip : skip + n]`, or is the
@@ -396,7 +419,7 @@ class CacheEngine:
         num_tokens = len(token_array)
         skip = suffix_mask_skip(mask, num_tokens)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        run = self._pinned(token_array, skip) if num_tokens > skip else None
+        run = self._pinned(token_array, skip, cache_salt) if num_tokens > skip else None
         if run is None:
             self.miss_tokens += num_tokens - skip
             return (), ret_mask
@@ -416,7 +439,8 @@ class CacheEngine:
         ret_mask[skip : skip + num_hit] = True
         return kv, ret_mask
 
-    def retrieve_views(self, tokens: Tokens, mask=None) -> RetrievedViews:
+    def retrieve_views(self, tokens: Tokens, mask=None,
+                       cache_salt: str | None = None) -> RetrievedViews:
         """Pin the cached prefix and return zero-copy views of its arena blocks.
 
         Use as a context manager; the blocks stay pinned (never evicted or reused)
@@ -427,6 +451,7 @@ class CacheEngine:
 
         The mask has `retrieve`'s semantics: a suffix mask of any length; the first
         view starts at the first masked-in token (a narrowed view of its chunk).
+        `cache_salt`: the request's cache salt, or None (see `lookup`).
 
         Returns:
             RetrievedViews with `.chunks` (one tensor per chunk,
@@ -443,7 +468,7 @@ class CacheEngine:
         layout = self.layout
         token_array = as_token_array(tokens)
         skip = suffix_mask_skip(mask, len(token_array))
-        run = self._pinned(token_array, skip) if len(token_array) > skip else None
+        run = self._pinned(token_array, skip, cache_salt) if len(token_array) > skip else None
         if run is None:
             self.miss_tokens += len(token_array) - skip
             return RetrievedViews([], [], skip, 0, None)

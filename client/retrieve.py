@@ -66,23 +66,25 @@ class PinnedLookups:
                 )
             oldest.release()
 
-    def take(self, tokens: np.ndarray) -> PinnedChunks | None:
-        """Remove and return the oldest pinned run of exactly these tokens, if any."""
+    def take(self, tokens: np.ndarray, salt: str | None = None) -> PinnedChunks | None:
+        """Remove and return the oldest pinned run of exactly these tokens and cache salt
+        (a run pinned under another salt is another tenant's), if any."""
         with self._lock:
             for key, run in self._runs.items():
-                if run.holds(tokens):
+                if run.holds(tokens, salt):
                     del self._runs[key]
                     return run
         return None
 
-    def drop(self, tokens: np.ndarray | None = None) -> int:
-        """Unpin the runs of `tokens` (every run if None). Returns how many."""
+    def drop(self, tokens: np.ndarray | None = None, salt: str | None = None) -> int:
+        """Unpin the runs of `tokens` under cache salt `salt` (every run if `tokens` is
+        None). Returns how many."""
         with self._lock:
             if tokens is None:
                 dropped = list(self._runs.values())
                 self._runs.clear()
             else:
-                keys = [key for key, run in self._runs.items() if run.holds(tokens)]
+                keys = [key for key, run in self._runs.items() if run.holds(tokens, salt)]
                 dropped = [self._runs.pop(key) for key in keys]
         for run in dropped:
             run.release()

@@ -5,7 +5,7 @@ Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ 
     python tests/vllm_e2e.py build-model DIR [--layers 2] [--dtype bfloat16]
     python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
         [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N] \\
-        [--blend-model] [--logprobs N] [--dtype bfloat16]
+        [--blend-model] [--logprobs N] [--dtype bfloat16] [--cache-salt SALT]
 
 A prompt is a list of token ids, or a dict {"prompt_token_ids": [...], "cache_salt": str,
 "kv_transfer_params": {...}} (CacheBlend requests: docs/cacheblend.md).
@@ -103,6 +103,9 @@ def run(args) -> dict:
     with open(args.prompts) as f:
         prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in json.load(f)]
     transfer_params = [p.pop("kv_transfer_params", None) for p in prompts]
+    if args.cache_salt:  # a tenant: vLLM folds it into its block hashes, lmcached into its chain
+        for prompt in prompts:
+            prompt.setdefault("cache_salt", args.cache_salt)
     kwargs = {}
     if args.socket:
         kwargs["kv_transfer_config"] = {
@@ -203,6 +206,7 @@ def main() -> int:
     gen.add_argument("--logprobs", type=int, default=0,
                      help="report the first token's top-N logprobs")
     gen.add_argument("--dtype", default="bfloat16")
+    gen.add_argument("--cache-salt", help="every prompt's cache_salt (a tenant)")
     args = parser.parse_args()
     if args.command == "build-model":
         build_model(args.path, args.layers, args.dtype, args.hidden)

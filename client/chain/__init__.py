@@ -26,6 +26,7 @@ from lmcached.client.chain.frames import (
     chunk_ranges,
     chunks_per_request,
     fill_and_commit,
+    wire_parent,
 )
 from lmcached.client.chain.pins import PinnedChunks, Pins, release_all
 
@@ -40,4 +41,5 @@ __all__ = [
     "chunks_per_request",
     "fill_and_commit",
     "release_all",
+    "wire_parent",
 ]

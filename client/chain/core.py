@@ -13,6 +13,7 @@ from lmcached.client.chain.frames import (
     check_verify,
     chunks_per_request,
     fill_and_commit,
+    wire_parent,
 )
 from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
@@ -25,6 +26,7 @@ from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import NOSPACE, Abort, Alloc, Invalidate, Lookup, tier_of
 from lmcached.wire.connection import DaemonError
+from lmcached.wire.record_format import ROOT_HASH
 
 logger = init_logger(__name__)
 
@@ -98,16 +100,22 @@ class Chain:
         self._records = self._tiered = None
 
     # ------------------------------------------------------------------- read
-    def lookup(self, hashes: list[bytes]) -> int:
+    def lookup(self, hashes: list[bytes], parent: bytes = ROOT_HASH) -> int:
         """How many leading chunks of `hashes` are READY (LOOKUP: no pins, no LRU change),
-        in requests of `chunks_per_request`; 0 when the daemon is unavailable."""
+        in requests of `chunks_per_request`; 0 when the daemon is unavailable.
+
+        Args:
+            hashes: the chunks' prefix hashes, in chain order.
+            parent: the hash before `hashes[0]` (`acquire_chain`'s).
+        """
 
         def count(snapshot: Snapshot) -> int:
             per_request = chunks_per_request(self.layout, snapshot.block_bytes)
             num_chunks = 0
             for pos in range(0, len(hashes), per_request):
                 batch = hashes[pos : pos + per_request]
-                found = snapshot.request(Lookup(snapshot.namespaces, b"".join(batch)))
+                found = snapshot.request(Lookup(snapshot.namespaces, b"".join(batch),
+                                                wire_parent(hashes, pos, parent)))
                 num_chunks += found.num_chunks
                 if found.num_chunks < len(batch):
                     break
@@ -115,14 +123,16 @@ class Chain:
 
         return self.link.call("LOOKUP", count, 0)
 
-    def acquire(self, tokens: np.ndarray, first_chunk: int,
-                hashes: list[bytes]) -> PinnedChunks | None:
+    def acquire(self, tokens: np.ndarray, first_chunk: int, hashes: list[bytes],
+                parent: bytes = ROOT_HASH, salt: str | None = None) -> PinnedChunks | None:
         """ACQUIRE the cached run of chunks from chunk `first_chunk`, and check their records.
 
         Args:
             tokens: int64 `[num_tokens]` token ids of the request.
             first_chunk: the run's first chunk in the request.
             hashes: the prefix hashes of the chunks from `first_chunk` on (non-empty).
+            parent: the hash before `hashes[0]` (`acquire_chain`'s).
+            salt: the request's cache salt (kept in the run; its hashes already hold it).
 
         Returns:
             The pinned run (its `spans` and `chunks` cover the chunks that passed `check`;
@@ -131,9 +141,9 @@ class Chain:
         """
 
         def acquire(snapshot: Snapshot) -> PinnedChunks:
-            (spans,) = acquire_chain(snapshot, hashes, self.layout)
+            (spans,) = acquire_chain(snapshot, hashes, self.layout, parent, salt is not None)
             return PinnedChunks(tokens, first_chunk, spans, hashes[: len(spans)],
-                                self.records(snapshot), Pins.of(snapshot))
+                                self.records(snapshot), Pins.of(snapshot), salt)
 
         run = self.link.call("ACQUIRE", acquire, None)
         if run is not None and run.spans:

@@ -18,6 +18,7 @@ from lmcached.wire.protocol import (
     Commit,
 )
 from lmcached.wire.connection import DaemonError
+from lmcached.wire.record_format import ROOT_HASH
 
 logger = init_logger(__name__)
 
@@ -62,11 +63,28 @@ def chunks_per_request(layout: KVLayout, block_bytes: int, num_namespaces: int =
     return max(1, min(MAX_CHUNKS_PER_REQUEST // num_namespaces, fit))
 
 
-def acquire_chain(snapshot: Snapshot, hashes: list[bytes],
-                  layout: KVLayout) -> list[list[list[int]]]:
+def wire_parent(hashes: list[bytes], pos: int, parent: bytes) -> bytes:
+    """The `parent` field of a LOOKUP / ACQUIRE of `hashes[pos:]`: the hash of the chunk
+    before it (`parent` is the one before `hashes[0]`), b"" for ROOT_HASH (the field's
+    default: an unsalted chain from its start sends nothing more than before)."""
+    before = hashes[pos - 1] if pos else parent
+    return b"" if before == ROOT_HASH else before
+
+
+def acquire_chain(snapshot: Snapshot, hashes: list[bytes], layout: KVLayout,
+                  parent: bytes = ROOT_HASH, salted: bool = False) -> list[list[list[int]]]:
     """ACQUIRE the longest prefix of the chunk chain `hashes` READY in every namespace
     of the link, in as few requests as frames allow (`chunks_per_request`), recording
     the leases.
+
+    Args:
+        snapshot: the session's snapshot.
+        hashes: the chunks' prefix hashes, in chain order.
+        layout: the chunks' layout (how many fit a request).
+        parent: the hash of the chunk before `hashes[0]`: ROOT_HASH at the start of an
+            unsalted chain, `root_hash(salt)` at the start of a salted one. The daemon's
+            L2 tier verifies fetched chunks from it.
+        salted: the chain is a salted request's (INFO counts its hits apart).
 
     Returns:
         Per namespace (in the link's order), the block ids of each pinned chunk; every
@@ -80,7 +98,8 @@ def acquire_chain(snapshot: Snapshot, hashes: list[bytes],
     chains: list[list[list[int]]] = [[] for _ in range(num_namespaces)]
     for pos in range(0, len(hashes), per_request):
         batch = hashes[pos : pos + per_request]
-        spans = snapshot.acquire(b"".join(batch)).spans()
+        spans = snapshot.acquire(b"".join(batch), wire_parent(hashes, pos, parent),
+                                 salted).spans()
         found = len(spans) // num_namespaces  # namespace-major
         for i, chain in enumerate(chains):
             chain.extend(spans[i * found : (i + 1) * found])

@@ -79,6 +79,8 @@ class PinnedChunks:
         records: reader of the arena generation the blocks belong to.
         pins: the leases pinning the blocks (also those of chunks that failed
             verification, which are not in `spans`).
+        salt: the request's cache salt (None: unsalted); a run serves only requests
+            of the same tokens and salt.
         chunks: `[start, end)` token range (in the request) of each verified chunk
             (derived from the others).
 
@@ -93,6 +95,7 @@ class PinnedChunks:
     hashes: list[bytes]
     records: RecordIO
     pins: Pins
+    salt: str | None = None
     chunks: list[tuple[int, int]] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,9 +112,10 @@ class PinnedChunks:
         """Every block id of the verified chunks, in order."""
         return [block_id for span in self.spans for block_id in span]
 
-    def holds(self, tokens: np.ndarray) -> bool:
-        """Whether this run was pinned for exactly these tokens."""
-        return len(self.tokens) == len(tokens) and np.array_equal(self.tokens, tokens)
+    def holds(self, tokens: np.ndarray, salt: str | None = None) -> bool:
+        """Whether this run was pinned for exactly these tokens under this cache salt."""
+        return (self.salt == salt and len(self.tokens) == len(tokens)
+                and np.array_equal(self.tokens, tokens))
 
     def holds_pins(self) -> bool:
         """Whether the blocks still hold what was pinned (no request is sent).

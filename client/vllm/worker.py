@@ -170,7 +170,9 @@ class LMCachedConnectorWorker:
 
     def register(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
                  backend_names: dict[str, str], spec_page_bytes: int) -> None:
-        """Map the paged KV cache (shapes and strides as registered) and attach.
+        """Map the paged KV cache (shapes and strides as registered) and attach (the
+        daemon session is opened once: a register after `unregister`, vLLM's wake-up
+        from sleep mode, only maps the new tensors).
 
         Raises:
             ValueError: the caches are not dense per-block slabs of `spec_page_bytes`
@@ -182,6 +184,8 @@ class LMCachedConnectorWorker:
             raise ValueError(f"registered pages of {paged.page_bytes} bytes, the spec says "
                              f"{spec_page_bytes}")
         self._paged = paged
+        if self._link is not None:
+            return
         fingerprint = xxhash.xxh3_64_intdigest(f"{layout.fingerprint}|{paged.description}".encode())
         # GPU blocks: page-lock the arena so copies run at pinned-memory speed (the
         # engine's cuda_register path); CPU blocks need nothing.
@@ -192,6 +196,28 @@ class LMCachedConnectorWorker:
         logger.info("lmcached connector: rank %d/%d, %d layers, %d-byte pages, chunk %d tokens",
                     self.rank, self.settings.world_size, layout.num_layers, paged.page_bytes,
                     self.settings.chunk_size)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the worker maps vLLM's KV tensors now (False before `register` and
+        between `unregister` and the next `register`)."""
+        return self._paged is not None
+
+    def unregister(self) -> None:
+        """Drop every reference to vLLM's KV tensors (vLLM 0.33's sleep mode frees or
+        unmaps them; vLLM's `unregister_kv_caches`). Idempotent.
+
+        Copies queued on the device are waited for first, so none lands in freed memory.
+        Until the next `register`, loads fail as load errors (vLLM recomputes them) and
+        saves are skipped (a future miss): nothing reads or writes the freed memory. The
+        daemon session and the arena's page-locking stay (they are lmcached's memory, not
+        vLLM's).
+        """
+        if self._paged is not None:
+            self._paged.wait()
+            self._paged = None
+            logger.info("lmcached connector: rank %d let go of vLLM's KV cache (sleep mode)",
+                        self.rank)
 
     # ------------------------------------------------------------------ loads
     def load(self, loads: list[LoadSpec],

@@ -50,6 +50,8 @@ def stats_fields(counters: StatsSnapshot) -> InfoFields:
         "hits": counters.hits,
         "misses": counters.misses,
         "hit_rate": counters.hit_rate,
+        "salted_hits": counters.salted_hits,
+        "salted_misses": counters.salted_misses,
         "evictions": counters.evictions,
         "total_stored_bytes": counters.total_stored_bytes,
         "total_stored_human": format_bytes(counters.total_stored_bytes),

@@ -55,8 +55,12 @@ class RequestChecks:
         return keys.chunk_keys(self._ns_prefix[ns], hashes)
 
     def _chunk_keys_per_namespace(self, session: Session, namespaces: list[int],
-                                  hashes: bytes) -> list[list[bytes]]:
-        """The block-pool keys of `hashes` in each listed namespace (LOOKUP, ACQUIRE)."""
+                                  hashes: bytes, parent: bytes = b"") -> list[list[bytes]]:
+        """The block-pool keys of `hashes` in each listed namespace (LOOKUP, ACQUIRE),
+        after validating them and the chain's `parent` hash (16 bytes, or empty)."""
+        if len(parent) not in (0, HASH_BYTES):
+            raise RequestError("bad_request", f"parent is {len(parent)} bytes: a chunk hash "
+                               f"({HASH_BYTES} bytes), or empty for the chain's start")
         if not namespaces:
             raise RequestError("bad_request", "no namespace listed")
         if len(set(namespaces)) != len(namespaces):

@@ -89,6 +89,10 @@ class DaemonStats:
         writing_expired: values aborted after --writing-timeout.
         invalidated: chunks dropped by INVALIDATE.
         errors: refusals and drops by error code.
+        salted_hits / salted_misses: the chunks of `ns_hits` / `ns_misses` that salted
+            requests (ACQUIRE `salted`: a tenant's cache salt is in the chain's root)
+            found / did not find; the unsalted ones are the rest. Two label values, not
+            one per tenant: the daemon never sees a salt (a client may count per salt).
         ns_hits / ns_misses: chunks (and GET values) found / not found, by namespace id,
             of the namespaces alive; with `freed_namespaces` they add up to the pools'
             hits / misses.
@@ -106,6 +110,8 @@ class DaemonStats:
         self.writing_expired = 0
         self.invalidated = 0
         self.errors: dict[str, int] = {}
+        self.salted_hits = 0
+        self.salted_misses = 0
         self.ns_hits: dict[int, int] = {}
         self.ns_misses: dict[int, int] = {}
         self.freed_namespaces = dict.fromkeys(
@@ -122,6 +128,8 @@ class DaemonStats:
             stores=self.stores,
             hits=sum(p.hits for p in made),
             misses=sum(p.misses for p in made),
+            salted_hits=self.salted_hits,
+            salted_misses=self.salted_misses,
             evictions=sum(p.evictions for p in made),
             total_stored_bytes=self.stored_bytes,
             total_served_bytes=self.served_bytes,
@@ -148,6 +156,8 @@ class StatsSnapshot:
     stores: int
     hits: int
     misses: int
+    salted_hits: int
+    salted_misses: int
     evictions: int
     total_stored_bytes: int
     total_served_bytes: int

@@ -9,7 +9,6 @@ a part of `CacheService`: its state is the service's.
 
 import time
 
-from lmcached.daemon import keys
 from lmcached.wire.protocol import (
     ALLOCATED,
     EXISTS,
@@ -32,6 +31,7 @@ from lmcached.wire.protocol import (
     Release,
     tier_of,
 )
+from lmcached.wire.record_format import ROOT_HASH
 from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.replies import Deferred, RequestError
@@ -65,7 +65,7 @@ class ValueHandlers:
             if tier is None:
                 continue
             job = tier.start_fetch(self.pool, req.namespaces, prefixes, req.hashes,
-                                   num_chunks, prefix_blocks)
+                                   num_chunks, req.parent or ROOT_HASH, prefix_blocks)
             if job is not None:
                 if not tier.fetch_wait_s:
                     return None
@@ -73,7 +73,8 @@ class ValueHandlers:
         return None
 
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
-        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
+                                                       req.parent)
         self._require_pool()
         if not self._resuming:
             self.stats.lookups += 1
@@ -86,7 +87,8 @@ class ValueHandlers:
         return self._fetch_rest(req, per_namespace, num_chunks) or LookupReply(num_chunks)
 
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
-        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes)
+        per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
+                                                       req.parent)
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
@@ -105,6 +107,9 @@ class ValueHandlers:
             pool.stats.misses += len(chunk_keys) - num_chunks
             self.stats.ns_hits[ns] += len(found)
             self.stats.ns_misses[ns] += len(chunk_keys) - len(found)
+            if req.salted:
+                self.stats.salted_hits += len(found)
+                self.stats.salted_misses += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:

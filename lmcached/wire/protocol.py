@@ -118,19 +118,29 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
 class Lookup(msgspec.Struct, tag="lookup", array_like=True):
     """How many leading chunks of `hashes` are READY in every namespace listed.
 
-    No pins, no LRU change. `namespaces` are ids from this session's HELLO.
+    No pins, no LRU change. `namespaces` are ids from this session's HELLO. `parent`
+    is the hash of the chunk before `hashes[0]` (16 bytes; empty: the chain starts at
+    ROOT_HASH), from which an L2 fetch verifies the chain: a salted chain (a tenant's
+    cache salt enters its root hash, client/hashing.py) or a run that starts mid-chain
+    sends it; the daemon never learns a salt.
     """
 
     namespaces: list[int]
     hashes: bytes
+    parent: bytes = b""
 
 
 class Acquire(msgspec.Struct, tag="acquire", array_like=True):
     """Pin the chunks of `hashes` READY in every namespace listed (the common prefix)
-    under one lease (ref_cnt += 1 per block) and return their blocks, namespace-major."""
+    under one lease (ref_cnt += 1 per block) and return their blocks, namespace-major.
+
+    `parent`: as LOOKUP's. `salted`: the chain is a salted request's (a tenant's), so
+    that INFO and the metrics count its hits and misses apart (`salted_hits`)."""
 
     namespaces: list[int]
     hashes: bytes
+    parent: bytes = b""
+    salted: bool = False
 
 
 class Release(msgspec.Struct, tag="release", array_like=True):

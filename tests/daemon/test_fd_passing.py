@@ -191,6 +191,7 @@ class TierService:
     def __init__(self, name: str) -> None:
         self.stop_requested = False
         self.l2 = None
+        self.disk = None
         self.num_requests = 0
         self.work_units = 0  # fixed prices only (CacheService.work_units)
         self.tiers = {t: Arena.create_memfd(f"{name}-t{t}", 9, TIER_BYTES, prefault=False)

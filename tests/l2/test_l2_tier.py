@@ -396,7 +396,7 @@ def test_a_namespace_whose_values_redis_cannot_hold_stays_out_of_l2(nodes):
     huge = Layout("huge", 1, 0, "vllm", "bfloat16", 2, 2, 4, CHUNK, 600 << 20)
     node.tier.register_namespace(99, huge)
     assert node.tier.start_fetch(node.service.pool, [99], [b"c" + (99).to_bytes(4, "little")],
-                                 b"\1" * 16, 0, list) is None
+                                 b"\1" * 16, 0, b"\0" * 16, list) is None
     assert node.tier.info()["l2_fetches"] == 0
 
 

