@@ -272,7 +272,8 @@ class SPTBlendRetriever(BlendRetriever):
         self.device = torch.device("cpu" if device is None else device)
 
     def new_request(self, input_tokens: Tokens,
-                    query_start_loc: torch.Tensor | Sequence[int]) -> SPTBlendRetrieverTask:
+                    query_start_loc: torch.Tensor | Sequence[int],
+                    cache_salt: str | None = None) -> SPTBlendRetrieverTask:
         """Pin and verify the cached chunks of every segment of a batch; copy nothing yet.
 
         Every request of the batch (query_start_loc boundaries always cut) is split with
@@ -286,6 +287,9 @@ class SPTBlendRetriever(BlendRetriever):
             input_tokens: int `[num_tokens]` token ids of the whole batch.
             query_start_loc: int `[batch + 1]`: start of each request, then num_tokens
                 (e.g. `torch.tensor([0, num_tokens])` for one request).
+            cache_salt: the tenant's cache salt (vLLM's `cache_salt`): every segment is
+                looked up under it, so that documents stored under one salt are never
+                reused under another (`CacheEngine.lookup`); None: unsalted.
 
         Returns:
             The task; call `release()` (or use `with`) once every layer is read.
@@ -314,7 +318,7 @@ class SPTBlendRetriever(BlendRetriever):
         chunks: list[_Chunk] = []
         try:
             for begin, end in segments:
-                run = self.cache_engine.acquire(tokens[begin:end])
+                run = self.cache_engine.acquire(tokens[begin:end], cache_salt=cache_salt)
                 if run is None:
                     continue
                 runs.append(run)

@@ -109,6 +109,8 @@ class BlendSpec:
         block_ids: the request's vLLM block ids, covering `[0, end)`.
         store_only: nothing was claimed (no segment cached yet): only compute and store
             the segments.
+        cache_salt: the request's cache salt: its documents are stored and looked up
+            under it (blended KV never crosses tenants).
     """
 
     req_id: str
@@ -117,3 +119,4 @@ class BlendSpec:
     num_local_tokens: int
     block_ids: list[int]
     store_only: bool = False
+    cache_salt: str | None = None

@@ -137,7 +137,9 @@ class BlendScheduler:
         link = self._engine.link
         if link.snapshot() is None:
             return None, "daemon_unavailable"
-        cached = any(self._engine.lookup(tokens[start:stop]) for start, stop in segments[:-1])
+        salt = request.cache_salt  # documents are keyed under it: never shared across tenants
+        cached = any(self._engine.lookup(tokens[start:stop], cache_salt=salt)
+                     for start, stop in segments[:-1])
         if link.generation is None:  # it went away during the lookups
             return None, "daemon_unavailable"
         state = _BlendRequest(request, params, end, claimed=cached)
@@ -175,7 +177,8 @@ class BlendScheduler:
             state.sent = True
             tokens = np.asarray(state.request.prompt_token_ids[: state.end], dtype=np.int64)
             specs.append(BlendSpec(req_id, state.params, tokens, state.num_local_tokens,
-                                   state.block_ids, store_only=not state.claimed))
+                                   state.block_ids, store_only=not state.claimed,
+                                   cache_salt=state.request.cache_salt))
             if state.claimed:
                 self.num_claimed_requests += 1
                 self.num_claimed_tokens += state.end - state.num_local_tokens

@@ -125,7 +125,7 @@ class BlendWorker:
             for segment in missing:  # a document not stored is only a later miss
                 try:
                     with torch.inference_mode():
-                        self._store_segment(model, segment)
+                        self._store_segment(model, segment, spec.cache_salt)
                 except Exception as exc:  # noqa: BLE001
                     logger.warning("lmcached blend: storing a document of request %s "
                                    "failed: %s: %s", spec.req_id, type(exc).__name__, exc)
@@ -153,7 +153,7 @@ class BlendWorker:
         ids = torch.from_numpy(np.asarray(spec.tokens, dtype=np.int64))
         retriever = SPTBlendRetriever(spec.params.separator, self.engine,
                                       device=next(model.parameters()).device)
-        with self._pin(retriever, ids) as task:
+        with self._pin(retriever, ids, spec.cache_salt) as task:
             valid = task.valid_mask.clone()
             segments = list(task.segments)
             if not spec.store_only:
@@ -167,12 +167,12 @@ class BlendWorker:
                 self.num_recomputed_tokens += run.recomputed_indices.numel()
         return [ids[start:end] for start, end in segments if not bool(valid[start:end].all())]
 
-    def _pin(self, retriever: SPTBlendRetriever, ids: torch.Tensor):
+    def _pin(self, retriever: SPTBlendRetriever, ids: torch.Tensor, salt: str | None):
         """Pin every segment's cached chunks; with TP, every rank keeps only the tokens
         all ranks found (a segment's reused prefix is the shortest of the ranks')."""
         group = self._tp_group
         try:
-            task = retriever.new_request(ids, torch.tensor([0, ids.numel()]))
+            task = retriever.new_request(ids, torch.tensor([0, ids.numel()]), salt)
         except Exception:
             if group is not None:  # the others are waiting for this rank's answer
                 group.min_flags(torch.zeros(ids.numel() + 1, dtype=torch.int64))
@@ -206,9 +206,10 @@ class BlendWorker:
 
         return write
 
-    def _store_segment(self, model, tokens: torch.Tensor) -> None:
+    def _store_segment(self, model, tokens: torch.Tensor, salt: str | None) -> None:
         """Compute one segment alone from position 0 (every row, every layer) and store
-        it, `[num_layers, 2, num_tokens, num_kv_heads, head_size]`."""
+        it under the request's cache salt, `[num_layers, 2, num_tokens, num_kv_heads,
+        head_size]`."""
         layers: list[torch.Tensor] = []
 
         def keep(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -218,7 +219,7 @@ class BlendWorker:
         # same collectives on every TP rank; only the store below is this rank's own).
         with SPTBlendRetriever(0, self.engine).empty_request(tokens.numel()) as task:
             run_blended_layers(model, tokens, task, CacheBlendImpl(1.0), keep)
-        if self.engine.store(tokens, torch.stack(layers)):
+        if self.engine.store(tokens, torch.stack(layers), cache_salt=salt):
             self.num_stored_segments += 1
 
     def shutdown(self) -> None:

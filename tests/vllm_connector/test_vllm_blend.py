@@ -82,13 +82,16 @@ def test_blend_in_vllm_reuses_documents_another_process_met(rag, daemon_factory)
     daemon = daemon_factory("--capacity", "256MiB")
     prompts, reference = rag["prompts"], rag["outputs"]
 
-    # A meets the documents first: nothing to blend, served normally, documents stored.
+    # A meets the documents first, under the salt of each tenant below (documents are
+    # keyed under the request's salt): nothing to blend, served normally, stored.
+    salts = [SALT] + [f"kl-{ratio}" for ratio in RATIOS]
     first = run_instance(rag["tmp"], "a", rag["model"],
-                         [blend_request(prompts["first"], recompute_ratio=1.0)], daemon.socket,
-                         extra_args=BLEND_ARGS)
-    assert first["outputs"] == [reference["first"]]
-    assert first["blend"]["store_only_requests"] == 1
-    assert first["blend"]["stored_segments"] == 4  # the system prompt and 3 documents
+                         [blend_request(prompts["first"], salt=salt, recompute_ratio=1.0)
+                          for salt in salts], daemon.socket, extra_args=BLEND_ARGS)
+    assert first["outputs"] == [reference["first"]] * len(salts)
+    assert first["blend"]["store_only_requests"] == len(salts)
+    # the system prompt and 3 documents, once per salt
+    assert first["blend"]["stored_segments"] == 4 * len(salts)
     assert first["blend"]["claimed_requests"] == 0
 
     # B: the documents in another order (ratio 1.0), new documents behind a cached system
@@ -101,7 +104,10 @@ def test_blend_in_vllm_reuses_documents_another_process_met(rag, daemon_factory)
         ("plain2", prompts["plain2"]),
         ("reordered", blend_request(prompts["reordered"], salt=None, recompute_ratio=0.3)),
     ] + [("reordered2", blend_request(prompts["reordered2"], salt=f"kl-{ratio}",
-                                      recompute_ratio=ratio)) for ratio in RATIOS]
+                                      recompute_ratio=ratio)) for ratio in RATIOS] + [
+        # A tenant that never met the documents: nothing of SALT's is reused.
+        ("reordered", blend_request(prompts["reordered"], salt="tenant-b", recompute_ratio=0.0)),
+    ]
     second = run_instance(rag["tmp"], "b", rag["model"], [request for _, request in batch],
                           daemon.socket, extra_args=BLEND_ARGS)
     names = [name for name, _ in batch]
@@ -113,7 +119,10 @@ def test_blend_in_vllm_reuses_documents_another_process_met(rag, daemon_factory)
     assert counters["claimed_requests"] == 2 + len(RATIOS)
     assert counters["blended_requests"] == 2 + len(RATIOS)
     assert counters["failed_blends"] == 0
-    assert counters["stored_segments"] == 2  # new_docs' two documents
+    # new_docs' two documents; tenant-b's system prompt and 3 documents, under its salt
+    assert counters["stored_segments"] == 2 + 4
+    assert counters["store_only_requests"] == 1  # tenant-b: served normally
+    assert outputs[len(batch) - 1] == reference["reordered"]
     assert outputs[5 + RATIOS.index(1.0)] == reference["reordered2"]
 
     # KL of the first token against a full prefill falls as more tokens are recomputed.
@@ -153,14 +162,14 @@ def test_blend_with_tensor_parallel_ranks_each_blending_its_heads(rag, daemon_fa
     batch = [blend_request(prompts["reordered"], recompute_ratio=1.0),
              blend_request(prompts["new_docs"], recompute_ratio=0.0),
              prompts["plain1"],
-             blend_request(prompts["reordered2"], salt="tp-0.15", recompute_ratio=0.15)]
+             blend_request(prompts["reordered2"], recompute_ratio=0.15)]
     second = run_instance(rag["tmp"], "b-tp2", rag["model"], batch, daemon.socket,
                           multiprocessing=True, tensor_parallel_size=2, extra_args=BLEND_ARGS)
     assert second["outputs"][:3] == [reference["reordered"], reference["new_docs"],
                                      reference["plain1"]]
     stats = daemon.info()
     # Both ranks pinned each cached segment of the three blends (4 + 1 + 4 segments, one
-    # chunk each) and stored new_docs' two documents.
+    # chunk each) and stored new_docs' two documents (all under SALT).
     assert stats["hits"] == 2 * 9, daemon.log()[-4000:]
     assert stats["stores"] == 2 * (4 + 2)
     assert daemon.pins_held() == 0

@@ -44,11 +44,12 @@ def fake_blocks(num_blocks: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(get_block_ids=lambda: (list(range(100, 100 + num_blocks)),))
 
 
-def store_segment(socket: str, tokens) -> None:
-    """Store one segment alone, as a blend worker does."""
+def store_segment(socket: str, tokens, salt: str = "s") -> None:
+    """Store one segment alone under a cache salt (fake_request's by default), as a blend
+    worker does."""
     kv = torch.randn(SEGMENTS.num_layers, 2, len(tokens), 1, 8)
     with CacheEngine.connect(SEGMENTS, socket, strict=True) as engine:
-        assert engine.store(tokens, kv) == 1
+        assert engine.store(tokens, kv, cache_salt=salt) == 1
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -102,6 +103,24 @@ def test_nothing_cached_is_store_only_then_the_documents_are_claimed(daemon):
     assert not spec.store_only
     assert (spec.num_local_tokens, spec.block_ids) == (4, [100, 101, 102, 103])
     assert scheduler.num_claimed_requests == 1 and scheduler.refusals == {}
+    scheduler.shutdown()
+
+
+def test_documents_are_claimed_only_under_the_salt_they_were_stored_under(daemon):
+    scheduler = BlendScheduler(make_settings(daemon.socket), SEGMENTS)
+    store_segment(daemon.socket, DOC, salt="tenant-a")
+    prompt = SYSTEM + DOC + QUESTION
+    other = fake_request("b", prompt, salt="tenant-b")
+    assert scheduler.get_num_new_matched_tokens(other, 0) == (True, 0)  # store-only
+    scheduler.update_state_after_alloc(other, fake_blocks(4), 0)
+    (spec,) = scheduler.build_step(step_output(other))
+    assert spec.store_only and spec.cache_salt == "tenant-b"  # stored under its own salt
+    same = fake_request("a", prompt, salt="tenant-a")
+    assert scheduler.get_num_new_matched_tokens(same, 0) == (True, len(SYSTEM + DOC))
+    scheduler.update_state_after_alloc(same, fake_blocks(4), len(SYSTEM + DOC))
+    (spec,) = scheduler.build_step(step_output(same))
+    assert not spec.store_only and spec.cache_salt == "tenant-a"
+    assert scheduler.num_claimed_requests == 1 and scheduler.num_store_only_requests == 1
     scheduler.shutdown()
 
 

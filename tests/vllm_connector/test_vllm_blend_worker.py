@@ -58,10 +58,11 @@ def make_worker(socket: str, layout: KVLayout = LAYOUT, tp_group=None) -> BlendW
     return BlendWorker(settings, layout, HF_CONFIG, tp_group)
 
 
-def spec_of(tokens, num_local=0, store_only=False, ratio=1.0) -> BlendSpec:
+def spec_of(tokens, num_local=0, store_only=False, ratio=1.0, salt="s") -> BlendSpec:
     block_ids = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - -(-len(tokens) // BLOCK), -1))
     return BlendSpec("r", BlendParams(SEP, recompute_ratio=ratio),
-                     np.asarray(tokens, dtype=np.int64), num_local, block_ids, store_only)
+                     np.asarray(tokens, dtype=np.int64), num_local, block_ids, store_only,
+                     cache_salt=salt)
 
 
 def slots(spec: BlendSpec, positions) -> torch.Tensor:
@@ -91,13 +92,34 @@ def test_documents_stored_first_are_blended_into_the_paged_slots(daemon):
     worker.shutdown()
 
 
+def test_documents_stored_under_one_salt_are_never_blended_under_another(daemon):
+    rng = np.random.default_rng(6)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10))
+    model, worker = paged_model(), make_worker(daemon.socket)
+    worker.run([spec_of(system + doc, store_only=True, salt="tenant-a")], model)
+    assert worker.num_stored_segments == 2
+    assert worker.engine.lookup(doc, cache_salt="tenant-a") == len(doc)
+    assert worker.engine.lookup(doc, cache_salt="tenant-b") == 0
+    assert worker.engine.lookup(doc) == 0  # nor unsalted
+
+    tokens = doc + system
+    worker.run([spec_of(tokens, ratio=0.0, salt="tenant-b")], model)  # another tenant
+    assert worker.num_blended_requests == 1 and worker.num_reused_tokens == 0
+    assert worker.num_stored_segments == 4  # its own copies, under its own salt
+    assert worker.engine.lookup(doc, cache_salt="tenant-b") == len(doc)
+    worker.run([spec_of(tokens, ratio=0.0, salt="tenant-a")], model)
+    assert worker.num_blended_requests == 2 and worker.num_reused_tokens == len(tokens)
+    assert daemon.pins_held() == 0
+    worker.shutdown()
+
+
 def test_a_segment_that_fails_its_check_is_a_miss_recomputed_in_context(daemon):
     rng = np.random.default_rng(3)
     system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
     model, worker = paged_model(), make_worker(daemon.socket)
     worker.run([spec_of(system + doc, store_only=True)], model)
     assert worker.num_stored_segments == 2
-    with worker.engine.retrieve_views(doc) as views:
+    with worker.engine.retrieve_views(doc, cache_salt="s") as views:
         first_block = views.block_ids[0]
     # A stray writer changes one token id in the record of the document's first chunk.
     token_ids = worker.engine.link.arena.view(first_block, torch.int64, (LAYOUT.chunk_size,),
@@ -169,7 +191,7 @@ def test_tensor_parallel_ranks_reuse_only_what_every_rank_found(daemon):
                            ranks.group(r)) for r in range(2)]
     run_ranks(lambda r: workers[r].run([spec_of(system + doc, store_only=True)], models[r]))
     assert [w.num_stored_segments for w in workers] == [2, 2]  # each rank its namespace
-    with workers[1].engine.retrieve_views(doc) as views:  # rank 1 loses the document
+    with workers[1].engine.retrieve_views(doc, cache_salt="s") as views:  # rank 1 loses it
         first_block = views.block_ids[0]
     workers[1].engine.link.arena.view(first_block, torch.int64, (LAYOUT.chunk_size,),
                                       offset_bytes=RECORD_HEADER_BYTES)[2] += 1
