@@ -8,9 +8,12 @@ weights are random, so these are speed figures, not quality), and runs one vLLM
 instance of tests/vllm_e2e.py in TTFT mode (one generate(max_tokens=1) per prompt, in
 turn, in-process) with the connector and `LMCachedLlamaForCausalLM`. Per size, a RAG
 prompt is a system prompt (100 tokens), documents of 512-1024 tokens and a 20-token
-question, joined by a separator; the documents are first met (and stored alone) by one
-request, then every measured request puts them in another order, under a salt of its
-own (so that vLLM's prefix cache never serves one method from another's blocks):
+question, joined by a separator; the documents are first met (and stored alone, under
+the size's cache salt: documents are keyed under the request's salt) by one request,
+then every measured request puts them in another order. The full prefill and the prefix
+cache run under salts of their own; a blend request runs under the size's salt with a
+one-token segment of its own after the system prompt, so that vLLM's prefix cache never
+serves one method from another's blended blocks (at most the system prompt's):
 
     full         a plain request: vLLM computes the whole prompt
     prefix       vLLM's own prefix cache holding the system prompt (what prefix
@@ -59,7 +62,8 @@ def requests_for(rng, size: int, repeats: int) -> tuple[list[dict], list[tuple[s
     """Every request of one size, in order, and which (method, size) each measures."""
     system, docs, question = rag_parts(rng, size)
     blend = {"separator": SEP}
-    first = {"prompt_token_ids": system + sum(docs, []) + question, "cache_salt": f"store-{size}",
+    shared_salt = f"docs-{size}"
+    first = {"prompt_token_ids": system + sum(docs, []) + question, "cache_salt": shared_salt,
              "kv_transfer_params": {"lmcached_blend": blend}}
     requests, labels = [first], [("store", size)]
     for repeat in range(repeats):
@@ -67,6 +71,9 @@ def requests_for(rng, size: int, repeats: int) -> tuple[list[dict], list[tuple[s
             order = rng.permutation(len(docs)).tolist()
             prompt = system + sum((docs[i] for i in order), []) + question
             salt = f"{name}-{size}-{repeat}"
+            if params is not None:  # the documents' salt; its own marker segment
+                salt, marker = shared_salt, [3 + len(requests), SEP]
+                prompt = system + marker + prompt[len(system):]
             if name == "prefix":  # the system prompt in vLLM's prefix cache, under this salt
                 requests.append({"prompt_token_ids": system + question, "cache_salt": salt})
                 labels.append(("warm-prefix", size))
