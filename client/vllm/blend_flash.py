@@ -119,10 +119,17 @@ def flash_paged_attention(varlen_fn: Callable, q: torch.Tensor, key_cache: torch
                      **kwargs)
 
 
+def flash_applies(parameter: torch.Tensor) -> bool:
+    """Whether a model whose weights are like `parameter` can use FlashAttention: on CUDA,
+    in float16 or bfloat16 (the kernel's only dtypes; a float32 model keeps SDPA)."""
+    return (parameter.device.type == "cuda"
+            and parameter.dtype in (torch.float16, torch.bfloat16))
+
+
 def paged_flash_attention(model, block_ids: list[int]) -> AttentionFn | None:
     """The `AttentionFn` of one request over vLLM's paged cache, or None where it does
-    not apply (not CUDA, no `vllm.vllm_flash_attn`, a backend other than FlashAttention):
-    the caller then uses `sdpa_attention`.
+    not apply (not `flash_applies`, no `vllm.vllm_flash_attn`, a backend other than
+    FlashAttention): the caller then uses `sdpa_attention`.
 
     The layer's blended K/V must be in the paged cache before the call (the layer loop
     calls its sink first); positions below the claim are vLLM's own prefix-cache hit,
@@ -132,7 +139,7 @@ def paged_flash_attention(model, block_ids: list[int]) -> AttentionFn | None:
         model: the blend-aware vLLM model (its layers' `self_attn.attn`).
         block_ids: the request's vLLM block ids.
     """
-    if next(model.parameters()).device.type != "cuda":
+    if not flash_applies(next(model.parameters())):
         return None
     try:
         from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available

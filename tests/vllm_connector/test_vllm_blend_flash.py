@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lmcached.client.vllm.blend_flash import (
+    flash_applies,
     flash_paged_attention,
     paged_flash_attention,
     pseudo_sequences,
@@ -95,3 +96,13 @@ def test_flash_over_the_paged_cache_equals_the_masked_sdpa(selection):
 
 def test_on_cpu_the_masked_sdpa_serves():
     assert paged_flash_attention(FakeVllmLlama(), [0, 1]) is None
+
+
+def test_flash_applies_only_to_cuda_half_precision_weights():
+    meta = {dtype: torch.empty(1, dtype=dtype, device="meta")
+            for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+    assert not any(flash_applies(p) for p in meta.values())  # not CUDA
+    as_cuda = {dtype: types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype)
+               for dtype in meta}
+    assert flash_applies(as_cuda[torch.float16]) and flash_applies(as_cuda[torch.bfloat16])
+    assert not flash_applies(as_cuda[torch.float32])  # the kernel has no float32
