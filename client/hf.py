@@ -33,6 +33,7 @@ from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
 from lmcached.client.blend.retriever import SPTBlendRetriever, split_on_spt
 from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.engine import CacheEngine
+from lmcached.client.hf_attention import prefix_attention
 from lmcached.client.hf_blend import check_blend_supported, run_blended_layers
 from lmcached.client.layout import KVLayout
 from lmcached.client.views import PinsLost
@@ -180,7 +181,8 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
         num_cached = min(num_cached, num_tokens - 1)
         if num_cached > 0:
             cache = _cache_from_kv(kv, num_cached)
-    out = model(ids[:, num_cached:], past_key_values=cache, use_cache=True)
+    with prefix_attention(model):  # the causal kernel over the cached prefix (issue 26)
+        out = model(ids[:, num_cached:], past_key_values=cache, use_cache=True)
     logits = out.logits[0, -1].float()
     next_token = int(logits.argmax())
     ttft_s = time.perf_counter() - started
