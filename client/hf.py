@@ -43,6 +43,12 @@ logger = init_logger(__name__)
 
 BLEND_STRATEGIES = ("cacheblend", "legolink")
 
+# generate_with_cache leaves a cached prefix shorter than this unused: loading it (a
+# retrieve, a cache built from it, a second attention kernel) costs more than
+# computing those tokens. Measured crossover (benchmarks/bench_hf.py --crossover, 4k
+# prompt, 4-layer Llama, 2-core CPU): see README "Prefix caching with transformers".
+DEFAULT_MIN_CACHED_TOKENS = 32
+
 
 def check_model_supported(model: PreTrainedModel) -> None:
     """Refuse models whose cache is not a DynamicCache of full-attention per-layer K/V.
@@ -132,10 +138,28 @@ def _cache_from_kv(kv: tuple, num_tokens: int) -> DynamicCache:
     return cache
 
 
+def _worth_loading(engine: CacheEngine, ids: torch.Tensor, min_cached_tokens: int) -> bool:
+    """Whether `ids` (int64 `[num_tokens]`) may have a usable hit of at least
+    `min_cached_tokens`, asking the daemon only when the answer is not known without it.
+
+    A hit is a run of whole chunks, or the whole prompt (its last chunk partial); at
+    most num_tokens - 1 tokens are used. So with min_cached_tokens <= chunk_size any hit
+    is long enough, and no LOOKUP round trip is spent before the retrieve.
+    """
+    if min_cached_tokens <= 0:
+        return True
+    if ids.numel() - 1 < min_cached_tokens:
+        return False
+    if min_cached_tokens <= engine.layout.chunk_size:
+        return True
+    return min(engine.lookup(ids.cpu()), ids.numel() - 1) >= min_cached_tokens
+
+
 @torch.inference_mode()
 def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
                         input_ids: torch.Tensor, max_new_tokens: int = 16,
-                        store: bool = True) -> GenerationResult:
+                        store: bool = True,
+                        min_cached_tokens: int = DEFAULT_MIN_CACHED_TOKENS) -> GenerationResult:
     """Greedy generation that reuses and extends the node's shared KV cache.
 
     Args:
@@ -147,25 +171,31 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
             model's device.
         max_new_tokens: tokens to generate, >= 1.
         store: store the prompt's KV after the first token (new chunks only).
+        min_cached_tokens: a cached prefix shorter than this is not loaded (the whole
+            prompt is computed: `num_cached_tokens` 0), since loading it would cost more
+            than it saves; 0 uses any hit. Default `DEFAULT_MIN_CACHED_TOKENS`. Above
+            the chunk size it costs one LOOKUP round trip before the retrieve.
 
     Returns:
         GenerationResult.
 
     Raises:
-        ValueError: batch other than 1, empty prompt, max_new_tokens < 1, or an engine
-            whose layout does not match the model.
+        ValueError: batch other than 1, empty prompt, max_new_tokens < 1,
+            min_cached_tokens < 0, or an engine whose layout does not match the model.
     """
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be one non-empty prompt, got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if min_cached_tokens < 0:
+        raise ValueError(f"min_cached_tokens must be >= 0 (0 uses any hit), got {min_cached_tokens}")
     if engine is not None:
         _check_engine(model, engine)
     num_tokens = ids.shape[1]
     started = time.perf_counter()
     cache, num_cached = DynamicCache(), 0
-    if engine is not None:
+    if engine is not None and _worth_loading(engine, ids[0], min_cached_tokens):
         out = None
         if model.device.type != "cpu":  # retrieve straight into device buffers
             layout = engine.layout
@@ -179,6 +209,8 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
         num_cached = int(ret_mask.sum())
         # At least one prompt token is computed: its logits give the first new token.
         num_cached = min(num_cached, num_tokens - 1)
+        if num_cached < min_cached_tokens:  # evicted since the LOOKUP: too short now
+            num_cached = 0
         if num_cached > 0:
             cache = _cache_from_kv(kv, num_cached)
     with prefix_attention(model):  # the causal kernel over the cached prefix (issue 26)

@@ -100,10 +100,54 @@ def test_greedy_with_a_cached_prefix_equals_no_cache(model, daemon, fast_calls, 
         if num_stored:
             generate_with_cache(model, engine, ids[:num_stored], max_new_tokens=1)
         fast_calls.clear()
-        warm = generate_with_cache(model, engine, ids, max_new_tokens=12, store=False)
+        warm = generate_with_cache(model, engine, ids, max_new_tokens=12, store=False,
+                                   min_cached_tokens=0)
     # The whole prompt stored: all but its last token reused (that one gives the logits).
     assert warm.num_cached_tokens == min(num_stored, NUM_TOKENS - 1)
     if 0 < warm.num_cached_tokens < NUM_TOKENS - 1:
         assert fast_calls  # the prefill over the cached prefix took the fast path
     assert torch.equal(warm.output_ids, reference.output_ids)
     torch.testing.assert_close(warm.prefill_logits, reference.prefill_logits, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------ the hit decision
+@pytest.fixture
+def retrieves(monkeypatch):
+    """Counts CacheEngine.retrieve calls (the loading a short hit must not pay)."""
+    calls = []
+    real = CacheEngine.retrieve
+
+    def spy(self, *args, **kwargs):
+        calls.append(args[0].numel())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CacheEngine, "retrieve", spy)
+    return calls
+
+
+def test_a_hit_shorter_than_min_cached_tokens_is_not_loaded(model, daemon, retrieves):
+    ids = prompt(seed=3)[0]
+    reference = generate_with_cache(model, None, ids, max_new_tokens=6)
+    layout = layout_for_model(model, chunk_size=CHUNK, model_name="tiny-hit-decision")
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+        generate_with_cache(model, engine, ids[:2 * CHUNK], max_new_tokens=1)  # 2 chunks
+        retrieves.clear()
+        # Above the chunk size: one LOOKUP decides, the 32-token hit is too short.
+        skipped = generate_with_cache(model, engine, ids, max_new_tokens=6, store=False,
+                                      min_cached_tokens=2 * CHUNK + 1)
+        assert skipped.num_cached_tokens == 0 and retrieves == []
+        used = generate_with_cache(model, engine, ids, max_new_tokens=6, store=False,
+                                   min_cached_tokens=2 * CHUNK)
+        assert used.num_cached_tokens == 2 * CHUNK and retrieves == [NUM_TOKENS]
+        # A prompt too short to reach the threshold is computed without asking the daemon.
+        short = ids[:10]
+        generate_with_cache(model, engine, short, max_new_tokens=1)  # stored whole
+        retrieves.clear()
+        cold = generate_with_cache(model, engine, short, max_new_tokens=1, min_cached_tokens=10)
+        assert cold.num_cached_tokens == 0 and retrieves == []
+        warm = generate_with_cache(model, engine, short, max_new_tokens=1, min_cached_tokens=0)
+        assert warm.num_cached_tokens == 9 and retrieves == [10]
+        with pytest.raises(ValueError, match="min_cached_tokens must be >= 0"):
+            generate_with_cache(model, engine, short, min_cached_tokens=-1)
+    for run in (skipped, used):
+        assert torch.equal(run.output_ids, reference.output_ids)
