@@ -85,3 +85,14 @@ def test_refuses_shapes_that_do_not_match():
         attend_at_positions(torch.randn(1, 3, 5, 16), k, v, torch.arange(5))
     with pytest.raises(ValueError, match="cannot be the last tokens"):
         attend_causal_suffix(torch.randn(1, 4, NUM_KEYS + 1, 16), k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_equals_masked_sdpa(dtype):
+    for positions in (torch.arange(CHUNK - 1, NUM_KEYS), torch.tensor([0, 5, 6, 40, 79])):
+        q, k, v = qkv(positions.numel(), dtype)
+        out = attend_at_positions(q.cuda(), k.cuda(), v.cuda(), positions)
+        assert out.is_cuda and out.dtype == dtype
+        torch.testing.assert_close(out.float().cpu(), reference(q, k, v, positions),
+                                   atol=ATOL[dtype], rtol=0)
