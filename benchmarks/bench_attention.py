@@ -5,9 +5,9 @@ a short prefix) and the CacheBlend speed-ups of issue 26 come from here. In one 
 interleaved, medians of --repeats runs after a warm-up:
 
 1. kernels: one attention of 8 heads (4 KV heads) of 64 over T keys, queries = the last
-   T - P tokens (a cached prefix of P) or a CacheBlend-like 15% of the rows plus the last
-   3: SDPA with the boolean mask (before) vs `attend_at_positions` (after), for several
-   group sizes;
+   T - P tokens (a cached prefix of P), a CacheBlend-like random 15% of the rows plus the
+   last 3, or LegoLink-like runs of 16 rows every 512 plus the last 3: SDPA with the
+   boolean mask (before) vs `attend_at_positions` (after), for several group sizes;
 2. blend: TTFT of a full prefill, CacheBlend 0.15 and LegoLink 16 (`blend_prefill`) on
    the random-weight 8-layer Llama of bench_blend.py (hidden 1024, 16/4 heads), prompts
    of a 15-token system prompt, 512-token documents stored alone beforehand and a 3-token
@@ -72,6 +72,8 @@ def bench_kernels(num_keys: int, repeats: int) -> None:
                                                                  num_keys // 2, num_keys - 256)}
     picked = torch.randperm(num_keys - 3, generator=gen)[:int(0.15 * num_keys)].sort().values
     cases["cacheblend 15%"] = torch.cat((picked, torch.arange(num_keys - 3, num_keys)))
+    heads = [torch.arange(start, start + 16) for start in range(15 + 512, num_keys - 19, 512)]
+    cases["legolink 16"] = torch.cat((*heads, torch.arange(num_keys - 3, num_keys)))
     print(f"kernels, {num_keys} keys, 8 heads (4 kv) of 64, fp32:", flush=True)
     for name, positions in cases.items():
         query = torch.randn(1, 8, positions.numel(), 64, generator=gen)

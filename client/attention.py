@@ -107,7 +107,8 @@ def attend_at_positions(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             h // (num_heads // num_kv_heads), as transformers' `repeat_kv`).
         positions: int64 `[n]`, strictly ascending, each in [0, T), any device.
         scale: softmax scale (None: 1 / sqrt(head_size)).
-        group_rows: rows per group where the positions are not one contiguous run.
+        group_rows: rows per group where the positions are not one contiguous run
+            (groups are also cut at gaps wider than this).
 
     Returns:
         `[B, num_heads, n, head_size]`, query's dtype and device.
@@ -128,11 +129,24 @@ def attend_at_positions(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return _contiguous_cpu(query, key, value, first, scale)
     cpu_positions = positions.tolist()
     outs = [
-        _group_cpu(query[:, :, start:start + group_rows], key, value,
-                   cpu_positions[start:start + group_rows], scale)
-        for start in range(0, num_rows, group_rows)
+        _group_cpu(query[:, :, start:end], key, value, cpu_positions[start:end], scale)
+        for start, end in _groups(cpu_positions, group_rows)
     ]
     return torch.cat(outs, dim=2)
+
+
+def _groups(positions: list[int], group_rows: int) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of at most `group_rows` rows, also cut where the next
+    position is more than `group_rows` away: a masked square then never spans a gap
+    wider than its rows (LegoLink's runs of k rows, one per document, each become a
+    contiguous group on the causal kernel)."""
+    bounds, start = [], 0
+    for row in range(1, len(positions)):
+        if row - start == group_rows or positions[row] - positions[row - 1] > group_rows:
+            bounds.append((start, row))
+            start = row
+    bounds.append((start, len(positions)))
+    return bounds
 
 
 def _contiguous_cpu(query, key, value, first: int, scale) -> torch.Tensor:
