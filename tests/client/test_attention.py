@@ -96,3 +96,20 @@ def test_cuda_equals_masked_sdpa(dtype):
         assert out.is_cuda and out.dtype == dtype
         torch.testing.assert_close(out.float().cpu(), reference(q, k, v, positions),
                                    atol=ATOL[dtype], rtol=0)
+
+
+def test_runs_far_apart_take_the_causal_kernel_without_a_mask(monkeypatch):
+    """LegoLink's selection: a run of rows per document, documents far apart."""
+    masks = []
+    real = attention._flash_cpu
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash_cpu", spy)
+    positions = torch.cat((torch.arange(20, 24), torch.arange(60, 64), torch.tensor([79])))
+    q, k, v = qkv(positions.numel(), torch.float32)
+    out = attend_at_positions(q, k, v, positions, group_rows=8)
+    torch.testing.assert_close(out, reference(q, k, v, positions), atol=1e-5, rtol=0)
+    assert len(masks) == 6 and all(mask is None for mask in masks)  # 3 runs x 2 parts
