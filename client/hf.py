@@ -43,10 +43,12 @@ logger = init_logger(__name__)
 
 BLEND_STRATEGIES = ("cacheblend", "legolink")
 
-# generate_with_cache leaves a cached prefix shorter than this unused: loading it (a
-# retrieve, a cache built from it, a second attention kernel) costs more than
-# computing those tokens. Measured crossover (benchmarks/bench_hf.py --crossover, 4k
-# prompt, 4-layer Llama, 2-core CPU): see README "Prefix caching with transformers".
+# generate_with_cache leaves a cached prefix shorter than this unused: loading it (one
+# retrieve round trip, a cache built from it) must cost less than computing its tokens.
+# With "lmcached_sdpa" a short prefix costs no attention time (the queries are padded to
+# the causal square), so a hit pays once its tokens' projections outweigh one retrieve
+# (a fraction of a millisecond): a few tokens on any real model. 32 is a conservative
+# floor; `benchmarks/bench_hf.py --crossover` measures it (not yet on a quiet machine).
 DEFAULT_MIN_CACHED_TOKENS = 32
 
 
