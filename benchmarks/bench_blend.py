@@ -44,6 +44,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 from lmcached.client.engine import CacheEngine  # noqa: E402
 from lmcached.client.hf import CACHE_ARG, blend_prefill, layout_for_model, store_segments  # noqa: E402
+from lmcached.client.hf_attention import prefix_attention  # noqa: E402
 
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
 LEGOLINK_KS = (1, 4, 16)
@@ -95,8 +96,9 @@ def prefix_prefill(model, engine: CacheEngine, ids: torch.Tensor, prefix_len: in
     num_cached = min(int(ret_mask.sum()), ids.numel() - 1)
     cache = cache_from_kv(kv, num_cached, model.device) if num_cached else DynamicCache()
     rest = ids[num_cached:] if extra is None else torch.cat([ids[num_cached:], extra])
-    logits = model(rest[None].to(model.device), **{CACHE_ARG: cache},
-                   logits_to_keep=1 + (0 if extra is None else extra.numel())).logits[0]
+    with prefix_attention(model):  # as generate_with_cache: no dense mask over the prefix
+        logits = model(rest[None].to(model.device), **{CACHE_ARG: cache},
+                       logits_to_keep=1 + (0 if extra is None else extra.numel())).logits[0]
     return logits.float()
 
 

@@ -34,6 +34,7 @@ from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
 from lmcached.client.blend.retriever import SPTBlendRetriever, split_on_spt
 from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.engine import CacheEngine
+from lmcached.client.hf_attention import prefix_attention
 from lmcached.client.hf_blend import check_blend_supported, run_blended_layers
 from lmcached.client.layout import KVLayout
 from lmcached.client.views import PinsLost
@@ -54,6 +55,15 @@ def model_cache(out) -> DynamicCache:
     """The cache of a model's forward output, by its name in this transformers
     (`CACHE_ARG`)."""
     return getattr(out, CACHE_ARG)
+
+
+# generate_with_cache leaves a cached prefix shorter than this unused: loading it (one
+# retrieve round trip, a cache built from it) must cost less than computing its tokens.
+# With "lmcached_sdpa" a short prefix costs no attention time (the queries are padded to
+# the causal square), so a hit pays once its tokens' projections outweigh one retrieve
+# (a fraction of a millisecond): a few tokens on any real model. 32 is a conservative
+# floor; `benchmarks/bench_hf.py --crossover` measures it (not yet on a quiet machine).
+DEFAULT_MIN_CACHED_TOKENS = 32
 
 
 def check_model_supported(model: PreTrainedModel) -> None:
@@ -144,10 +154,28 @@ def _cache_from_kv(kv: tuple, num_tokens: int) -> DynamicCache:
     return cache
 
 
+def _worth_loading(engine: CacheEngine, ids: torch.Tensor, min_cached_tokens: int) -> bool:
+    """Whether `ids` (int64 `[num_tokens]`) may have a usable hit of at least
+    `min_cached_tokens`, asking the daemon only when the answer is not known without it.
+
+    A hit is a run of whole chunks, or the whole prompt (its last chunk partial); at
+    most num_tokens - 1 tokens are used. So with min_cached_tokens <= chunk_size any hit
+    is long enough, and no LOOKUP round trip is spent before the retrieve.
+    """
+    if min_cached_tokens <= 0:
+        return True
+    if ids.numel() - 1 < min_cached_tokens:
+        return False
+    if min_cached_tokens <= engine.layout.chunk_size:
+        return True
+    return min(engine.lookup(ids.cpu()), ids.numel() - 1) >= min_cached_tokens
+
+
 @torch.inference_mode()
 def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
                         input_ids: torch.Tensor, max_new_tokens: int = 16,
-                        store: bool = True) -> GenerationResult:
+                        store: bool = True,
+                        min_cached_tokens: int = DEFAULT_MIN_CACHED_TOKENS) -> GenerationResult:
     """Greedy generation that reuses and extends the node's shared KV cache.
 
     Args:
@@ -159,25 +187,31 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
             model's device.
         max_new_tokens: tokens to generate, >= 1.
         store: store the prompt's KV after the first token (new chunks only).
+        min_cached_tokens: a cached prefix shorter than this is not loaded (the whole
+            prompt is computed: `num_cached_tokens` 0), since loading it would cost more
+            than it saves; 0 uses any hit. Default `DEFAULT_MIN_CACHED_TOKENS`. Above
+            the chunk size it costs one LOOKUP round trip before the retrieve.
 
     Returns:
         GenerationResult.
 
     Raises:
-        ValueError: batch other than 1, empty prompt, max_new_tokens < 1, or an engine
-            whose layout does not match the model.
+        ValueError: batch other than 1, empty prompt, max_new_tokens < 1,
+            min_cached_tokens < 0, or an engine whose layout does not match the model.
     """
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be one non-empty prompt, got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if min_cached_tokens < 0:
+        raise ValueError(f"min_cached_tokens must be >= 0 (0 uses any hit), got {min_cached_tokens}")
     if engine is not None:
         _check_engine(model, engine)
     num_tokens = ids.shape[1]
     started = time.perf_counter()
     cache, num_cached = DynamicCache(), 0
-    if engine is not None:
+    if engine is not None and _worth_loading(engine, ids[0], min_cached_tokens):
         out = None
         if model.device.type != "cpu":  # retrieve straight into device buffers
             layout = engine.layout
@@ -191,9 +225,12 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
         num_cached = int(ret_mask.sum())
         # At least one prompt token is computed: its logits give the first new token.
         num_cached = min(num_cached, num_tokens - 1)
+        if num_cached < min_cached_tokens:  # evicted since the LOOKUP: too short now
+            num_cached = 0
         if num_cached > 0:
             cache = _cache_from_kv(kv, num_cached)
-    out = model(ids[:, num_cached:], **{CACHE_ARG: cache}, use_cache=True)
+    with prefix_attention(model):  # the causal kernel over the cached prefix (issue 26)
+        out = model(ids[:, num_cached:], **{CACHE_ARG: cache}, use_cache=True)
     logits = out.logits[0, -1].float()
     next_token = int(logits.argmax())
     ttft_s = time.perf_counter() - started

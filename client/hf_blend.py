@@ -18,10 +18,10 @@ are the only modules of lmcached.client importing transformers.
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from lmcached.client.attention import attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
 
 # Model types whose decoder is exactly embed_tokens -> layers -> norm -> lm_head, each
@@ -90,9 +90,9 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     Per layer, with R the rows selected by the previous layer (every row at layer 0):
     input_layernorm, q/k/v projections and RoPE for R (cos/sin of the model's own
     `rotary_emb`), then `executor.blend` with the retriever's K/V of the layer; the
-    selected rows S attend over the long K/V it returns through SDPA with an explicit
-    boolean mask (key j visible to query i iff j <= position of i: SDPA's `is_causal`
-    aligns a query subset top-left, which would be wrong here); then o_proj, the
+    selected rows S attend over the long K/V it returns, key j visible to query i iff
+    j <= position of i (`attend_at_positions`: unmasked key blocks and small masked
+    squares merged by log-sum-exp on CPU, no dense mask); then o_proj, the
     residual, post_attention_layernorm, mlp and the residual for S. Hidden states of
     rows outside S keep their last computed value and are never read again.
 
@@ -143,13 +143,10 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
         )
         rows = out.local_indices.to("cpu", torch.int64)
         rows_dev = rows.to(device)
-        # [n', T] bool: query i sees key j iff j <= its position (true positions, not
-        # the top-left alignment of is_causal).
-        mask = key_positions[None, :] <= out.positions.to(device)[:, None]
-        groups = attn.num_key_value_groups
-        attn_out = F.scaled_dot_product_attention(
-            out.q[None], repeat_kv(out.k[None], groups), repeat_kv(out.v[None], groups),
-            attn_mask=mask[None, None], scale=attn.scaling,
+        # Query i sees key j iff j <= its position (true positions, not the top-left
+        # alignment of is_causal), without a dense mask on CPU.
+        attn_out = attend_at_positions(
+            out.q[None], out.k[None], out.v[None], out.positions, scale=attn.scaling,
         )  # [1, heads, n', head_size]
         attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
         selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]

@@ -213,16 +213,31 @@ def worker_main(worker_id: int, size: DemoSize, socket: str, tokenizer_path: str
         engine.close()
 
 
+def block_bytes_for(size: DemoSize) -> int:
+    """The demo's chunk record (fp32 KV of `size`'s model), rounded up to 4 KiB: the
+    `--block-size` of the daemon the demo starts, so that one chunk takes one block and
+    the daemon has no block size to derive (and warn about)."""
+    from lmcached.client.layout import KVLayout  # torch: only when the demo starts a daemon
+
+    layout = KVLayout("lmcached-demo-llama", num_layers=size.num_layers,
+                      num_kv_heads=size.num_kv_heads, head_size=size.hidden_size // size.num_heads,
+                      dtype="float32", chunk_size=size.chunk_size)
+    return -(-layout.record_bytes(size.chunk_size) // 4096) * 4096
+
+
 @contextlib.contextmanager
-def _daemon(socket: str | None, capacity: str, log: Callable[[str], None]) -> Iterator[str]:
-    """Use the daemon at `socket`, or start one on a temp socket and stop it after."""
+def _daemon(socket: str | None, capacity: str, block_bytes: int,
+            log: Callable[[str], None]) -> Iterator[str]:
+    """Use the daemon at `socket`, or start one on a temp socket (blocks of `block_bytes`)
+    and stop it after."""
     if socket is not None:
         with Connection(socket, timeout_s=5) as conn:
             conn.request(Ping())
         yield socket
         return
     log(f"starting a daemon with a {capacity} arena on a temp socket")
-    with temporary_daemon("--capacity", capacity, "--log-level", "WARNING",
+    with temporary_daemon("--capacity", capacity, "--block-size", str(block_bytes),
+                          "--log-level", "WARNING",
                           name=f"demo-{os.getpid()}") as path:
         yield path
 
@@ -259,7 +274,8 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
         tokenizer_path = os.path.join(tmp, "tokenizer.json")
         train_tokenizer(size, tokenizer_path)
         prompts = build_prompts(size, tokenizer_path, num_workers)
-        with _daemon(socket, capacity, log) as sock:
+        block_bytes = block_bytes_for(size) if socket is None else 0
+        with _daemon(socket, capacity, block_bytes, log) as sock:
             log(f"starting {num_workers} worker processes; each builds a {size.num_layers}-layer "
                 f"Llama (hidden {size.hidden_size}, random weights) ...")
             for w in range(num_workers):

@@ -308,3 +308,32 @@ def test_pins_lost_mid_prefill_retry_once_then_prefill_in_full(model, daemon, mo
     assert torch.allclose(prefill.logits, logits, atol=LOGITS_ATOL, rtol=0)
     assert_cache_close(prefill.past_key_values, cache)
     assert daemon.pins_held() == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(recompute_ratio=0.15), dict(recompute_ratio=0.5),
+                                    dict(strategy="legolink", legolink_k=4)])
+def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, monkeypatch,
+                                                                kwargs):
+    """blend_prefill's attention (attend_at_positions) against SDPA with the dense mask
+    it replaced: same logits and K/V, with the selected rows scattered over the prompt."""
+    import torch.nn.functional as F
+
+    from lmcached.client import hf_blend
+
+    def masked(query, key, value, positions, scale=None):
+        groups = query.shape[1] // key.shape[1]
+        mask = torch.arange(key.shape[2])[None, :] <= positions[:, None]
+        return F.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+            attn_mask=mask[None, None], scale=scale)
+
+    prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])  # no segment at its offset
+    with connect(model, daemon) as engine:
+        store_segments(model, engine, torch.cat(DOCS), SPT)
+        fast = blend_prefill(model, engine, prompt, SPT, **kwargs)
+        monkeypatch.setattr(hf_blend, "attend_at_positions", masked)
+        reference = blend_prefill(model, engine, prompt, SPT, **kwargs)
+    rows = fast.num_recomputed_tokens
+    assert rows == reference.num_recomputed_tokens and rows < len(prompt)
+    assert torch.allclose(fast.logits, reference.logits, atol=1e-5, rtol=0)
+    assert_cache_close(fast.past_key_values, reference.past_key_values, atol=1e-5)
