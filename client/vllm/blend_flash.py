@@ -3,8 +3,8 @@
 Why this file exists: the rows CacheBlend (Yao et al., EuroSys 2025) or LegoLink select
 are not a contiguous suffix, which vLLM's attention backends assume
 (vllm/v1/attention/backends/flash_attn.py ~l.513 in 0.32.0). On CPU the layer loop
-(client/vllm/blend_layers.py) runs a masked SDPA over the layer's long K/V. On CUDA the
-loop has already written the layer's blended K/V into the request's paged blocks (the
+(client/vllm/blend_layers.py) runs `attend_at_positions` over the layer's long K/V. On
+CUDA the loop has already written the layer's blended K/V into the request's paged blocks (the
 sink, `do_kv_cache_update`), so each maximal run of consecutive selected rows is one
 pseudo-sequence of FlashAttention varlen over the paged cache: its queries are the run,
 its keys the request's block table with `seqused_k` = the run's last position + 1, and
@@ -18,8 +18,8 @@ materialized and the K/V are read in place.
 
 Selected on CUDA only, where vLLM ships `vllm.vllm_flash_attn` and the layer's backend
 is FlashAttention (its kv_cache `[num_blocks, num_kv_heads, block_size, 2 * head_size]`,
-flash_attn.py ~l.1252); otherwise `sdpa_attention` serves. Not yet run on a GPU: the
-pseudo-sequences and the call are checked on CPU against the masked SDPA with an
+flash_attn.py ~l.1252); otherwise `positions_attention` serves. Not yet run on a GPU: the
+pseudo-sequences and the call are checked on CPU against `positions_attention` with an
 emulation of the kernel's semantics (tests/vllm_connector/test_vllm_blend_flash.py).
 vllm-free at import.
 """
@@ -121,7 +121,7 @@ def flash_paged_attention(varlen_fn: Callable, q: torch.Tensor, key_cache: torch
 
 def flash_applies(parameter: torch.Tensor) -> bool:
     """Whether a model whose weights are like `parameter` can use FlashAttention: on CUDA,
-    in float16 or bfloat16 (the kernel's only dtypes; a float32 model keeps SDPA)."""
+    in float16 or bfloat16 (the kernel's only dtypes; a float32 model keeps `positions_attention`)."""
     return (parameter.device.type == "cuda"
             and parameter.dtype in (torch.float16, torch.bfloat16))
 
@@ -129,7 +129,7 @@ def flash_applies(parameter: torch.Tensor) -> bool:
 def paged_flash_attention(model, block_ids: list[int]) -> AttentionFn | None:
     """The `AttentionFn` of one request over vLLM's paged cache, or None where it does
     not apply (not `flash_applies`, no `vllm.vllm_flash_attn`, a backend other than
-    FlashAttention): the caller then uses `sdpa_attention`.
+    FlashAttention): the caller then uses `positions_attention`.
 
     The layer's blended K/V must be in the paged cache before the call (the layer loop
     calls its sink first); positions below the claim are vLLM's own prefix-cache hit,

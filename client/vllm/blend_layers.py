@@ -10,17 +10,18 @@ each decoder layer of vLLM's own model from its submodules (`embed_input_ids`,
 `mlp`) and lets a `BlendExecutor` (lmcached.client.blend: the one implementation of the
 selection and the re-rotation, shared with the Hugging Face path, client/hf_blend.py)
 decide at each layer which rows go on. The selected rows attend over the layer's long
-K/V through SDPA with an explicit mask (the causal kernel when every row is selected),
-or on CUDA through FlashAttention varlen over the paged cache (client/vllm/blend_flash.py).
-With every row selected it computes what the model's own forward computes. vllm-free: the model is used through its attributes.
+K/V through `attend_at_positions` (client/attention.py, shared with the Hugging Face
+path), or on CUDA through FlashAttention varlen over the paged cache
+(client/vllm/blend_flash.py). With every row selected it computes what the model's own
+forward computes. vllm-free: the model is used through its attributes.
 """
 
 import dataclasses
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from lmcached.client.attention import attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
 
 # (layer_id, k, v): the long K/V of one layer, `[num_tokens, num_kv_heads, head_size]`
@@ -89,7 +90,7 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
     `executor.blend` with the retriever's K/V of the layer (token axis 0); `sink` gets
     the layer's long K/V; then, except at the last layer (only its K/V are needed: vLLM
     computes the rest of the prompt), the selected rows S attend over the long K/V
-    (SDPA, key j visible to query i iff j <= position of i), o_proj, the residual,
+    (`attention`: key j visible to query i iff j <= position of i), o_proj, the residual,
     post_attention_layernorm, mlp and the residual for S. A layer with no selected row
     calls no module (a zero-row matmul is skipped).
 
@@ -102,7 +103,7 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
         executor: a fresh executor (one per prompt) with its positional encoder set.
         sink: called once per layer, in order, with the layer's long K/V.
         attention: the selected rows' attention, called after `sink` (default
-            `sdpa_attention`; client/vllm/blend_flash.py's reads the paged cache the
+            `positions_attention`; client/vllm/blend_flash.py's reads the paged cache the
             sink wrote).
 
     Returns:
@@ -144,7 +145,7 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
         if layer_id == last_layer or not rows.numel():
             continue
         rows_dev = rows.to(device)
-        attn_out = (attention or sdpa_attention)(layer_id, attn, out.q, out.k, out.v,
+        attn_out = (attention or positions_attention)(layer_id, attn, out.q, out.k, out.v,
                                                  out.positions.to(device))
         attn_out = attn_out.reshape(rows.numel(), -1)  # [S, heads * head_size]
         o, _ = attn.o_proj(attn_out)
@@ -154,22 +155,15 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
     return BlendRun(num_reused_tokens=num_reused, recomputed_indices=rows)
 
 
-def sdpa_attention(layer_id: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
-    """The selected rows' attention over the layer's long K/V: SDPA with an explicit mask
-    (the causal kernel when every row is selected). An `AttentionFn`; any device."""
-    num_tokens = k.shape[0]
-    groups = attn.num_heads // attn.num_kv_heads
-    if q.shape[0] == num_tokens:  # every row: the causal kernel (~2.5x a mask's speed)
-        mask, causal = None, True
-    else:  # [S, T] bool: query i sees key j iff j <= its position.
-        key_positions = torch.arange(num_tokens, device=positions.device)
-        mask = (key_positions[None, :] <= positions[:, None])[None, None]
-        causal = False
-    out = F.scaled_dot_product_attention(
+def positions_attention(layer_id: int, attn, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The selected rows' causal attention over the layer's long K/V, through
+    `lmcached.client.attention.attend_at_positions` (the Hugging Face path's: SDPA
+    kernels over the causal staircase, no dense mask on CPU). An `AttentionFn`; any
+    device."""
+    out = attend_at_positions(
         q.transpose(0, 1)[None],  # [1, heads, S, head_size]
-        k.transpose(0, 1).repeat_interleave(groups, dim=0)[None],  # [1, heads, T, D]
-        v.transpose(0, 1).repeat_interleave(groups, dim=0)[None],
-        attn_mask=mask, is_causal=causal, scale=attn.scaling,
+        k.transpose(0, 1)[None],  # [1, kv_heads, T, head_size]
+        v.transpose(0, 1)[None], positions, scale=attn.scaling,
     )  # [1, heads, S, head_size]
     return out[0].transpose(0, 1)  # [S, heads, head_size]

@@ -158,7 +158,7 @@ class BlendWorker:
             segments = list(task.segments)
             if not spec.store_only:
                 sink = self._paged_writer(spec, model)
-                attention = paged_flash_attention(model, spec.block_ids)  # None: SDPA
+                attention = paged_flash_attention(model, spec.block_ids)  # None: positions_attention
                 layers = task if self._tp_group is None else _InStep(task, self._tp_group)
                 run = run_blended_layers(model, ids, layers, self._executor(spec), sink,
                                          attention)

@@ -3,8 +3,8 @@
 No GPU runs here: `flash_attn_varlen_func` is emulated with its documented semantics
 (paged keys through `block_table`, `seqused_k` keys per sequence, the causal mask
 aligned to the end of the keys), and the selected rows' attention through the
-pseudo-sequences over a scrambled paged cache must equal the masked SDPA over the dense
-long K/V (`sdpa_attention`) for any selection.
+pseudo-sequences over a scrambled paged cache must equal the CPU attention over the dense
+long K/V (`positions_attention`) for any selection.
 """
 
 import types
@@ -18,7 +18,7 @@ from lmcached.client.vllm.blend_flash import (
     paged_flash_attention,
     pseudo_sequences,
 )
-from lmcached.client.vllm.blend_layers import sdpa_attention
+from lmcached.client.vllm.blend_layers import positions_attention
 
 from test_vllm_blend_layers import FakeVllmLlama
 
@@ -89,7 +89,7 @@ def test_flash_over_the_paged_cache_equals_the_masked_sdpa(selection):
 
     got = flash_paged_attention(emulated_varlen, q, key_cache, value_cache,
                                 pseudo_sequences(positions, block_ids), attn.scaling)
-    expected = sdpa_attention(0, attn, q, k, v, positions)
+    expected = positions_attention(0, attn, q, k, v, positions)
     assert got.shape == expected.shape == (positions.numel(), HEADS, HEAD)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
