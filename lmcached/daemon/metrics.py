@@ -371,10 +371,15 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
                  "cached value (INFO namespaces).", clients["namespaces"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
-    yield _counter("lmcached_salted_hit_chunks", "Chunks found by ACQUIREs of salted "
-                   "requests (a tenant's cache salt; INFO salted_hits).", counters.salted_hits)
-    yield _counter("lmcached_salted_miss_chunks", "Chunks not found by ACQUIREs of salted "
-                   "requests (INFO salted_misses).", counters.salted_misses)
+    for i, (name, doc) in enumerate((("hit_chunks", "Chunks found by ACQUIRE"),
+                                     ("miss_chunks", "Chunks ACQUIRE did not find"),
+                                     ("lookups", "LOOKUP requests"))):
+        family = CounterMetricFamily(f"lmcached_tenant_{name}", f"{doc}, by tenant (a "
+                                     "salt's fingerprint, unsalted, other; INFO tenants).",
+                                     labels=["tenant"])
+        for tenant, row in counters.tenants.items():
+            family.add_metric([tenant], row[i])
+        yield family
     yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
                    counters.stores)
     yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",
