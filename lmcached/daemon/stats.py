@@ -92,7 +92,8 @@ class TenantStats:
     of at most MAX_TENANTS fingerprints plus "unsalted" and "other" (LMCache counts per
     cache salt; the bound is ours: a client chooses the fingerprints it sends).
 
-    Rows are `[hits, misses, lookups]`; `row` is the one lookup per request.
+    Rows are `[hits, misses, lookups]`; `row` is the one lookup per request. LOOKUPs
+    of clients of before fingerprints (no `salted` flag there) count as unsalted.
     """
 
     __slots__ = ("_rows",)
