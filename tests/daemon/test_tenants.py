@@ -3,13 +3,18 @@ bounded table in INFO's `tenants` section and the metrics' `tenant` label, whate
 fingerprints a client sends; requests of clients of before the field still decode and
 count (lmcached/daemon/stats.py `TenantStats`)."""
 
+import socket
+import time
 import tracemalloc
+import urllib.request
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmcached.daemon.info import info_sections
-from lmcached.daemon.metrics import metric_families, take_snapshot
+from lmcached.daemon.metrics import SNAPSHOT_MAX_AGE_S, metric_families, take_snapshot
 from lmcached.daemon.stats import MAX_TENANTS
+from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import request_decoder
 from lmcached.wire.protocol import Acquire, Info, Lookup, LookupReply, Release
 from test_service import (  # noqa: F401 (make_service and service are fixtures)
@@ -131,3 +136,29 @@ def test_requests_of_clients_of_before_the_tenant_field_still_decode_and_count(s
             tenants["tenant_other_misses"], tenants["tenants_tracked"]) == (2, 1, 1, 0)
     assert info_sections(service)["stats"]["salted_hits"] == 1
     assert_everything_returned(service)
+
+
+def test_a_hostile_client_of_a_real_daemon_leaves_info_and_the_scrape_bounded(daemon_factory):
+    """10,000 LOOKUPs, each with a new fingerprint, on a real socket: INFO and a scrape
+    keep MAX_TENANTS + 2 tenants, and the daemon goes on serving."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = daemon_factory("--capacity", "8MiB", "--block-size", "64KiB",
+                            "--metrics-port", str(port))
+    with Connection(daemon.socket) as conn:
+        (ns,) = hello(conn, "hostile", [LAYOUT]).namespaces
+        for i in range(10_000):
+            assert conn.request(Lookup([ns], chunk_hashes([i]), b"", i.to_bytes(8, "big"))) \
+                == LookupReply(0)
+    fields = daemon.info()
+    assert (fields["tenants_tracked"], fields["tenant_other_lookups"]) == \
+        (MAX_TENANTS, 10_000 - MAX_TENANTS)
+    assert sum(1 for name in fields if name.startswith("tenant_")) == 3 * (MAX_TENANTS + 2)
+    time.sleep(SNAPSHOT_MAX_AGE_S)  # past the snapshot a scrape may reuse
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    tenants = {sample.labels["tenant"] for family in text_string_to_metric_families(text)
+               for sample in family.samples if "tenant" in sample.labels}
+    assert len(tenants) == MAX_TENANTS + 2 and {"unsalted", "other"} <= tenants
+    assert fields["lookups"] == 10_000 and daemon.pins_held() == 0
