@@ -282,13 +282,9 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
                   num_threads=cfg.l2_threads, jobs=jobs)
 
 
-def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
-    """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
-    space of the directory's filesystem, counting the slot file already there as free
-    (a restart keeps the size it had)."""
-    text = cfg.disk_capacity
-    if not text.endswith("%"):
-        return int(text)
+def disk_free_bytes(directory: str) -> int:
+    """Free bytes of the directory's filesystem, counting the slot file already there as
+    free (a restart keeps the size it had)."""
     from lmcached.daemon.disk.slots import FILE_NAME
 
     free = shutil.disk_usage(directory).free
@@ -296,7 +292,28 @@ def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
         free += os.stat(os.path.join(directory, FILE_NAME)).st_blocks * 512
     except FileNotFoundError:
         pass
-    return int(free * float(text[:-1]) / 100)
+    return free
+
+
+def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
+    """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
+    space of the directory's filesystem (`disk_free_bytes`).
+
+    Raises:
+        StartupError: a capacity in bytes larger than that free space (the slot file
+            is preallocated: it could not be, and a full disk would drop every spill).
+    """
+    text = cfg.disk_capacity
+    free = disk_free_bytes(directory)
+    if text.endswith("%"):
+        return int(free * float(text[:-1]) / 100)
+    capacity = int(text)
+    if capacity > free:
+        raise StartupError(f"--disk-capacity {format_bytes(capacity)} is more than the "
+                           f"{format_bytes(free)} free in {directory}: lower --disk-capacity "
+                           f"(bytes, or a percentage of the free space, e.g. 50%) or free "
+                           f"space there")
+    return capacity
 
 
 def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
@@ -326,6 +343,10 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         raise StartupError(str(exc)) from None
     try:
         capacity = disk_capacity_bytes(cfg, directory)
+    except StartupError:
+        lock.release()
+        raise
+    try:
         tier = DiskTier(directory, lock, capacity_bytes=capacity, policy=cfg.disk_policy,
                         fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs)
         notifier.notify(f"STATUS=rebuilding the disk tier's index ({directory})")
