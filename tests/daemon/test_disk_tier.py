@@ -294,3 +294,23 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     assert "the slot file was deleted" in caplog.text
     assert lookup(service, session) == 4  # through the open descriptor, until a restart
     assert_nothing_held(service)
+
+
+@pytest.mark.parametrize("value_bytes,on_disk", [(BLOCK_BYTES + 100, True),
+                                                 (2 * BLOCK_BYTES - 100, False)])
+def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
+        disk_service, value_bytes, on_disk):
+    service = disk_service
+    big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
+    session = greeted(service, LAYOUT, big_layout)  # namespaces 1 and 2
+    big_hash = b"\xbb" * 16
+    alloc = service.handle(session, Alloc(2, big_hash, [value_bytes]))
+    assert len(alloc.block_ids) == 2, alloc  # a value of two blocks
+    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+    store_both(service, session)  # the big value is least recently used: evicted first
+    assert b"c" + (2).to_bytes(4, "little") + big_hash not in service.pool.cached
+    info = disk_info(service)
+    assert info["disk_write_drops_late"] == 0, info
+    assert info["disk_write_drops_oversize"] == int(not on_disk), info
+    assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
+    assert_nothing_held(service)

@@ -114,8 +114,8 @@ class DiskWrites:
             window += len(blocks)  # the next `share` blocks in eviction order, no more
             if window > share or len(self._ahead) >= MAX_AHEAD_WRITES:
                 break
-            if len(blocks) > 1 or pool_key in self._ahead:
-                continue  # larger than a slot (counted when evicted), or being written
+            if pool_key in self._ahead or not self._fits(blocks):
+                continue  # being written, or larger than a slot (counted when evicted)
             key = self._disk_key(pool_key)
             if key is None or key in index.entries or key in self._writing:
                 continue
@@ -144,7 +144,7 @@ class DiskWrites:
             job = self._ahead.get(pool_key)
             if job is not None:
                 job.evicted = True  # counted when the write ends (`_finish_writes`)
-            elif sum(b.num_bytes for b in blocks) + ENVELOPE_BYTES > self.slots.slot_bytes:
+            elif not self._fits(blocks):
                 stats["write_drops_oversize"] += 1
             elif key not in self._writing:
                 stats["write_drops_late"] += 1
@@ -171,10 +171,10 @@ class DiskWrites:
             index.touch(key)
             stats["spills_present"] += 1
             return False
-        num_bytes = sum(b.num_bytes for b in blocks)
-        if ENVELOPE_BYTES + num_bytes > self.slots.slot_bytes:
+        if not self._fits(blocks):
             stats["write_drops_oversize"] += 1
             return False
+        num_bytes = sum(b.num_bytes for b in blocks)
         if mode == "pinned" and self._pinned_bytes + num_bytes > self._pinned_limit_bytes:
             stats["write_drops_queue_full"] += 1
             return False
@@ -192,6 +192,10 @@ class DiskWrites:
         self._writing.add(key)
         self._writes.submit(job)
         return True
+
+    def _fits(self, blocks: list[KVCacheBlock]) -> bool:
+        """Whether a value of these blocks fits one slot with its envelope."""
+        return ENVELOPE_BYTES + sum(b.num_bytes for b in blocks) <= self.slots.slot_bytes
 
     def evict(self, pool_key: bytes) -> bool:
         """Forget one chunk (an admin's EVICT) and erase its slot's envelope in the
