@@ -46,6 +46,14 @@ def store(daemon, start: int) -> None:
         "stored": NUM_CHUNKS}
 
 
+def drained(daemon) -> None:
+    """Wait until no disk write is queued: the writes ahead of eviction keep up, as
+    between the prefills of a serving process (a burst faster than the disk drops
+    chunks, tests/daemon/test_disk_tier.py)."""
+    wait_for(lambda: not daemon.info()["disk_queue_values"], what="the disk writes",
+             timeout_s=30)
+
+
 def retrieve(daemon, start: int) -> dict:
     return run_worker("retrieve", daemon.socket, start, 100, 0, 1, env=WORKER_ENV)
 
@@ -67,6 +75,7 @@ def test_evicted_chunks_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
     daemon = daemon_factory(*disk_args(disk_dir))
     for start in (0, 1000, 2000):
         store(daemon, start)
+        drained(daemon)
     info = written(daemon, 6)  # 21 chunks in 15 blocks: the 6 least recently used spill
     assert info["evictions"] == 6 and info["disk_used_slots"] == info["disk_writes"] >= 6
     assert info["disk_direct_io"] == 1  # /tmp is ext4 here; tmpfs would say 0
@@ -183,6 +192,7 @@ def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, di
     try:
         for i, (tokens, chunk_hashes) in enumerate(zip(prompts, hashes)):
             saver.save([SaveSpec(f"r{i}", 0, tokens, chunk_hashes, block_ids=[3, 5, 7, 9])])
+            drained(daemon)
         info = written(daemon, 2)  # 10 chunks in 7 blocks: the first prompt spilled
         assert info["disk_used_slots"] >= 2
         acquired = pins.request(Acquire(pins.ensure_connected().namespaces,
