@@ -166,13 +166,12 @@ class GatedCopies:
         self.go = threading.Event()
         self.entered = threading.Event()
         self.threads: list[str] = []
-        self.first_blocks = None
+        self.blocks: list = []  # the values whose copy started, in order
         original = DiskTier._copy_out
 
         def copy_out(tier, blocks, buffer):
             self.threads.append(threading.current_thread().name)
-            if self.first_blocks is None:
-                self.first_blocks = blocks
+            self.blocks.append(blocks)
             self.entered.set()
             assert self.go.wait(20), "the test never released the copy"
             original(tier, blocks, buffer)
@@ -206,10 +205,12 @@ def test_a_chunk_evicted_during_its_write_ahead_copy_is_never_written(disk_servi
     session = greeted(service, LAYOUT)
     for _, chunk_hash, record in PROMPT_A + PROMPT_B[:2]:  # 6 blocks: the arena is full
         store_chunk(service, session, chunk_hash, record)
-    assert copies.entered.wait(10)
-    pool_key_a0 = b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]
-    assert copies.first_blocks is service.pool.cached[pool_key_a0]  # A0: LRU, first queued
-    (old_block,) = copies.first_blocks
+    a0_blocks = service.pool.cached[b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]]
+    deadline = time.monotonic() + 10  # A0, least recently used, is written ahead first
+    while not any(blocks is a0_blocks for blocks in copies.blocks):
+        assert time.monotonic() < deadline, "A0's write ahead never started its copy"
+        time.sleep(0.005)
+    (old_block,) = a0_blocks
     # The copy has not read A0's block yet: B2 evicts A0 and overwrites that block.
     _, chunk_hash, record = PROMPT_B[2]
     assert store_chunk(service, session, chunk_hash, record) == old_block.block_id
