@@ -254,7 +254,7 @@ def disk_families(disk: InfoFields) -> Iterator[Metric]:
                  disk["disk_stored_bytes"])
     drops = CounterMetricFamily("lmcached_disk_write_drops", "Chunk writes to disk dropped, "
                                 "by reason.", labels=["reason"])
-    for reason in ("queue_full", "oversize", "busy"):
+    for reason in ("queue_full", "oversize", "busy", "late"):
         drops.add_metric([reason], disk[f"disk_write_drops_{reason}"])
     yield drops
     rejects = CounterMetricFamily("lmcached_disk_fetch_rejects", "Slots read back and not "
