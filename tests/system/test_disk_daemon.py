@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import start_daemon
 from engine_worker import small_layout
@@ -245,3 +246,34 @@ def test_a_stop_signal_during_a_long_index_rebuild_stops_the_daemon_cleanly(uniq
     assert "chunks found" not in text, f"the rebuild ran to its end ({stopped_s:.1f} s):\n{text}"
     assert list_segments(unique_name) == [] and not os.path.exists(socket)
     DirectoryLock(directory).release()  # free: another daemon may start on it
+
+
+def test_a_salted_prompt_comes_back_from_disk_under_its_own_salt_only(daemon_factory, disk_dir):
+    """A salted chain's first chunk is verified from the salt's root (the request's
+    `parent`), not ROOT_HASH: evicted to disk, it comes back bit-exact under its salt, and
+    another salt or no salt misses it."""
+    from engine_worker import chunk_kv
+    from lmcached.client import CacheEngine
+
+    daemon = daemon_factory(*disk_args(disk_dir))
+    layout = small_layout()
+    tokens = list(range(5000, 5100))
+    hashes = hash_request_tokens(layout.chunk_size, tokens, salt="tenant-a")
+    kv = torch.cat([chunk_kv(layout, h, min(layout.chunk_size, len(tokens) - i * layout.chunk_size))
+                    for i, h in enumerate(hashes)], dim=layout.token_dim)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                             data_timeout_s=10) as engine:
+        assert engine.store(tokens, kv, cache_salt="tenant-a") == NUM_CHUNKS
+        drained(daemon)
+        for start in (1000, 2000, 3000):  # unsalted prompts evict the salted one to disk,
+            store(daemon, start)           # its first chunk too (freed last: vLLM's order)
+            drained(daemon)
+        info = written(daemon, 13)
+        assert info["evictions"] >= 13
+        assert engine.lookup(tokens, cache_salt="tenant-b") == 0
+        assert engine.lookup(tokens) == 0
+        got, mask = engine.retrieve(tokens, return_tuple=False, cache_salt="tenant-a")
+        assert bool(mask.all()) and torch.equal(got, kv)
+    info = daemon.info()
+    assert info["disk_fetch_hit_chunks"] == NUM_CHUNKS and info["disk_fetch_failures"] == 0
+    assert info["pinned_blocks"] == 0
