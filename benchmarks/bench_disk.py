@@ -20,7 +20,7 @@ Daemons are started by `lmcached.launcher` on a temporary directory under `--dir
               pages were dropped from the page cache (posix_fadvise DONTNEED)
 
     python benchmarks/bench_disk.py [--tokens 4096] [--repeat 3] [--slots 100000]
-                                    [--dir /var/tmp] [--out FILE.json]
+                                    [--stores 12] [--dir /var/tmp] [--out FILE.json]
 """
 
 import argparse
@@ -148,7 +148,8 @@ def bench_spill_and_fetch(root: str, num_tokens: int, repeat: int) -> dict:
 
 
 def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
-    """Cold stores that evict the previous prompt: with an on-evict disk tier and without."""
+    """Cold stores that evict the previous prompt: with an on-evict disk tier and without,
+    `repeat` of each after two that fill the arenas, in turn (the order alternates)."""
     nbytes = num_tokens * LLAMA_1B.token_bytes
     capacity = 2 * nbytes + 32 * MiB
     kv = torch.randn(LLAMA_1B.chunk_shape(num_tokens)).to(torch.bfloat16)
@@ -159,7 +160,7 @@ def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
     with temporary_daemon(*on_args, name=f"dskon-{os.getpid()}") as on, \
             temporary_daemon(*off_args, name=f"dskoff-{os.getpid()}") as off:
         with connect(on) as engine_on, connect(off) as engine_off:
-            for r in range(2 * repeat + 2):  # two rounds fill the arenas
+            for r in range(repeat + 2):  # two rounds fill the arenas
                 tokens = torch.arange(r * 10**6, r * 10**6 + num_tokens)
                 order = [(engine_off, off_s), (engine_on, on_s)]
                 for engine, samples in order if r % 2 else order[::-1]:
@@ -172,7 +173,7 @@ def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
             "store_no_disk_s": off_s, "store_spill_gbps": nbytes / median(on_s) / GB,
             "store_no_disk_gbps": nbytes / median(off_s) / GB,
             "ratio_on_off": median(off_s) / median(on_s), "disk_writes": info["disk_writes"],
-            "write_drops": info["disk_write_drops_queue_full"]}
+            "write_drops": sum(v for k, v in info.items() if k.startswith("disk_write_drops_"))}
 
 
 def bench_rebuild(root: str, num_slots: int) -> dict:
@@ -209,6 +210,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--slots", type=int, default=100_000)
+    parser.add_argument("--stores", type=int, default=12,
+                        help="cold stores measured with and without a disk tier")
     parser.add_argument("--dir", default="/var/tmp")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -222,7 +225,7 @@ def main() -> None:
               f"iflag=direct {io['dd_read_gbps']:.2f} GB/s ({io['fetch_vs_dd']:.2f}x); warm "
               f"restart found {io['warm_restart']['restored_chunks']} chunks in "
               f"{io['warm_restart']['scan_s']:.3f} s", flush=True)
-        store = bench_store(root, args.tokens, args.repeat)
+        store = bench_store(root, args.tokens, args.stores)
         print(f"cold store evicting to disk {store['store_spill_gbps']:.2f} GB/s vs without a "
               f"disk tier {store['store_no_disk_gbps']:.2f} GB/s (ratio "
               f"{store['ratio_on_off']:.2f}; {store['disk_writes']} chunks spilled, "

@@ -220,7 +220,7 @@ class CacheEngine:
         if not hashes:
             return 0
 
-        num_chunks = self.chain.lookup(hashes, root_hash(cache_salt))
+        num_chunks = self.chain.lookup(hashes, root_hash(cache_salt), cache_salt)
         return min(num_chunks * self.layout.chunk_size, len(token_array))
 
     def lookup_unpin(self, tokens: Tokens | None = None, cache_salt: str | None = None) -> int:

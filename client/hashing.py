@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from lmcached.wire.protocol import TENANT_BYTES
 from lmcached.wire.record_format import FIXED_SEED, hash_block_tokens  # noqa: F401 (re-export)
 from lmcached.wire.record_format import ROOT_HASH as _ROOT_HASH
 
@@ -59,6 +60,18 @@ def root_hash(salt: str | None = None) -> ChunkHash:
     if not salt:
         raise ValueError("a cache salt must not be empty: pass None for an unsalted request")
     return ChunkHash(xxhash.xxh3_128(_SALT_PREFIX + salt.encode("utf-8"), seed=FIXED_SEED).digest())
+
+
+def tenant_fingerprint(salt: str | None = None) -> bytes:
+    """The tenant fingerprint LOOKUP and ACQUIRE carry (wire `tenant`), by which the
+    daemon counts hits and misses per tenant: the first TENANT_BYTES of `root_hash(salt)`,
+    b"" without a salt. It tells the daemon no more than a request's `parent` already
+    does at the start of a salted chain (README, "Trust model").
+
+    Raises:
+        TypeError / ValueError: as `root_hash`.
+    """
+    return b"" if salt is None else root_hash(salt)[:TENANT_BYTES]
 
 
 def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.ndarray:

@@ -72,19 +72,20 @@ class Snapshot:
         """Send one request in this snapshot's generation (see `DaemonLink.request`)."""
         return self.link.request(message, self.generation)
 
-    def acquire(self, hashes: bytes, parent: bytes = b"", salted: bool = False) -> BlocksReply:
+    def acquire(self, hashes: bytes, parent: bytes = b"", tenant: bytes = b"") -> BlocksReply:
         """ACQUIRE the prefix of `hashes` READY in every namespace of the link, recording
         its lease in `leases`.
 
         Args:
             hashes: the chunks' prefix hashes, 16 bytes each.
             parent: the hash of the chunk before `hashes[0]` (b"": ROOT_HASH).
-            salted: the chain is a salted request's (counted apart in INFO).
+            tenant: the request's tenant fingerprint (`hashing.tenant_fingerprint`;
+                b"": unsalted), by which the daemon counts hits per tenant.
 
         Raises:
             CacheUnavailable, DaemonError: as `DaemonLink.request`.
         """
-        return self._pin(Acquire(self.namespaces, hashes, parent, salted))
+        return self._pin(Acquire(self.namespaces, hashes, parent, bool(tenant), tenant))
 
     def release(self) -> None:
         """RELEASE the leases taken so far in this snapshot (fire-and-forget), and forget

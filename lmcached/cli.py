@@ -178,7 +178,8 @@ def _connect(paths: list[str]) -> Connection:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_admin_options
 def info(section, as_json, socket_path, name) -> None:
-    """Server statistics: server, memory, blocks, clients, stats, l2 (or one SECTION).
+    """Server statistics: server, memory, blocks, clients, stats, l2, disk, tenants (or
+    one SECTION).
 
     While no client has sent a layout (and --block-size is unset), the arena has no
     blocks yet; a note on stderr says why.

@@ -304,7 +304,8 @@ SETTINGS: dict[str, Setting] = {
         "Disk tier (docs/operator.md): a slot file in DIR (local NVMe) holds the chunks the "
         "arena evicts and serves them back; a restarted daemon serves them again. DIR must "
         "be the daemon user's alone (not a symlink, not writable by others); a missing one "
-        "is created 0700; one daemon per DIR.",
+        "is created 0700; one daemon per DIR. A slot holds one arena block: a chunk "
+        "spanning several blocks is not written (INFO disk_write_drops_oversize).",
         None, "off"),
     "disk_capacity": Setting(
         Size,

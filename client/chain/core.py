@@ -17,6 +17,7 @@ from lmcached.client.chain.frames import (
 )
 from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.hashing import tenant_fingerprint
 from lmcached.client.kv_io import ChunkCopier
 from lmcached.client.layout import KVLayout
 from lmcached.client.records import RecordIO, TieredRecords
@@ -100,14 +101,17 @@ class Chain:
         self._records = self._tiered = None
 
     # ------------------------------------------------------------------- read
-    def lookup(self, hashes: list[bytes], parent: bytes = ROOT_HASH) -> int:
+    def lookup(self, hashes: list[bytes], parent: bytes = ROOT_HASH,
+               salt: str | None = None) -> int:
         """How many leading chunks of `hashes` are READY (LOOKUP: no pins, no LRU change),
         in requests of `chunks_per_request`; 0 when the daemon is unavailable.
 
         Args:
             hashes: the chunks' prefix hashes, in chain order.
             parent: the hash before `hashes[0]` (`acquire_chain`'s).
+            salt: the request's cache salt (`acquire_chain`'s), counted by its tenant.
         """
+        tenant = tenant_fingerprint(salt)
 
         def count(snapshot: Snapshot) -> int:
             per_request = chunks_per_request(self.layout, snapshot.block_bytes)
@@ -115,7 +119,7 @@ class Chain:
             for pos in range(0, len(hashes), per_request):
                 batch = hashes[pos : pos + per_request]
                 found = snapshot.request(Lookup(snapshot.namespaces, b"".join(batch),
-                                                wire_parent(hashes, pos, parent)))
+                                                wire_parent(hashes, pos, parent), tenant))
                 num_chunks += found.num_chunks
                 if found.num_chunks < len(batch):
                     break
@@ -141,7 +145,7 @@ class Chain:
         """
 
         def acquire(snapshot: Snapshot) -> PinnedChunks:
-            (spans,) = acquire_chain(snapshot, hashes, self.layout, parent, salt is not None)
+            (spans,) = acquire_chain(snapshot, hashes, self.layout, parent, salt)
             return PinnedChunks(tokens, first_chunk, spans, hashes[: len(spans)],
                                 self.records(snapshot), Pins.of(snapshot), salt)
 

@@ -7,6 +7,7 @@ Part of the client's chunk-chain core (client/chain/__init__.py).
 from typing import Callable
 
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.hashing import tenant_fingerprint
 from lmcached.client.layout import KVLayout
 from lmcached.client.snapshot import Snapshot
 from lmcached.wire.logger import init_logger
@@ -72,7 +73,7 @@ def wire_parent(hashes: list[bytes], pos: int, parent: bytes) -> bytes:
 
 
 def acquire_chain(snapshot: Snapshot, hashes: list[bytes], layout: KVLayout,
-                  parent: bytes = ROOT_HASH, salted: bool = False) -> list[list[list[int]]]:
+                  parent: bytes = ROOT_HASH, salt: str | None = None) -> list[list[list[int]]]:
     """ACQUIRE the longest prefix of the chunk chain `hashes` READY in every namespace
     of the link, in as few requests as frames allow (`chunks_per_request`), recording
     the leases.
@@ -84,7 +85,9 @@ def acquire_chain(snapshot: Snapshot, hashes: list[bytes], layout: KVLayout,
         parent: the hash of the chunk before `hashes[0]`: ROOT_HASH at the start of an
             unsalted chain, `root_hash(salt)` at the start of a salted one. The daemon's
             L2 tier verifies fetched chunks from it.
-        salted: the chain is a salted request's (INFO counts its hits apart).
+        salt: the request's cache salt (None: unsalted); its fingerprint
+            (`tenant_fingerprint`) goes with each ACQUIRE, so that the daemon counts
+            the chain's hits and misses under its tenant.
 
     Returns:
         Per namespace (in the link's order), the block ids of each pinned chunk; every
@@ -96,10 +99,11 @@ def acquire_chain(snapshot: Snapshot, hashes: list[bytes], layout: KVLayout,
     num_namespaces = len(snapshot.namespaces)
     per_request = chunks_per_request(layout, snapshot.block_bytes, num_namespaces)
     chains: list[list[list[int]]] = [[] for _ in range(num_namespaces)]
+    tenant = tenant_fingerprint(salt)
     for pos in range(0, len(hashes), per_request):
         batch = hashes[pos : pos + per_request]
         spans = snapshot.acquire(b"".join(batch), wire_parent(hashes, pos, parent),
-                                 salted).spans()
+                                 tenant).spans()
         found = len(spans) // num_namespaces  # namespace-major
         for i, chain in enumerate(chains):
             chain.extend(spans[i * found : (i + 1) * found])

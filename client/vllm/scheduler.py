@@ -200,7 +200,7 @@ class LMCachedConnectorScheduler:
         parent = state.hashes[first_chunk - 1] if first_chunk else root_hash(salt)
 
         def acquire(snapshot):
-            rank_spans = acquire_chain(snapshot, hashes, layout, parent, salt is not None)
+            rank_spans = acquire_chain(snapshot, hashes, layout, parent, salt)
             pins = [Pins.of(snapshot)] if snapshot.leases else []
             return rank_spans, [snapshot.generation] * world_size, pins
 

@@ -168,7 +168,8 @@ class BlockPool:
         )
         return blocks
 
-    def lru_values(self, limit: int) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
+    def lru_values(self, limit: int,
+                   max_blocks: int | None = None) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
         """Up to `limit` unpinned cached values in eviction order (least recently used
         first), without evicting them. No side effects.
 
@@ -176,17 +177,26 @@ class BlockPool:
         so a caller that pins them before it lets go of the loop never moves a pinned
         value.
 
+        Args:
+            limit: values wanted at most.
+            max_blocks: queued blocks visited at most, empty ones included (a bound on
+                the loop's work); None = no bound.
+
         Returns:
             (key, blocks) pairs, each value once.
         """
         found: dict[BlockHash, list[KVCacheBlock]] = {}
         if limit <= 0:
             return []
+        visited = 0
         for block in self.free_block_queue:
             if block.block_hash is not None and block.block_hash not in found:
                 found[block.block_hash] = block.span
                 if len(found) >= limit:
                     break
+            visited += 1
+            if max_blocks is not None and visited >= max_blocks:
+                break
         return list(found.items())
 
     def _evict_popped(self, block: KVCacheBlock) -> None:

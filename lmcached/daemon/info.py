@@ -17,7 +17,7 @@ from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
 from lmcached.daemon.progress import loading_fields
-from lmcached.daemon.stats import StatsSnapshot
+from lmcached.daemon.stats import MAX_TENANTS, StatsSnapshot
 from lmcached.wire.units import format_bytes
 
 if TYPE_CHECKING:  # service.py imports this module
@@ -64,6 +64,20 @@ def stats_fields(counters: StatsSnapshot) -> InfoFields:
     for code in sorted(counters.errors):
         stats[f"errors_{code}"] = counters.errors[code]
     return stats
+
+
+def tenant_fields(counters: StatsSnapshot) -> InfoFields:
+    """INFO's `tenants` section: `tenants_tracked` (fingerprints with a row of their
+    own, at most `tenants_max`), then `tenant_<name>_hits` / `_misses` (chunks, by
+    ACQUIRE) and `_lookups` (LOOKUP requests) per tenant: "unsalted", "other" (past the
+    bound, or a salted ACQUIRE of a client of before fingerprints), and each tracked
+    fingerprint (16 hex digits)."""
+    fields: InfoFields = {"tenants_tracked": len(counters.tenants) - 2,
+                          "tenants_max": MAX_TENANTS}
+    for name, (hits, misses, lookups) in counters.tenants.items():
+        fields.update({f"tenant_{name}_hits": hits, f"tenant_{name}_misses": misses,
+                       f"tenant_{name}_lookups": lookups})
+    return fields
 
 
 def info_sections(service: "CacheService",
@@ -139,6 +153,7 @@ def info_sections(service: "CacheService",
         "stats": stats,
         "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
         "disk": service.disk.info() if service.disk is not None else {"disk_enabled": 0},
+        "tenants": tenant_fields(counters),
     }
 
 

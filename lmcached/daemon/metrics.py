@@ -254,7 +254,7 @@ def disk_families(disk: InfoFields) -> Iterator[Metric]:
                  disk["disk_stored_bytes"])
     drops = CounterMetricFamily("lmcached_disk_write_drops", "Chunk writes to disk dropped, "
                                 "by reason.", labels=["reason"])
-    for reason in ("queue_full", "oversize", "busy"):
+    for reason in ("queue_full", "oversize", "busy", "late"):
         drops.add_metric([reason], disk[f"disk_write_drops_{reason}"])
     yield drops
     rejects = CounterMetricFamily("lmcached_disk_fetch_rejects", "Slots read back and not "
@@ -371,10 +371,15 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
                  "cached value (INFO namespaces).", clients["namespaces"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
-    yield _counter("lmcached_salted_hit_chunks", "Chunks found by ACQUIREs of salted "
-                   "requests (a tenant's cache salt; INFO salted_hits).", counters.salted_hits)
-    yield _counter("lmcached_salted_miss_chunks", "Chunks not found by ACQUIREs of salted "
-                   "requests (INFO salted_misses).", counters.salted_misses)
+    for i, (name, doc) in enumerate((("hit_chunks", "Chunks found by ACQUIRE"),
+                                     ("miss_chunks", "Chunks ACQUIRE did not find"),
+                                     ("lookups", "LOOKUP requests"))):
+        family = CounterMetricFamily(f"lmcached_tenant_{name}", f"{doc}, by tenant (a "
+                                     "salt's fingerprint, unsalted, other; INFO tenants).",
+                                     labels=["tenant"])
+        for tenant, row in counters.tenants.items():
+            family.add_metric([tenant], row[i])
+        yield family
     yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
                    counters.stores)
     yield _counter("lmcached_evictions", "Values evicted, by pressure or on request.",

@@ -12,6 +12,7 @@ from lmcached.daemon import keys
 from lmcached.wire.protocol import (
     HASH_BYTES,
     MAX_CHUNKS_PER_REQUEST,
+    TENANT_BYTES,
     BlocksReply,
     tier_of,
 )
@@ -47,6 +48,15 @@ class RequestChecks:
                 "namespaces) in one request: split it"
             )
         return num_chunks
+
+    def _tenant_row(self, tenant: bytes, salted: bool = False) -> list[int]:
+        """The counters (`TenantStats.row`) of a LOOKUP's or ACQUIRE's tenant
+        fingerprint, after validating it (TENANT_BYTES, or empty: unsalted)."""
+        if len(tenant) not in (0, TENANT_BYTES):
+            raise RequestError("bad_request", f"tenant is {len(tenant)} bytes: a tenant "
+                               f"fingerprint is {TENANT_BYTES} bytes (the first of the "
+                               "salted chain's root hash), or empty for an unsalted request")
+        return self.stats.tenants.row(tenant, salted)
 
     def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:
         """The block-pool keys of a request's chunk hashes, after validating them."""

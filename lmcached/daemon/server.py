@@ -135,7 +135,7 @@ class Server(ClientIO, ClientAccounting):
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
         if cfg.disk_path:
             self.service.attach_disk(create_disk_tier(cfg, self.arena, self.service.jobs,
-                                                      self.notifier))
+                                                      self.notifier, self._check_stop))
         self._listen(cfg.socket)
         if cfg.prefault:
             self._load()
@@ -215,6 +215,12 @@ class Server(ClientIO, ClientAccounting):
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._old_handlers[signum] = signal.signal(signum, self._on_stop_signal)
         self._old_handlers[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hup)
+
+    def _check_stop(self) -> None:
+        """During a start-up step (any thread): raise StartupInterrupted once a stop
+        signal arrived."""
+        if self._stop_signal is not None:
+            raise StartupInterrupted(self._stop_signal)
 
     def _on_stop_signal(self, signum, frame) -> None:
         self._stop_signal = signum

@@ -52,8 +52,8 @@ class StartupError(RuntimeError):
 
 
 class StartupInterrupted(Exception):
-    """A stop signal or a SHUTDOWN arrived while the arena was prefaulted; nothing is
-    left behind.
+    """A stop signal or a SHUTDOWN arrived while the arena was prefaulted or the disk
+    tier's index rebuilt; nothing is left behind.
 
     Args:
         signum: the signal (SIGTERM, SIGINT), or None for a SHUTDOWN request.
@@ -282,13 +282,9 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
                   num_threads=cfg.l2_threads, jobs=jobs)
 
 
-def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
-    """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
-    space of the directory's filesystem, counting the slot file already there as free
-    (a restart keeps the size it had)."""
-    text = cfg.disk_capacity
-    if not text.endswith("%"):
-        return int(text)
+def disk_free_bytes(directory: str) -> int:
+    """Free bytes of the directory's filesystem, counting the slot file already there as
+    free (a restart keeps the size it had)."""
     from lmcached.daemon.disk.slots import FILE_NAME
 
     free = shutil.disk_usage(directory).free
@@ -296,11 +292,32 @@ def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
         free += os.stat(os.path.join(directory, FILE_NAME)).st_blocks * 512
     except FileNotFoundError:
         pass
-    return int(free * float(text[:-1]) / 100)
+    return free
+
+
+def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
+    """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
+    space of the directory's filesystem (`disk_free_bytes`).
+
+    Raises:
+        StartupError: a capacity in bytes larger than that free space (the slot file
+            is preallocated: it could not be, and a full disk would drop every spill).
+    """
+    text = cfg.disk_capacity
+    free = disk_free_bytes(directory)
+    if text.endswith("%"):
+        return int(free * float(text[:-1]) / 100)
+    capacity = int(text)
+    if capacity > free:
+        raise StartupError(f"--disk-capacity {format_bytes(capacity)} is more than the "
+                           f"{format_bytes(free)} free in {directory}: lower --disk-capacity "
+                           f"(bytes, or a percentage of the free space, e.g. 50%) or free "
+                           f"space there")
+    return capacity
 
 
 def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
-                     notifier: SystemdNotifier):
+                     notifier: SystemdNotifier, stop_check: Callable[[], None] | None = None):
     """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"): its directory
     checked and locked, and the index of a slot file left by an earlier daemon rebuilt
     (warm restart) before the daemon says READY.
@@ -310,10 +327,13 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         arena: the daemon's arena (its block size, when known, sizes the slots).
         jobs: the daemon's background job runner (the tier's threads are its queues).
         notifier: systemd's notify socket (STATUS= during the index rebuild).
+        stop_check: called during the index rebuild (any thread); raises
+            StartupInterrupted when a stop signal arrived, which stops the rebuild.
 
     Raises:
         StartupError: the directory is unsafe, used by another daemon, or the slot file
             cannot be opened (the message names the cause and the fix).
+        StartupInterrupted: `stop_check` raised it; the tier is closed, its lock released.
     """
     from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, \
         prepare_disk_directory
@@ -328,10 +348,16 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         capacity = disk_capacity_bytes(cfg, directory)
         tier = DiskTier(directory, lock, capacity_bytes=capacity, policy=cfg.disk_policy,
                         fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs)
+    except BaseException:
+        lock.release()
+        raise
+    try:
         notifier.notify(f"STATUS=rebuilding the disk tier's index ({directory})")
         next_log = [time.monotonic() + 1.0]
 
         def progress(done_slots: int, num_slots: int) -> None:
+            if stop_check is not None:
+                stop_check()
             if time.monotonic() >= next_log[0]:
                 next_log[0] = time.monotonic() + 1.0
                 logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
@@ -339,11 +365,13 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         tier.load(progress)
         if arena.block_bytes:
             tier.set_block_bytes(arena.block_bytes, progress)
-    except OSError as exc:
-        lock.release()
-        raise StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
-                           f"{exc.strerror or exc}; check the filesystem (read-only? full?) "
-                           f"or choose another --disk-path") from exc
+    except BaseException as exc:
+        tier.close()  # its threads and file; the directory's lock is released
+        if isinstance(exc, OSError):
+            raise StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
+                               f"{exc.strerror or exc}; check the filesystem (read-only? "
+                               f"full?) or choose another --disk-path") from exc
+        raise
     logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory, format_bytes(capacity),
                 cfg.disk_policy, cfg.disk_fetch_wait_s)
     return tier

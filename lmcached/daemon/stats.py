@@ -78,6 +78,47 @@ class PoolStats:
         self.evictions = 0
 
 
+# Tenants (fingerprints of salted chains' roots, wire `tenant`) counted apart; later ones
+# count under OTHER, so that neither the table nor the metrics' `tenant` label grows with
+# what clients send. First come, never dropped: no label comes and goes.
+MAX_TENANTS = 64
+UNSALTED = "unsalted"
+OTHER = "other"
+_OTHER_KEY = b"other"  # never a fingerprint (those are TENANT_BYTES long)
+
+
+class TenantStats:
+    """Chunks hit and missed by ACQUIRE and LOOKUPs, per tenant fingerprint, in a table
+    of at most MAX_TENANTS fingerprints plus "unsalted" and "other" (LMCache counts per
+    cache salt; the bound is ours: a client chooses the fingerprints it sends).
+
+    Rows are `[hits, misses, lookups]`; `row` is the one lookup per request. LOOKUPs
+    of clients of before fingerprints (no `salted` flag there) count as unsalted.
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self) -> None:
+        self._rows: dict[bytes, list[int]] = {b"": [0, 0, 0], _OTHER_KEY: [0, 0, 0]}
+
+    def row(self, tenant: bytes, salted: bool = False) -> list[int]:
+        """The counters of `tenant` (b"": unsalted, or "other" when `salted`: a client
+        of before fingerprints), made on first sight while fewer than MAX_TENANTS are
+        tracked, "other"'s otherwise."""
+        row = self._rows.get(tenant if tenant or not salted else _OTHER_KEY)
+        if row is None:
+            if len(self._rows) - 2 >= MAX_TENANTS:
+                return self._rows[_OTHER_KEY]
+            row = self._rows[tenant] = [0, 0, 0]
+        return row
+
+    def copy(self) -> dict[str, tuple[int, int, int]]:
+        """{"unsalted" | "other" | 16 hex digits: (hits, misses, lookups)}, unsalted and
+        other first, then the fingerprints in the order first seen."""
+        names = {b"": UNSALTED, _OTHER_KEY: OTHER}
+        return {names.get(key) or key.hex(): tuple(row) for key, row in self._rows.items()}
+
+
 class DaemonStats:
     """Every counter of the daemon's request semantics, in one place (Redis's
     `server.stat_*`); plain ints, updated on the loop thread only.
@@ -89,10 +130,8 @@ class DaemonStats:
         writing_expired: values aborted after --writing-timeout.
         invalidated: chunks dropped by INVALIDATE.
         errors: refusals and drops by error code.
-        salted_hits / salted_misses: the chunks of `ns_hits` / `ns_misses` that salted
-            requests (ACQUIRE `salted`: a tenant's cache salt is in the chain's root)
-            found / did not find; the unsalted ones are the rest. Two label values, not
-            one per tenant: the daemon never sees a salt (a client may count per salt).
+        tenants: the chunks of `ns_hits` / `ns_misses`, and the LOOKUPs, per tenant
+            fingerprint (`TenantStats`); the daemon never sees a salt.
         ns_hits / ns_misses: chunks (and GET values) found / not found, by namespace id,
             of the namespaces alive; with `freed_namespaces` they add up to the pools'
             hits / misses.
@@ -110,8 +149,7 @@ class DaemonStats:
         self.writing_expired = 0
         self.invalidated = 0
         self.errors: dict[str, int] = {}
-        self.salted_hits = 0
-        self.salted_misses = 0
+        self.tenants = TenantStats()
         self.ns_hits: dict[int, int] = {}
         self.ns_misses: dict[int, int] = {}
         self.freed_namespaces = dict.fromkeys(
@@ -128,8 +166,7 @@ class DaemonStats:
             stores=self.stores,
             hits=sum(p.hits for p in made),
             misses=sum(p.misses for p in made),
-            salted_hits=self.salted_hits,
-            salted_misses=self.salted_misses,
+            tenants=self.tenants.copy(),
             evictions=sum(p.evictions for p in made),
             total_stored_bytes=self.stored_bytes,
             total_served_bytes=self.served_bytes,
@@ -147,7 +184,8 @@ class StatsSnapshot:
     renamed counter fails where it is read, not as a missing INFO field.
 
     Attributes are named as their INFO fields; `errors` by code (INFO errors_<code>),
-    `tier_hits` by tier id (INFO tier<i>_hits for device tiers i >= 1).
+    `tier_hits` by tier id (INFO tier<i>_hits for device tiers i >= 1), `tenants` by
+    tenant (`TenantStats.copy`, INFO section `tenants`).
     """
 
     requests: int
@@ -156,8 +194,6 @@ class StatsSnapshot:
     stores: int
     hits: int
     misses: int
-    salted_hits: int
-    salted_misses: int
     evictions: int
     total_stored_bytes: int
     total_served_bytes: int
@@ -165,6 +201,17 @@ class StatsSnapshot:
     invalidated_chunks: int
     errors: dict[str, int]
     tier_hits: tuple[int, ...]
+    tenants: dict[str, tuple[int, int, int]]
+
+    @property
+    def salted_hits(self) -> int:
+        """Chunks hit by salted requests: every tenant's but "unsalted"."""
+        return sum(row[0] for name, row in self.tenants.items() if name != UNSALTED)
+
+    @property
+    def salted_misses(self) -> int:
+        """Chunks missed by salted requests."""
+        return sum(row[1] for name, row in self.tenants.items() if name != UNSALTED)
 
     @property
     def hit_rate(self) -> float:

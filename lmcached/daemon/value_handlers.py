@@ -75,9 +75,11 @@ class ValueHandlers:
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
+        tenant = self._tenant_row(req.tenant)
         self._require_pool()
         if not self._resuming:
             self.stats.lookups += 1
+            tenant[2] += 1
         num_chunks = len(per_namespace[0])
         readable = session.readable
         for chunk_keys in per_namespace:
@@ -89,6 +91,7 @@ class ValueHandlers:
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
+        tenant = self._tenant_row(req.tenant, req.salted)
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
@@ -107,9 +110,8 @@ class ValueHandlers:
             pool.stats.misses += len(chunk_keys) - num_chunks
             self.stats.ns_hits[ns] += len(found)
             self.stats.ns_misses[ns] += len(chunk_keys) - len(found)
-            if req.salted:
-                self.stats.salted_hits += len(found)
-                self.stats.salted_misses += len(chunk_keys) - len(found)
+            tenant[0] += len(found)
+            tenant[1] += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:

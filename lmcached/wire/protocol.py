@@ -25,6 +25,7 @@ import msgspec
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 1 << 20
 HASH_BYTES = 16
+TENANT_BYTES = 8  # a tenant fingerprint: the first bytes of a salted chain's root hash
 MAX_CHUNKS_PER_REQUEST = 1 << 16  # 16M tokens at chunk_size 256
 
 # Per-chunk status in an ALLOC reply.
@@ -122,25 +123,30 @@ class Lookup(msgspec.Struct, tag="lookup", array_like=True):
     is the hash of the chunk before `hashes[0]` (16 bytes; empty: the chain starts at
     ROOT_HASH), from which an L2 fetch verifies the chain: a salted chain (a tenant's
     cache salt enters its root hash, client/hashing.py) or a run that starts mid-chain
-    sends it; the daemon never learns a salt.
+    sends it; the daemon never learns a salt. `tenant`: the request's tenant
+    fingerprint, the first TENANT_BYTES of its salted chain's root hash (empty:
+    unsalted), by which INFO's `tenants` section and the metrics count per tenant.
     """
 
     namespaces: list[int]
     hashes: bytes
     parent: bytes = b""
+    tenant: bytes = b""
 
 
 class Acquire(msgspec.Struct, tag="acquire", array_like=True):
     """Pin the chunks of `hashes` READY in every namespace listed (the common prefix)
     under one lease (ref_cnt += 1 per block) and return their blocks, namespace-major.
 
-    `parent`: as LOOKUP's. `salted`: the chain is a salted request's (a tenant's), so
-    that INFO and the metrics count its hits and misses apart (`salted_hits`)."""
+    `parent`, `tenant`: as LOOKUP's. `salted`: the chain is a salted request's; a
+    client of before `tenant` sends only this flag (its chunks count under the tenant
+    "other"), a newer one sends both, so that an older daemon counts it as salted."""
 
     namespaces: list[int]
     hashes: bytes
     parent: bytes = b""
     salted: bool = False
+    tenant: bytes = b""
 
 
 class Release(msgspec.Struct, tag="release", array_like=True):
@@ -217,7 +223,7 @@ class Scan(msgspec.Struct, tag="scan", array_like=True):
 
 # The sections INFO answers, in order (lmcached/daemon/info.py builds them; the CLI checks
 # a section name against them before it sends anything).
-INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2", "disk")
+INFO_SECTIONS = ("server", "memory", "blocks", "clients", "stats", "l2", "disk", "tenants")
 
 
 class Info(msgspec.Struct, tag="info", array_like=True):

@@ -1,12 +1,20 @@
 """Cache salts through the engine: a tenant's chunks are found under its salt only
 (client/hashing.py `root_hash`; docs/architecture.md, "Keys and hashing"), and INFO
-counts salted hits and misses apart."""
+counts salted hits and misses apart, per tenant fingerprint (INFO `tenants`, the
+metrics' `tenant` label)."""
+
+import socket
+import time
+import urllib.request
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
+from lmcached.client.hashing import root_hash, tenant_fingerprint
+from lmcached.daemon.metrics import SNAPSHOT_MAX_AGE_S
 from lmcached.wire.connection import DaemonError
 from lmcached.wire.protocol import Acquire, Lookup
 
@@ -110,3 +118,53 @@ def test_a_parent_hash_of_the_wrong_size_is_refused_and_the_daemon_goes_on(engin
     assert refused.value.code == "bad_request" and "parent is 5 bytes" in str(refused.value)
     assert writer.store(np.arange(32), make_kv(writer.layout, 32, seed=7)) == 2
     assert daemon.info()["errors_bad_request"] == 1
+
+
+def scrape_tenants(port: int) -> dict[tuple[str, str], float]:
+    """{(lmcached_tenant_* sample name, tenant label): value} of a fresh scrape."""
+    time.sleep(SNAPSHOT_MAX_AGE_S)  # past the snapshot a scrape may reuse
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {(sample.name, sample.labels["tenant"]): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith("lmcached_tenant_")}
+
+
+def test_info_and_metrics_count_two_salts_and_unsalted_per_tenant(daemon_factory):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB",
+                            "--metrics-port", str(port))
+    writer = CacheEngine.connect(make_layout(), socket=daemon.socket, strict=True)
+    reader = CacheEngine.connect(make_layout(), socket=daemon.socket, strict=True)
+    try:
+        tokens = np.arange(48)  # 3 chunks
+        writer.store(tokens, make_kv(writer.layout, 48, seed=8), cache_salt="tenant-a")
+        writer.store(tokens[:16], make_kv(writer.layout, 16, seed=9))
+        assert reader.retrieve(tokens, cache_salt="tenant-a")[1].all()  # 3 hits
+        assert not reader.retrieve(tokens, cache_salt="tenant-b")[1].any()  # 3 misses
+        assert reader.lookup(tokens, cache_salt="tenant-b") == 0  # 1 LOOKUP
+        assert reader.lookup(tokens[32:], cache_salt="tenant-a") == 0  # another chain
+        assert reader.retrieve(tokens)[1].sum() == 16  # unsalted: 1 hit, 2 misses
+        fields = daemon.info()
+    finally:
+        writer.close()
+        reader.close()
+    a, b = (tenant_fingerprint(salt) for salt in ("tenant-a", "tenant-b"))
+    assert a == root_hash("tenant-a")[:8] and len({a, b}) == 2
+    per_tenant = {name: (fields[f"tenant_{name}_hits"], fields[f"tenant_{name}_misses"],
+                         fields[f"tenant_{name}_lookups"])
+                  for name in ("unsalted", "other", a.hex(), b.hex())}
+    assert per_tenant == {"unsalted": (1, 2, 0), "other": (0, 0, 0), a.hex(): (3, 0, 1),
+                          b.hex(): (0, 3, 1)}
+    assert fields["tenants_tracked"] == 2
+    assert (fields["salted_hits"], fields["salted_misses"]) == (3, 3)
+    assert not any("tenant-a" in name or "tenant-b" in name for name in fields)
+    samples = scrape_tenants(port)
+    for name, (hits, misses, lookups) in per_tenant.items():
+        assert samples[("lmcached_tenant_hit_chunks_total", name)] == hits
+        assert samples[("lmcached_tenant_miss_chunks_total", name)] == misses
+        assert samples[("lmcached_tenant_lookups_total", name)] == lookups
+    assert len(samples) == 3 * 4
+    assert daemon.pins_held() == 0

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.client import hf_attention  # noqa: E402
-from lmcached.client.hf import generate_with_cache, layout_for_model  # noqa: E402
+from lmcached.client.hf import CACHE_ARG, generate_with_cache, layout_for_model, model_cache  # noqa: E402
 from lmcached.client.hf_attention import LMCACHED_ATTENTION, prefix_attention  # noqa: E402
 
 CHUNK = 16
@@ -53,12 +53,12 @@ def prompt(seed=1):
 @torch.inference_mode()
 def suffix_logits(model, ids, num_cached, fast: bool):
     """Logits of ids[num_cached:] over the cropped KV of a full forward of the prompt."""
-    cache = model(ids, use_cache=True).past_key_values
+    cache = model_cache(model(ids, use_cache=True))
     cache.crop(num_cached - ids.shape[1])  # transformers 5: a negative count removes that many
     if fast:
         with prefix_attention(model):
-            return model(ids[:, num_cached:], past_key_values=cache).logits.float()
-    return model(ids[:, num_cached:], past_key_values=cache).logits.float()
+            return model(ids[:, num_cached:], **{CACHE_ARG: cache}).logits.float()
+    return model(ids[:, num_cached:], **{CACHE_ARG: cache}).logits.float()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

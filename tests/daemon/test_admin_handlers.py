@@ -159,8 +159,8 @@ def test_info_reports_every_section_from_the_service_state(service):
     lookup(service, session, [1], [0])
     reply = service.handle(session, Info())
     assert isinstance(reply, InfoReply) and list(reply.sections) == list(INFO_SECTIONS)
-    server, memory, blocks, clients, stats, l2, disk = (reply.sections[name]
-                                                        for name in INFO_SECTIONS)
+    server, memory, blocks, clients, stats, l2, disk, tenants = (
+        reply.sections[name] for name in INFO_SECTIONS)
     assert l2 == {"l2_enabled": 0} and disk == {"disk_enabled": 0}  # no --l2, --disk-path
     assert server["protocol_version"] == PROTOCOL_VERSION
     assert (server["name"], server["socket"]) == (service.arena.name, "/nonexistent")
@@ -177,6 +177,10 @@ def test_info_reports_every_section_from_the_service_state(service):
     assert stats["requests"] == service.stats.requests == 8  # HELLO .. this INFO
     assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
     assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)
+    assert tenants == {"tenants_tracked": 0, "tenants_max": 64, "tenant_unsalted_hits": 1,
+                       "tenant_unsalted_misses": 1, "tenant_unsalted_lookups": 1,
+                       "tenant_other_hits": 0, "tenant_other_misses": 0,
+                       "tenant_other_lookups": 0}
     assert service.handle(session, Info("BLOCKS")).sections == {"blocks": blocks}
     assert_everything_returned(service)
 

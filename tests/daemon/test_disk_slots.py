@@ -170,3 +170,27 @@ def test_buffered_io_where_o_direct_is_refused(disk_dir, monkeypatch):
     value = slot_file.read(1, len(record), aligned_buffer(SLOT_BYTES))
     assert not slot_file.direct and bytes(verify_value(value, FP, chunk_hash, parent)) == record
     slot_file.close()
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_progress_call_that_raises_stops_every_scan_thread(disk_dir):
+    """A stop signal during a warm restart's index rebuild (the start-up's progress
+    callback raises): the scan stops at once, not after the whole file."""
+    num_slots = 4 * slots_module.SCAN_RANGE_SLOTS
+    slot_file, _ = SlotFile.open(disk_dir, PAGE_BYTES, num_slots)
+    write_record(slot_file, num_slots - 1, b"x" * 100, b"\1" * 16)
+    calls = []
+
+    def progress(done_slots: int, total: int) -> None:
+        calls.append(done_slots)
+        raise _Stop
+
+    with pytest.raises(_Stop):
+        slot_file.scan(progress, num_threads=4)
+    # Each thread stops at its next slot: at most one progress call each.
+    assert len(calls) <= 4 and max(calls) <= 4 * slots_module.SCAN_PROGRESS_SLOTS, calls
+    assert len(slot_file.scan()) == 1  # uninterrupted, the same file is scanned whole
+    slot_file.close()

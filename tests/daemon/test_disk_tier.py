@@ -9,6 +9,7 @@ WRITING behind.
 
 import errno
 import os
+import threading
 import time
 
 import numpy as np
@@ -62,15 +63,24 @@ def settle(service: CacheService, done, timeout_s: float = 20.0):
     service.jobs.process_completions()
 
 
-def store_both(service: CacheService, session) -> None:
-    """Store prompt A then B, chunk by chunk, into the 6-block arena: A's first 2 chunks
-    (the least recently used) are evicted."""
+def store_chunk(service: CacheService, session, chunk_hash: bytes, record: bytes) -> int:
+    """ALLOC, fill and COMMIT one chunk; returns its block id."""
     arena = service.arena
+    alloc = service.handle(session, Alloc(1, chunk_hash, [len(record)]))
+    (block_id,) = alloc.block_ids
+    arena.numpy_view(arena.block_offset(block_id), len(record))[:] = np.frombuffer(record, np.uint8)
+    assert service.handle(session, Commit([block_id])) == Ok()
+    return block_id
+
+
+def store_both(service: CacheService, session, settled: bool = True) -> None:
+    """Store prompt A then B, chunk by chunk, into the 6-block arena: A's first 2 chunks
+    (the least recently used) are evicted. `settled`: the disk's writes end after each
+    store (the writers keep up, as between prefills), else nobody waits for them."""
     for _, chunk_hash, record in PROMPT_A + PROMPT_B:
-        alloc = service.handle(session, Alloc(1, chunk_hash, [len(record)]))
-        (block_id,) = alloc.block_ids
-        arena.numpy_view(arena.block_offset(block_id), len(record))[:] = np.frombuffer(record, np.uint8)
-        assert service.handle(session, Commit([block_id])) == Ok()
+        store_chunk(service, session, chunk_hash, record)
+        if settled:
+            settle(service, lambda: not service.disk._writing)
 
 
 def lookup(service: CacheService, session) -> int:
@@ -132,11 +142,9 @@ def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_s
     service = disk_service
     session = greeted(service, LAYOUT)
     store_both(service, session)  # the arena is full: A0, next in line, is written ahead
-    settle(service, lambda: not service.disk._writing)
     fp = service.disk._ns_fp(1)
     assert (fp, PROMPT_A[0][1]) in service.disk.index.entries
-    copies = disk_info(service)["disk_spill_copies"]
-    for _ in range(4):  # each store evicts the chunk written ahead after the last one
+    for _ in range(4):  # each store evicts a chunk written ahead after the last one
         settle(service, lambda: not service.disk._writing)
         before = disk_info(service)
         fresh = chain(1, KV_BYTES, first_token=50_000 + 100 * before["disk_writes"])
@@ -145,8 +153,75 @@ def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_s
         assert service.handle(session, Commit(alloc.block_ids)) == Ok()
         after = disk_info(service)
         assert after["disk_spills_present"] == before["disk_spills_present"] + 1
-    assert disk_info(service)["disk_spill_copies"] == copies, "an eviction copied a chunk"
+    assert disk_info(service)["disk_write_drops_late"] == 0
     settle(service, lambda: not service.disk._writing)
+    assert_nothing_held(service)
+
+
+class GatedCopies:
+    """Replaces `DiskTier._copy_out`: records the thread of every copy, and holds each
+    copy before it reads the blocks until `go` is set."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.threads: list[str] = []
+        self.blocks: list = []  # the values whose copy started, in order
+        original = DiskTier._copy_out
+
+        def copy_out(tier, blocks, buffer):
+            self.threads.append(threading.current_thread().name)
+            self.blocks.append(blocks)
+            self.entered.set()
+            assert self.go.wait(20), "the test never released the copy"
+            original(tier, blocks, buffer)
+        monkeypatch.setattr(DiskTier, "_copy_out", copy_out)
+
+
+def test_a_burst_faster_than_the_writers_drops_chunks_and_never_copies_in_the_loop(
+        disk_service, monkeypatch):
+    service = disk_service
+    copies = GatedCopies(monkeypatch)
+    session = greeted(service, LAYOUT)
+    store_both(service, session, settled=False)  # B2 and B3 evict A0 and A1 unwritten
+    assert copies.entered.wait(10)  # a write ahead is held in its copy
+    copies.go.set()
+    settle(service, lambda: not service.disk._writing)
+    info = disk_info(service)
+    assert info["disk_write_drops_late"] == 2, info
+    assert threading.current_thread().name not in copies.threads, "the loop copied a chunk"
+    fp = service.disk._ns_fp(1)
+    assert not any((fp, h) in service.disk.index.entries for _, h, _ in PROMPT_A[:2])
+    index = service.disk.index
+    assert len(index.entries) + len(index.free_slots) == index.num_slots  # none leaked
+    assert lookup(service, session) == 0  # A0 is gone: a miss, not an error
+    assert_nothing_held(service)
+
+
+def test_a_chunk_evicted_during_its_write_ahead_copy_is_never_written(disk_service,
+                                                                      monkeypatch):
+    service = disk_service
+    copies = GatedCopies(monkeypatch)
+    session = greeted(service, LAYOUT)
+    for _, chunk_hash, record in PROMPT_A + PROMPT_B[:2]:  # 6 blocks: the arena is full
+        store_chunk(service, session, chunk_hash, record)
+    a0_blocks = service.pool.cached[b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]]
+    deadline = time.monotonic() + 10  # A0, least recently used, is written ahead first
+    while not any(blocks is a0_blocks for blocks in copies.blocks):
+        assert time.monotonic() < deadline, "A0's write ahead never started its copy"
+        time.sleep(0.005)
+    (old_block,) = a0_blocks
+    # The copy has not read A0's block yet: B2 evicts A0 and overwrites that block.
+    _, chunk_hash, record = PROMPT_B[2]
+    assert store_chunk(service, session, chunk_hash, record) == old_block.block_id
+    copies.go.set()
+    settle(service, lambda: not service.disk._writing)
+    fp = service.disk._ns_fp(1)
+    assert (fp, PROMPT_A[0][1]) not in service.disk.index.entries, \
+        "B2's bytes were written to disk under A0's key"
+    info = disk_info(service)
+    assert info["disk_write_drops_late"] == 1 and info["disk_writes"] >= 2, info
+    assert lookup(service, session) == 0
     assert_nothing_held(service)
 
 
@@ -219,4 +294,24 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     assert disk_info(service)["disk_file_deleted"] == 1
     assert "the slot file was deleted" in caplog.text
     assert lookup(service, session) == 4  # through the open descriptor, until a restart
+    assert_nothing_held(service)
+
+
+@pytest.mark.parametrize("value_bytes,on_disk", [(BLOCK_BYTES + 100, True),
+                                                 (2 * BLOCK_BYTES - 100, False)])
+def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
+        disk_service, value_bytes, on_disk):
+    service = disk_service
+    big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
+    session = greeted(service, LAYOUT, big_layout)  # namespaces 1 and 2
+    big_hash = b"\xbb" * 16
+    alloc = service.handle(session, Alloc(2, big_hash, [value_bytes]))
+    assert len(alloc.block_ids) == 2, alloc  # a value of two blocks
+    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+    store_both(service, session)  # the big value is least recently used: evicted first
+    assert b"c" + (2).to_bytes(4, "little") + big_hash not in service.pool.cached
+    info = disk_info(service)
+    assert info["disk_write_drops_late"] == 0, info
+    assert info["disk_write_drops_oversize"] == int(not on_disk), info
+    assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
     assert_nothing_held(service)

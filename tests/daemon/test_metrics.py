@@ -364,7 +364,7 @@ def exposed_names(service) -> set[str]:
              **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
     disk_on = {"disk_enabled": 1, "disk_used_slots": 0, "disk_slots": 0,
                "disk_stored_bytes": 0, "disk_errors_io": 0, "disk_fetch_verify_checksum": 0,
-               **{f"disk_write_drops_{r}": 0 for r in ("queue_full", "oversize", "busy")},
+               **{f"disk_write_drops_{r}": 0 for r in ("queue_full", "oversize", "busy", "late")},
                **dict.fromkeys(DISK_COUNTERS, 0)}  # the families of a daemon with --disk-path
     tier = {"tier1_device": "fake-0", "tier1_capacity_bytes": 0, "tier1_stored_bytes": 0,
             "tier1_state": "ok"}

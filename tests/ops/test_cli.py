@@ -67,7 +67,7 @@ def test_info_prints_sections_and_field_lines(daemon):
     lines = result.stdout.splitlines()
     headers = [line for line in lines if line.startswith("# ")]
     assert headers == ["# Server", "# Memory", "# Blocks", "# Clients", "# Stats", "# L2",
-                       "# Disk"]
+                       "# Disk", "# Tenants"]
     fields = [line for line in lines if line and not line.startswith("# ")]
     assert fields and all(FIELD_LINE.match(line) for line in fields), fields
     assert f"capacity_bytes:{64 * MiB}" in lines
@@ -88,7 +88,8 @@ def test_info_section_prints_only_that_section(daemon):
 def test_info_json_is_machine_readable(daemon):
     store_chunks(daemon, [1, 2]).close()
     sections = info_json(daemon)
-    assert list(sections) == ["server", "memory", "blocks", "clients", "stats", "l2", "disk"]
+    assert list(sections) == ["server", "memory", "blocks", "clients", "stats", "l2", "disk",
+                              "tenants"]
     assert sections["memory"]["capacity_bytes"] == 64 * MiB
     assert sections["memory"]["used_bytes"] == 2 * MiB  # two 1 MiB blocks
     assert sections["blocks"]["cached_values"] == 2
@@ -102,7 +103,7 @@ def test_info_unknown_section_is_a_usage_error_before_any_request(daemon):
     result = run_cli("info", "nosuch", "--socket", daemon.socket)
     assert (result.exit_code, result.stdout) == (2, "")
     assert ("Invalid value for '[SECTION]': 'nosuch' is not one of 'server', 'memory', "
-            "'blocks', 'clients', 'stats', 'l2', 'disk'.") in result.stderr
+            "'blocks', 'clients', 'stats', 'l2', 'disk', 'tenants'.") in result.stderr
     stats = info_json(daemon)["stats"]
     assert stats["errors"] == 0 and "errors_bad_request" not in stats
     assert stats["connections_received"] == connections + 1  # info_json's: none between

@@ -9,15 +9,22 @@ docs/operator.md, "The disk tier", describes the behaviour.
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 from conftest import start_daemon
 from engine_worker import small_layout
 from test_engine_multiprocess import run_worker
 from test_limits import wait_for
 from lmcached.client import hash_request_tokens
-from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES
+from lmcached.daemon.disk.directory import DirectoryLock
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile
+from lmcached.launcher import stop_daemon
+from lmcached.shm.janitor import list_segments
 from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, namespace_fingerprint
 
 pytestmark = pytest.mark.slow
@@ -38,6 +45,14 @@ def disk_args(directory: str, *more: str) -> tuple[str, ...]:
 def store(daemon, start: int) -> None:
     assert run_worker("store", daemon.socket, start, 100, 0, 1, env=WORKER_ENV) == {
         "stored": NUM_CHUNKS}
+
+
+def drained(daemon) -> None:
+    """Wait until no disk write is queued: the writes ahead of eviction keep up, as
+    between the prefills of a serving process (a burst faster than the disk drops
+    chunks, tests/daemon/test_disk_tier.py)."""
+    wait_for(lambda: not daemon.info()["disk_queue_values"], what="the disk writes",
+             timeout_s=30)
 
 
 def retrieve(daemon, start: int) -> dict:
@@ -61,6 +76,7 @@ def test_evicted_chunks_come_back_bit_exact_from_disk(daemon_factory, disk_dir):
     daemon = daemon_factory(*disk_args(disk_dir))
     for start in (0, 1000, 2000):
         store(daemon, start)
+        drained(daemon)
     info = written(daemon, 6)  # 21 chunks in 15 blocks: the 6 least recently used spill
     assert info["evictions"] == 6 and info["disk_used_slots"] == info["disk_writes"] >= 6
     assert info["disk_direct_io"] == 1  # /tmp is ext4 here; tmpfs would say 0
@@ -177,6 +193,7 @@ def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, di
     try:
         for i, (tokens, chunk_hashes) in enumerate(zip(prompts, hashes)):
             saver.save([SaveSpec(f"r{i}", 0, tokens, chunk_hashes, block_ids=[3, 5, 7, 9])])
+            drained(daemon)
         info = written(daemon, 2)  # 10 chunks in 7 blocks: the first prompt spilled
         assert info["disk_used_slots"] >= 2
         acquired = pins.request(Acquire(pins.ensure_connected().namespaces,
@@ -195,3 +212,68 @@ def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, di
         pins.close()
         saver.shutdown()
         loader.shutdown()
+
+
+def test_a_stop_signal_during_a_long_index_rebuild_stops_the_daemon_cleanly(unique_name,
+                                                                          short_tmp):
+    """SIGTERM while a warm restart rebuilds the index of a big slot file (a million
+    slots: seconds of scanning): the daemon stops before the rebuild ends, exits 0,
+    leaves no arena in /dev/shm and no socket, and releases the directory's lock."""
+    directory = os.path.join(short_tmp, "disk")
+    os.mkdir(directory, 0o700)
+    num_slots = 1_000_000  # preallocated, never written: 4 GB of disk, no I/O
+    slot_file, _ = SlotFile.open(directory, PAGE_BYTES, num_slots)
+    slot_file.close()
+    socket, log_path = os.path.join(short_tmp, "d.sock"), os.path.join(short_tmp, "d.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcached.cli", "serve", "--name", unique_name, "--socket",
+             socket, "--capacity", "1MiB", "--disk-path", directory, "--disk-capacity",
+             str(PAGE_BYTES * (num_slots + 1))], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def read_log() -> str:
+            with open(log_path, errors="replace") as f:
+                return f.read()
+        wait_for(lambda: "slots scanned" in read_log(), what="the index rebuild", timeout_s=60)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, read_log()
+        stopped_s = time.monotonic() - signalled
+    finally:
+        stop_daemon(proc)  # by pid, if the test failed before it stopped
+    text = read_log()
+    assert "received SIGTERM during start-up: stopped" in text, text
+    assert "chunks found" not in text, f"the rebuild ran to its end ({stopped_s:.1f} s):\n{text}"
+    assert list_segments(unique_name) == [] and not os.path.exists(socket)
+    DirectoryLock(directory).release()  # free: another daemon may start on it
+
+
+def test_a_salted_prompt_comes_back_from_disk_under_its_own_salt_only(daemon_factory, disk_dir):
+    """A salted chain's first chunk is verified from the salt's root (the request's
+    `parent`), not ROOT_HASH: evicted to disk, it comes back bit-exact under its salt, and
+    another salt or no salt misses it."""
+    from engine_worker import chunk_kv
+    from lmcached.client import CacheEngine
+
+    daemon = daemon_factory(*disk_args(disk_dir))
+    layout = small_layout()
+    tokens = list(range(5000, 5100))
+    hashes = hash_request_tokens(layout.chunk_size, tokens, salt="tenant-a")
+    kv = torch.cat([chunk_kv(layout, h, min(layout.chunk_size, len(tokens) - i * layout.chunk_size))
+                    for i, h in enumerate(hashes)], dim=layout.token_dim)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                             data_timeout_s=10) as engine:
+        assert engine.store(tokens, kv, cache_salt="tenant-a") == NUM_CHUNKS
+        drained(daemon)
+        for start in (1000, 2000, 3000):  # unsalted prompts evict the salted one to disk,
+            store(daemon, start)           # its first chunk too (freed last: vLLM's order)
+            drained(daemon)
+        info = written(daemon, 13)
+        assert info["evictions"] >= 13
+        assert engine.lookup(tokens, cache_salt="tenant-b") == 0
+        assert engine.lookup(tokens) == 0
+        got, mask = engine.retrieve(tokens, return_tuple=False, cache_salt="tenant-a")
+        assert bool(mask.all()) and torch.equal(got, kv)
+    info = daemon.info()
+    assert info["disk_fetch_hit_chunks"] == NUM_CHUNKS and info["disk_fetch_failures"] == 0
+    assert info["pinned_blocks"] == 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmcached.client import CacheEngine, KVLayout
+from lmcached.client.hashing import tenant_fingerprint
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.specs import ConnectorSettings
 
@@ -200,4 +201,8 @@ def test_a_salted_request_matches_its_own_salt_only(scheduler, daemon):
     assert matched == {"tenant-a": 4 * CHUNK, "tenant-b": 0, None: 0}
     fields = daemon.info()
     assert (fields["salted_hits"], fields["salted_misses"]) == (4 * TP, 4 * TP)
+    a, b = (tenant_fingerprint(salt).hex() for salt in ("tenant-a", "tenant-b"))
+    assert (fields[f"tenant_{a}_hits"], fields[f"tenant_{a}_misses"]) == (4 * TP, 0)
+    assert (fields[f"tenant_{b}_hits"], fields[f"tenant_{b}_misses"]) == (0, 4 * TP)
+    assert (fields["tenant_unsalted_hits"], fields["tenant_unsalted_misses"]) == (0, 4 * TP)
     assert daemon.pins_held() == 0

@@ -8,8 +8,8 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
   the envelope written last, and the scan of envelopes that rebuilds the index.
 - `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).
 - `tier`: the daemon's side. The file's geometry, the writer and reader threads (the
-  daemon's job runner), INFO `disk`; its parts `writes` (spills on eviction, writes ahead
-  of eviction, write-through, erasures) and `fetch` (reads into arena blocks).
+  daemon's job runner), INFO `disk`; its parts `writes` (writes ahead of eviction from the
+  arena's blocks, what an eviction finds or drops, write-through, erasures) and `fetch` (reads into arena blocks).
 
 What it may import: the daemon's modules (the L2 tier's envelope and checks in
 `lmcached.daemon.l2.values`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,

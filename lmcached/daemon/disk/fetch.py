@@ -257,3 +257,5 @@ class DiskFetches:
             job.held = []
             job.done = True
             self._fetch_jobs.pop(job.key, None)
+        if batches and not self._reads.stopping:
+            self.write_ahead()  # the chunks installed pushed others towards eviction

@@ -43,7 +43,8 @@ SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, flags, slot_bytes, num_
 SUPERBLOCK_MAGIC = b"LMCDISK1"
 SUPERBLOCK_VERSION = 1
 SCAN_THREADS = 4
-SCAN_PROGRESS_SLOTS = 65536  # progress is reported after every this many slots
+SCAN_RANGE_SLOTS = 65536  # slots one scan task reads at most
+SCAN_PROGRESS_SLOTS = 4096  # progress is reported after every this many slots of a task
 _ZERO_ENVELOPE = bytes(ENVELOPE_BYTES)
 _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
                 errno.EIO: "io", errno.EROFS: "readonly"}
@@ -269,7 +270,10 @@ class SlotFile:
         `num_threads` threads over ranges of slots, with buffered reads of one page.
 
         Args:
-            progress: called as progress(done_slots, num_slots) now and then (any thread).
+            progress: called as progress(done_slots, num_slots) every SCAN_PROGRESS_SLOTS
+                slots of a thread (any thread). It may raise to stop the scan (a stop
+                signal during the start-up): every thread stops at its next slot, and
+                `scan` raises that exception.
 
         Returns:
             The committed slots, in slot order.
@@ -278,23 +282,33 @@ class SlotFile:
         num_slots = self.num_slots
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            step = max(1, min(SCAN_PROGRESS_SLOTS, -(-num_slots // num_threads)))
+            step = max(1, min(SCAN_RANGE_SLOTS, -(-num_slots // num_threads)))
             ranges = [(start, min(num_slots, start + step)) for start in range(0, num_slots, step)]
             done = [0]
+            stopped: list[BaseException] = []  # what a progress call raised
 
             def scan_range(bounds: tuple[int, int]) -> list[SlotHeader]:
                 found = []
                 for slot in range(*bounds):
+                    if stopped:
+                        break
                     header = self._header(os.pread(fd, ENVELOPE_BYTES, self.slot_offset(slot)), slot)
                     if header is not None:
                         found.append(header)
-                done[0] += bounds[1] - bounds[0]
-                if progress is not None:
-                    progress(done[0], num_slots)
+                    if (slot - bounds[0] + 1) % SCAN_PROGRESS_SLOTS == 0 or slot + 1 == bounds[1]:
+                        done[0] += (slot - bounds[0]) % SCAN_PROGRESS_SLOTS + 1
+                        if progress is not None:
+                            try:
+                                progress(done[0], num_slots)
+                            except BaseException as exc:  # noqa: BLE001 - raised by scan
+                                stopped.append(exc)
                 return found
 
             with ThreadPoolExecutor(num_threads, thread_name_prefix="lmcached-disk-scan") as pool:
-                return [h for found in pool.map(scan_range, ranges) for h in found]
+                results = list(pool.map(scan_range, ranges))
+            if stopped:
+                raise stopped[0]
+            return [h for found in results for h in found]
         finally:
             os.close(fd)
 

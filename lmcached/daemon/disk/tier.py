@@ -10,12 +10,13 @@ on the loop, a fetch that a LOOKUP / ACQUIRE waits for with a bound (`replies.De
 
 Flows (docs/operator.md, "The disk tier"):
 
-- on-evict (default): once the arena has fewer empty blocks than 1/AHEAD_SHARE of it, the
-  least recently used chunks (next in line for eviction, up to that share) are pinned and
-  written ahead (`write_ahead`), so that their eviction costs nothing: the block pool's
-  `on_evict` hook (`spill`) finds them on disk and only moves them to the back of the disk
-  LRU. A chunk evicted before it was written ahead is copied into a free write buffer
-  and written by a writer thread; no free buffer: dropped and counted.
+- on-evict (default): once fewer than 1/AHEAD_SHARE of the arena's blocks are empty, the
+  least recently used chunks (next in line for eviction, up to that share) are written
+  ahead by the writer threads straight from their blocks, unpinned (`write_ahead`), so
+  that their eviction costs nothing: the block pool's `on_evict` hook (`spill`) finds
+  them on disk and only moves them to the back of the disk LRU. A chunk evicted before
+  it was written ahead is dropped and counted, never copied in the loop (`writes.py`
+  says why).
 - write-through: every committed chunk is pinned and queued; the writer copies it out
   of the arena and unpins it through the loop.
 - fetch on miss: a lookup that misses in the arena at chunk i, while the disk index holds
@@ -36,8 +37,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from lmcached.daemon.connection import RateLimitedLog
 from lmcached.daemon.disk.directory import DirectoryLock
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
@@ -57,14 +56,12 @@ logger = init_logger(__name__)
 
 POLICIES = ("on-evict", "write-through")
 NUM_THREADS = 2  # writer threads, and as many reader threads
-WRITE_QUEUE_BYTES = 64 << 20  # on-evict copies waiting (page-aligned buffers), at least
-MIN_WRITE_BUFFERS = 4  # this many
 PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
 CLOSE_DRAIN_S = 5.0  # graceful stop: queued writes get this long to reach the disk
 _CHUNK_TAG = CHUNK_TAG[0]
 COUNTERS = (
     "writes", "write_bytes", "write_busy_us", "write_drops_queue_full", "write_drops_oversize",
-    "write_drops_busy", "write_failures", "spills_present", "spills_ahead", "spill_copies",
+    "write_drops_busy", "write_drops_late", "write_failures", "spills_present", "spills_ahead",
     "fetches", "fetches_joined",
     "fetches_skipped", "fetch_hit_chunks", "fetch_bytes", "read_busy_us", "fetch_nospace",
     "fetch_failures", "fetch_waits_timed_out",
@@ -115,7 +112,6 @@ class DiskTier(DiskWrites, DiskFetches):
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._lock = lock
         self._fps: dict[Layout, bytes | None] = {}
-        self._buffers: list = []
         self._writing: set[DiskKey] = set()
         self._pinned_bytes = 0  # write-through values pinned until written
         self._ahead: dict[bytes, WriteJob] = {}  # pool key -> its write ahead in flight
@@ -172,10 +168,6 @@ class DiskTier(DiskWrites, DiskFetches):
             self.slots.close()
         self.slots, kept = SlotFile.open(self.directory, slot_bytes, num_slots)
         self.index = DiskIndex(num_slots)
-        num_buffers = max(MIN_WRITE_BUFFERS, WRITE_QUEUE_BYTES // slot_bytes)
-        self._buffers = [aligned_buffer(slot_bytes) for _ in range(num_buffers)]
-        for buffer in self._buffers:  # touched now, not by the first spills' copies
-            np.frombuffer(buffer, dtype=np.uint8).fill(0)
         if kept:
             started = time.monotonic()
             self.num_restored = self.index.rebuild(self.slots.scan(progress))

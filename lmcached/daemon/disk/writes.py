@@ -1,13 +1,31 @@
-"""The disk tier's writes: spills of evicted chunks, writes ahead of eviction,
-write-through, and the erasure of slots an admin EVICT or CLEAR removed.
+"""The disk tier's writes: writes ahead of eviction, write-through, and the erasure of
+slots an admin EVICT or CLEAR removed.
 
 Why this file exists: it is the write half of the disk tier (`tier.py` owns the file,
 the index and the threads; `fetch.py` is the read half). `DiskWrites` is a part of
 `DiskTier` with no state of its own: its methods run on the loop thread, except
-`_write`, which runs on the writer threads and touches no block metadata.
+`_write`, which runs on the writer threads and changes no block metadata.
+
+How on-evict spills without slowing a store (issue 25: "drops counted, never slowing a
+store"): the loop never copies a chunk's bytes. Chunks next in line for eviction are
+written AHEAD of it, by the writer threads, straight from their arena blocks, which stay
+unpinned (their LRU place, hits and eviction are unchanged). When the pool evicts one
+(`spill`, the `BlockPool.on_evict` hook) it is on disk already (`spills_present`), or
+its write is in flight (it ends as `spills_ahead` if its copy was complete, else as a
+drop), or it was never reached: dropped, counted (`write_drops_late`). The writer copies
+a block into its own page-aligned buffer and then checks that the value is still the one
+indexed under its key (`_still_cached`): the pool unindexes a value before it hands its
+blocks out, on the loop thread, and a client writes a block only after the ALLOC reply
+that follows, so a copy that passes this check is intact, and one that raced an
+eviction is discarded, never written.
+
+Rejected: copying an evicted chunk in the loop into a spill buffer (the first version:
+~1 ms of the loop per 8 MiB chunk, and stores ran at 0.3x of no disk tier in
+benchmarks/bench_disk.py); handing the evicted block to a writer and delaying its reuse
+(ALLOC would have to take other blocks than LRU order gives, or wait for the disk, and
+a burst faster than the disk would still have to drop).
 """
 
-import threading
 import time
 
 import numpy as np
@@ -21,50 +39,49 @@ from lmcached.daemon.free_queue import KVCacheBlock
 
 logger = init_logger(__name__)
 
-AHEAD_SHARE = 8  # on-evict writes ahead the next 1/AHEAD_SHARE of the arena to be evicted
-MAX_AHEAD_VALUES = 64  # values one write-ahead pass may start (bounded loop work)
+AHEAD_SHARE = 2  # once fewer than 1/AHEAD_SHARE of the arena is empty, the next
+#                  1/AHEAD_SHARE of it in eviction order is written ahead
+MAX_AHEAD_WRITES = 32  # writes ahead in flight (queued or being written)
+MAX_AHEAD_SCAN_BLOCKS = 1024  # queued blocks one write-ahead pass visits (bounded loop work)
 ERROR_HOLD_S = 1.0  # after a write error, nothing is written ahead for this long
 
 
 class WriteJob:
     """One chunk on its way to a slot, in one of three modes.
 
-    - "copied": evicted; its record was copied into `buffer` on the loop.
+    - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` into
+      its buffer and keeps the copy only if the value is still indexed after it
+      (`DiskWrites._still_cached`), else it cancels the write.
     - "pinned": write-through; `blocks` are pinned until the writer copied them out.
-    - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` out
-      under `lock`, and an eviction meanwhile (`DiskTier.spill`) takes the lock too: it
-      cancels a job not copied yet, or lets a copied one go on (`evicted`).
     - "erase": no chunk; the envelope page of `slot` is zeroed (`DiskTier.evict`, `clear`).
 
     Attributes:
         key: its disk key (namespace fingerprint, chunk hash); pool_key: its pool key.
         slot: the slot reserved for it.
-        mode: "copied", "pinned", "ahead" or "erase".
+        mode: "ahead", "pinned" or "erase".
         epoch: the tier's `clear` count when it was queued (a chunk queued before a
             CLEAR is not indexed after it).
-        buffer: the page-aligned write buffer holding the record at ENVELOPE_BYTES
-            ("copied"); None: the writer copies `blocks` into a buffer of its own.
         record_bytes: the record's length.
-        blocks: its arena blocks (the pool's span list of the value); None ("copied").
-        lock, copied, cancelled, evicted: the "ahead" handshake above.
+        blocks: its arena blocks (the pool's span list of the value).
+        cancelled: set by the writer: the value left the arena before its copy ended.
+        evicted: set by the loop (`spill`): the pool evicted the value under pressure
+            while its write was in flight (a copy that ended before is kept).
         error: the write's OSError or other exception, or None.
         busy_us: how long the writer worked on it, in microseconds.
     """
 
-    __slots__ = ("key", "pool_key", "slot", "mode", "buffer", "record_bytes", "blocks",
-                 "lock", "copied", "cancelled", "evicted", "epoch", "error", "busy_us")
+    __slots__ = ("key", "pool_key", "slot", "mode", "record_bytes", "blocks", "cancelled",
+                 "evicted", "epoch", "error", "busy_us")
 
-    def __init__(self, key: DiskKey, pool_key: bytes, slot: int, mode: str, buffer,
+    def __init__(self, key: DiskKey | None, pool_key: bytes, slot: int, mode: str,
                  record_bytes: int, blocks: list[KVCacheBlock] | None) -> None:
         self.key = key
         self.pool_key = pool_key
         self.slot = slot
         self.mode = mode
-        self.buffer = buffer
         self.record_bytes = record_bytes
         self.blocks = blocks
-        self.lock = threading.Lock() if mode == "ahead" else None
-        self.copied = self.cancelled = self.evicted = False
+        self.cancelled = self.evicted = False
         self.epoch = 0
         self.error: BaseException | None = None
         self.busy_us = 0
@@ -75,25 +92,30 @@ class DiskWrites:
 
     def write_ahead(self) -> int:
         """Queue the chunks next in line for eviction (on-evict policy; loop thread):
-        when the arena has fewer empty blocks than 1/AHEAD_SHARE of it, the values of the
-        next that many blocks in eviction order (at most MAX_AHEAD_VALUES) that are not on
-        disk yet, unpinned (their place in the LRU order stays).
+        when fewer than 1/AHEAD_SHARE of the arena's blocks are empty, the values in the
+        next 1/AHEAD_SHARE of it in eviction order that are not on disk yet, within
+        MAX_AHEAD_SCAN_BLOCKS queued blocks and MAX_AHEAD_WRITES writes in flight. They
+        stay unpinned (their place in the LRU order stays).
 
         Returns:
             How many writes were started.
         """
         pool, index = self.pool, self.index
         if (self.policy != "on-evict" or index is None or pool is None
+                or len(self._ahead) >= MAX_AHEAD_WRITES
                 or time.monotonic() < self._ahead_held_until):
             return 0
-        reserve = max(1, pool.num_blocks // AHEAD_SHARE)
-        if pool.num_empty_blocks >= reserve:
+        share = max(1, pool.num_blocks // AHEAD_SHARE)
+        if pool.num_empty_blocks >= share:
             return 0  # no eviction soon
         started = window = 0
-        for pool_key, blocks in pool.lru_values(MAX_AHEAD_VALUES):
-            window += len(blocks)  # the next `reserve` blocks in eviction order, no more
-            if window > reserve:
+        for pool_key, blocks in pool.lru_values(MAX_AHEAD_WRITES + MAX_AHEAD_SCAN_BLOCKS,
+                                                MAX_AHEAD_SCAN_BLOCKS):
+            window += len(blocks)  # the next `share` blocks in eviction order, no more
+            if window > share or len(self._ahead) >= MAX_AHEAD_WRITES:
                 break
+            if pool_key in self._ahead or not self._fits(blocks):
+                continue  # being written, or larger than a slot (counted when evicted)
             key = self._disk_key(pool_key)
             if key is None or key in index.entries or key in self._writing:
                 continue
@@ -102,23 +124,30 @@ class DiskWrites:
         return started
 
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
-        """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
-        chunk into a write buffer before its blocks are reused, unless it is on disk or
-        its write ahead has copied it already. Never raises."""
+        """`BlockPool.on_evict` hook (on-evict policy; loop thread), before the evicted
+        value's blocks are handed out: O(1), never a copy, never a wait. A chunk on disk
+        moves to the back of the disk LRU; one whose write ahead is in flight is marked
+        (its copy, if complete, is kept); any other is dropped and counted
+        (`write_drops_late`, or `write_drops_oversize` for a value larger than a slot).
+        Never raises."""
         if self.policy != "on-evict" or self.index is None:
             return
         try:
+            key = self._disk_key(pool_key)
+            if key is None:
+                return
+            stats, index = self.stats, self.index
+            if key in index.entries:
+                index.touch(key)
+                stats["spills_present"] += 1
+                return
             job = self._ahead.get(pool_key)
             if job is not None:
-                with job.lock:  # waits for a copy in progress: the blocks stay intact
-                    if job.copied:
-                        job.evicted = True
-                        self.stats["spills_ahead"] += 1
-                        return
-                    job.cancelled = True
-                del self._ahead[pool_key]
-                self._writing.discard(job.key)
-            self._queue_write(pool_key, blocks, "copied")
+                job.evicted = True  # counted when the write ends (`_finish_writes`)
+            elif not self._fits(blocks):
+                stats["write_drops_oversize"] += 1
+            elif key not in self._writing:
+                stats["write_drops_late"] += 1
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("disk spill of an evicted chunk failed")
             self.stats["write_failures"] += 1
@@ -142,33 +171,31 @@ class DiskWrites:
             index.touch(key)
             stats["spills_present"] += 1
             return False
-        num_bytes = sum(b.num_bytes for b in blocks)
-        if ENVELOPE_BYTES + num_bytes > self.slots.slot_bytes:
+        if not self._fits(blocks):
             stats["write_drops_oversize"] += 1
             return False
-        if ((mode == "copied" and not self._buffers) or (
-                mode == "pinned" and self._pinned_bytes + num_bytes > self._pinned_limit_bytes)):
+        num_bytes = sum(b.num_bytes for b in blocks)
+        if mode == "pinned" and self._pinned_bytes + num_bytes > self._pinned_limit_bytes:
             stats["write_drops_queue_full"] += 1
             return False
         slot = index.reserve()
         if slot is None:
             stats["write_drops_busy"] += 1
             return False
-        if mode == "copied":
-            job = WriteJob(key, pool_key, slot, mode, self._buffers.pop(), num_bytes, None)
-            self._copy_out(blocks, job.buffer)
-            stats["spill_copies"] += 1
+        job = WriteJob(key, pool_key, slot, mode, num_bytes, blocks)
+        if mode == "pinned":
+            self.pool.touch(blocks)
+            self._pinned_bytes += num_bytes
         else:
-            job = WriteJob(key, pool_key, slot, mode, None, num_bytes, blocks)
-            if mode == "pinned":
-                self.pool.touch(blocks)
-                self._pinned_bytes += num_bytes
-            else:
-                self._ahead[pool_key] = job
+            self._ahead[pool_key] = job
         job.epoch = self._epoch
         self._writing.add(key)
         self._writes.submit(job)
         return True
+
+    def _fits(self, blocks: list[KVCacheBlock]) -> bool:
+        """Whether a value of these blocks fits one slot with its envelope."""
+        return ENVELOPE_BYTES + sum(b.num_bytes for b in blocks) <= self.slots.slot_bytes
 
     def evict(self, pool_key: bytes) -> bool:
         """Forget one chunk (an admin's EVICT) and erase its slot's envelope in the
@@ -193,7 +220,7 @@ class DiskWrites:
 
     def _erase(self, entries) -> None:
         for entry in entries:  # the slots come back to the empty ones once erased
-            self._writes.submit(WriteJob(None, b"", entry.slot, "erase", None, 0, None))
+            self._writes.submit(WriteJob(None, b"", entry.slot, "erase", 0, None))
 
     def _copy_out(self, blocks: list[KVCacheBlock], buffer) -> None:
         """Copy a value's bytes from its arena blocks into `buffer` at ENVELOPE_BYTES."""
@@ -205,49 +232,45 @@ class DiskWrites:
             np.copyto(dst[pos:pos + n], arena.numpy_view(arena.block_offset(block.block_id), n))
             pos += n
 
+    def _still_cached(self, job: WriteJob) -> bool:
+        """Whether `job`'s value is still the one indexed under its key (writer thread:
+        one dict read, atomic under the GIL). The pool unindexes a value before its
+        blocks are handed out, and every commit indexes a new span list, so True after
+        a copy means no block of the copy was reused meanwhile."""
+        return self.pool.cached.get(job.pool_key) is job.blocks
+
     def _write(self, jobs: list[WriteJob]) -> None:
-        """Writer thread: write each job's record into its slot, envelope last."""
+        """Writer thread: write each job's record into its slot, envelope last; a write
+        ahead whose value left the arena before its copy ended is cancelled."""
         for job in jobs:
             started = time.perf_counter()
             try:
+                buffer = self._thread_buffer()
                 if job.mode == "erase":
-                    self.slots.erase(job.slot, self._thread_buffer())
-                    self._writes.post(job)
-                    continue
-                buffer = job.buffer
-                if buffer is None:
-                    buffer = self._thread_buffer()
-                    if job.lock is None:
-                        self._copy_out(job.blocks, buffer)
+                    self.slots.erase(job.slot, buffer)
+                elif job.mode == "ahead" and not self._still_cached(job):
+                    job.cancelled = True  # evicted before the writer reached it
+                else:
+                    self._copy_out(job.blocks, buffer)
+                    if job.mode == "ahead" and not self._still_cached(job):
+                        job.cancelled = True  # evicted during the copy: it may be torn
                     else:
-                        with job.lock:
-                            if not job.cancelled:  # else evicted before the copy
-                                self._copy_out(job.blocks, buffer)
-                                job.copied = True
-                        if job.cancelled:
-                            self._writes.post(job)
-                            continue
-                record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
-                envelope = encode_envelope(job.key[0], job.key[1], [record])
-                self.slots.write(job.slot, buffer, job.record_bytes, envelope)
+                        record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
+                        envelope = encode_envelope(job.key[0], job.key[1], [record])
+                        self.slots.write(job.slot, buffer, job.record_bytes, envelope)
             except Exception as exc:  # noqa: BLE001 - counted and logged by the loop
                 job.error = exc
             job.busy_us = int((time.perf_counter() - started) * 1e6)
             self._writes.post(job)
 
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
-        """Index the written slots, give back the failed ones and the buffers, unpin
-        write-through blocks (loop thread)."""
-        stats = self.stats
+        """Index the written slots, give back the failed and cancelled ones, unpin
+        write-through blocks, and write ahead again (loop thread)."""
+        stats, index = self.stats, self.index
         for job in jobs:
             stats["write_busy_us"] += job.busy_us
-            if job.buffer is not None:
-                self._buffers.append(job.buffer)
-            if job.cancelled:  # evicted before its write ahead copied it: spilled anew
-                self.index.release(job.slot)
-                continue
             if job.mode == "erase":
-                self.index.release(job.slot)
+                index.release(job.slot)
                 if job.error is not None:
                     self._count_error("erase", job.error)
                 continue
@@ -256,26 +279,33 @@ class DiskWrites:
                 self._pinned_bytes -= job.record_bytes
                 if self.pool is not None:
                     self.pool.free(job.blocks)
-            elif job.mode == "ahead":
+            else:
                 del self._ahead[job.pool_key]
-                # Copied intact only if not evicted before the copy: evicted after it
-                # (`spill`), or still the same value in the pool.
+                if job.cancelled:
+                    index.release(job.slot)
+                    if job.evicted:  # under pressure, before the writer copied it
+                        stats["write_drops_late"] += 1
+                    continue
                 if job.error is None and not job.evicted and (
-                        self.pool is None or self.pool.cached.get(job.pool_key) is not job.blocks):
-                    self.index.release(job.slot)  # evicted by a request (EVICT, CLEAR)
+                        self.pool is None or not self._still_cached(job)):
+                    # Removed by a request (EVICT, CLEAR) after the copy: not indexed,
+                    # and its envelope erased so that a restart does not bring it back.
+                    self._erase([DiskEntry(job.slot, job.record_bytes)])
                     continue
             if job.error is not None:
                 self._ahead_held_until = time.monotonic() + ERROR_HOLD_S
-                self.index.release(job.slot)
+                index.release(job.slot)
                 stats["write_failures"] += 1
                 self._count_error("write", job.error)
                 continue
             if job.epoch != self._epoch:  # queued before a CLEAR: erased, not indexed
                 self._erase([DiskEntry(job.slot, job.record_bytes)])
                 continue
-            self.index.insert(job.key, job.slot, job.record_bytes)
+            index.insert(job.key, job.slot, job.record_bytes)
             stats["writes"] += 1
             stats["write_bytes"] += job.record_bytes
+            if job.evicted:
+                stats["spills_ahead"] += 1
         if jobs and not self._writes.stopping:
             self.write_ahead()
 

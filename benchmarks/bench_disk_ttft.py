@@ -1,0 +1,132 @@
+"""TTFT of the demo model with the prompt's KV from the arena, from the disk tier after a
+warm restart, and recomputed: what the disk tier saves a prefill. Not a test.
+
+The demo's Llama (lmcached/examples/demo.py, size "demo": random weights, cpu; the same
+model as docs/l2.md's TTFT table), greedy first token with `generate_with_cache`:
+
+    recompute   no cache
+    arena       daemon A stored the prompt (--disk-policy write-through) and holds it
+    disk        daemon A stopped once every chunk was on disk, daemon B started on the
+                same --disk-path (a warm restart: empty arena); its first lookup fetches
+                the prompt from disk (the fetch is in the TTFT; the client waits for it)
+
+Each first token is checked against the recomputed one; one untimed prefill warms up. Daemons are started by
+`lmcached.launcher` on a temporary directory under --dir (default /var/tmp: a disk, not
+tmpfs), removed after. docs/operator.md ("The disk tier") shows the figures.
+
+    python benchmarks/bench_disk_ttft.py [--lengths 1024,4096] [--repeat 3]
+                                         [--dir /var/tmp] [--out FILE.json]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_disk import CLIENT_TIMEOUT_S, MiB, wait_on_disk  # noqa: E402
+from common import machine_info, median, record_block_size  # noqa: E402
+from lmcached.client import CacheEngine  # noqa: E402
+from lmcached.launcher import temporary_daemon  # noqa: E402
+
+
+def daemon_args(layout, disk_dir: str, num_tokens: int) -> list[str]:
+    """An arena of 6 prompts (write-through pins at most a quarter of it) over a disk
+    tier of 2 prompts per repetition, with a fetch wait long enough for a whole prompt."""
+    nbytes = num_tokens * layout.token_bytes
+    return ["--capacity", f"{max(256, 6 * nbytes // MiB)}MiB", "--block-size",
+            record_block_size(layout), "--log-level", "WARNING", "--disk-path", disk_dir,
+            "--disk-capacity", str(8 * nbytes + (64 << 20)), "--disk-policy", "write-through",
+            "--disk-fetch-wait", "60"]
+
+
+def bench_ttft(root: str, lengths: list[int], repeat: int) -> list[dict]:
+    """TTFT recomputed, from the arena and from disk after a warm restart, per length."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmcached.client.hf import generate_with_cache, layout_for_model
+    from lmcached.examples.demo import SIZES
+
+    size = SIZES["demo"]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
+                         intermediate_size=3 * size.hidden_size,
+                         num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
+                         num_key_value_heads=size.num_kv_heads,
+                         max_position_embeddings=max(lengths) + 16)
+    model = LlamaForCausalLM(config).eval()
+    layout = layout_for_model(model, chunk_size=size.chunk_size)
+
+    def connect(socket: str) -> CacheEngine:
+        return CacheEngine.connect(layout, socket=socket, strict=True, timeout_s=CLIENT_TIMEOUT_S,
+                                   data_timeout_s=CLIENT_TIMEOUT_S)
+
+    with torch.inference_mode():  # warm-up: the first prefill of a process is slower
+        generate_with_cache(model, None, torch.arange(min(lengths)) % size.vocab_size,
+                            max_new_tokens=1)
+    rows = []
+    for length in lengths:
+        full_s, arena_s, disk_s = [], [], []
+        for rep in range(repeat):
+            disk_dir = os.path.join(root, f"tier-{length}-{rep}")
+            args = daemon_args(layout, disk_dir, length)
+            ids = torch.randint(0, size.vocab_size, (length,),
+                                generator=torch.Generator().manual_seed(length + rep))
+            num_chunks = -(-length // size.chunk_size)
+            with torch.inference_mode():
+                full = generate_with_cache(model, None, ids, max_new_tokens=1)
+                with temporary_daemon(*args, name=f"dskt-{os.getpid()}") as a:
+                    with connect(a) as engine:
+                        generate_with_cache(model, engine, ids, max_new_tokens=1)  # stores
+                        wait_on_disk(a, num_chunks)
+                        arena = generate_with_cache(model, engine, ids, max_new_tokens=1,
+                                                    store=False)
+                with temporary_daemon(*args, name=f"dsktb-{os.getpid()}") as b:
+                    with connect(b) as engine:
+                        from_disk = generate_with_cache(model, engine, ids, max_new_tokens=1,
+                                                        store=False)
+            for result in (arena, from_disk):
+                if result.num_cached_tokens != length - 1 or int(result.output_ids[0]) != \
+                        int(full.output_ids[0]):
+                    raise RuntimeError(f"{length}: cached {result.num_cached_tokens}, or "
+                                       "another first token than the full prefill")
+            full_s.append(full.ttft_s)
+            arena_s.append(arena.ttft_s)
+            disk_s.append(from_disk.ttft_s)
+            shutil.rmtree(disk_dir)
+        rows.append({"num_tokens": length, "kv_bytes": length * layout.token_bytes,
+                     "runs": repeat, "ttft_recompute_s": full_s, "ttft_arena_s": arena_s,
+                     "ttft_disk_s": disk_s, "speedup_arena": median(full_s) / median(arena_s),
+                     "speedup_disk": median(full_s) / median(disk_s)})
+        print(f"TTFT {length} tokens ({length * layout.token_bytes / MiB:.0f} MiB of KV): "
+              f"recomputed {median(full_s) * 1e3:.0f} ms, from the arena "
+              f"{median(arena_s) * 1e3:.1f} ms ({rows[-1]['speedup_arena']:.1f}x), from disk "
+              f"after a restart {median(disk_s) * 1e3:.1f} ms ({rows[-1]['speedup_disk']:.1f}x)",
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="lmcached-bench-disk-ttft-", dir=args.dir)
+    try:
+        rows = bench_ttft(root, [int(n) for n in args.lengths.split(",")], args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine_info(), "ttft": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
