@@ -202,19 +202,11 @@ def bench_fetch_wait(url: str, num_tokens: int, waits: list[float]) -> list[dict
 
 def bench_ttft(url: str, lengths: list[int], repeat: int) -> list[dict]:
     """TTFT of the demo model with the prompt's KV from the arena, from L2, recomputed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from lmcached.client.hf import generate_with_cache, layout_for_model
-    from lmcached.examples.demo import SIZES
+    from lmcached.examples.demo import SIZES, build_model
 
     size = SIZES["demo"]
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
-                         intermediate_size=3 * size.hidden_size,
-                         num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
-                         num_key_value_heads=size.num_kv_heads,
-                         max_position_embeddings=max(lengths) + 16)
-    model = LlamaForCausalLM(config).eval()
+    model = build_model(size, max_positions=max(lengths) + 16)
     layout = layout_for_model(model, chunk_size=size.chunk_size)
     rows = []
     for length in lengths:

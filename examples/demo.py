@@ -94,8 +94,9 @@ SIZES = {
 }
 
 
-def build_model(size: DemoSize):
-    """The demo's Llama: same config and seed in every process, so the same weights."""
+def build_model(size: DemoSize, max_positions: int = 8192):
+    """The demo's Llama (random weights, fp32, eval mode): same config and seed in every
+    process, so the same weights; `max_positions` is its max_position_embeddings."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -104,7 +105,7 @@ def build_model(size: DemoSize):
         vocab_size=size.vocab_size, hidden_size=size.hidden_size,
         intermediate_size=3 * size.hidden_size, num_hidden_layers=size.num_layers,
         num_attention_heads=size.num_heads, num_key_value_heads=size.num_kv_heads,
-        max_position_embeddings=8192,
+        max_position_embeddings=max_positions,
     )
     return LlamaForCausalLM(config).eval()
 

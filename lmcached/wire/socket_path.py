@@ -145,7 +145,8 @@ def no_daemon_message(paths: list[str]) -> str:
             f"give --socket, or --name if the daemon has another name)")
 
 
-def _user(uid: int) -> str:
+def describe_user(uid: int) -> str:
+    """`uid N (name)`, or `uid N` for a uid without a passwd entry: how errors name a user."""
     try:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except KeyError:
@@ -160,7 +161,7 @@ def _group(gid: int) -> str:
 
 
 def _owners(uids: set[int]) -> str:
-    return " or ".join(_user(uid) for uid in sorted(uids, reverse=True))
+    return " or ".join(describe_user(uid) for uid in sorted(uids, reverse=True))
 
 
 def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
@@ -174,7 +175,7 @@ def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
             st = os.stat(parent)  # follows a symlink: checks the directory it leads to
             if st.st_uid not in trusted_uids:
                 raise UnsafeSocketPathError(
-                    f"{what}: {parent} is owned by {_user(st.st_uid)}, who could replace "
+                    f"{what}: {parent} is owned by {describe_user(st.st_uid)}, who could replace "
                     f"the directories below it; put the socket in a directory whose parents "
                     f"belong to {_owners(trusted_uids)} (--socket, e.g. under "
                     f"$XDG_RUNTIME_DIR or /run)"
@@ -203,7 +204,7 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid not in trusted_uids:
         raise UnsafeSocketPathError(
-            f"{what}: {directory} is owned by {_user(st.st_uid)}, not by "
+            f"{what}: {directory} is owned by {describe_user(st.st_uid)}, not by "
             f"{_owners(trusted_uids)}; its owner could replace the socket. Remove it (if it "
             f"is a leftover or an attack: rm -r {directory}) or choose another --socket"
         )

@@ -14,21 +14,14 @@ import fcntl
 import os
 import stat
 
+from lmcached.wire.socket_path import describe_user
+
 LOCK_NAME = "lock"
 _DIR_MODE = 0o700
 
 
 class DiskDirectoryError(RuntimeError):
     """The disk directory cannot be used; the message names the cause and the fix."""
-
-
-def _user(uid: int) -> str:
-    import pwd
-
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def prepare_disk_directory(directory: str) -> str:
@@ -64,8 +57,8 @@ def prepare_disk_directory(directory: str) -> str:
         raise DiskDirectoryError(f"{what} is not a directory")
     if st.st_uid not in (0, os.geteuid()):
         raise DiskDirectoryError(
-            f"{what} is owned by {_user(st.st_uid)}, not by the daemon's user "
-            f"{_user(os.geteuid())}; its owner could read or plant cached prompts. Use a "
+            f"{what} is owned by {describe_user(st.st_uid)}, not by the daemon's user "
+            f"{describe_user(os.geteuid())}; its owner could read or plant cached prompts. Use a "
             f"directory of the daemon's user (chown it, or choose another --disk-path)")
     mode = stat.S_IMODE(st.st_mode)
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
