@@ -10,9 +10,8 @@ from lmcached.client.vllm.connector import (
     LMCachedConnector,
     LMCachedConnectorMetadata,
     LMCachedWorkerMetadata,
-    UnsupportedConfig,
-    namespace_layouts,
 )
+from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 
 __all__ = [
     "LMCachedConnector",

@@ -73,26 +73,24 @@ can hit, and the daemon counts its hits apart (INFO `salted_hits`).
 import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
 
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from lmcached.client.layout import KVLayout
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_worker import BlendWorker, TensorParallelGroup
+from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.vllm.tp_group import all_ranks_first_failure, blend_tp_group, tensor_parallel_rank
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
 
@@ -100,10 +98,6 @@ logger = init_logger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_TIMEOUT_S = 5.0
-
-
-class UnsupportedConfig(Exception):
-    """The vLLM configuration is one lmcached cannot cache for (the connector idles)."""
 
 
 # ------------------------------------------------------------------------- metadata
@@ -138,107 +132,6 @@ class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
         for req_id, chunk in other.failed_chunks.items():
             failed[req_id] = min(chunk, failed.get(req_id, chunk))
         return LMCachedWorkerMetadata(loaded, failed)
-
-
-# --------------------------------------------------------------------------- layout
-def namespace_layouts(vllm_config, kv_cache_config, chunk_size: int,
-                      model_name: str | None = None) -> list[KVLayout]:
-    """The KV layout (namespace) of every TP rank, from configuration alone.
-
-    The scheduler and the workers compute the same layouts without seeing the KV
-    tensors, so that both sides address the same namespaces.
-
-    Args:
-        vllm_config: the engine's VllmConfig.
-        kv_cache_config: the engine's KVCacheConfig (one full-attention group).
-        chunk_size: tokens per chunk, a multiple of vLLM's block size.
-        model_name: the model id in the namespace (default: model_config.model).
-
-    Returns:
-        One KVLayout per TP rank (index = rank). Geometry: the spec's heads, head size
-        and dtype when a page is exactly K and V of every head; otherwise uint8 "heads"
-        of page_bytes / (2 * block_size) bytes (the bytes are opaque either way).
-
-    Raises:
-        ValueError: chunk_size is not a positive multiple of the block size.
-        UnsupportedConfig: pipeline/context parallelism or an unsupported KV cache.
-    """
-    parallel = vllm_config.parallel_config
-    for field in ("pipeline_parallel_size", "decode_context_parallel_size",
-                  "prefill_context_parallel_size"):
-        if getattr(parallel, field, 1) != 1:
-            raise UnsupportedConfig(f"{field}={getattr(parallel, field)} (only TP is supported)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedConfig(f"{len(groups)} KV cache groups (hybrid models)")
-    spec = groups[0].kv_cache_spec
-    if (not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None
-            or spec.attention_chunk_size is not None):
-        raise UnsupportedConfig(f"KV cache spec {spec!r} is not plain full attention")
-    block_size = spec.block_size
-    if chunk_size < 1 or chunk_size % block_size:
-        raise ValueError(
-            f"chunk_size {chunk_size} must be a positive multiple of vLLM's block size "
-            f"{block_size}: set kv_connector_extra_config.chunk_size"
-        )
-    page_bytes = spec.page_size_bytes
-    cache_config = vllm_config.cache_config
-    kv_cache_layout = kv_cache_config.kv_cache_layout or cache_config.kv_cache_layout
-    backend = vllm_config.attention_config.backend
-    description = "|".join([
-        model_name or vllm_config.model_config.model,
-        f"vllm-{vllm.__version__}",
-        _device_type(),
-        f"layout={kv_cache_layout}",
-        f"bs={block_size}",
-        f"page={page_bytes}",
-        type(spec).__name__,
-        f"kv={cache_config.cache_dtype}",
-        f"attn={backend.name if backend is not None else 'auto'}",
-        f"isa={_cpu_attention_isa(spec, cache_config.cache_dtype)}",
-    ])
-    num_layers = len(groups[0].layer_names)
-    world_size = parallel.tensor_parallel_size
-    for geometry in _geometries(spec, page_bytes):
-        try:
-            return [KVLayout(description, num_layers, chunk_size=chunk_size, fmt="vllm",
-                             world_size=world_size, worker_id=rank, **geometry)
-                    for rank in range(world_size)]
-        except ValueError as exc:  # e.g. a KV dtype KVLayout has no name for
-            logger.debug("geometry %s refused (%s): trying bytes", geometry, exc)
-    raise UnsupportedConfig(f"no KVLayout describes {page_bytes}-byte pages of {spec!r}")
-
-
-def _geometries(spec, page_bytes: int) -> list[dict]:
-    """KVLayout geometries for pages of `page_bytes`, the most descriptive first."""
-    block_size = spec.block_size
-    geometries = []
-    if (spec.head_size_v == spec.head_size and page_bytes
-            == 2 * block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize):
-        geometries.append(dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                               dtype=spec.dtype))
-    if page_bytes % (2 * block_size) == 0:
-        geometries.append(dict(num_kv_heads=1, head_size=page_bytes // (2 * block_size),
-                               dtype="uint8"))
-    return geometries
-
-
-def _device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-def _cpu_attention_isa(spec, cache_dtype: str) -> str:
-    """The CPU attention kernel's ISA ("vec", "amx", ...): it decides how K is packed."""
-    if _device_type() != "cpu":
-        return "-"
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype)
-    except Exception as exc:  # private helper (0.32, 0.33); a failure only loses sharing
-        return f"unknown({type(exc).__name__})"
 
 
 class LMCachedConnector(KVConnectorBase_V1):
@@ -305,10 +198,10 @@ class LMCachedConnector(KVConnectorBase_V1):
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
         else:
-            rank = _tensor_parallel_rank()
+            rank = tensor_parallel_rank()
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
-                tp_group = _blend_tp_group() if self.settings.world_size > 1 else None
+                tp_group = blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(self.settings, blend_layouts[rank],
                                                 vllm_config.model_config.hf_config, tp_group)
 
@@ -447,7 +340,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             return
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         if meta.loads:
-            agree = _all_ranks_first_failure if self.settings.world_size > 1 else None
+            agree = all_ranks_first_failure if self.settings.world_size > 1 else None
             self.worker_side.load(meta.loads, agree)
         if meta.blends and self.blend_worker is not None:
             from lmcached.client.vllm.blend_models import registered_model
@@ -501,44 +394,3 @@ class LMCachedConnector(KVConnectorBase_V1):
             self.blend_scheduler.shutdown()
         if self.blend_worker is not None:
             self.blend_worker.shutdown()
-
-def _tensor_parallel_rank() -> int:
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        model_parallel_is_initialized,
-    )
-
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
-
-
-def _blend_tp_group() -> TensorParallelGroup:
-    """CacheBlend's collectives over vLLM's TP group (its CPU group: a few KiB a blend)."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    def sum_scores(scores: torch.Tensor) -> torch.Tensor:
-        total = scores.to("cpu", torch.float32, copy=True)
-        torch.distributed.all_reduce(total, group=get_tp_group().cpu_group)
-        return total.to(scores.device)
-
-    def min_flags(flags: torch.Tensor) -> torch.Tensor:
-        least = flags.to("cpu", torch.int64, copy=True)
-        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN,
-                                     group=get_tp_group().cpu_group)
-        return least
-
-    return TensorParallelGroup(sum_scores=sum_scores, min_flags=min_flags)
-
-
-def _all_ranks_first_failure(failed: list[int]) -> list[int]:
-    """Per load, the first chunk that failed on ANY TP rank (collective on the CPU group).
-
-    Every rank takes part whenever the metadata has loads (identical on all ranks), so
-    all ranks report the same load errors and skip the same saves.
-    """
-    from vllm.distributed.parallel_state import get_tp_group
-
-    big = np.iinfo(np.int64).max
-    flags = torch.tensor([big if f < 0 else f for f in failed], dtype=torch.int64)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN,
-                                 group=get_tp_group().cpu_group)
-    return [-1 if f == big else int(f) for f in flags.tolist()]

@@ -50,8 +50,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnector,
     LMCachedConnectorMetadata,
-    namespace_layouts,
 )
+from lmcached.client.vllm.namespaces import namespace_layouts  # noqa: E402
 from lmcached.wire.connection import Connection
 from lmcached.wire.protocol import Clients  # noqa: E402
 
