@@ -96,6 +96,7 @@ def test_store_segments_stores_each_segment_from_position_zero_once(model, daemo
         # shared with vLLM), not in the engine's own (prefix caching, head-major).
         segments = engine.sibling(segment_layout_for_model(model, 16, "tiny-blend"))
         assert segments.layout.fmt == "vllm" and segments.layout.model_name == "tiny-blend|blend-segments"
+        assert engine.sibling(segments.layout) is segments and engine.sibling(engine.layout) is engine
         for segment in (*DOCS, QUESTION):
             assert segments.lookup(segment) == len(segment)
             assert engine.lookup(segment) == 0
@@ -271,10 +272,28 @@ def test_refuses_misuse(model, daemon):
     with connect(other, daemon) as engine:
         with pytest.raises(ValueError, match="does not match the model"):
             blend_prefill(model, engine, prompt, SPT)
+    with CacheEngine.connect(segment_layout_for_model(other, 16), socket=daemon.socket,
+                             strict=True) as engine:
+        with pytest.raises(ValueError, match="does not match the model"):
+            store_segments(model, engine, prompt, SPT)
     qwen3 = tiny_model("qwen3", head_dim=16)  # q_norm / k_norm: not reproduced
     with connect(qwen3, daemon, name="tiny-qwen3") as engine:
         with pytest.raises(ValueError, match="qwen3"):
             blend_prefill(qwen3, engine, prompt, SPT)
+
+
+def test_documents_under_another_name_or_chunk_size_are_misses(model, daemon):
+    prompt = torch.cat([DOCS[0], QUESTION])
+    with connect(model, daemon, name="tiny-a") as engine:
+        assert store_segments(model, engine, DOCS[0], SPT) == len(DOCS[0])
+    for name, chunk_size in (("tiny-a", 16), ("tiny-b", 16), ("tiny-a", 32)):
+        layout = segment_layout_for_model(model, chunk_size, model_name=name)
+        with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+            same = (name, chunk_size) == ("tiny-a", 16)
+            assert engine.lookup(DOCS[0]) == (len(DOCS[0]) if same else 0)
+            prefill = blend_prefill(model, engine, prompt, SPT, recompute_ratio=0.0)
+            assert prefill.num_reused_tokens == (len(DOCS[0]) if same else 0)
+    assert daemon.pins_held() == 0
 
 
 def test_prompt_without_separator_is_one_segment(model, daemon):
