@@ -124,15 +124,10 @@ def layout_for_model(model: PreTrainedModel, chunk_size: int = 256,
 
 def segment_layout_for_model(model: PreTrainedModel, chunk_size: int = 256,
                              model_name: str | None = None) -> KVLayout:
-    """The namespace of a model's CacheBlend documents (`store_segments`,
-    `blend_prefill`), shared with vLLM's blend worker (client/blend/segments.py).
-
-    Token-major per layer (`[num_layers, 2, num_tokens, num_kv_heads, head_size]`, the
-    model dtype). A vLLM process reuses these documents, and its own are reused here,
-    when `model_name` is the name vLLM uses (its `kv_connector_extra_config.namespace`,
-    default the model as given to vLLM), `chunk_size` is the connector's (256 by
-    default), vLLM runs at tensor-parallel size 1, and the requests carry the same cache
-    salt (`cache_salt=`; vLLM's blend requests always carry one).
+    """The namespace of a model's CacheBlend documents, token-major, shared with vLLM's
+    blend worker (client/blend/segments.py) when `model_name` is the name vLLM uses
+    (`kv_connector_extra_config.namespace`, default the model as given to vLLM), the
+    chunk size is the connector's (256), vLLM runs at TP 1, and the salt is the same.
 
     Args:
         model: a decoder-only model with full-attention layers.
