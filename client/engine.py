@@ -85,6 +85,8 @@ class CacheEngine:
         self._pending_lock = threading.Lock()
         self._warned_stale = False
         self._pinned_lookups = PinnedLookups()
+        self._connect_options: dict | None = None  # set by connect(), for sibling()
+        self._siblings: dict[KVLayout, CacheEngine] = {}
 
     @classmethod
     def connect(
@@ -155,7 +157,35 @@ class CacheEngine:
 
             link.on_attach, link.on_detach = register_arena, unregister_arena
         link.try_connect(strict)
-        return cls(layout, link, copy_threads, verify)
+        engine = cls(layout, link, copy_threads, verify)
+        engine._connect_options = dict(
+            socket=socket, name=name, timeout_s=timeout_s, copy_threads=copy_threads,
+            cuda_register=cuda_register, data_timeout_s=data_timeout_s, verify=verify,
+            tier_device=tier_device)
+        return engine
+
+    def sibling(self, layout: KVLayout) -> "CacheEngine":
+        """An engine of another namespace on the same daemon, with this engine's options
+        (a session of its own, opened on the first call per layout, closed by `close`);
+        e.g. `blend_prefill` keeps documents in the segment namespace (client/blend/
+        segments.py) when given an engine of `layout_for_model`.
+
+        Args:
+            layout: the sibling's KVLayout; this engine's own layout returns self.
+
+        Raises:
+            ValueError: this engine was not made by `CacheEngine.connect`.
+        """
+        if layout == self.layout:
+            return self
+        if self._connect_options is None:
+            raise ValueError("sibling() needs an engine made by CacheEngine.connect (it "
+                             "reuses its socket and options)")
+        sibling = self._siblings.get(layout)
+        if sibling is None:
+            sibling = CacheEngine.connect(layout, **self._connect_options)
+            self._siblings[layout] = sibling
+        return sibling
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -497,7 +527,11 @@ class CacheEngine:
 
     # -------------------------------------------------------------------- close
     def close(self) -> None:
-        """Finish background stores, end the session (pins are released), unmap."""
+        """Finish background stores, end the session (pins are released), unmap; the
+        same for every `sibling`."""
+        siblings, self._siblings = list(self._siblings.values()), {}
+        for sibling in siblings:
+            sibling.close()
         try:
             self.flush()
             self._pinned_lookups.drop()

@@ -19,6 +19,10 @@ reuses every document's KV wherever it appears, recomputing only some tokens:
     prefill = blend_prefill(model, engine, prompt_ids, spt_token_id, recompute_ratio=0.15)
     output_ids = generate_after_blend(model, prefill, max_new_tokens=32)
 
+The documents live in the segment namespace (`segment_layout_for_model`: token-major,
+client/blend/segments.py), shared with vLLM's blend worker: a document either stored is
+reused by the other, for the same model name, chunk size and cache salt.
+
 With hf_blend.py (the layer-by-layer decoder run), the only modules of lmcached.client
 that import transformers (examples/demo.py does too).
 """
@@ -33,6 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from lmcached.client.blend.executor import CacheBlendImpl, LegoLinkImpl
 from lmcached.client.blend.retriever import SPTBlendRetriever, split_on_spt
 from lmcached.client.blend.rope import LlamaRotary
+from lmcached.client.blend.segments import segment_layout_of, segment_model_name
 from lmcached.client.engine import CacheEngine
 from lmcached.client.hf_attention import prefix_attention
 from lmcached.client.hf_blend import check_blend_supported, run_blended_layers
@@ -117,6 +122,25 @@ def layout_for_model(model: PreTrainedModel, chunk_size: int = 256,
     )
 
 
+def segment_layout_for_model(model: PreTrainedModel, chunk_size: int = 256,
+                             model_name: str | None = None) -> KVLayout:
+    """The namespace of a model's CacheBlend documents, token-major, shared with vLLM's
+    blend worker (client/blend/segments.py) when `model_name` is the name vLLM uses
+    (`kv_connector_extra_config.namespace`, default the model as given to vLLM), the
+    chunk size is the connector's (256), vLLM runs at TP 1, and the salt is the same.
+
+    Args:
+        model: a decoder-only model with full-attention layers.
+        chunk_size: tokens per chunk.
+        model_name: as `layout_for_model` (default: the config's name_or_path, i.e. the
+            name or directory given to `from_pretrained`).
+
+    Raises:
+        ValueError: the model is not supported (see `check_model_supported`).
+    """
+    return segment_layout_of(layout_for_model(model, chunk_size, model_name))
+
+
 @dataclasses.dataclass
 class GenerationResult:
     """What `generate_with_cache` did for one prompt.
@@ -144,6 +168,20 @@ def _check_engine(model: PreTrainedModel, engine: CacheEngine) -> None:
     expected = layout_for_model(model, engine.layout.chunk_size, engine.layout.model_name)
     if engine.layout != expected:
         raise ValueError(f"engine layout {engine.layout} does not match the model: {expected}")
+
+
+def _segment_engine(model: PreTrainedModel, engine: CacheEngine) -> CacheEngine:
+    """The engine of the model's document segments: `engine` itself when its layout is
+    `segment_layout_for_model(model)`, else the segment sibling of an engine of
+    `layout_for_model(model)` (same name and chunk size). Raises ValueError otherwise."""
+    name = segment_model_name(engine.layout)
+    if name is None:
+        _check_engine(model, engine)
+        return engine.sibling(segment_layout_of(engine.layout))
+    expected = segment_layout_for_model(model, engine.layout.chunk_size, name)
+    if engine.layout != expected:
+        raise ValueError(f"engine layout {engine.layout} does not match the model: {expected}")
+    return engine
 
 
 def _cache_from_kv(kv: tuple, num_tokens: int) -> DynamicCache:
@@ -270,22 +308,27 @@ def _prompt_1d(input_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def store_segments(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.Tensor,
-                   spt_token_id: int) -> int:
+                   spt_token_id: int, cache_salt: str | None = None) -> int:
     """Compute and store the KV of each separated segment on its own, from position 0.
 
     CacheBlend's precompute step (Yao et al., EuroSys 2025; EPIC's "compile", Hu et al.,
     ICML 2025): the prompt is cut after every `spt_token_id` (`split_on_spt`:
     `[x,x,S,y,y,S,z]` -> `[x,x,S]`, `[y,y,S]`, `[z]`); each segment not fully cached is
     prefilled alone (a plain forward from position 0, nothing before it) and stored as its
-    own chunk chain, where `blend_prefill` finds it wherever it appears later.
+    own chunk chain, where `blend_prefill` finds it wherever it appears later, and so
+    does vLLM's blend worker: the chains go to the segment namespace
+    (`segment_layout_for_model`, token-major, shared with vLLM).
 
     Args:
         model: a supported decoder-only model (see `check_model_supported`), eval mode.
-        engine: a CacheEngine of `layout_for_model(model)`.
+        engine: a CacheEngine of `segment_layout_for_model(model)`, or of
+            `layout_for_model(model)` (its `sibling` in the segment namespace is used).
         input_ids: int64 `[num_tokens]`, any device: one document, or several joined by
             `spt_token_id`.
         spt_token_id: the separator's token id, inserted by the caller (a reserved
             special token that never occurs in text).
+        cache_salt: the tenant's cache salt (vLLM's `cache_salt`), or None: documents
+            are found only under the salt they were stored under.
 
     Returns:
         Tokens computed now (0 when every segment was cached). A segment partly cached is
@@ -293,17 +336,17 @@ def store_segments(model: PreTrainedModel, engine: CacheEngine, input_ids: torch
 
     Raises:
         ValueError / TypeError: input_ids not 1-D, an engine of another layout, an
-            unsupported model.
+            unsupported model, an empty or non-str cache_salt.
     """
     ids = _prompt_1d(input_ids)
-    _check_engine(model, engine)
+    engine = _segment_engine(model, engine)
     num_computed = 0
     for start, end in split_on_spt(ids.cpu(), spt_token_id):
         segment = ids[start:end]
-        if engine.lookup(segment.cpu()) >= end - start:
+        if engine.lookup(segment.cpu(), cache_salt=cache_salt) >= end - start:
             continue
         out = model(segment[None].to(model.device), use_cache=True, logits_to_keep=1)
-        engine.store(segment.cpu(), model_cache(out))
+        engine.store(segment.cpu(), model_cache(out), cache_salt=cache_salt)
         num_computed += end - start
     return num_computed
 
@@ -341,7 +384,8 @@ class BlendPrefill:
 @torch.inference_mode()
 def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.Tensor,
                   spt_token_id: int, recompute_ratio: float = 0.15,
-                  strategy: str = "cacheblend", legolink_k: int = 16) -> BlendPrefill:
+                  strategy: str = "cacheblend", legolink_k: int = 16,
+                  cache_salt: str | None = None) -> BlendPrefill:
     """Prefill a prompt reusing the cached KV of each of its segments, wherever it sits.
 
     Segments (cut after each `spt_token_id`, stored by `store_segments`) are found in
@@ -364,7 +408,9 @@ def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.
         model: a Llama-family model (`check_blend_supported`: llama, mistral, qwen2) in
             eval mode, on cpu or a CUDA device, whose RoPE can be re-rotated (default,
             linear or llama3 scaling; see `LlamaRotary.from_model`).
-        engine: a CacheEngine of `layout_for_model(model)`.
+        engine: a CacheEngine of `segment_layout_for_model(model)`, or of
+            `layout_for_model(model)` (its `sibling` in the segment namespace is used):
+            the documents `store_segments` or vLLM's blend worker stored.
         input_ids: int64 `[num_tokens]`, any device: segments joined by `spt_token_id`
             (no separator: one segment, i.e. prefix caching of the whole prompt).
         spt_token_id: the separator's token id, as given to `store_segments`.
@@ -372,6 +418,8 @@ def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.
             [0, 1] (the paper's 15% by default).
         strategy: "cacheblend" or "legolink".
         legolink_k: "legolink": tokens recomputed at the start of each reused segment.
+        cache_salt: the salt the documents were stored under (vLLM's `cache_salt` of
+            the requests that met them), or None.
 
     Returns:
         BlendPrefill.
@@ -384,7 +432,7 @@ def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.
     ids = _prompt_1d(input_ids)
     if strategy not in BLEND_STRATEGIES:
         raise ValueError(f"strategy must be one of {BLEND_STRATEGIES}, got {strategy!r}")
-    _check_engine(model, engine)
+    engine = _segment_engine(model, engine)
     check_blend_supported(model)
     rotary = LlamaRotary.from_model(model)
 
@@ -397,12 +445,12 @@ def blend_prefill(model: PreTrainedModel, engine: CacheEngine, input_ids: torch.
     retriever = SPTBlendRetriever(spt_token_id, engine, device=model.device)
     query_start_loc = torch.tensor([0, ids.numel()])
     try:
-        with retriever.new_request(ids.cpu(), query_start_loc) as task:
+        with retriever.new_request(ids.cpu(), query_start_loc, cache_salt) as task:
             run = run_blended_layers(model, ids, task, new_executor())
     except PinsLost as exc:  # the pins went with their daemon session: pin again, once
         logger.warning("blend_prefill: %s", exc)
         try:
-            with retriever.new_request(ids.cpu(), query_start_loc) as task:
+            with retriever.new_request(ids.cpu(), query_start_loc, cache_salt) as task:
                 run = run_blended_layers(model, ids, task, new_executor())
         except PinsLost:  # the session keeps ending: a full prefill, reusing nothing
             with retriever.empty_request(ids.numel()) as task:

@@ -99,8 +99,9 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     Args:
         model: a model accepted by `check_blend_supported`, in eval mode.
         input_ids: int64 `[num_tokens]`, the prompt (any device).
-        task: the retrieval of `input_ids` (one request, `query_start_loc = [0, n]`);
-            its K/V per layer are `[num_kv_heads, num_tokens, head_size]`.
+        task: the retrieval of `input_ids` (one request, `query_start_loc = [0, n]`) in
+            the segment namespace: its K/V per layer are token-major, `[num_tokens,
+            num_kv_heads, head_size]` (client/blend/segments.py).
         executor: a fresh executor (one per prompt) with its positional encoder set.
 
     Returns:
@@ -131,28 +132,31 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
         rows_dev = rows.to(device)
         x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
         shape = (x.shape[0], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(0, 1)  # [heads, n, head_size]
-        k = attn.k_proj(x).view(shape).transpose(0, 1)  # [kv_heads, n, head_size]
-        v = attn.v_proj(x).view(shape).transpose(0, 1)  # [kv_heads, n, head_size]
-        q, k = apply_rotary_pos_emb(q, k, cos[rows_dev], sin[rows_dev], unsqueeze_dim=0)
+        q = attn.q_proj(x).view(shape)  # [n, heads, head_size]
+        k = attn.k_proj(x).view(shape)  # [n, kv_heads, head_size]
+        v = attn.v_proj(x).view(shape)  # [n, kv_heads, head_size]
+        q, k = apply_rotary_pos_emb(q, k, cos[rows_dev], sin[rows_dev], unsqueeze_dim=1)
 
+        # Token-major, as the segments are stored (client/blend/segments.py).
         out = executor.blend(
             layer_id, _to(retrieved.k, device), _to(retrieved.v, device), valid_mask,
             retrieved.original_positions, q, k, v, all_positions[rows], query_start_loc,
-            token_dim=1,
+            token_dim=0,
         )
         rows = out.local_indices.to("cpu", torch.int64)
         rows_dev = rows.to(device)
+        # Head-major views: [heads, n', head_size] / [kv_heads, T, head_size].
+        out_q, out_k, out_v = (t.transpose(0, 1) for t in (out.q, out.k, out.v))
         # Query i sees key j iff j <= its position (true positions, not the top-left
         # alignment of is_causal), without a dense mask on CPU.
         attn_out = attend_at_positions(
-            out.q[None], out.k[None], out.v[None], out.positions, scale=attn.scaling,
+            out_q[None], out_k[None], out_v[None], out.positions, scale=attn.scaling,
         )  # [1, heads, n', head_size]
         attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
         selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]
         selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
         hidden[rows_dev] = selected
-        layers.append((out.k[None], out.v[None]))  # [1, kv_heads, T, head_size] each
+        layers.append((out_k[None], out_v[None]))  # [1, kv_heads, T, head_size] each
 
     assert int(rows[-1]) == num_tokens - 1, (
         "the prompt's last token was not recomputed through the last layer: the "

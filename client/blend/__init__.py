@@ -15,6 +15,8 @@ What lives here:
     retriever.py    SPTBlendRetriever, split_on_spt (per-segment lookups on the daemon,
                     one layer of K/V at a time from the pinned arena blocks)
     rope.py         LlamaRotary (RoPE re-rotation by a position delta, in fp32)
+    segments.py     segment_layout, segment_layout_of (the one namespace of documents,
+                    token-major, shared by the vLLM blend worker and the Hugging Face path)
 
 What it may import: torch, numpy and lmcached.client's core (engine, records, kv_io,
 cuda, hashing) and lmcached.wire.logger; never transformers (the Hugging Face layer loop
@@ -38,6 +40,7 @@ from lmcached.client.blend.interfaces import (
 )
 from lmcached.client.blend.rope import LlamaRotary
 from lmcached.client.blend.retriever import SPTBlendRetriever, split_on_spt
+from lmcached.client.blend.segments import segment_layout, segment_layout_of
 
 __all__ = [
     "BlendExecutor",
@@ -53,5 +56,7 @@ __all__ = [
     "create_index",
     "indices_to_mask",
     "mask_to_indices",
+    "segment_layout",
+    "segment_layout_of",
     "split_on_spt",
 ]

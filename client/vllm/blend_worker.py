@@ -83,7 +83,8 @@ class BlendWorker:
     Args:
         settings: the connector's settings (daemon, chunk size, block size).
         segment_layout: this rank's namespace of document segments (fmt "vllm",
-            `[num_layers, 2, num_tokens, num_kv_heads, head_size]`, model dtype).
+            `[num_layers, 2, num_tokens, num_kv_heads, head_size]`, model dtype;
+            client/blend/segments.py, shared with the Hugging Face path).
         hf_config: the model's Hugging Face config (RoPE parameters).
         tp_group: the TP group's collectives; None with one rank.
 

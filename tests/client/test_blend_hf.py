@@ -22,6 +22,7 @@ from lmcached.client.hf import (  # noqa: E402
     generate_with_cache,
     layout_for_model,
     model_cache,
+    segment_layout_for_model,
     store_segments,
 )
 
@@ -91,16 +92,43 @@ def test_store_segments_stores_each_segment_from_position_zero_once(model, daemo
         prompt = torch.cat([*DOCS, QUESTION])
         assert store_segments(model, engine, prompt, SPT) == len(prompt)
         assert store_segments(model, engine, prompt, SPT) == 0
-        for segment in (*DOCS, QUESTION):  # each its own chain, from position 0
-            assert engine.lookup(segment) == len(segment)
-        kv, mask = engine.retrieve(DOCS[1])
+        # Each its own chain, from position 0, in the segment namespace (token-major,
+        # shared with vLLM), not in the engine's own (prefix caching, head-major).
+        segments = engine.sibling(segment_layout_for_model(model, 16, "tiny-blend"))
+        assert segments.layout.fmt == "vllm" and segments.layout.model_name == "tiny-blend|blend-segments"
+        assert engine.sibling(segments.layout) is segments and engine.sibling(engine.layout) is engine
+        for segment in (*DOCS, QUESTION):
+            assert segments.lookup(segment) == len(segment)
+            assert engine.lookup(segment) == 0
+        kv, mask = segments.retrieve(DOCS[1])
         assert int(mask.sum()) == len(DOCS[1])
         _, alone = full_prefill(model, DOCS[1])
         for (keys, values), ref in zip(kv, alone.layers, strict=True):
-            assert torch.equal(keys, ref.keys[0]) and torch.equal(values, ref.values[0])
+            # [T, kv_heads, head_size]: the head-major cache's rows, bit for bit
+            assert torch.equal(keys, ref.keys[0].transpose(0, 1))
+            assert torch.equal(values, ref.values[0].transpose(0, 1))
         # Only the new segment of a prompt is computed.
         new_doc = doc(19, 5)
         assert store_segments(model, engine, torch.cat([DOCS[0], new_doc]), SPT) == len(new_doc)
+    assert segments.link.hello_reply is None and segments.link.arena is None  # closed with engine
+
+
+def test_documents_are_shared_through_the_segment_namespace_under_their_salt(model, daemon):
+    """An engine of layout_for_model and one of segment_layout_for_model (another
+    process, e.g. vLLM's blend worker) see the same documents, only under their salt."""
+    prompt = torch.cat([*DOCS, QUESTION])
+    logits, _ = full_prefill(model, prompt)
+    layout = segment_layout_for_model(model, chunk_size=16, model_name="tiny-shared")
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+        assert store_segments(model, engine, torch.cat(DOCS), SPT, cache_salt="a") == 101
+    with connect(model, daemon, name="tiny-shared") as engine:
+        assert store_segments(model, engine, torch.cat(DOCS), SPT, cache_salt="a") == 0
+        reused = blend_prefill(model, engine, prompt, SPT, recompute_ratio=1.0, cache_salt="a")
+        unsalted = blend_prefill(model, engine, prompt, SPT, recompute_ratio=1.0)
+    assert reused.num_reused_tokens == len(torch.cat(DOCS))
+    assert unsalted.num_reused_tokens == 0
+    assert torch.allclose(reused.logits, logits, atol=LOGITS_ATOL, rtol=0)
+    assert daemon.pins_held() == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
@@ -244,10 +272,28 @@ def test_refuses_misuse(model, daemon):
     with connect(other, daemon) as engine:
         with pytest.raises(ValueError, match="does not match the model"):
             blend_prefill(model, engine, prompt, SPT)
+    with CacheEngine.connect(segment_layout_for_model(other, 16), socket=daemon.socket,
+                             strict=True) as engine:
+        with pytest.raises(ValueError, match="does not match the model"):
+            store_segments(model, engine, prompt, SPT)
     qwen3 = tiny_model("qwen3", head_dim=16)  # q_norm / k_norm: not reproduced
     with connect(qwen3, daemon, name="tiny-qwen3") as engine:
         with pytest.raises(ValueError, match="qwen3"):
             blend_prefill(qwen3, engine, prompt, SPT)
+
+
+def test_documents_under_another_name_or_chunk_size_are_misses(model, daemon):
+    prompt = torch.cat([DOCS[0], QUESTION])
+    with connect(model, daemon, name="tiny-a") as engine:
+        assert store_segments(model, engine, DOCS[0], SPT) == len(DOCS[0])
+    for name, chunk_size in (("tiny-a", 16), ("tiny-b", 16), ("tiny-a", 32)):
+        layout = segment_layout_for_model(model, chunk_size, model_name=name)
+        with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+            same = (name, chunk_size) == ("tiny-a", 16)
+            assert engine.lookup(DOCS[0]) == (len(DOCS[0]) if same else 0)
+            prefill = blend_prefill(model, engine, prompt, SPT, recompute_ratio=0.0)
+            assert prefill.num_reused_tokens == (len(DOCS[0]) if same else 0)
+    assert daemon.pins_held() == 0
 
 
 def test_prompt_without_separator_is_one_segment(model, daemon):

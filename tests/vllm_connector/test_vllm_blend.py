@@ -5,9 +5,12 @@ A 4-layer random-weight Llama in float32 (tests/vllm_e2e.py), selected as
 are a system prompt, documents and a question joined by a separator token; instance A
 meets the documents first (served normally, stores each document alone), instance B
 blends them in another order. Outputs are compared with an instance without the
-connector (greedy token ids, and the first token's full distribution for the KL).
+connector (greedy token ids, and the first token's full distribution for the KL). A
+Hugging Face process on the same model directory (tests/hf_blend_process.py) shares the
+documents both ways.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -28,6 +31,8 @@ VOCAB = 1000
 SALT = "tenant-a"
 BLEND_ARGS = ("--blend-model", "--dtype", "float32", "--logprobs", str(VOCAB))
 RATIOS = (0.0, 0.15, 0.3, 1.0)
+HF_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "hf_blend_process.py")
 
 
 def blend_request(tokens, salt=SALT, **params) -> dict:
@@ -37,6 +42,30 @@ def blend_request(tokens, salt=SALT, **params) -> dict:
     if salt is not None:
         request["cache_salt"] = salt
     return request
+
+
+def segments(prompt: list[int]) -> list[list[int]]:
+    """The prompt cut after each separator (the question last, without one)."""
+    cuts = [0] + [i + 1 for i, token in enumerate(prompt) if token == SEP] + [len(prompt)]
+    return [prompt[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def run_hf(rag: dict, name: str, command: str, prompts: list, socket: str,
+           *extra: str) -> dict:
+    """tests/hf_blend_process.py `command` in its own process, under SALT (killed at the
+    timeout); its JSON result."""
+    prompts_path = os.path.join(rag["tmp"], f"{name}.in.json")
+    out_path = os.path.join(rag["tmp"], f"{name}.json")
+    with open(prompts_path, "w") as f:
+        json.dump(prompts, f)
+    proc = subprocess.run(
+        [sys.executable, HF_SCRIPT, command, "--model", rag["model"], "--socket", socket,
+         "--prompts", prompts_path, "--out", out_path, "--separator", str(SEP),
+         "--cache-salt", SALT, *extra],
+        capture_output=True, text=True, timeout=E2E_TIMEOUT_S)
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    with open(out_path) as f:
+        return json.load(f)
 
 
 def kl(reference: dict, other: dict) -> float:
@@ -172,5 +201,50 @@ def test_blend_with_tensor_parallel_ranks_each_blending_its_heads(rag, daemon_fa
     # chunk each) and stored new_docs' two documents (all under SALT).
     assert stats["hits"] == 2 * 9, daemon.log()[-4000:]
     assert stats["stores"] == 2 * (4 + 2)
+    assert daemon.pins_held() == 0
+    assert "ended holding" not in daemon.log()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * E2E_TIMEOUT_S + 60)
+def test_blend_documents_are_shared_with_hugging_face_blend_prefill(rag, daemon_factory):
+    """One namespace of documents (client/blend/segments.py): what a Hugging Face process
+    stored (`store_segments`) vLLM blends, and what vLLM stored `blend_prefill` blends,
+    for the same model directory, chunk size and salt."""
+    daemon = daemon_factory("--capacity", "256MiB")
+    prompts, reference = rag["prompts"], rag["outputs"]
+    system, *documents, _ = segments(prompts["first"])
+    new_documents = segments(prompts["new_docs"])[1:-1]
+    num_stored = len(system) + sum(map(len, documents))
+
+    stored = run_hf(rag, "hf-store", "store", [system + sum(documents, [])], daemon.socket)
+    assert stored["num_computed"] == [num_stored]
+
+    # vLLM blends them in another order at ratio 1.0, and the system prompt before new
+    # documents at ratio 0 (exact): the outputs of a run without the connector.
+    hits_before = daemon.info()["hits"]
+    second = run_instance(rag["tmp"], "b-hf", rag["model"],
+                          [blend_request(prompts["reordered"], recompute_ratio=1.0),
+                           blend_request(prompts["new_docs"], recompute_ratio=0.0)],
+                          daemon.socket, extra_args=BLEND_ARGS)
+    assert second["outputs"] == [reference["reordered"], reference["new_docs"]]
+    counters = second["blend"]
+    assert counters["blended_requests"] == 2 and counters["failed_blends"] == 0
+    assert counters["reused_tokens"] == num_stored + len(system)
+    assert counters["stored_segments"] == len(new_documents)
+    assert daemon.info()["hits"] - hits_before == 4 + 1  # one chunk per cached segment
+
+    # blend_prefill reuses the documents vLLM stored (and the Hugging Face ones), and
+    # vLLM's bytes are the model's KV of each document alone.
+    question = segments(prompts["reordered"])[-1]
+    prompt = system + new_documents[1] + new_documents[0] + documents[0] + question
+    documents_path = os.path.join(rag["tmp"], "hf-documents.json")
+    with open(documents_path, "w") as f:
+        json.dump(new_documents, f)
+    blended = run_hf(rag, "hf-blend", "blend", [prompt], daemon.socket, "--ratio", "1.0",
+                     "--documents", documents_path)
+    assert blended["num_reused"] == [len(prompt) - len(question)]
+    assert blended["max_logit_diff"][0] < 1e-4 and blended["argmax_equal"] == [True]
+    assert all(diff is not None and diff < 1e-4 for diff in blended["max_kv_diff"]), blended
     assert daemon.pins_held() == 0
     assert "ended holding" not in daemon.log()
