@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GB, LLAMA_1B, machine_info, median, record_block_size  # noqa: E402
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_envelope  # noqa: E402
+from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Info  # noqa: E402
@@ -182,13 +182,13 @@ def bench_rebuild(root: str, num_slots: int) -> dict:
     os.mkdir(directory, 0o700)
     slot_bytes = 2 * PAGE_BYTES
     slot_file, _ = SlotFile.open(directory, slot_bytes, num_slots)
-    buffer = aligned_buffer(slot_bytes)
+    page, buffer = aligned_buffer(PAGE_BYTES), aligned_buffer(PAGE_BYTES)
     record = os.urandom(1000)
-    buffer[ENVELOPE_BYTES:ENVELOPE_BYTES + len(record)] = record
+    buffer[:len(record)] = record
     started = time.perf_counter()
     for slot in range(num_slots):
         envelope = encode_envelope(b"\1" * 16, slot.to_bytes(16, "little"), [record])
-        slot_file.write(slot, buffer, len(record), envelope)
+        slot_file.write(slot, page, [buffer], envelope)
     write_s = time.perf_counter() - started
     fd = os.open(slot_file.path, os.O_RDONLY)
     os.fsync(fd)

@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from lmcached.daemon.disk.index import DiskEntry, DiskKey
-from lmcached.daemon.disk.slots import error_kind
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_envelope
+from lmcached.daemon.disk.slots import error_kind, round_up
+from lmcached.daemon.l2.values import encode_envelope
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -194,8 +194,8 @@ class DiskWrites:
         return True
 
     def _fits(self, blocks: list[KVCacheBlock]) -> bool:
-        """Whether a value of these blocks fits one slot with its envelope."""
-        return ENVELOPE_BYTES + sum(b.num_bytes for b in blocks) <= self.slots.slot_bytes
+        """Whether a value of these blocks fits one slot (after its envelope page)."""
+        return sum(b.num_bytes for b in blocks) <= self.slots.max_record_bytes
 
     def evict(self, pool_key: bytes) -> bool:
         """Forget one chunk (an admin's EVICT) and erase its slot's envelope in the
@@ -222,46 +222,70 @@ class DiskWrites:
         for entry in entries:  # the slots come back to the empty ones once erased
             self._writes.submit(WriteJob(None, b"", entry.slot, "erase", 0, None))
 
-    def _copy_out(self, blocks: list[KVCacheBlock], buffer) -> None:
-        """Copy a value's bytes from its arena blocks into `buffer` at ENVELOPE_BYTES."""
+    def _copy_out(self, blocks: list[KVCacheBlock]) -> tuple[list, list]:
+        """Copy a value's bytes from its arena blocks into this thread's buffer, for the
+        blocks O_DIRECT cannot write in place (`DiskTier._in_place`).
+
+        Returns:
+            (pieces to write: the record's whole pages; the record's exact bytes), both
+            views of the buffer.
+        """
         arena = self.arena
+        buffer = self._thread_buffer()
         dst = np.frombuffer(buffer, dtype=np.uint8)
-        pos = ENVELOPE_BYTES
+        pos = 0
         for block in blocks:
             n = block.num_bytes
             np.copyto(dst[pos:pos + n], arena.numpy_view(arena.block_offset(block.block_id), n))
             pos += n
+        return [dst[:round_up(pos)]], [dst[:pos]]
 
     def _still_cached(self, job: WriteJob) -> bool:
         """Whether `job`'s value is still the one indexed under its key (writer thread:
         one dict read, atomic under the GIL). The pool unindexes a value before its
         blocks are handed out, and every commit indexes a new span list, so True after
-        a copy means no block of the copy was reused meanwhile."""
+        a write means no block of it was reused meanwhile."""
         return self.pool.cached.get(job.pool_key) is job.blocks
 
     def _write(self, jobs: list[WriteJob]) -> None:
-        """Writer thread: write each job's record into its slot, envelope last; a write
-        ahead whose value left the arena before its copy ended is cancelled."""
+        """Writer thread: write each job's record into its slot, envelope last
+        (`_write_value`); a write ahead whose value left the arena before it ended is
+        cancelled."""
         for job in jobs:
             started = time.perf_counter()
             try:
-                buffer = self._thread_buffer()
+                page = self._thread_page()
                 if job.mode == "erase":
-                    self.slots.erase(job.slot, buffer)
+                    self.slots.erase(job.slot, page)
                 elif job.mode == "ahead" and not self._still_cached(job):
                     job.cancelled = True  # evicted before the writer reached it
                 else:
-                    self._copy_out(job.blocks, buffer)
-                    if job.mode == "ahead" and not self._still_cached(job):
-                        job.cancelled = True  # evicted during the copy: it may be torn
-                    else:
-                        record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
-                        envelope = encode_envelope(job.key[0], job.key[1], [record])
-                        self.slots.write(job.slot, buffer, job.record_bytes, envelope)
+                    self._write_value(job, page)
             except Exception as exc:  # noqa: BLE001 - counted and logged by the loop
                 job.error = exc
             job.busy_us = int((time.perf_counter() - started) * 1e6)
             self._writes.post(job)
+
+    def _write_value(self, job: WriteJob, page) -> None:
+        """Write one value into its slot (writer thread): the envelope's checksum from
+        its arena blocks, the record pages straight from those blocks (O_DIRECT: whole
+        pages; through this thread's buffer where the blocks are not whole pages), then,
+        only if no block was reused meanwhile (`_still_cached`, for a write ahead: its
+        blocks are not pinned), the envelope page, the commit mark. A value evicted
+        during the write is cancelled: its slot keeps a zeroed envelope, never the old
+        key over another value's bytes (the checksum, verified on every read, would
+        refuse those too)."""
+        if self._in_place():
+            pieces = self._block_views(job.blocks, self.slots.direct)
+            record = [view[:block.num_bytes] for view, block in zip(pieces, job.blocks)]
+        else:
+            pieces, record = self._copy_out(job.blocks)
+        envelope = encode_envelope(job.key[0], job.key[1], record)
+        self.slots.write_record(job.slot, page, pieces)
+        if job.mode == "ahead" and not self._still_cached(job):
+            job.cancelled = True  # evicted during the write: its bytes may be another's
+            return
+        self.slots.commit(job.slot, page, envelope)
 
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
         """Index the written slots, give back the failed and cancelled ones, unpin
