@@ -14,13 +14,20 @@ Daemons are started by `lmcached.launcher` on a temporary directory under `--dir
               restart: empty arena); the time of one LOOKUP of the prompt is the fetch
               (reads, checksums, token checks, copies into arena blocks). Baseline: dd
               iflag=direct of the same slots.
+    CPU       the disk tier's worker threads' CPU seconds (psutil) per GB spilled by
+              write-through, and per GB fetched after a warm restart, with records moved
+              in place between their blocks and the file (--block-size whole pages) and
+              through a thread's buffer (a block size of 64-byte multiples, which
+              O_DIRECT cannot move in place: one copy per chunk, as every chunk was
+              copied before the slot format page-aligned the record)
     store     cold stores into an arena of twice the prompt, with an on-evict disk tier
               (every store evicts and spills the previous prompt) and without one, in turn
     rebuild   the index rebuild of a slot file of --slots slots, all committed, after its
               pages were dropped from the page cache (posix_fadvise DONTNEED)
 
     python benchmarks/bench_disk.py [--tokens 4096] [--repeat 3] [--slots 100000]
-                                    [--stores 12] [--dir /var/tmp] [--out FILE.json]
+                                    [--stores 12] [--cpu-prompts 8] [--dir /var/tmp]
+                                    [--out FILE.json]
 """
 
 import argparse
@@ -33,11 +40,12 @@ import sys
 import tempfile
 import time
 
+import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import GB, LLAMA_1B, machine_info, median, record_block_size  # noqa: E402
+from common import GB, LLAMA_1B, daemon_info, machine_info, median, record_block_size  # noqa: E402
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
 from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
@@ -79,10 +87,18 @@ def dd_seconds(*args: str) -> float:
     return float(match.group(1))
 
 
-def daemon_args(disk_dir: str, capacity_bytes: int, *more: str) -> list[str]:
-    return ["--capacity", str(capacity_bytes), "--block-size", record_block_size(LLAMA_1B),
-            "--log-level", "WARNING", "--max-session-share", "100", "--disk-path", disk_dir,
-            *more]
+def daemon_args(disk_dir: str, capacity_bytes: int, *more: str,
+                block_size: str | None = None) -> list[str]:
+    return ["--capacity", str(capacity_bytes), "--block-size",
+            block_size or record_block_size(LLAMA_1B), "--log-level", "WARNING",
+            "--max-session-share", "100", "--disk-path", disk_dir, *more]
+
+
+def worker_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of the daemon's threads other than its loop: the disk
+    tier's writers and readers (and any other worker thread)."""
+    return sum(t.user_time + t.system_time for t in psutil.Process(pid).threads()
+               if t.id != pid)
 
 
 def bench_spill_and_fetch(root: str, num_tokens: int, repeat: int) -> dict:
@@ -145,6 +161,60 @@ def bench_spill_and_fetch(root: str, num_tokens: int, repeat: int) -> dict:
             "spill_vs_dd": (nbytes / median(spill_s)) / (num_chunks * slot_bytes / median(dd_write_s)),
             "warm_restart": {"restored_chunks": info["disk_restored_chunks"],
                              "scan_s": info["disk_scan_s"]}}
+
+
+def bench_worker_cpu(root: str, num_tokens: int, num_prompts: int) -> dict:
+    """The disk tier's CPU per GB: writer threads per GB spilled (write-through), reader
+    threads per GB fetched after a warm restart, with records moved in place between
+    their arena blocks and the file (a block size of whole pages, as a daemon derives
+    it) and through a thread's buffer, one copy per chunk (a block size of 64-byte
+    multiples, which O_DIRECT cannot move in place: the slot format before records were
+    page-aligned copied every chunk so), in the same run."""
+    nbytes = num_tokens * LLAMA_1B.token_bytes
+    num_chunks = num_tokens // LLAMA_1B.chunk_size
+    record_bytes = LLAMA_1B.record_bytes(LLAMA_1B.chunk_size)
+    unaligned = -(-record_bytes // 64) * 64
+    if unaligned % PAGE_BYTES == 0:
+        raise RuntimeError(f"the record of {record_bytes} bytes fills whole pages: no block "
+                           f"size of 64-byte multiples leaves O_DIRECT a copy to make")
+    kv = torch.randn(LLAMA_1B.chunk_shape(num_tokens)).to(torch.bfloat16)
+    prompts = [torch.arange(r * 10**6, r * 10**6 + num_tokens) for r in range(num_prompts + 1)]
+    gb = num_prompts * nbytes / GB
+    out = {"num_tokens": num_tokens, "num_prompts": num_prompts}
+    for mode, block_size in (("in_place", record_block_size(LLAMA_1B)),
+                             ("copy", str(unaligned))):
+        disk_dir = os.path.join(root, f"cpu-{mode}")
+        args = daemon_args(disk_dir, (num_prompts + 2) * nbytes + 64 * MiB, "--disk-capacity",
+                           str((num_prompts + 2) * (nbytes + num_chunks * 2 * PAGE_BYTES)),
+                           "--disk-fetch-wait", "60", block_size=block_size)
+        with temporary_daemon(*args, "--disk-policy", "write-through",
+                              name=f"dskc-{os.getpid()}") as sock:
+            pid = daemon_info(sock, "server")["server"]["pid"]
+            with connect(sock) as engine:
+                engine.store(prompts[0], kv)  # warms the threads up
+                wait_on_disk(sock, num_chunks)
+                before = worker_cpu_s(pid)
+                for r, tokens in enumerate(prompts[1:], 1):
+                    engine.store(tokens, kv)
+                    wait_on_disk(sock, (r + 1) * num_chunks)
+                out[f"spill_{mode}_cpu_s"] = worker_cpu_s(pid) - before
+        with temporary_daemon(*args, name=f"dskd-{os.getpid()}") as sock:  # a warm restart
+            pid = daemon_info(sock, "server")["server"]["pid"]
+            with connect(sock) as engine:
+                if engine.lookup(prompts[0]) != num_tokens:  # warms the threads up
+                    raise RuntimeError("the warm restart lost the first prompt")
+                before = worker_cpu_s(pid)
+                hits = [engine.lookup(tokens) for tokens in prompts[1:]]
+                out[f"fetch_{mode}_cpu_s"] = worker_cpu_s(pid) - before
+            if hits != [num_tokens] * num_prompts:
+                raise RuntimeError(f"found {hits} of {num_tokens} tokens on disk")
+        shutil.rmtree(disk_dir, ignore_errors=True)
+        for what in ("spill", "fetch"):
+            out[f"{what}_{mode}_cpu_ms_per_gb"] = out[f"{what}_{mode}_cpu_s"] * 1e3 / gb
+    for what in ("spill", "fetch"):
+        out[f"{what}_copy_vs_in_place"] = (out[f"{what}_copy_cpu_s"]
+                                           / max(out[f"{what}_in_place_cpu_s"], 1e-9))
+    return out
 
 
 def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
@@ -212,6 +282,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=100_000)
     parser.add_argument("--stores", type=int, default=12,
                         help="cold stores measured with and without a disk tier")
+    parser.add_argument("--cpu-prompts", type=int, default=8,
+                        help="prompts spilled and fetched for the CPU figures, in place and copied")
     parser.add_argument("--dir", default="/var/tmp")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -225,6 +297,13 @@ def main() -> None:
               f"iflag=direct {io['dd_read_gbps']:.2f} GB/s ({io['fetch_vs_dd']:.2f}x); warm "
               f"restart found {io['warm_restart']['restored_chunks']} chunks in "
               f"{io['warm_restart']['scan_s']:.3f} s", flush=True)
+        cpu = bench_worker_cpu(root, args.tokens, args.cpu_prompts)
+        print(f"disk tier CPU per GB, in place (between arena blocks and the file) vs "
+              f"through a buffer: spill {cpu['spill_in_place_cpu_ms_per_gb']:.0f} vs "
+              f"{cpu['spill_copy_cpu_ms_per_gb']:.0f} ms ({cpu['spill_copy_vs_in_place']:.2f}x), "
+              f"fetch {cpu['fetch_in_place_cpu_ms_per_gb']:.0f} vs "
+              f"{cpu['fetch_copy_cpu_ms_per_gb']:.0f} ms ({cpu['fetch_copy_vs_in_place']:.2f}x)",
+              flush=True)
         store = bench_store(root, args.tokens, args.stores)
         print(f"cold store evicting to disk {store['store_spill_gbps']:.2f} GB/s vs without a "
               f"disk tier {store['store_no_disk_gbps']:.2f} GB/s (ratio "
@@ -236,8 +315,8 @@ def main() -> None:
               flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"machine": machine_info(), "filesystem": fs, "spill_fetch": io, "store": store,
-              "rebuild": rebuild}
+    result = {"machine": machine_info(), "filesystem": fs, "spill_fetch": io,
+              "worker_cpu": cpu, "store": store, "rebuild": rebuild}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
