@@ -94,11 +94,16 @@ def daemon_args(disk_dir: str, capacity_bytes: int, *more: str,
             "--max-session-share", "100", "--disk-path", disk_dir, *more]
 
 
-def worker_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of the daemon's threads other than its loop: the disk
-    tier's writers and readers (and any other worker thread)."""
-    return sum(t.user_time + t.system_time for t in psutil.Process(pid).threads()
-               if t.id != pid)
+def daemon_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system, 10 ms ticks) of the daemon's loop thread, and of its
+    other threads (the disk tier's writers and readers, any other worker)."""
+    loop = workers = 0.0
+    for thread in psutil.Process(pid).threads():
+        if thread.id == pid:
+            loop += thread.user_time + thread.system_time
+        else:
+            workers += thread.user_time + thread.system_time
+    return loop, workers
 
 
 def bench_spill_and_fetch(root: str, num_tokens: int, repeat: int) -> dict:
@@ -193,19 +198,19 @@ def bench_worker_cpu(root: str, num_tokens: int, num_prompts: int) -> dict:
             with connect(sock) as engine:
                 engine.store(prompts[0], kv)  # warms the threads up
                 wait_on_disk(sock, num_chunks)
-                before = worker_cpu_s(pid)
+                before = daemon_cpu_s(pid)[1]
                 for r, tokens in enumerate(prompts[1:], 1):
                     engine.store(tokens, kv)
                     wait_on_disk(sock, (r + 1) * num_chunks)
-                out[f"spill_{mode}_cpu_s"] = worker_cpu_s(pid) - before
+                out[f"spill_{mode}_cpu_s"] = daemon_cpu_s(pid)[1] - before
         with temporary_daemon(*args, name=f"dskd-{os.getpid()}") as sock:  # a warm restart
             pid = daemon_info(sock, "server")["server"]["pid"]
             with connect(sock) as engine:
                 if engine.lookup(prompts[0]) != num_tokens:  # warms the threads up
                     raise RuntimeError("the warm restart lost the first prompt")
-                before = worker_cpu_s(pid)
+                before = daemon_cpu_s(pid)[1]
                 hits = [engine.lookup(tokens) for tokens in prompts[1:]]
-                out[f"fetch_{mode}_cpu_s"] = worker_cpu_s(pid) - before
+                out[f"fetch_{mode}_cpu_s"] = daemon_cpu_s(pid)[1] - before
             if hits != [num_tokens] * num_prompts:
                 raise RuntimeError(f"found {hits} of {num_tokens} tokens on disk")
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -219,7 +224,8 @@ def bench_worker_cpu(root: str, num_tokens: int, num_prompts: int) -> dict:
 
 def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
     """Cold stores that evict the previous prompt: with an on-evict disk tier and without,
-    `repeat` of each after two that fill the arenas, in turn (the order alternates)."""
+    `repeat` of each after two that fill the arenas, in turn (the order alternates); and
+    where the daemons' CPU went meanwhile (loop thread, worker threads)."""
     nbytes = num_tokens * LLAMA_1B.token_bytes
     capacity = 2 * nbytes + 32 * MiB
     kv = torch.randn(LLAMA_1B.chunk_shape(num_tokens)).to(torch.bfloat16)
@@ -229,8 +235,11 @@ def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
     off_args = on_args[:on_args.index("--disk-path")]
     with temporary_daemon(*on_args, name=f"dskon-{os.getpid()}") as on, \
             temporary_daemon(*off_args, name=f"dskoff-{os.getpid()}") as off:
+        pids = [daemon_info(sock, "server")["server"]["pid"] for sock in (on, off)]
         with connect(on) as engine_on, connect(off) as engine_off:
             for r in range(repeat + 2):  # two rounds fill the arenas
+                if r == 2:
+                    cpu_before = [daemon_cpu_s(pid) for pid in pids]
                 tokens = torch.arange(r * 10**6, r * 10**6 + num_tokens)
                 order = [(engine_off, off_s), (engine_on, on_s)]
                 for engine, samples in order if r % 2 else order[::-1]:
@@ -238,12 +247,22 @@ def bench_store(root: str, num_tokens: int, repeat: int) -> dict:
                     engine.store(tokens, kv)
                     if r >= 2:
                         samples.append(time.perf_counter() - started)
+            deadline = time.monotonic() + 60
+            while disk_info(on)["disk_queue_values"] and time.monotonic() < deadline:
+                time.sleep(0.002)  # the writes ahead in flight end (their CPU counts)
+            (on_loop, on_workers), (off_loop, off_workers) = [
+                [after - before for after, before in zip(daemon_cpu_s(pid), cpu)]
+                for pid, cpu in zip(pids, cpu_before)]
         info = disk_info(on)
     return {"num_tokens": num_tokens, "bytes": nbytes, "store_spill_s": on_s,
             "store_no_disk_s": off_s, "store_spill_gbps": nbytes / median(on_s) / GB,
             "store_no_disk_gbps": nbytes / median(off_s) / GB,
             "ratio_on_off": median(off_s) / median(on_s), "disk_writes": info["disk_writes"],
-            "write_drops": sum(v for k, v in info.items() if k.startswith("disk_write_drops_"))}
+            "write_drops": sum(v for k, v in info.items() if k.startswith("disk_write_drops_")),
+            "loop_cpu_ms_per_store_on": on_loop * 1e3 / repeat,
+            "loop_cpu_ms_per_store_off": off_loop * 1e3 / repeat,
+            "worker_cpu_ms_per_store_on": on_workers * 1e3 / repeat,
+            "worker_cpu_ms_per_store_off": off_workers * 1e3 / repeat}
 
 
 def bench_rebuild(root: str, num_slots: int) -> dict:
@@ -308,7 +327,10 @@ def main() -> None:
         print(f"cold store evicting to disk {store['store_spill_gbps']:.2f} GB/s vs without a "
               f"disk tier {store['store_no_disk_gbps']:.2f} GB/s (ratio "
               f"{store['ratio_on_off']:.2f}; {store['disk_writes']} chunks spilled, "
-              f"{store['write_drops']} dropped)", flush=True)
+              f"{store['write_drops']} dropped); daemon CPU per store with / without: loop "
+              f"{store['loop_cpu_ms_per_store_on']:.1f} / {store['loop_cpu_ms_per_store_off']:.1f}"
+              f" ms, worker threads {store['worker_cpu_ms_per_store_on']:.1f} / "
+              f"{store['worker_cpu_ms_per_store_off']:.1f} ms", flush=True)
         rebuild = bench_rebuild(root, args.slots)
         print(f"index rebuild: {rebuild['num_slots']} slots in {rebuild['scan_s']:.2f} s "
               f"({rebuild['scan_s_per_100k_slots']:.2f} s per 100k slots, page cache dropped)",
