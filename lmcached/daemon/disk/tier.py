@@ -17,15 +17,18 @@ Flows (docs/operator.md, "The disk tier"):
   them on disk and only moves them to the back of the disk LRU. A chunk evicted before
   it was written ahead is dropped and counted, never copied in the loop (`writes.py`
   says why).
-- write-through: every committed chunk is pinned and queued; the writer copies it out
-  of the arena and unpins it through the loop.
+- write-through: every committed chunk is pinned and queued; the writer writes it from
+  its blocks and unpins it through the loop.
 - fetch on miss: a lookup that misses in the arena at chunk i, while the disk index holds
   chunk i (of every namespace asked), starts a `DiskFetchJob`: the loop pins the arena's
   part of the chain, allocates WRITING blocks for the run the disk holds, a reader thread
-  reads each slot, verifies it (`values.verify_value`: envelope, checksum, token ids)
-  and copies the record into its blocks; the loop commits what verified and forgets the
-  slots that did not (counted, `disk_fetch_verify_*`). A fetch of the same chain in flight
-  is joined.
+  reads each slot's envelope page and record straight into those blocks and verifies
+  them there (`values.verify_parts`: envelope, checksum, token ids); the loop commits
+  what verified and aborts the rest, forgetting their slots (counted,
+  `disk_fetch_verify_*`). A fetch of the same chain in flight is joined.
+- records move between the arena's blocks and the slot file with no copy (slots.py's
+  layout; `_in_place`), through a thread's buffer only where O_DIRECT cannot (blocks
+  that are not whole pages).
 - warm restart: the index is rebuilt from the slots' envelopes before the daemon says
   READY (`load`); checksums are verified when a slot is read.
 

@@ -11,13 +11,16 @@ store"): the loop never copies a chunk's bytes. Chunks next in line for eviction
 written AHEAD of it, by the writer threads, straight from their arena blocks, which stay
 unpinned (their LRU place, hits and eviction are unchanged). When the pool evicts one
 (`spill`, the `BlockPool.on_evict` hook) it is on disk already (`spills_present`), or
-its write is in flight (it ends as `spills_ahead` if its copy was complete, else as a
-drop), or it was never reached: dropped, counted (`write_drops_late`). The writer copies
-a block into its own page-aligned buffer and then checks that the value is still the one
-indexed under its key (`_still_cached`): the pool unindexes a value before it hands its
+its write is in flight (it ends as `spills_ahead` if its record's pages were written
+whole, else as a drop), or it was never reached: dropped, counted (`write_drops_late`).
+The writer computes the record's checksum from its blocks and writes the record's pages
+straight from them (O_DIRECT from the arena's mapping, no copy: slots.py), then checks
+that the value is still the one indexed under its key (`_still_cached`) before it writes
+the envelope page, the commit mark: the pool unindexes a value before it hands its
 blocks out, on the loop thread, and a client writes a block only after the ALLOC reply
-that follows, so a copy that passes this check is intact, and one that raced an
-eviction is discarded, never written.
+that follows, so a record that passes this check was written intact (and checksummed
+from the same bytes), and one that raced an eviction is never committed: its slot keeps
+a zeroed envelope and goes back to the free ones.
 
 Rejected: copying an evicted chunk in the loop into a spill buffer (the first version:
 ~1 ms of the loop per 8 MiB chunk, and stores ran at 0.3x of no disk tier in
@@ -49,10 +52,10 @@ ERROR_HOLD_S = 1.0  # after a write error, nothing is written ahead for this lon
 class WriteJob:
     """One chunk on its way to a slot, in one of three modes.
 
-    - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` into
-      its buffer and keeps the copy only if the value is still indexed after it
+    - "ahead": written ahead of its eviction, unpinned; the writer writes the record from
+      `blocks` and commits it only if the value is still indexed after that
       (`DiskWrites._still_cached`), else it cancels the write.
-    - "pinned": write-through; `blocks` are pinned until the writer copied them out.
+    - "pinned": write-through; `blocks` are pinned until the writer wrote them.
     - "erase": no chunk; the envelope page of `slot` is zeroed (`DiskTier.evict`, `clear`).
 
     Attributes:
@@ -63,9 +66,10 @@ class WriteJob:
             CLEAR is not indexed after it).
         record_bytes: the record's length.
         blocks: its arena blocks (the pool's span list of the value).
-        cancelled: set by the writer: the value left the arena before its copy ended.
+        cancelled: set by the writer: the value left the arena before its record was
+            written (never committed).
         evicted: set by the loop (`spill`): the pool evicted the value under pressure
-            while its write was in flight (a copy that ended before is kept).
+            while its write was in flight (a record written whole before is kept).
         error: the write's OSError or other exception, or None.
         busy_us: how long the writer worked on it, in microseconds.
     """
@@ -127,7 +131,7 @@ class DiskWrites:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread), before the evicted
         value's blocks are handed out: O(1), never a copy, never a wait. A chunk on disk
         moves to the back of the disk LRU; one whose write ahead is in flight is marked
-        (its copy, if complete, is kept); any other is dropped and counted
+        (its record, if written whole, is kept); any other is dropped and counted
         (`write_drops_late`, or `write_drops_oversize` for a value larger than a slot).
         Never raises."""
         if self.policy != "on-evict" or self.index is None:
@@ -154,7 +158,7 @@ class DiskWrites:
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
         """Queue newly committed values (write-through policy; loop thread): each is
-        pinned until its writer copied it out."""
+        pinned until its writer wrote it."""
         if self.policy != "write-through" or self.index is None:
             return
         for pool_key, blocks in values:
@@ -312,7 +316,7 @@ class DiskWrites:
                     continue
                 if job.error is None and not job.evicted and (
                         self.pool is None or not self._still_cached(job)):
-                    # Removed by a request (EVICT, CLEAR) after the copy: not indexed,
+                    # Removed by a request (EVICT, CLEAR) after the write: not indexed,
                     # and its envelope erased so that a restart does not bring it back.
                     self._erase([DiskEntry(job.slot, job.record_bytes)])
                     continue
