@@ -3,13 +3,13 @@
 Why this file exists: it is the only code that reads and writes the disk tier's bytes
 (`tier.py` decides when, on worker threads). Layout (all integers little-endian)::
 
-    offset 0        4096            4096 + slot_bytes            4096 + 2 * slot_bytes
-    | superblock    | slot 0                          | slot 1                   | ...
-    | "LMCDISK1",   | envelope page (4 KiB):  | record pages: the record as in
-    |  version u32  |   envelope (64 B, the   |   the arena (header, token ids,
-    |  = 2, flags,  |   L2 value's: magic,    |   KV) from the page's start, up
-    |  slot_bytes,  |   len, xxh3_64, ns fp,  |   to round_up(block_bytes); the
-    |  num_slots    |   hash), zero to 4 KiB  |   tail after it is undefined
+    offset 0        4096                    8192                       4096 + slot_bytes
+    | superblock    | slot 0: envelope page   | slot 0: record pages     | slot 1 ...
+    | "LMCDISK1",   | envelope (64 B, the L2  | the record as in the     |
+    |  version u32  |   value's: magic, len,  |   arena (header, token   |
+    |  = 2, flags,  |   xxh3_64, ns fp,       |   ids, KV), then an      |
+    |  slot_bytes,  |   hash), zeros to the   |   undefined tail, up to  |
+    |  num_slots    |   page's end            |   round_up(block_bytes)  |
 
 A slot holds an L2 value (lmcached/daemon/l2/values.py) whose envelope and record lie
 in pages of their own: the record is page-aligned in the file, as an arena block is in
