@@ -1,8 +1,9 @@
 """The disk tier's slot file, index and directory (lmcached/daemon/disk/): no daemon.
 
-A slot holds an L2 value (envelope + record) written record first and envelope last, so
-that a write cut short at any point is never indexed by the rebuild after a restart; a
-slot whose bytes changed is refused by the checksum when read. The directory is refused
+A slot holds an L2 value, its envelope in a page of its own before the page-aligned
+record, written record first and envelope last, so that a write cut short at any point
+is never indexed by the rebuild after a restart; a slot whose bytes changed is refused
+by the checksum when read. The directory is refused
 when it is not the daemon's alone, and a second daemon is refused by the lock.
 """
 
@@ -14,17 +15,29 @@ from test_l2_values import FP, make_record
 from lmcached.daemon.disk import slots as slots_module
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, prepare_disk_directory
 from lmcached.daemon.disk.index import DiskIndex
-from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, L2VerifyError, encode_envelope, verify_value
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer, round_up
+from lmcached.daemon.l2.values import L2VerifyError, encode_envelope, verify_parts
 from lmcached.wire.record_format import ROOT_HASH
 
 SLOT_BYTES = 3 * PAGE_BYTES
 
 
 def write_record(slot_file: SlotFile, slot: int, record: bytes, chunk_hash: bytes) -> None:
-    buffer = aligned_buffer(slot_file.slot_bytes)
-    buffer[ENVELOPE_BYTES:ENVELOPE_BYTES + len(record)] = record
-    slot_file.write(slot, buffer, len(record), encode_envelope(FP, chunk_hash, [record]))
+    buffer = aligned_buffer(len(record))
+    buffer[:len(record)] = record
+    slot_file.write(slot, aligned_buffer(PAGE_BYTES), [memoryview(buffer)[:round_up(len(record))]],
+                    encode_envelope(FP, chunk_hash, [record]))
+
+
+def read_record(slot_file: SlotFile, slot: int, record_bytes: int, parent: bytes,
+                chunk_hash: bytes) -> bytes:
+    """The record of `slot`, read and verified as a fetch does (raises L2VerifyError)."""
+    buffer = aligned_buffer(record_bytes)
+    envelope = slot_file.read(slot, aligned_buffer(PAGE_BYTES),
+                              [memoryview(buffer)[:round_up(record_bytes)]], record_bytes)
+    record = memoryview(buffer)[:record_bytes]
+    verify_parts(envelope, [record], FP, chunk_hash, parent)
+    return bytes(record)
 
 
 def chain(num_chunks: int, kv_bytes: int = 5000, first_token: int = 0) -> list[tuple[bytes, bytes, bytes]]:
@@ -50,10 +63,8 @@ def test_records_read_back_bit_exact_and_a_reopened_file_finds_them(disk_dir):
     records = chain(3)
     for slot, (_, chunk_hash, record) in zip((5, 0, 7), records):
         write_record(slot_file, slot, record, chunk_hash)
-    buffer = aligned_buffer(SLOT_BYTES)
     for slot, (parent, chunk_hash, record) in zip((5, 0, 7), records):
-        value = slot_file.read(slot, len(record), buffer)
-        assert bytes(verify_value(value, FP, chunk_hash, parent)) == record
+        assert read_record(slot_file, slot, len(record), parent, chunk_hash) == record
     slot_file.close()
 
     reopened, kept = SlotFile.open(disk_dir, SLOT_BYTES, 8)  # a restart
@@ -63,7 +74,7 @@ def test_records_read_back_bit_exact_and_a_reopened_file_finds_them(disk_dir):
         (0, FP, records[1][1], len(records[1][2])), (5, FP, records[0][1], len(records[0][2])),
         (7, FP, records[2][1], len(records[2][2]))]
     reopened.close()
-    other, kept = SlotFile.open(disk_dir, 2 * PAGE_BYTES, 8)  # the block size changed
+    other, kept = SlotFile.open(disk_dir, 4 * PAGE_BYTES, 8)  # the block size changed
     assert not kept and other.scan() == []
     other.close()
 
@@ -78,14 +89,14 @@ def test_a_write_cut_short_is_never_indexed(disk_dir, monkeypatch, cut):
     real_pwrite = SlotFile._pwrite
     calls = []
 
-    def killed(self, view, offset):
-        calls.append(len(view))
+    def killed(self, views, offset):
+        calls.append(len(views))
         if cut == "inside_the_first_write" and len(calls) == 1:
-            real_pwrite(self, view[:PAGE_BYTES], offset)  # the first page reached the disk
+            real_pwrite(self, views[:1], offset)  # the first page reached the disk
             raise SystemExit("killed")
         if cut == "after_the_first_write" and len(calls) == 2:
             raise SystemExit("killed")
-        real_pwrite(self, view, offset)
+        real_pwrite(self, views, offset)
 
     monkeypatch.setattr(SlotFile, "_pwrite", killed)
     with pytest.raises(SystemExit):
@@ -103,19 +114,36 @@ def test_a_tampered_or_truncated_slot_is_refused_when_read(disk_dir):
     write_record(slot_file, 0, record, chunk_hash)
     write_record(slot_file, 1, record, chunk_hash)
     path = os.path.join(disk_dir, FILE_NAME)
-    with open(path, "r+b") as f:  # one KV byte of slot 0
-        f.seek(PAGE_BYTES + ENVELOPE_BYTES + len(record) - 1)
+    with open(path, "r+b") as f:  # one KV byte of slot 0 (after its envelope page)
+        f.seek(PAGE_BYTES + PAGE_BYTES + len(record) - 1)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    buffer = aligned_buffer(SLOT_BYTES)
     with pytest.raises(L2VerifyError) as refused:
-        verify_value(slot_file.read(0, len(record), buffer), FP, chunk_hash, parent)
+        read_record(slot_file, 0, len(record), parent, chunk_hash)
     assert refused.value.reason == "checksum"
     os.truncate(path, PAGE_BYTES + SLOT_BYTES + 100)  # slot 1 cut short under the daemon
     with pytest.raises(OSError, match="short read"):
-        slot_file.read(1, len(record), buffer)
+        read_record(slot_file, 1, len(record), parent, chunk_hash)
     slot_file.close()
+
+
+def test_a_slot_file_of_the_first_format_is_formatted_anew_and_logged(disk_dir, caplog):
+    """Format 1 kept the record at byte 64 of its slot, after the envelope: a daemon of
+    format 2 never reads it as a record, it starts empty and says why."""
+    slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 4)
+    (_, chunk_hash, record), = chain(1)
+    write_record(slot_file, 0, record, chunk_hash)
+    slot_file.close()
+    with open(os.path.join(disk_dir, FILE_NAME), "r+b") as f:  # the superblock's version
+        f.seek(8)
+        f.write((1).to_bytes(4, "little"))
+    assert slots_module.read_superblock(disk_dir) is None  # DiskTier.load finds no file
+    reopened, kept = SlotFile.open(disk_dir, SLOT_BYTES, 4)
+    assert not kept and reopened.scan() == []
+    assert "written in slot format 1, this lmcached reads format 2 only" in caplog.text
+    reopened.close()
+    assert slots_module.read_superblock(disk_dir) == (SLOT_BYTES, 4)
 
 
 def test_the_index_evicts_least_recently_used_and_never_a_slot_being_read():
@@ -167,8 +195,7 @@ def test_buffered_io_where_o_direct_is_refused(disk_dir, monkeypatch):
     slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 2)
     (parent, chunk_hash, record), _ = chain(2)
     write_record(slot_file, 1, record, chunk_hash)
-    value = slot_file.read(1, len(record), aligned_buffer(SLOT_BYTES))
-    assert not slot_file.direct and bytes(verify_value(value, FP, chunk_hash, parent)) == record
+    assert not slot_file.direct and read_record(slot_file, 1, len(record), parent, chunk_hash) == record
     slot_file.close()
 
 
@@ -180,7 +207,7 @@ def test_a_progress_call_that_raises_stops_every_scan_thread(disk_dir):
     """A stop signal during a warm restart's index rebuild (the start-up's progress
     callback raises): the scan stops at once, not after the whole file."""
     num_slots = 4 * slots_module.SCAN_RANGE_SLOTS
-    slot_file, _ = SlotFile.open(disk_dir, PAGE_BYTES, num_slots)
+    slot_file, _ = SlotFile.open(disk_dir, 2 * PAGE_BYTES, num_slots)
     write_record(slot_file, num_slots - 1, b"x" * 100, b"\1" * 16)
     calls = []
 

@@ -20,6 +20,7 @@ from test_service import BLOCK_BYTES, greeted
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import SlotFile
 from lmcached.daemon.disk.tier import DiskTier
+from lmcached.daemon.l2.values import namespace_fingerprint
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
@@ -36,21 +37,35 @@ LAYOUT = Layout("disk-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, RECORD_BYTE
 HASHES_A = b"".join(h for _, h, _ in PROMPT_A)
 
 
-@pytest.fixture
-def disk_service(unique_name, tmp_path):
-    """A service on a 4-block arena with an on-evict disk tier of 16 slots."""
-    arena = Arena.create(unique_name, HEADER_BYTES + NUM_BLOCKS * BLOCK_BYTES, BLOCK_BYTES,
+UNALIGNED_BLOCK_BYTES = BLOCK_BYTES - 1024  # a --block-size of 64-byte multiples, not pages
+
+
+def open_disk_service(name: str, directory: str, block_bytes: int = BLOCK_BYTES,
+                      policy: str = "on-evict") -> CacheService:
+    """A service on a NUM_BLOCKS-block arena (the last block ends the mapping) with a
+    disk tier of 16 MiB in `directory`, its index rebuilt from what the directory holds."""
+    arena = Arena.create(name, HEADER_BYTES + NUM_BLOCKS * block_bytes, block_bytes,
                          prefault=False)
     service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
                                         max_session_share=100.0), arena)
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
     tier = DiskTier(directory, DirectoryLock(directory), capacity_bytes=(16 << 20),
-                    policy="on-evict", fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
+                    policy=policy, fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
     tier.set_block_bytes(arena.block_bytes)
     service.attach_disk(tier)
+    return service
+
+
+def close_disk_service(service: CacheService) -> None:
+    service.disk.close()
+    service.arena.close()
+
+
+@pytest.fixture
+def disk_service(unique_name, tmp_path):
+    """A service on a 6-block arena with an on-evict disk tier of 16 MiB."""
+    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")))
     yield service
-    tier.close()
-    arena.close()
+    close_disk_service(service)
 
 
 def settle(service: CacheService, done, timeout_s: float = 20.0):
@@ -158,38 +173,43 @@ def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_s
     assert_nothing_held(service)
 
 
-class GatedCopies:
-    """Replaces `DiskTier._copy_out`: records the thread of every copy, and holds each
-    copy before it reads the blocks until `go` is set."""
+class GatedWrites:
+    """Wraps `SlotFile.write_record` (a writer's record write, straight from the arena
+    blocks): records the thread and slot of every write, and holds each write until
+    `go` is set, before it reads the blocks (`when="before"`) or after them, between
+    the data write and the commit (`when="after"`)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, when: str = "before") -> None:
         self.go = threading.Event()
         self.entered = threading.Event()
         self.threads: list[str] = []
-        self.blocks: list = []  # the values whose copy started, in order
-        original = DiskTier._copy_out
+        self.slots: list[int] = []  # the slots whose write started, in order
+        original = SlotFile.write_record
 
-        def copy_out(tier, blocks, buffer):
+        def write_record(slot_file, slot, page, pieces):
             self.threads.append(threading.current_thread().name)
-            self.blocks.append(blocks)
+            self.slots.append(slot)
+            if when == "after":
+                original(slot_file, slot, page, pieces)
             self.entered.set()
-            assert self.go.wait(20), "the test never released the copy"
-            original(tier, blocks, buffer)
-        monkeypatch.setattr(DiskTier, "_copy_out", copy_out)
+            assert self.go.wait(20), "the test never released the write"
+            if when == "before":
+                original(slot_file, slot, page, pieces)
+        monkeypatch.setattr(SlotFile, "write_record", write_record)
 
 
 def test_a_burst_faster_than_the_writers_drops_chunks_and_never_copies_in_the_loop(
         disk_service, monkeypatch):
     service = disk_service
-    copies = GatedCopies(monkeypatch)
+    writes = GatedWrites(monkeypatch)
     session = greeted(service, LAYOUT)
     store_both(service, session, settled=False)  # B2 and B3 evict A0 and A1 unwritten
-    assert copies.entered.wait(10)  # a write ahead is held in its copy
-    copies.go.set()
+    assert writes.entered.wait(10)  # a write ahead is held before its data write
+    writes.go.set()
     settle(service, lambda: not service.disk._writing)
     info = disk_info(service)
     assert info["disk_write_drops_late"] == 2, info
-    assert threading.current_thread().name not in copies.threads, "the loop copied a chunk"
+    assert threading.current_thread().name not in writes.threads, "the loop wrote a chunk"
     fp = service.disk._ns_fp(1)
     assert not any((fp, h) in service.disk.index.entries for _, h, _ in PROMPT_A[:2])
     index = service.disk.index
@@ -198,27 +218,35 @@ def test_a_burst_faster_than_the_writers_drops_chunks_and_never_copies_in_the_lo
     assert_nothing_held(service)
 
 
-def test_a_chunk_evicted_during_its_write_ahead_copy_is_never_written(disk_service,
-                                                                      monkeypatch):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_chunk_evicted_during_its_write_ahead_is_never_committed(disk_service, monkeypatch,
+                                                                   when):
+    """The writer reads the block straight from the arena (no copy): a block reused while
+    the writer reads it, before its data write or between it and the commit, is never
+    indexed nor committed on disk under the old key."""
     service = disk_service
-    copies = GatedCopies(monkeypatch)
+    writes = GatedWrites(monkeypatch, when)
     session = greeted(service, LAYOUT)
     for _, chunk_hash, record in PROMPT_A + PROMPT_B[:2]:  # 6 blocks: the arena is full
         store_chunk(service, session, chunk_hash, record)
-    a0_blocks = service.pool.cached[b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]]
-    deadline = time.monotonic() + 10  # A0, least recently used, is written ahead first
-    while not any(blocks is a0_blocks for blocks in copies.blocks):
-        assert time.monotonic() < deadline, "A0's write ahead never started its copy"
+    a0_key = b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]
+    a0_blocks = service.pool.cached[a0_key]
+    a0_write = service.disk._ahead[a0_key]  # A0, least recently used, is written first
+    deadline = time.monotonic() + 10
+    while a0_write.slot not in writes.slots:
+        assert time.monotonic() < deadline, "A0's write ahead never started"
         time.sleep(0.005)
     (old_block,) = a0_blocks
-    # The copy has not read A0's block yet: B2 evicts A0 and overwrites that block.
+    # The writer holds A0's block: B2 evicts A0 and overwrites that block.
     _, chunk_hash, record = PROMPT_B[2]
     assert store_chunk(service, session, chunk_hash, record) == old_block.block_id
-    copies.go.set()
+    writes.go.set()
     settle(service, lambda: not service.disk._writing)
     fp = service.disk._ns_fp(1)
     assert (fp, PROMPT_A[0][1]) not in service.disk.index.entries, \
-        "B2's bytes were written to disk under A0's key"
+        "B2's bytes were indexed under A0's key"
+    assert PROMPT_A[0][1] not in {h.chunk_hash for h in service.disk.slots.scan()}, \
+        "B2's bytes were committed on disk under A0's key: a restart would index them"
     info = disk_info(service)
     assert info["disk_write_drops_late"] == 1 and info["disk_writes"] >= 2, info
     assert lookup(service, session) == 0
@@ -232,7 +260,7 @@ def test_a_failing_write_is_a_counted_drop(disk_service, monkeypatch, code, kind
 
     def fail(self, *args):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(SlotFile, "write", fail)
+    monkeypatch.setattr(SlotFile, "write_record", fail)
     session = stored_and_settled(service)
     info = disk_info(service)
     assert info[f"disk_errors_{kind}"] >= 1
@@ -297,21 +325,122 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     assert_nothing_held(service)
 
 
-@pytest.mark.parametrize("value_bytes,on_disk", [(BLOCK_BYTES + 100, True),
-                                                 (2 * BLOCK_BYTES - 100, False)])
+@pytest.mark.parametrize("block_bytes,value_bytes,on_disk", [
+    (BLOCK_BYTES, BLOCK_BYTES + 100, False),  # a slot holds one block of whole pages
+    (UNALIGNED_BLOCK_BYTES, UNALIGNED_BLOCK_BYTES + 500, True),  # fits the slot's pages
+    (UNALIGNED_BLOCK_BYTES, 2 * UNALIGNED_BLOCK_BYTES - 100, False)])
 def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
-        disk_service, value_bytes, on_disk):
-    service = disk_service
-    big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
-    session = greeted(service, LAYOUT, big_layout)  # namespaces 1 and 2
-    big_hash = b"\xbb" * 16
-    alloc = service.handle(session, Alloc(2, big_hash, [value_bytes]))
-    assert len(alloc.block_ids) == 2, alloc  # a value of two blocks
-    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
-    store_both(service, session)  # the big value is least recently used: evicted first
-    assert b"c" + (2).to_bytes(4, "little") + big_hash not in service.pool.cached
-    info = disk_info(service)
-    assert info["disk_write_drops_late"] == 0, info
-    assert info["disk_write_drops_oversize"] == int(not on_disk), info
-    assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
-    assert_nothing_held(service)
+        unique_name, tmp_path, block_bytes, value_bytes, on_disk):
+    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")),
+                                block_bytes)
+    try:
+        big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
+        session = greeted(service, LAYOUT, big_layout)  # namespaces 1 and 2
+        big_hash = b"\xbb" * 16
+        alloc = service.handle(session, Alloc(2, big_hash, [value_bytes]))
+        assert len(alloc.block_ids) == 2, alloc  # a value of two blocks
+        assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+        store_both(service, session)  # the big value is least recently used: evicted first
+        assert b"c" + (2).to_bytes(4, "little") + big_hash not in service.pool.cached
+        info = disk_info(service)
+        assert info["disk_write_drops_late"] == 0, info
+        assert info["disk_write_drops_oversize"] == int(not on_disk), info
+        assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)
+
+
+def full_blocks(block_bytes: int, num_chunks: int = NUM_BLOCKS):
+    """(layout, chain) of chunks whose records fill their blocks to the last byte."""
+    chunks = chain(num_chunks, block_bytes - (RECORD_BYTES - KV_BYTES), first_token=7000)
+    assert all(len(record) == block_bytes for _, _, record in chunks)
+    return Layout("disk-full-blocks", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, block_bytes), chunks
+
+
+def written_then_restarted(name: str, directory: str, block_bytes: int, chunks, layout):
+    """Store `chunks` into every block of an arena with a write-through disk tier, stop
+    it, and start another on the same directory (a warm restart: an empty arena)."""
+    service = open_disk_service(name, directory, block_bytes, "write-through")
+    try:
+        session = greeted(service, layout)
+        for _, chunk_hash, record in chunks:  # one at a time: write-through pins 1/4
+            store_chunk(service, session, chunk_hash, record)
+            settle(service, lambda: not service.disk._writing)
+        assert disk_info(service)["disk_writes"] == len(chunks)
+    finally:
+        close_disk_service(service)
+    return open_disk_service(f"{name}-2", directory, block_bytes)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("block_bytes", [BLOCK_BYTES, UNALIGNED_BLOCK_BYTES],
+                         ids=["whole_pages", "unaligned"])
+def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
+        unique_name, tmp_path, monkeypatch, direct, block_bytes):
+    """Records that fill every block of the arena, its last included, go to disk and come
+    back into new blocks after a warm restart byte for byte: with no copy (straight
+    between the blocks and the file) where O_DIRECT takes whole pages or I/O is
+    buffered, through a thread's buffer where O_DIRECT cannot (blocks that are not
+    whole pages: the last page of the arena's last block would end past the mapping)."""
+    if not direct:  # as on tmpfs
+        monkeypatch.setattr(SlotFile, "_reopen_direct", staticmethod(lambda path: None))
+    copies = []
+    for method in ("_copy_out", "_thread_buffer"):
+        original = getattr(DiskTier, method)
+        monkeypatch.setattr(DiskTier, method, lambda tier, *args, original=original, name=method:
+                            copies.append(name) or original(tier, *args))
+    in_place = not direct or block_bytes % 4096 == 0
+    layout, chunks = full_blocks(block_bytes)
+    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    service = written_then_restarted(unique_name, directory, block_bytes, chunks, layout)
+    try:
+        assert disk_info(service)["disk_direct_io"] == int(direct)
+        assert service.disk.num_restored == NUM_BLOCKS
+        assert bool(copies) != in_place, copies
+        session = greeted(service, layout)
+        hashes = b"".join(h for _, h, _ in chunks)
+        reply = service.handle(session, Lookup([1], hashes))
+        assert isinstance(reply, Deferred)
+        settle(service, lambda: reply.job.done)
+        assert service.resume(session, reply).num_chunks == NUM_BLOCKS
+        reply = service.handle(session, Acquire([1], hashes))
+        assert sorted(reply.block_ids) == list(range(NUM_BLOCKS))  # the last block too
+        arena = service.arena
+        for block_id, n, (_, _, record) in zip(reply.block_ids, reply.num_bytes, chunks):
+            assert bytes(arena.numpy_view(arena.block_offset(block_id), n)) == record
+        service.handle(session, Release([reply.lease]))
+        assert disk_info(service)["disk_fetch_failures"] == 0
+        assert bool(copies) != in_place, copies
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)
+
+
+def test_a_slot_that_fails_its_checks_in_the_arena_blocks_gives_them_back(unique_name,
+                                                                          tmp_path):
+    """A record read straight into fresh arena blocks is verified there before its
+    commit: a changed byte makes it a counted miss, its blocks (and those of the
+    chunks after it) go back to the free queue, none pinned or WRITING."""
+    layout, chunks = full_blocks(BLOCK_BYTES)
+    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
+    try:
+        tier = service.disk
+        entry = tier.index.get((namespace_fingerprint(layout), chunks[2][1]))
+        with open(tier.slots.path, "r+b") as f:  # a KV byte of chunk 2's record
+            f.seek(tier.slots.slot_offset(entry.slot) + 4096 + BLOCK_BYTES - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        session = greeted(service, layout)
+        reply = service.handle(session, Lookup([1], b"".join(h for _, h, _ in chunks)))
+        settle(service, lambda: reply.job.done)
+        assert service.resume(session, reply).num_chunks == 2
+        info = disk_info(service)
+        assert info["disk_fetch_verify_checksum"] == 1 and info["disk_fetch_hit_chunks"] == 2
+        assert len(service.pool.cached) == 2
+        assert service.pool.num_empty_blocks == NUM_BLOCKS - 2  # the others given back
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)

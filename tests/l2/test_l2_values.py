@@ -21,7 +21,9 @@ from lmcached.daemon.l2.values import (
     L2VerifyError,
     encode_value,
     l2_key,
+    encode_envelope,
     namespace_fingerprint,
+    verify_parts,
     verify_value,
 )
 from lmcached.wire.protocol import Layout
@@ -81,6 +83,26 @@ def test_pieces_of_any_format_count_bytes_not_items():
     as_int64 = np.frombuffer(rec[:RECORD_HEADER_BYTES + 64], dtype="<i8")  # 16 items
     value = encode_value(FP, h, [memoryview(as_int64), rec[RECORD_HEADER_BYTES + 64:]])
     assert bytes(verify_value(value, FP, h, ROOT_HASH)) == rec
+
+
+@pytest.mark.parametrize("cuts", [(100,), (30, 90, 200), (RECORD_HEADER_BYTES + 5,)])
+def test_an_envelope_and_a_record_apart_are_checked_as_one_value(cuts):
+    """A disk tier slot: the envelope in a page of its own, the record in arena blocks
+    (pieces cut inside the header or the token ids are joined for those checks only)."""
+    parent, _ = make_record(ROOT_HASH, range(16))
+    h, rec = make_record(parent, range(16, 32))
+    bounds = [0, *cuts, len(rec)]
+    pieces = [memoryview(rec)[a:b] for a, b in zip(bounds, bounds[1:])]
+    envelope = encode_envelope(FP, h, pieces) + bytes(4096 - ENVELOPE_BYTES)  # a page
+    verify_parts(envelope, pieces, FP, h, parent)
+    with pytest.raises(L2VerifyError) as refused:
+        verify_parts(envelope, pieces[:-1], FP, h, parent)  # a record cut short
+    assert refused.value.reason == "envelope"
+    tampered = [bytearray(piece) for piece in pieces]
+    tampered[-1][-1] ^= 1
+    with pytest.raises(L2VerifyError) as refused:
+        verify_parts(envelope, tampered, FP, h, parent)
+    assert refused.value.reason == "checksum"
 
 
 def _tampered(kind: str) -> tuple[bytes, bytes, bytes, str]:

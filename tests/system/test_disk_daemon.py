@@ -25,7 +25,7 @@ from lmcached.daemon.disk.directory import DirectoryLock
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
-from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, namespace_fingerprint
+from lmcached.daemon.l2.values import ENVELOPE, namespace_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -132,12 +132,13 @@ def test_a_corrupted_slot_and_a_truncated_file_are_counted_misses(daemon_factory
     with open(path, "rb") as f:
         superblock = f.read(PAGE_BYTES)
     slot_bytes = int.from_bytes(superblock[16:24], "little")
-    with open(path, "r+b") as f:  # flip the last KV byte of the slot of chunk 3
+    with open(path, "r+b") as f:  # flip the last KV byte of the slot of chunk 3 (its
+        # record starts after the slot's envelope page)
         for slot in range((os.path.getsize(path) - PAGE_BYTES) // slot_bytes):
             f.seek(PAGE_BYTES + slot * slot_bytes)
             _, _, _, length, _, slot_fp, slot_hash = ENVELOPE.unpack(f.read(ENVELOPE.size))
             if (slot_fp, slot_hash) == (fp, hashes[3]):
-                f.seek(PAGE_BYTES + slot * slot_bytes + ENVELOPE_BYTES + length - 1)
+                f.seek(PAGE_BYTES + slot * slot_bytes + PAGE_BYTES + length - 1)
                 byte = f.read(1)
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte[0] ^ 0xFF]))

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import numpy as np
 
 from lmcached.daemon.disk.index import DiskKey
-from lmcached.daemon.disk.slots import error_kind
-from lmcached.daemon.l2.values import L2VerifyError, verify_value
+from lmcached.daemon.disk.slots import error_kind, round_up
+from lmcached.daemon.l2.values import L2VerifyError, verify_parts
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
@@ -187,27 +187,18 @@ class DiskFetches:
         job.items = kept
 
     def _read(self, batches: list[ReadBatch]) -> None:
-        """Reader thread: read, verify and copy each chunk of a batch into its blocks;
-        after a chunk that fails, the rest of the batch is skipped."""
-        arena = self.arena
+        """Reader thread: read and verify each chunk of a batch in its blocks
+        (`_read_item`); after a chunk that fails, the rest of the batch is skipped."""
         for batch in batches:
             started = time.perf_counter()
-            buffer = self._thread_buffer()
+            page = self._thread_page()
             failed = False
             for item in batch.items:
                 if failed or self._reads.stopping:
                     item.failure = "skipped"
                     continue
                 try:
-                    value = self.slots.read(item.slot, item.record_bytes, buffer)
-                    record = verify_value(value, item.key[0], item.key[1], item.parent)
-                    src = np.frombuffer(record, dtype=np.uint8)
-                    pos = 0
-                    for block in item.blocks:
-                        n = block.num_bytes
-                        np.copyto(arena.numpy_view(arena.block_offset(block.block_id), n),
-                                  src[pos:pos + n])
-                        pos += n
+                    self._read_item(item, page)
                 except L2VerifyError as exc:
                     item.failure = f"verify_{exc.reason}"
                 except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
@@ -215,6 +206,36 @@ class DiskFetches:
                 failed = item.failure is not None
             batch.busy_us = int((time.perf_counter() - started) * 1e6)
             self._reads.post(batch)
+
+    def _read_item(self, item: ReadItem, page) -> None:
+        """Read one slot (reader thread): its envelope page into `page` and its record
+        straight into the item's WRITING blocks (O_DIRECT: whole pages; through this
+        thread's buffer where the blocks are not whole pages, `DiskTier._in_place`),
+        one `preadv`, then verify it there (`values.verify_parts`: envelope, checksum,
+        token ids). The blocks are visible to no one until the loop commits them; a
+        chunk that fails is aborted by the loop (`_finish_reads`).
+
+        Raises:
+            L2VerifyError: the slot must not be served.
+            OSError: the read failed or came back short.
+        """
+        ns_fp, chunk_hash = item.key
+        if self._in_place():
+            pieces = self._block_views(item.blocks, self.slots.direct)
+            envelope = self.slots.read(item.slot, page, pieces, item.record_bytes)
+            record = [view[:block.num_bytes] for view, block in zip(pieces, item.blocks)]
+            verify_parts(envelope, record, ns_fp, chunk_hash, item.parent)
+            return
+        src = np.frombuffer(self._thread_buffer(), dtype=np.uint8)
+        envelope = self.slots.read(item.slot, page, [src[:round_up(item.record_bytes)]],
+                                   item.record_bytes)
+        verify_parts(envelope, [src[:item.record_bytes]], ns_fp, chunk_hash, item.parent)
+        arena = self.arena
+        pos = 0
+        for block in item.blocks:
+            n = block.num_bytes
+            np.copyto(arena.numpy_view(arena.block_offset(block.block_id), n), src[pos:pos + n])
+            pos += n
 
     def _finish_reads(self, batches: list[ReadBatch]) -> None:
         """Commit what was read and verified, drop the slots that failed; after a fetch's

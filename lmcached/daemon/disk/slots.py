@@ -3,26 +3,32 @@
 Why this file exists: it is the only code that reads and writes the disk tier's bytes
 (`tier.py` decides when, on worker threads). Layout (all integers little-endian)::
 
-    offset 0        4096            4096 + slot_bytes      4096 + 2 * slot_bytes
-    | superblock    | slot 0                  | slot 1                  | ...
-    | "LMCDISK1",   | envelope (64 B, the L2  |
-    |  version u32, |   value's: magic, len,  |
-    |  slot_bytes,  |   xxh3_64, ns fp, hash) |
-    |  num_slots    | record (as in the arena: header, token ids, KV), zero pad to 4 KiB
+    offset 0        4096                    8192                       4096 + slot_bytes
+    | superblock    | slot 0: envelope page   | slot 0: record pages     | slot 1 ...
+    | "LMCDISK1",   | envelope (64 B, the L2  | the record as in the     |
+    |  version u32  |   value's: magic, len,  |   arena (header, token   |
+    |  = 2, flags,  |   xxh3_64, ns fp,       |   ids, KV), then an      |
+    |  slot_bytes,  |   hash), zeros to the   |   undefined tail, up to  |
+    |  num_slots    |   page's end            |   round_up(block_bytes)  |
 
-A slot is exactly an L2 value (lmcached/daemon/l2/values.py) padded to whole pages, so
-`verify_value` checks what is read back: envelope, checksum, token ids.
+A slot holds an L2 value (lmcached/daemon/l2/values.py) whose envelope and record lie
+in pages of their own: the record is page-aligned in the file, as an arena block is in
+memory, so that the writers and readers move it straight between the arena's blocks
+and the file with O_DIRECT (`write_record`, `read`: no bounce buffer, after vLLM's
+offloading disk backend and LMCache's local disk), and `values.verify_parts` checks
+the envelope page and the record in its blocks. Version 1 (the envelope at the slot's
+start, the record right after it at byte 64) is formatted anew at start, its chunks
+dropped (logged), as for another slot size.
 
-Torn writes: a slot is written in two steps, the record with a zeroed envelope first,
-then the page that holds the envelope (the commit mark) last. A crash between them, or
-during the first, leaves a slot whose envelope has no magic: the index rebuild skips it.
-A crash during the last leaves the old envelope or the new one, both over a record that
-the checksum (verified on every read) judges. After Redis's RDB rename and the
-"commit record last" rule of write-ahead logs.
+Torn writes: a slot is written in two steps: its envelope page zeroed and its record
+pages, one `pwritev` (`write_record`), then the envelope page (the commit mark) last
+(`commit`). A crash between them, or during the first, leaves a slot whose envelope
+has no magic: the index rebuild skips it. A crash during the last leaves the old
+envelope or the new one, both over a record that the checksum (verified on every read)
+judges. After Redis's RDB rename and the "commit record last" rule of write-ahead logs.
 
-I/O is O_DIRECT (page-aligned buffers and offsets; no page-cache pollution, after
-vLLM's offloading disk backend and LMCache's local disk), with a buffered fallback where
-the filesystem refuses it (tmpfs), logged once.
+I/O is O_DIRECT (page-aligned memory, offsets and lengths; no page-cache pollution),
+with a buffered fallback where the filesystem refuses it (tmpfs), logged once.
 """
 
 import errno
@@ -41,11 +47,11 @@ PAGE_BYTES = 4096
 FILE_NAME = "slots.lmcached"
 SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, flags, slot_bytes, num_slots
 SUPERBLOCK_MAGIC = b"LMCDISK1"
-SUPERBLOCK_VERSION = 1
+SUPERBLOCK_VERSION = 2  # 2: the record page-aligned after an envelope page
 SCAN_THREADS = 4
 SCAN_RANGE_SLOTS = 65536  # slots one scan task reads at most
 SCAN_PROGRESS_SLOTS = 4096  # progress is reported after every this many slots of a task
-_ZERO_ENVELOPE = bytes(ENVELOPE_BYTES)
+_ZERO_PAGE = bytes(PAGE_BYTES)
 _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
                 errno.EIO: "io", errno.EROFS: "readonly"}
 ERROR_KINDS = ("nospace", "io", "readonly", "other")
@@ -63,8 +69,9 @@ def round_up(num_bytes: int, multiple: int = PAGE_BYTES) -> int:
 
 
 def slot_bytes_for(block_bytes: int) -> int:
-    """Bytes of a slot that holds one arena block's record and its envelope: whole pages."""
-    return round_up(block_bytes + ENVELOPE_BYTES)
+    """Bytes of a slot that holds one arena block's record: its envelope page and the
+    block's bytes rounded up to whole pages."""
+    return PAGE_BYTES + round_up(block_bytes)
 
 
 def aligned_buffer(num_bytes: int) -> mmap.mmap:
@@ -94,17 +101,23 @@ class SlotHeader:
 def read_superblock(directory: str) -> tuple[int, int] | None:
     """(slot_bytes, num_slots) of the slot file in `directory`, or None when there is
     none or it is not one of ours (too short, another magic or version)."""
+    fields = _superblock_fields(directory)
+    if fields is None:
+        return None
+    magic, version, _flags, slot_bytes, num_slots = fields
+    if magic != SUPERBLOCK_MAGIC or version != SUPERBLOCK_VERSION or slot_bytes % PAGE_BYTES:
+        return None
+    return slot_bytes, num_slots
+
+
+def _superblock_fields(directory: str) -> tuple | None:
+    """The superblock's fields (SUPERBLOCK) as found, or None: no file, or too short."""
     try:
         with open(os.path.join(directory, FILE_NAME), "rb") as f:
             data = f.read(SUPERBLOCK.size)
     except FileNotFoundError:
         return None
-    if len(data) < SUPERBLOCK.size:
-        return None
-    magic, version, _flags, slot_bytes, num_slots = SUPERBLOCK.unpack(data)
-    if magic != SUPERBLOCK_MAGIC or version != SUPERBLOCK_VERSION or slot_bytes % PAGE_BYTES:
-        return None
-    return slot_bytes, num_slots
+    return SUPERBLOCK.unpack(data) if len(data) == SUPERBLOCK.size else None
 
 
 class SlotFile:
@@ -115,7 +128,8 @@ class SlotFile:
 
     Attributes:
         path: the file's path.
-        slot_bytes: bytes per slot (a multiple of PAGE_BYTES).
+        slot_bytes: bytes per slot (a multiple of PAGE_BYTES: the envelope page, then
+            `max_record_bytes` for the record).
         num_slots: how many slots.
         direct: whether I/O bypasses the page cache (O_DIRECT).
     """
@@ -135,7 +149,8 @@ class SlotFile:
 
         Args:
             directory: the checked and locked disk directory.
-            slot_bytes: bytes per slot, a multiple of PAGE_BYTES.
+            slot_bytes: bytes per slot, a multiple of PAGE_BYTES (the envelope page, then
+                `max_record_bytes` for the record: none in a slot of one page).
             num_slots: slots wanted (a larger or smaller file is resized; slots cut off
                 are lost).
 
@@ -157,6 +172,11 @@ class SlotFile:
             logger.warning("disk tier %s was written with slots of %d bytes, the arena's "
                            "blocks now need %d: its chunks are dropped", path, found[0],
                            slot_bytes)
+        old = _superblock_fields(directory) if found is None else None
+        if old is not None and old[0] == SUPERBLOCK_MAGIC and old[1] != SUPERBLOCK_VERSION:
+            logger.warning("disk tier %s was written in slot format %d, this lmcached reads "
+                           "format %d only: the file is formatted anew and its chunks are "
+                           "dropped", path, old[1], SUPERBLOCK_VERSION)
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(path, flags | (0 if kept else os.O_TRUNC), 0o600)
         try:
@@ -204,61 +224,108 @@ class SlotFile:
         """Byte offset of `slot` in the file."""
         return PAGE_BYTES + slot * self.slot_bytes
 
-    def write(self, slot: int, buffer: mmap.mmap, record_bytes: int, envelope: bytes) -> None:
-        """Write a record into `slot`, its envelope last (the module's "Torn writes").
+    @property
+    def max_record_bytes(self) -> int:
+        """The longest record a slot holds: its pages after the envelope page."""
+        return self.slot_bytes - PAGE_BYTES
+
+    def write_record(self, slot: int, page: mmap.mmap, pieces: list) -> None:
+        """Step 1 of a slot's write (the module's "Torn writes"): zero its envelope page
+        (the commit mark of the record it held) and write the record pages after it, in
+        one `pwritev`.
 
         Args:
             slot: the slot number.
-            buffer: a page-aligned buffer of at least `slot_bytes` whose bytes
-                [ENVELOPE_BYTES, ENVELOPE_BYTES + record_bytes) are the record; its first
-                ENVELOPE_BYTES are overwritten.
-            record_bytes: the record's length.
-            envelope: the slot's envelope (`values.encode_envelope` of the record).
+            page: a page-aligned buffer of at least PAGE_BYTES (`aligned_buffer`); its
+                first page is zeroed.
+            pieces: the record's bytes in order (bytes-like, e.g. views of arena
+                blocks), at most `max_record_bytes` in all. With O_DIRECT (`direct`)
+                every piece must start page-aligned in memory and be whole pages long
+                (a record's last page is written whole, the tail after the record
+                included).
 
         Raises:
-            OSError: the write failed (ENOSPC, EIO, EROFS, a short write as EIO).
+            OSError: the write failed (ENOSPC, EIO, EROFS, a short write as EIO;
+                EINVAL for pieces that O_DIRECT refuses).
         """
-        length = round_up(ENVELOPE_BYTES + record_bytes)
-        assert length <= self.slot_bytes, f"record of {record_bytes} bytes > slot; bug"
-        offset = self.slot_offset(slot)
-        view = memoryview(buffer)
-        view[:ENVELOPE_BYTES] = _ZERO_ENVELOPE  # 1: the record, under no commit mark
-        self._pwrite(view[:length], offset)
-        view[:ENVELOPE_BYTES] = envelope  # 2: the commit mark, last
-        self._pwrite(view[:PAGE_BYTES], offset)
+        head = memoryview(page)[:PAGE_BYTES]
+        head[:] = _ZERO_PAGE
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        assert sum(v.nbytes for v in views) <= self.max_record_bytes, \
+            f"record of {sum(v.nbytes for v in views)} bytes > slot; bug"
+        self._pwrite([head, *views], self.slot_offset(slot))
 
-    def erase(self, slot: int, buffer: mmap.mmap) -> None:
-        """Zero the page of `slot` that holds its envelope: the rebuild skips it from now
-        on (an EVICT or CLEAR that a restart must not undo).
+    def commit(self, slot: int, page: mmap.mmap, envelope: bytes) -> None:
+        """Step 2 of a slot's write: its envelope page, the commit mark, last.
+
+        Args:
+            slot: the slot number.
+            page: a page-aligned buffer of at least PAGE_BYTES; its first page is
+                overwritten.
+            envelope: the slot's envelope (`values.encode_envelope` of the record).
 
         Raises:
             OSError: the write failed.
         """
-        view = memoryview(buffer)[:PAGE_BYTES]
-        view[:] = bytes(PAGE_BYTES)
-        self._pwrite(view, self.slot_offset(slot))
+        head = memoryview(page)[:PAGE_BYTES]
+        head[:] = _ZERO_PAGE
+        head[:ENVELOPE_BYTES] = envelope
+        self._pwrite([head], self.slot_offset(slot))
 
-    def _pwrite(self, view: memoryview, offset: int) -> None:
-        written = os.pwritev(self._fd, [view], offset)
-        if written != len(view):
-            raise OSError(5, f"short write: {written} of {len(view)} bytes at {offset}")
+    def write(self, slot: int, page: mmap.mmap, pieces: list, envelope: bytes) -> None:
+        """`write_record` then `commit`: a slot's whole write, when nothing needs to be
+        checked between the two (`writes.py` checks that the record's arena blocks were
+        not reused while they were written).
 
-    def read(self, slot: int, record_bytes: int, buffer: mmap.mmap) -> memoryview:
-        """Read `slot` (envelope and a record of `record_bytes`) into `buffer`.
+        Raises:
+            OSError: a write failed.
+        """
+        self.write_record(slot, page, pieces)
+        self.commit(slot, page, envelope)
+
+    def erase(self, slot: int, page: mmap.mmap) -> None:
+        """Zero the envelope page of `slot`: the rebuild skips it from now on (an EVICT
+        or CLEAR that a restart must not undo).
+
+        Raises:
+            OSError: the write failed.
+        """
+        head = memoryview(page)[:PAGE_BYTES]
+        head[:] = _ZERO_PAGE
+        self._pwrite([head], self.slot_offset(slot))
+
+    def _pwrite(self, views: list[memoryview], offset: int) -> None:
+        written = os.pwritev(self._fd, views, offset)
+        length = sum(v.nbytes for v in views)
+        if written != length:
+            raise OSError(5, f"short write: {written} of {length} bytes at {offset}")
+
+    def read(self, slot: int, page: mmap.mmap, pieces: list, record_bytes: int) -> memoryview:
+        """Read `slot`: its envelope page into `page`, its record into `pieces`, in one
+        `preadv`.
+
+        Args:
+            slot: the slot number.
+            page: a page-aligned buffer of at least PAGE_BYTES.
+            pieces: writable buffers for the record in order (e.g. the views of fresh
+                arena blocks), at least `record_bytes` in all, at most
+                `max_record_bytes`; with O_DIRECT page-aligned and whole pages each.
+            record_bytes: the record's length (from the index).
 
         Returns:
-            A view of the value in `buffer`: ENVELOPE_BYTES + record_bytes bytes, to be
-            checked with `values.verify_value`.
+            A view of the envelope in `page` (ENVELOPE_BYTES), to be checked with the
+            record's first `record_bytes` by `values.verify_parts`.
 
         Raises:
             OSError: the read failed, or came back short (a truncated file) as EIO.
         """
-        length = round_up(ENVELOPE_BYTES + record_bytes)
-        view = memoryview(buffer)[:length]
-        got = os.preadv(self._fd, [view], self.slot_offset(slot))
-        if got < ENVELOPE_BYTES + record_bytes:
-            raise OSError(5, f"short read: {got} of {length} bytes (file truncated?)")
-        return view[:ENVELOPE_BYTES + record_bytes]
+        head = memoryview(page)[:PAGE_BYTES]
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        got = os.preadv(self._fd, [head, *views], self.slot_offset(slot))
+        if got < PAGE_BYTES + record_bytes:
+            raise OSError(5, f"short read: {got} of {PAGE_BYTES + record_bytes} bytes "
+                             f"(file truncated?)")
+        return head[:ENVELOPE_BYTES]
 
     def scan(self, progress: Callable[[int, int], None] | None = None,
              num_threads: int = SCAN_THREADS) -> list[SlotHeader]:
@@ -266,7 +333,7 @@ class SlotFile:
 
         A slot counts when its envelope has the magic, version and flags of
         `values.ENVELOPE`, and a record length that fits the slot; its checksum and
-        token ids are verified when it is read (`read`, `values.verify_value`). Runs on
+        token ids are verified when it is read (`read`, `values.verify_parts`). Runs on
         `num_threads` threads over ranges of slots, with buffered reads of one page.
 
         Args:
@@ -317,7 +384,7 @@ class SlotFile:
             return None
         magic, version, flags, record_bytes, _checksum, ns_fp, chunk_hash = ENVELOPE.unpack_from(data)
         if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags or record_bytes < 1
-                or ENVELOPE_BYTES + record_bytes > self.slot_bytes
+                or record_bytes > self.max_record_bytes
                 or any(data[ENVELOPE.size:ENVELOPE_BYTES])):
             return None
         return SlotHeader(slot, ns_fp, chunk_hash, record_bytes)

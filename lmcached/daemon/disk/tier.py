@@ -17,15 +17,18 @@ Flows (docs/operator.md, "The disk tier"):
   them on disk and only moves them to the back of the disk LRU. A chunk evicted before
   it was written ahead is dropped and counted, never copied in the loop (`writes.py`
   says why).
-- write-through: every committed chunk is pinned and queued; the writer copies it out
-  of the arena and unpins it through the loop.
+- write-through: every committed chunk is pinned and queued; the writer writes it from
+  its blocks and unpins it through the loop.
 - fetch on miss: a lookup that misses in the arena at chunk i, while the disk index holds
   chunk i (of every namespace asked), starts a `DiskFetchJob`: the loop pins the arena's
   part of the chain, allocates WRITING blocks for the run the disk holds, a reader thread
-  reads each slot, verifies it (`values.verify_value`: envelope, checksum, token ids)
-  and copies the record into its blocks; the loop commits what verified and forgets the
-  slots that did not (counted, `disk_fetch_verify_*`). A fetch of the same chain in flight
-  is joined.
+  reads each slot's envelope page and record straight into those blocks and verifies
+  them there (`values.verify_parts`: envelope, checksum, token ids); the loop commits
+  what verified and aborts the rest, forgetting their slots (counted,
+  `disk_fetch_verify_*`). A fetch of the same chain in flight is joined.
+- records move between the arena's blocks and the slot file with no copy (slots.py's
+  layout; `_in_place`), through a thread's buffer only where O_DIRECT cannot (blocks
+  that are not whole pages).
 - warm restart: the index is rebuilt from the slots' envelopes before the daemon says
   READY (`load`); checksums are verified when a slot is read.
 
@@ -41,8 +44,8 @@ from lmcached.daemon.connection import RateLimitedLog
 from lmcached.daemon.disk.directory import DirectoryLock
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
 from lmcached.daemon.disk.index import DiskIndex, DiskKey
-from lmcached.daemon.disk.slots import ERROR_KINDS, SlotFile, aligned_buffer, read_superblock, \
-    slot_bytes_for
+from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
+    read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
 from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.l2.values import namespace_fingerprint
@@ -197,13 +200,39 @@ class DiskTier(DiskWrites, DiskFetches):
         fp = self._ns_fp(int.from_bytes(pool_key[1:5], "little"))
         return None if fp is None else (fp, pool_key[5:])
 
+    def _thread_page(self):
+        """This worker thread's page-aligned buffer of one page (a slot's envelope page)."""
+        page = getattr(self._local, "page", None)
+        if page is None:
+            page = self._local.page = aligned_buffer(PAGE_BYTES)
+        return page
+
     def _thread_buffer(self):
-        """This worker thread's page-aligned buffer of one slot."""
-        slot_bytes = self.slots.slot_bytes
+        """This worker thread's page-aligned buffer of one slot's record, for the records
+        that cannot move in place (`_in_place`)."""
+        num_bytes = self.slots.max_record_bytes
         buffer = getattr(self._local, "buffer", None)
-        if buffer is None or len(buffer) < slot_bytes:
-            buffer = self._local.buffer = aligned_buffer(slot_bytes)
+        if buffer is None or len(buffer) < num_bytes:
+            buffer = self._local.buffer = aligned_buffer(num_bytes)
         return buffer
+
+    def _in_place(self) -> bool:
+        """Whether records move straight between their arena blocks and the slot file,
+        with no copy: always with buffered I/O; with O_DIRECT when the arena's blocks are
+        whole pages, so that each starts page-aligned (the mapping is, and its header is
+        one page) and a record's last page, written or read whole, ends inside its block
+        (the arena's last block included). Other blocks (a `--block-size` that is a
+        multiple of 64 bytes only) go through a thread's buffer (`_thread_buffer`)."""
+        return not self.slots.direct or self.arena.block_bytes % PAGE_BYTES == 0
+
+    def _block_views(self, blocks: list, whole_pages: bool) -> list:
+        """uint8 numpy views of a value's bytes in its arena blocks, in order: each
+        block's `num_bytes`, or that rounded up to whole pages (`whole_pages`, O_DIRECT;
+        only where `_in_place`)."""
+        arena = self.arena
+        return [arena.numpy_view(arena.block_offset(block.block_id),
+                                 round_up(block.num_bytes) if whole_pages else block.num_bytes)
+                for block in blocks]
 
     def check_file(self) -> bool:
         """Housekeeping (loop thread): whether the slot file was deleted under the

@@ -11,13 +11,16 @@ store"): the loop never copies a chunk's bytes. Chunks next in line for eviction
 written AHEAD of it, by the writer threads, straight from their arena blocks, which stay
 unpinned (their LRU place, hits and eviction are unchanged). When the pool evicts one
 (`spill`, the `BlockPool.on_evict` hook) it is on disk already (`spills_present`), or
-its write is in flight (it ends as `spills_ahead` if its copy was complete, else as a
-drop), or it was never reached: dropped, counted (`write_drops_late`). The writer copies
-a block into its own page-aligned buffer and then checks that the value is still the one
-indexed under its key (`_still_cached`): the pool unindexes a value before it hands its
+its write is in flight (it ends as `spills_ahead` if its record's pages were written
+whole, else as a drop), or it was never reached: dropped, counted (`write_drops_late`).
+The writer computes the record's checksum from its blocks and writes the record's pages
+straight from them (O_DIRECT from the arena's mapping, no copy: slots.py), then checks
+that the value is still the one indexed under its key (`_still_cached`) before it writes
+the envelope page, the commit mark: the pool unindexes a value before it hands its
 blocks out, on the loop thread, and a client writes a block only after the ALLOC reply
-that follows, so a copy that passes this check is intact, and one that raced an
-eviction is discarded, never written.
+that follows, so a record that passes this check was written intact (and checksummed
+from the same bytes), and one that raced an eviction is never committed: its slot keeps
+a zeroed envelope and goes back to the free ones.
 
 Rejected: copying an evicted chunk in the loop into a spill buffer (the first version:
 ~1 ms of the loop per 8 MiB chunk, and stores ran at 0.3x of no disk tier in
@@ -31,8 +34,8 @@ import time
 import numpy as np
 
 from lmcached.daemon.disk.index import DiskEntry, DiskKey
-from lmcached.daemon.disk.slots import error_kind
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, encode_envelope
+from lmcached.daemon.disk.slots import error_kind, round_up
+from lmcached.daemon.l2.values import encode_envelope
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -49,10 +52,10 @@ ERROR_HOLD_S = 1.0  # after a write error, nothing is written ahead for this lon
 class WriteJob:
     """One chunk on its way to a slot, in one of three modes.
 
-    - "ahead": written ahead of its eviction, unpinned; the writer copies `blocks` into
-      its buffer and keeps the copy only if the value is still indexed after it
+    - "ahead": written ahead of its eviction, unpinned; the writer writes the record from
+      `blocks` and commits it only if the value is still indexed after that
       (`DiskWrites._still_cached`), else it cancels the write.
-    - "pinned": write-through; `blocks` are pinned until the writer copied them out.
+    - "pinned": write-through; `blocks` are pinned until the writer wrote them.
     - "erase": no chunk; the envelope page of `slot` is zeroed (`DiskTier.evict`, `clear`).
 
     Attributes:
@@ -63,9 +66,10 @@ class WriteJob:
             CLEAR is not indexed after it).
         record_bytes: the record's length.
         blocks: its arena blocks (the pool's span list of the value).
-        cancelled: set by the writer: the value left the arena before its copy ended.
+        cancelled: set by the writer: the value left the arena before its record was
+            written (never committed).
         evicted: set by the loop (`spill`): the pool evicted the value under pressure
-            while its write was in flight (a copy that ended before is kept).
+            while its write was in flight (a record written whole before is kept).
         error: the write's OSError or other exception, or None.
         busy_us: how long the writer worked on it, in microseconds.
     """
@@ -127,7 +131,7 @@ class DiskWrites:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread), before the evicted
         value's blocks are handed out: O(1), never a copy, never a wait. A chunk on disk
         moves to the back of the disk LRU; one whose write ahead is in flight is marked
-        (its copy, if complete, is kept); any other is dropped and counted
+        (its record, if written whole, is kept); any other is dropped and counted
         (`write_drops_late`, or `write_drops_oversize` for a value larger than a slot).
         Never raises."""
         if self.policy != "on-evict" or self.index is None:
@@ -154,7 +158,7 @@ class DiskWrites:
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
         """Queue newly committed values (write-through policy; loop thread): each is
-        pinned until its writer copied it out."""
+        pinned until its writer wrote it."""
         if self.policy != "write-through" or self.index is None:
             return
         for pool_key, blocks in values:
@@ -194,8 +198,8 @@ class DiskWrites:
         return True
 
     def _fits(self, blocks: list[KVCacheBlock]) -> bool:
-        """Whether a value of these blocks fits one slot with its envelope."""
-        return ENVELOPE_BYTES + sum(b.num_bytes for b in blocks) <= self.slots.slot_bytes
+        """Whether a value of these blocks fits one slot (after its envelope page)."""
+        return sum(b.num_bytes for b in blocks) <= self.slots.max_record_bytes
 
     def evict(self, pool_key: bytes) -> bool:
         """Forget one chunk (an admin's EVICT) and erase its slot's envelope in the
@@ -222,46 +226,70 @@ class DiskWrites:
         for entry in entries:  # the slots come back to the empty ones once erased
             self._writes.submit(WriteJob(None, b"", entry.slot, "erase", 0, None))
 
-    def _copy_out(self, blocks: list[KVCacheBlock], buffer) -> None:
-        """Copy a value's bytes from its arena blocks into `buffer` at ENVELOPE_BYTES."""
+    def _copy_out(self, blocks: list[KVCacheBlock]) -> tuple[list, list]:
+        """Copy a value's bytes from its arena blocks into this thread's buffer, for the
+        blocks O_DIRECT cannot write in place (`DiskTier._in_place`).
+
+        Returns:
+            (pieces to write: the record's whole pages; the record's exact bytes), both
+            views of the buffer.
+        """
         arena = self.arena
+        buffer = self._thread_buffer()
         dst = np.frombuffer(buffer, dtype=np.uint8)
-        pos = ENVELOPE_BYTES
+        pos = 0
         for block in blocks:
             n = block.num_bytes
             np.copyto(dst[pos:pos + n], arena.numpy_view(arena.block_offset(block.block_id), n))
             pos += n
+        return [dst[:round_up(pos)]], [dst[:pos]]
 
     def _still_cached(self, job: WriteJob) -> bool:
         """Whether `job`'s value is still the one indexed under its key (writer thread:
         one dict read, atomic under the GIL). The pool unindexes a value before its
         blocks are handed out, and every commit indexes a new span list, so True after
-        a copy means no block of the copy was reused meanwhile."""
+        a write means no block of it was reused meanwhile."""
         return self.pool.cached.get(job.pool_key) is job.blocks
 
     def _write(self, jobs: list[WriteJob]) -> None:
-        """Writer thread: write each job's record into its slot, envelope last; a write
-        ahead whose value left the arena before its copy ended is cancelled."""
+        """Writer thread: write each job's record into its slot, envelope last
+        (`_write_value`); a write ahead whose value left the arena before it ended is
+        cancelled."""
         for job in jobs:
             started = time.perf_counter()
             try:
-                buffer = self._thread_buffer()
+                page = self._thread_page()
                 if job.mode == "erase":
-                    self.slots.erase(job.slot, buffer)
+                    self.slots.erase(job.slot, page)
                 elif job.mode == "ahead" and not self._still_cached(job):
                     job.cancelled = True  # evicted before the writer reached it
                 else:
-                    self._copy_out(job.blocks, buffer)
-                    if job.mode == "ahead" and not self._still_cached(job):
-                        job.cancelled = True  # evicted during the copy: it may be torn
-                    else:
-                        record = memoryview(buffer)[ENVELOPE_BYTES:ENVELOPE_BYTES + job.record_bytes]
-                        envelope = encode_envelope(job.key[0], job.key[1], [record])
-                        self.slots.write(job.slot, buffer, job.record_bytes, envelope)
+                    self._write_value(job, page)
             except Exception as exc:  # noqa: BLE001 - counted and logged by the loop
                 job.error = exc
             job.busy_us = int((time.perf_counter() - started) * 1e6)
             self._writes.post(job)
+
+    def _write_value(self, job: WriteJob, page) -> None:
+        """Write one value into its slot (writer thread): the envelope's checksum from
+        its arena blocks, the record pages straight from those blocks (O_DIRECT: whole
+        pages; through this thread's buffer where the blocks are not whole pages), then,
+        only if no block was reused meanwhile (`_still_cached`, for a write ahead: its
+        blocks are not pinned), the envelope page, the commit mark. A value evicted
+        during the write is cancelled: its slot keeps a zeroed envelope, never the old
+        key over another value's bytes (the checksum, verified on every read, would
+        refuse those too)."""
+        if self._in_place():
+            pieces = self._block_views(job.blocks, self.slots.direct)
+            record = [view[:block.num_bytes] for view, block in zip(pieces, job.blocks)]
+        else:
+            pieces, record = self._copy_out(job.blocks)
+        envelope = encode_envelope(job.key[0], job.key[1], record)
+        self.slots.write_record(job.slot, page, pieces)
+        if job.mode == "ahead" and not self._still_cached(job):
+            job.cancelled = True  # evicted during the write: its bytes may be another's
+            return
+        self.slots.commit(job.slot, page, envelope)
 
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
         """Index the written slots, give back the failed and cancelled ones, unpin
@@ -288,7 +316,7 @@ class DiskWrites:
                     continue
                 if job.error is None and not job.evicted and (
                         self.pool is None or not self._still_cached(job)):
-                    # Removed by a request (EVICT, CLEAR) after the copy: not indexed,
+                    # Removed by a request (EVICT, CLEAR) after the write: not indexed,
                     # and its envelope erased so that a restart does not bring it back.
                     self._erase([DiskEntry(job.slot, job.record_bytes)])
                     continue

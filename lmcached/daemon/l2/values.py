@@ -167,9 +167,7 @@ def encode_envelope(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> byt
 def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> memoryview:
     """Check a value fetched from L2 and return its record.
 
-    The checks run cheapest first: the envelope, whose value it is, the checksum of the
-    record bytes, then the record's header and its token ids, hashed from the parent's
-    hash as the chunk hash chain does (`record_format.hash_block_tokens`).
+    The checks are `verify_parts`', on the envelope and the record of one value.
 
     Args:
         value: the value as GET returned it (bytes, bytearray or memoryview).
@@ -186,28 +184,69 @@ def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> 
     view = memoryview(value).cast("B")
     if view.nbytes < ENVELOPE_BYTES:
         raise L2VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
+    record = view[ENVELOPE_BYTES:]
+    verify_parts(view[:ENVELOPE_BYTES], [record], ns_fp, chunk_hash, parent_hash)
+    return record
+
+
+def verify_parts(envelope, record_pieces: list, ns_fp: bytes, chunk_hash: bytes,
+                 parent_hash: bytes) -> None:
+    """Check an envelope and the record it covers, wherever each lies (an L2 value's
+    two parts, or a disk tier slot's envelope page and the arena blocks its record was
+    read into: lmcached/daemon/disk/fetch.py).
+
+    The checks run cheapest first: the envelope, whose value it is, the checksum of the
+    record bytes, then the record's header and its token ids, hashed from the parent's
+    hash as the chunk hash chain does (`record_format.hash_block_tokens`).
+
+    Args:
+        envelope: the envelope's ENVELOPE_BYTES (bytes-like; longer is cut).
+        record_pieces: the record's bytes in order (bytes-like, any number of pieces, as
+            the arena blocks of a value that spans several); read, not kept.
+        ns_fp: the namespace fingerprint asked for, 16 bytes.
+        chunk_hash: the chunk hash asked for, 16 bytes.
+        parent_hash: the hash of the chunk before it (ROOT_HASH for the first chunk).
+
+    Raises:
+        L2VerifyError: the value must not be served; its `reason` says why.
+    """
+    view = memoryview(envelope).cast("B")[:ENVELOPE_BYTES]
+    if view.nbytes < ENVELOPE_BYTES:
+        raise L2VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
+    pieces = [memoryview(piece).cast("B") for piece in record_pieces]
+    total = sum(piece.nbytes for piece in pieces)
     magic, version, flags, record_bytes, checksum, value_fp, value_hash = \
         ENVELOPE.unpack_from(view)
     if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags
             or view[ENVELOPE.size:ENVELOPE_BYTES] != _PAD):
         raise L2VerifyError("envelope", f"magic {magic!r}, version {version}, flags {flags:#x}")
-    if record_bytes != view.nbytes - ENVELOPE_BYTES:
+    if record_bytes != total:
         raise L2VerifyError("envelope", f"record of {record_bytes} bytes in a value of "
-                                        f"{view.nbytes}")
+                                        f"{ENVELOPE_BYTES + total}")
     if value_fp != ns_fp or value_hash != chunk_hash:
         raise L2VerifyError("foreign", f"value of namespace {value_fp.hex()}, chunk "
                                        f"{value_hash.hex()}")
-    record = view[ENVELOPE_BYTES:]
-    if xxhash.xxh3_64_intdigest(record) != checksum:
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    if hasher.intdigest() != checksum:
         raise L2VerifyError("checksum", "record bytes differ from the bytes written")
     try:
-        header = read_header(record)
+        header = read_header(_prefix(pieces, RECORD_HEADER_BYTES))
     except ValueError as exc:
         raise L2VerifyError("tokens", str(exc)) from None
     tokens_end = header.tokens_end
     if header.chunk_hash != chunk_hash or header.num_tokens == 0 or tokens_end > record_bytes:
         raise L2VerifyError("tokens", f"record of chunk {header.chunk_hash.hex()}, "
                                       f"{header.num_tokens} tokens in {record_bytes} bytes")
-    if hash_block_tokens(parent_hash, record[RECORD_HEADER_BYTES:tokens_end]) != chunk_hash:
+    token_ids = _prefix(pieces, tokens_end)[RECORD_HEADER_BYTES:tokens_end]
+    if hash_block_tokens(parent_hash, token_ids) != chunk_hash:
         raise L2VerifyError("tokens", "token ids do not hash to the chunk hash")
-    return record
+
+
+def _prefix(pieces: list[memoryview], num_bytes: int):
+    """The first `num_bytes` of a record in pieces (fewer if it is shorter): a view of
+    the first piece when it holds them, else a copy of them."""
+    if pieces and pieces[0].nbytes >= num_bytes:
+        return pieces[0][:num_bytes]
+    return b"".join(pieces)[:num_bytes]
