@@ -17,6 +17,7 @@ import pytest
 
 from test_disk_slots import chain
 from test_service import BLOCK_BYTES, greeted
+from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import SlotFile
 from lmcached.daemon.disk.tier import DiskTier
@@ -215,6 +216,27 @@ def test_a_burst_faster_than_the_writers_drops_chunks_and_never_copies_in_the_lo
     index = service.disk.index
     assert len(index.entries) + len(index.free_slots) == index.num_slots  # none leaked
     assert lookup(service, session) == 0  # A0 is gone: a miss, not an error
+    assert_nothing_held(service)
+
+
+def test_a_write_ahead_pass_walks_the_lru_order_only_once_few_writes_are_in_flight(
+        disk_service, monkeypatch):
+    service = disk_service
+    writes = GatedWrites(monkeypatch)  # the writers hold every write: none ends
+    session = greeted(service, LAYOUT)
+    store_both(service, session, settled=False)
+    in_flight = len(service.disk._ahead)
+    assert in_flight >= 1
+    walks = []
+    walk = service.pool.lru_values
+    monkeypatch.setattr(service.pool, "lru_values", lambda *args: walks.append(args) or walk(*args))
+    monkeypatch.setattr(disk_writes, "AHEAD_REFILL_AT", in_flight - 1)
+    assert service.disk.write_ahead() == 0 and walks == []  # a commit's pass: no walk
+    monkeypatch.setattr(disk_writes, "AHEAD_REFILL_AT", in_flight)
+    service.disk.write_ahead()
+    assert len(walks) == 1  # fell to the mark: one walk queues the next batch
+    writes.go.set()
+    settle(service, lambda: not service.disk._writing)
     assert_nothing_held(service)
 
 

@@ -45,6 +45,8 @@ logger = init_logger(__name__)
 AHEAD_SHARE = 2  # once fewer than 1/AHEAD_SHARE of the arena is empty, the next
 #                  1/AHEAD_SHARE of it in eviction order is written ahead
 MAX_AHEAD_WRITES = 32  # writes ahead in flight (queued or being written)
+AHEAD_REFILL_AT = MAX_AHEAD_WRITES // 2  # a pass walks the LRU order only once the writes
+#                  in flight fell to this: one walk per batch of writes, not one per write
 MAX_AHEAD_SCAN_BLOCKS = 1024  # queued blocks one write-ahead pass visits (bounded loop work)
 ERROR_HOLD_S = 1.0  # after a write error, nothing is written ahead for this long
 
@@ -99,14 +101,18 @@ class DiskWrites:
         when fewer than 1/AHEAD_SHARE of the arena's blocks are empty, the values in the
         next 1/AHEAD_SHARE of it in eviction order that are not on disk yet, within
         MAX_AHEAD_SCAN_BLOCKS queued blocks and MAX_AHEAD_WRITES writes in flight. They
-        stay unpinned (their place in the LRU order stays).
+        stay unpinned (their place in the LRU order stays). It is called after every
+        commit and every batch of finished writes, so it does nothing while more than
+        AHEAD_REFILL_AT writes are in flight: each walk over the LRU order (up to
+        MAX_AHEAD_SCAN_BLOCKS blocks of the loop's time) then queues a batch, and a
+        burst of stores does not pay a walk per write.
 
         Returns:
             How many writes were started.
         """
         pool, index = self.pool, self.index
         if (self.policy != "on-evict" or index is None or pool is None
-                or len(self._ahead) >= MAX_AHEAD_WRITES
+                or len(self._ahead) > AHEAD_REFILL_AT
                 or time.monotonic() < self._ahead_held_until):
             return 0
         share = max(1, pool.num_blocks // AHEAD_SHARE)
