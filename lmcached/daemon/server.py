@@ -42,11 +42,12 @@ from lmcached.daemon.startup import (
     StartupInterrupted,
     claim_name,
     create_arena,
-    create_disk_tier,
     create_l2_tier,
+    open_disk_tier,
     prefault_arena,
     prepare_socket,
     raise_fd_limit,
+    rebuild_disk_index,
     resolve_allowed_group,
     start_metrics,
     sweep,
@@ -134,8 +135,9 @@ class Server(ClientIO, ClientAccounting):
         if cfg.l2_url:
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
         if cfg.disk_path:
-            self.service.attach_disk(create_disk_tier(cfg, self.arena, self.service.jobs,
-                                                      self.notifier, self._check_stop))
+            self.service.attach_disk(open_disk_tier(cfg, self.arena, self.service.jobs))
+            if self.service.disk.needs_rebuild:
+                rebuild_disk_index(cfg, self.service.disk, self.notifier, self._check_stop)
         self._listen(cfg.socket)
         if cfg.prefault:
             self._load()

@@ -316,24 +316,20 @@ def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
     return capacity
 
 
-def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
-                     notifier: SystemdNotifier, stop_check: Callable[[], None] | None = None):
-    """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"): its directory
-    checked and locked, and the index of a slot file left by an earlier daemon rebuilt
-    (warm restart) before the daemon says READY.
+def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
+    """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"), before the
+    daemon listens: its directory checked and locked (a second daemon on it fails here,
+    at once), its slot file opened. The index of the slots an earlier daemon left is
+    not read yet: `rebuild_disk_index` does that (the tier's `needs_rebuild`).
 
     Args:
         cfg: the disk_* settings.
         arena: the daemon's arena (its block size, when known, sizes the slots).
         jobs: the daemon's background job runner (the tier's threads are its queues).
-        notifier: systemd's notify socket (STATUS= during the index rebuild).
-        stop_check: called during the index rebuild (any thread); raises
-            StartupInterrupted when a stop signal arrived, which stops the rebuild.
 
     Raises:
         StartupError: the directory is unsafe, used by another daemon, or the slot file
             cannot be opened (the message names the cause and the fix).
-        StartupInterrupted: `stop_check` raised it; the tier is closed, its lock released.
     """
     from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, \
         prepare_disk_directory
@@ -352,26 +348,49 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         lock.release()
         raise
     try:
-        notifier.notify(f"STATUS=rebuilding the disk tier's index ({directory})")
-        next_log = [time.monotonic() + 1.0]
-
-        def progress(done_slots: int, num_slots: int) -> None:
-            if stop_check is not None:
-                stop_check()
-            if time.monotonic() >= next_log[0]:
-                next_log[0] = time.monotonic() + 1.0
-                logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
-
-        tier.load(progress)
-        if arena.block_bytes:
-            tier.set_block_bytes(arena.block_bytes, progress)
+        tier.open_file(arena.block_bytes)
     except BaseException as exc:
         tier.close()  # its threads and file; the directory's lock is released
         if isinstance(exc, OSError):
-            raise StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
-                               f"{exc.strerror or exc}; check the filesystem (read-only? "
-                               f"full?) or choose another --disk-path") from exc
+            raise _disk_error(cfg, exc) from exc
         raise
     logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory, format_bytes(capacity),
                 cfg.disk_policy, cfg.disk_fetch_wait_s)
     return tier
+
+
+def _disk_error(cfg: ServerConfig, exc: OSError) -> StartupError:
+    return StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
+                        f"{exc.strerror or exc}; check the filesystem (read-only? full?) or "
+                        f"choose another --disk-path")
+
+
+def rebuild_disk_index(cfg: ServerConfig, tier, notifier: SystemdNotifier,
+                       stop_check: Callable[[], None] | None = None) -> None:
+    """Rebuild the index of the slots an earlier daemon left (warm restart).
+
+    Args:
+        cfg: the disk_* settings.
+        tier: the disk tier `open_disk_tier` opened (`needs_rebuild`).
+        notifier: systemd's notify socket (STATUS= during the index rebuild).
+        stop_check: called during the index rebuild (any thread); raises
+            StartupInterrupted when a stop signal arrived, which stops the rebuild.
+
+    Raises:
+        StartupError: a slot cannot be read (the message names the cause and the fix).
+        StartupInterrupted: `stop_check` raised it.
+    """
+    notifier.notify(f"STATUS=rebuilding the disk tier's index ({tier.directory})")
+    next_log = [time.monotonic() + 1.0]
+
+    def progress(done_slots: int, num_slots: int) -> None:
+        if stop_check is not None:
+            stop_check()
+        if time.monotonic() >= next_log[0]:
+            next_log[0] = time.monotonic() + 1.0
+            logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
+
+    try:
+        tier.rebuild_index(progress)
+    except OSError as exc:
+        raise _disk_error(cfg, exc) from exc
