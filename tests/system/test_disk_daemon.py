@@ -326,6 +326,14 @@ def test_a_warm_restart_answers_loading_while_it_rebuilds_then_serves_what_disk_
         with Connection(daemon.socket) as conn:
             with pytest.raises(DaemonError, match="^loading: rebuilding the disk tier's index"):
                 hello(conn, "worker", [layout.to_wire()])
+        # The directory was locked before the daemon listened: a second daemon on it
+        # fails at once, with its clear error, and takes no socket.
+        second = os.path.join(short_tmp, "second.sock")
+        with pytest.raises(RuntimeError, match=r"--disk-path .* is used by another lmcached "
+                           r"daemon \(pid \d+\)"):
+            start_daemon(f"{daemon.name}-second", second, os.path.join(short_tmp, "second.log"),
+                         *args)
+        assert not os.path.exists(second)
 
         wait_for(lambda: (server_info(daemon.socket) or {}).get("loading") == 0,
                  what="the end of the rebuild", timeout_s=60)
