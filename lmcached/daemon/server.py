@@ -39,8 +39,8 @@ from lmcached.shm.janitor import NameLock
 from lmcached.daemon.server_clients import ClientAccounting
 from lmcached.daemon.server_io import ClientIO
 from lmcached.daemon.startup import (
-    StartupError,
     IndexRebuild,
+    StartupError,
     StartupInterrupted,
     claim_name,
     create_arena,

@@ -73,8 +73,8 @@ _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
 # Requests answered while the daemon loads (`loading`: the disk tier's index rebuilt, the
-# arena prefaulted); the others, PING and HELLO
-# included (as Redis answers -LOADING), are refused with `loading` and its progress.
+# arena prefaulted); the others, PING and HELLO included (as Redis answers -LOADING), are
+# refused with `loading` and its progress.
 LOADING_REQUESTS = frozenset({Info, Clients, ConfigGet, Shutdown})
 
 
