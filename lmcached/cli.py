@@ -209,8 +209,9 @@ def clients(as_json, socket_path, name) -> None:
 @main.command()
 @_admin_options
 def ping(socket_path, name) -> None:
-    """Check that the daemon serves (prints PONG). While it prefaults its arena, prints
-    LOADING and the progress, and exits with status 1 (as until it serves)."""
+    """Check that the daemon serves (prints PONG). While it loads (rebuilds its disk
+    tier's index, prefaults its arena), prints LOADING, the phase and its progress, and
+    exits with status 1 (as until it serves)."""
     loading = _session(socket_path, name, _ping)
     if loading is not None:
         click.echo(f"LOADING {loading}")

@@ -35,16 +35,26 @@ def blocks_note(sections: dict[str, dict[str, int | float | str]]) -> str | None
 
 
 def loading_note(sections: dict[str, dict[str, int | float | str]]) -> str | None:
-    """What INFO's loading:1 means, or None when the daemon serves."""
+    """What INFO's loading:1 means (the phases running: the disk tier's index rebuild,
+    the arena's prefault), or None when the daemon serves."""
     server = sections.get("server", {})
     if not server.get("loading"):
         return None
-    eta = server.get("loading_eta_s", -1)
-    return (f"note: the daemon is loading: it prefaults its arena "
-            f"({server.get('loading_loaded_perc')}% at {server.get('loading_rate_gbps')} GB/s, "
-            + ("time left unknown yet" if eta < 0 else f"{eta} s left")
-            + "); until then it answers INFO, CLIENTS and CONFIG, and refuses clients' "
-            "requests with `loading` (a miss for them)")
+    phases = str(server.get("loading_phase", "prefault")).split(",")
+    doing = []
+    if "disk_index" in phases:
+        eta = server.get("loading_disk_eta_s", -1)
+        doing.append(f"rebuilds its disk tier's index ({server.get('loading_disk_scanned_perc')}% "
+                     f"of {server.get('loading_disk_slots')} slots, "
+                     + ("time left unknown yet" if eta < 0 else f"{eta} s left") + ")")
+    if "prefault" in phases:
+        eta = server.get("loading_eta_s", -1)
+        doing.append(f"prefaults its arena ({server.get('loading_loaded_perc')}% at "
+                     f"{server.get('loading_rate_gbps')} GB/s, "
+                     + ("time left unknown yet" if eta < 0 else f"{eta} s left") + ")")
+    return (f"note: the daemon is loading: it {' and '.join(doing) or 'starts'}; until then "
+            "it answers INFO, CLIENTS and CONFIG, and refuses clients' requests with "
+            "`loading` (a miss for them)")
 
 
 def render_clients(clients: list[dict[str, int | float | str]]) -> str:

@@ -89,22 +89,35 @@ def populate(mapping: mmap.mmap, start: int, length: int) -> None:
     MADV_POPULATE_WRITE, falls back to reading one byte per page, which faults it in
     (and allocates it in a tmpfs); writing it back could undo another process's store
     into the page meanwhile. Any other failure is an error: touching a page the kernel
-    cannot back would be SIGBUS.
+    cannot back would be SIGBUS. The process's other threads run meanwhile (`_madvise`
+    releases the GIL): the daemon rebuilds its disk tier's index while it prefaults.
 
     Raises:
         OSError: EFAULT (a page cannot be backed: a full tmpfs; touching it would be
             SIGBUS), ENOMEM (a memory limit), or another errno of madvise(2).
     """
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        import numpy as np  # only on a kernel older than 5.14
+    err = _madvise(mapping, start, length, _MADV_POPULATE_WRITE)
+    if err == 0:
+        return
+    if err != errno.EINVAL:
+        raise OSError(err, os.strerror(err))
+    import numpy as np  # only on a kernel older than 5.14
 
-        pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
-        pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
-        del pages
+    pages = np.frombuffer(mapping, dtype=np.uint8, count=length, offset=start)
+    pages[::_PAGE_BYTES].sum()  # a read, never a write (and numpy skips `a[:] = a`)
+    del pages
+
+
+def _madvise(mapping: mmap.mmap, start: int, length: int, advice: int) -> int:
+    """madvise(2) of bytes [start, start+length) of `mapping` (start page-aligned), through
+    ctypes, which releases the GIL for the call (`mmap.madvise` holds it: tens of ms per
+    64 MiB populated, during which no other thread of the process runs). Returns 0, or
+    the errno."""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # the export ends here
+    if _libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length),
+                     ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 @contextlib.contextmanager

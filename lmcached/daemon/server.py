@@ -9,8 +9,9 @@ asyncio: a selectors loop answers a round trip several times faster than asyncio
 Life cycle::
 
     catch SIGTERM/SIGINT/SIGHUP -> start-up steps (startup.py: socket directory, metrics
-    port, the name's lock, sweep, create the arena) -> listen -> prefault the arena,
-    answering with the `loading` state (`_load`) -> READY=1 -> serve -> SIGTERM/SIGINT
+    port, the name's lock, sweep, create the arena, open the disk tier) -> listen ->
+    rebuild the disk tier's index and prefault the arena, answering with the `loading`
+    state (`_load`) -> READY=1 -> serve -> SIGTERM/SIGINT
     or SHUTDOWN -> STOPPING=1 -> unlink the socket, close clients, unlink the arena,
     drop the name's lock -> exit 0
 
@@ -28,7 +29,7 @@ import time
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
-from lmcached.daemon.progress import PrefaultProgress
+from lmcached.daemon.progress import IndexProgress, Loading, PrefaultProgress
 from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
@@ -38,12 +39,13 @@ from lmcached.shm.janitor import NameLock
 from lmcached.daemon.server_clients import ClientAccounting
 from lmcached.daemon.server_io import ClientIO
 from lmcached.daemon.startup import (
+    IndexRebuild,
     StartupError,
     StartupInterrupted,
     claim_name,
     create_arena,
-    create_disk_tier,
     create_l2_tier,
+    open_disk_tier,
     prefault_arena,
     prepare_socket,
     raise_fd_limit,
@@ -66,7 +68,8 @@ class Server(ClientIO, ClientAccounting):
     Raises (from `start`):
         StartupError: the socket path is bad or taken, the metrics port is in use, the
             arena cannot be created, ... (`startup.py`).
-        StartupInterrupted: SIGTERM/SIGINT during the prefault (`run_server` exits 0).
+        StartupInterrupted: SIGTERM/SIGINT during the index rebuild or the prefault
+            (`run_server` exits 0).
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -105,8 +108,8 @@ class Server(ClientIO, ClientAccounting):
 
         Raises:
             StartupError: why the daemon cannot start; what it made is removed.
-            StartupInterrupted: a stop signal arrived during the prefault; what it made
-                is removed.
+            StartupInterrupted: a stop signal arrived during the index rebuild or the
+                prefault; what it made is removed.
         """
         try:
             self._start()
@@ -134,34 +137,53 @@ class Server(ClientIO, ClientAccounting):
         if cfg.l2_url:
             self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
         if cfg.disk_path:
-            self.service.attach_disk(create_disk_tier(cfg, self.arena, self.service.jobs,
-                                                      self.notifier, self._check_stop))
+            self.service.attach_disk(open_disk_tier(cfg, self.arena, self.service.jobs))
         self._listen(cfg.socket)
-        if cfg.prefault:
-            self._load()
+        self._load()
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
         logger.info("lmcached %s listening on %s (pid %d)", cfg.name, cfg.socket, os.getpid())
 
     def _load(self) -> None:
-        """Prefault the arena while answering clients (after Redis's LOADING state):
-        between two prefault steps (64 MiB, tens of ms) one loop pass answers INFO,
-        CLIENTS and CONFIG GET, refuses the other requests with `loading` (the progress,
-        rate and time left: clients take it as a miss), and a stop signal or a SHUTDOWN
-        ends the start-up.
+        """Rebuild the disk tier's index (a warm restart, on a thread: `IndexRebuild`)
+        and prefault the arena at once, while answering clients (after Redis's LOADING
+        state): between two prefault steps (64 MiB, tens of ms), or every second while
+        only the rebuild runs, one loop pass answers INFO, CLIENTS and CONFIG GET,
+        refuses the other requests with `loading` (the phases, their progress and time
+        left: clients take it as a miss), updates systemd's STATUS=, and a stop signal
+        or a SHUTDOWN ends the start-up. Both at once: the scan waits for the disk, the
+        prefault for memory (docs/operator.md, "What a restart does", measured).
 
         Raises:
-            StartupError: the arena cannot be reserved (`prefault_arena`).
+            StartupError: the arena cannot be reserved (`prefault_arena`), or a slot
+                cannot be read.
             StartupInterrupted: a stop signal or a SHUTDOWN arrived.
         """
-        progress = PrefaultProgress(self.config.capacity_bytes)
-        self.service.start_loading(progress)
+        disk = self.service.disk
+        index = IndexProgress(disk.slots.num_slots) if disk and disk.needs_rebuild else None
+        prefault = PrefaultProgress(self.config.capacity_bytes) if self.config.prefault else None
+        phases = [p for p in (index, prefault) if p is not None]
+        if not phases:
+            return
+        loading = Loading(phases)
+        self.service.start_loading(loading)
+        self.notifier.notify(f"STATUS={loading.describe()}")
 
-        def step() -> None:
-            self._loop_pass(0.0)
+        def step(timeout_s: float = 0.0) -> None:
+            self._loop_pass(timeout_s)
+            if loading.status_due():
+                self.notifier.notify(f"STATUS={loading.describe()}")
             if self._stop_signal is not None or self.service.stop_requested:
                 raise StartupInterrupted(self._stop_signal)
 
-        prefault_arena(self.config, self.arena, self.notifier, progress, step)
+        rebuild = IndexRebuild(self.config, disk, index, self._wake) if index else None
+        try:
+            if prefault is not None:
+                prefault_arena(self.config, self.arena, prefault, step)
+            if rebuild is not None:
+                rebuild.wait(step)
+        finally:
+            if rebuild is not None:
+                rebuild.stop()
         self.service.loading = None
 
     def _open_device_tiers(self) -> list:
@@ -215,12 +237,6 @@ class Server(ClientIO, ClientAccounting):
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._old_handlers[signum] = signal.signal(signum, self._on_stop_signal)
         self._old_handlers[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hup)
-
-    def _check_stop(self) -> None:
-        """During a start-up step (any thread): raise StartupInterrupted once a stop
-        signal arrived."""
-        if self._stop_signal is not None:
-            raise StartupInterrupted(self._stop_signal)
 
     def _on_stop_signal(self, signum, frame) -> None:
         self._stop_signal = signum

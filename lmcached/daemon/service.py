@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.demotion import Demoter
     from lmcached.daemon.disk.tier import DiskTier
     from lmcached.daemon.l2.tier import L2Tier
-    from lmcached.daemon.progress import PrefaultProgress
+    from lmcached.daemon.progress import Loading
 
 logger = init_logger(__name__)
 
@@ -72,8 +72,9 @@ _ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 
 # Requests that change or stop the cache for everyone: the daemon's uid and root only.
 PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
-# Requests answered while the arena is prefaulted (`loading`); the others, PING and HELLO
-# included (as Redis answers -LOADING), are refused with `loading` and its progress.
+# Requests answered while the daemon loads (`loading`: the disk tier's index rebuilt, the
+# arena prefaulted); the others, PING and HELLO included (as Redis answers -LOADING), are
+# refused with `loading` and its progress.
 LOADING_REQUESTS = frozenset({Info, Clients, ConfigGet, Shutdown})
 
 
@@ -113,10 +114,11 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             price (connection.py, REQUEST_COST).
         l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
             before it serves.
-        prefault: the arena's prefault (`progress.PrefaultProgress`: INFO's loading_*
-            fields), or None when the arena was not prefaulted.
-        loading: the same while the prefault runs (requests but LOADING_REQUESTS are
-            refused with `loading`), None once the daemon serves.
+        load_progress: the start-up's phases (`progress.Loading`: the disk tier's index
+            rebuild, the arena's prefault; INFO's loading_* fields), or None when there
+            was nothing to load.
+        loading: the same while they run (requests but LOADING_REQUESTS are refused
+            with `loading`), None once the daemon serves.
         disk: the disk tier (`lmcached/daemon/disk/tier.py`), or None without --disk-path;
             set by the server before it serves.
     """
@@ -142,8 +144,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self._free_ns_ids: list[int] = []  # a heap: the smallest freed id is given first
         self._next_ns = 1
         self.started_at = time.time()
-        self.prefault: "PrefaultProgress | None" = None
-        self.loading: "PrefaultProgress | None" = None
+        self.load_progress: "Loading | None" = None
+        self.loading: "Loading | None" = None
         self.stop_requested = False
         self.stats = DaemonStats()
         self.work_units = 0
@@ -173,10 +175,10 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         if arena.block_bytes:
             self._make_pool()
 
-    def start_loading(self, progress: "PrefaultProgress") -> None:
+    def start_loading(self, progress: "Loading") -> None:
         """Answer in the `loading` state until `loading` is set to None (the server does
-        so when the prefault `progress` reports ends)."""
-        self.prefault = self.loading = progress
+        so when the phases of `progress` end)."""
+        self.load_progress = self.loading = progress
 
     def attach_l2(self, tier: "L2Tier") -> None:
         """Use `tier` for every namespace and pool from now on (before serving)."""
@@ -366,8 +368,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                     f"user (uid {os.geteuid()}) and root only, not to uid {session.uid}"
                 )
             if self.loading is not None and type(request) not in LOADING_REQUESTS:
-                raise RequestError("loading", f"{self.loading.describe()}; the daemon serves "
-                                   "once the arena is prefaulted (INFO: loading_*)")
+                raise RequestError("loading", f"{self.loading.describe()} (INFO: loading_*)")
             if not session.greeted and not isinstance(request, (Hello, *_ADMIN_REQUESTS)):
                 raise RequestError("no_session", "send HELLO before any other request")
             return self._handlers[type(request)](session, request)

@@ -10,13 +10,14 @@ here leaves `server.py` the loop. The order::
     on the socket -> raise the file descriptor limit -> bind the metrics port
     (--metrics-port) -> take the lock of <name> (refuse if a daemon of that name runs)
     -> sweep orphans of <name> -> create the arena -> start the L2 tier's threads (--l2)
-    -> check and lock the disk tier's directory, rebuild its index (--disk-path) -> listen
-    -> reserve and prefault the arena, answering INFO, PING and the CLI with the `loading`
-    state meanwhile (`server.py`)
+    -> check and lock the disk tier's directory, open its slot file (--disk-path) -> listen
+    -> rebuild the disk tier's index (a thread) while the loop reserves and prefaults the
+    arena, answering INFO, PING and the CLI with the `loading` state meanwhile (`server.py`)
 
-The metrics port is bound before the arena is made, so that a port in use stops the
-start-up at once and not after minutes of prefault. A stop signal or a SHUTDOWN during
-the prefault ends it (`StartupInterrupted`); the half-built arena is unlinked.
+The metrics port is bound and the disk directory locked before the daemon listens, so
+that a port in use or a disk tier of another daemon stops the start-up at once, not
+after minutes of prefault. A stop signal or a SHUTDOWN during the index rebuild or the
+prefault ends them (`StartupInterrupted`); the half-built arena is unlinked.
 """
 
 import errno
@@ -24,6 +25,7 @@ import grp
 import os
 import resource
 import shutil
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,8 +36,7 @@ from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter
-from lmcached.daemon.notify import SystemdNotifier
-from lmcached.daemon.progress import PrefaultProgress
+from lmcached.daemon.progress import STATUS_INTERVAL_S, IndexProgress, PrefaultProgress
 from lmcached.shm.arena import Arena
 from lmcached.shm.janitor import NameLock, unlink_orphans
 from lmcached.wire.socket_path import claim_socket_path, group_can_enter, prepare_socket_directory
@@ -203,23 +204,19 @@ def create_arena(cfg: ServerConfig, allowed_gid: int | None) -> Arena:
         raise _arena_error(cfg, exc) from exc
 
 
-def prefault_arena(cfg: ServerConfig, arena: Arena, notifier: SystemdNotifier,
-                   progress: PrefaultProgress, step: Callable[[], None]) -> None:
-    """Reserve and prefault the arena (progress on stderr and in `progress`, STATUS= for
-    systemd every STATUS_INTERVAL_S), calling `step()` after each step: the daemon
-    answers what arrived meanwhile (the `loading` state), and may stop there.
+def prefault_arena(cfg: ServerConfig, arena: Arena, progress: PrefaultProgress,
+                   step: Callable[[], None]) -> None:
+    """Reserve and prefault the arena (progress on stderr and in `progress`), calling
+    `step()` after each step: the daemon answers what arrived meanwhile (the `loading`
+    state), and may stop there.
 
     Raises:
         StartupError: the pages cannot be reserved (/dev/shm full: how much it has free)
             or mapped (a memory limit); the caller unlinks the arena.
         Whatever `step` raises (StartupInterrupted: a stop during the prefault).
     """
-    notifier.notify(f"STATUS={progress.describe()}")
-
     def on_step(done_bytes: int, total_bytes: int) -> None:
         progress(done_bytes, total_bytes)
-        if progress.loading and progress.status_due():
-            notifier.notify(f"STATUS={progress.describe()}")
         step()
 
     try:
@@ -316,24 +313,20 @@ def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
     return capacity
 
 
-def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
-                     notifier: SystemdNotifier, stop_check: Callable[[], None] | None = None):
-    """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"): its directory
-    checked and locked, and the index of a slot file left by an earlier daemon rebuilt
-    (warm restart) before the daemon says READY.
+def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
+    """The disk tier of `--disk-path` (docs/operator.md, "The disk tier"), before the
+    daemon listens: its directory checked and locked (a second daemon on it fails here,
+    at once), its slot file opened. The index of the slots an earlier daemon left is
+    not read yet: `rebuild_disk_index` does that (the tier's `needs_rebuild`).
 
     Args:
         cfg: the disk_* settings.
         arena: the daemon's arena (its block size, when known, sizes the slots).
         jobs: the daemon's background job runner (the tier's threads are its queues).
-        notifier: systemd's notify socket (STATUS= during the index rebuild).
-        stop_check: called during the index rebuild (any thread); raises
-            StartupInterrupted when a stop signal arrived, which stops the rebuild.
 
     Raises:
         StartupError: the directory is unsafe, used by another daemon, or the slot file
             cannot be opened (the message names the cause and the fix).
-        StartupInterrupted: `stop_check` raised it; the tier is closed, its lock released.
     """
     from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, \
         prepare_disk_directory
@@ -352,26 +345,83 @@ def create_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner,
         lock.release()
         raise
     try:
-        notifier.notify(f"STATUS=rebuilding the disk tier's index ({directory})")
-        next_log = [time.monotonic() + 1.0]
-
-        def progress(done_slots: int, num_slots: int) -> None:
-            if stop_check is not None:
-                stop_check()
-            if time.monotonic() >= next_log[0]:
-                next_log[0] = time.monotonic() + 1.0
-                logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
-
-        tier.load(progress)
-        if arena.block_bytes:
-            tier.set_block_bytes(arena.block_bytes, progress)
+        tier.open_file(arena.block_bytes)
     except BaseException as exc:
         tier.close()  # its threads and file; the directory's lock is released
         if isinstance(exc, OSError):
-            raise StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
-                               f"{exc.strerror or exc}; check the filesystem (read-only? "
-                               f"full?) or choose another --disk-path") from exc
+            raise _disk_error(cfg, exc) from exc
         raise
     logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory, format_bytes(capacity),
                 cfg.disk_policy, cfg.disk_fetch_wait_s)
     return tier
+
+
+def _disk_error(cfg: ServerConfig, exc: OSError) -> StartupError:
+    return StartupError(f"--disk-path {cfg.disk_path}: cannot open the disk tier: "
+                        f"{exc.strerror or exc}; check the filesystem (read-only? full?) or "
+                        f"choose another --disk-path")
+
+
+class IndexRebuild:
+    """The disk tier's index rebuilt on a thread (warm restart) while the daemon's loop
+    answers in the `loading` state and prefaults the arena (docs/operator.md, "What a
+    restart does"): the scan mostly waits for the disk, the prefault for memory.
+
+    Args:
+        cfg: the disk_* settings (for the error message).
+        tier: the disk tier `open_disk_tier` opened, with `needs_rebuild`.
+        progress: the phase's record, updated by the scan's threads.
+        wake: wakes the daemon's loop; called once the rebuild ends.
+    """
+
+    def __init__(self, cfg: ServerConfig, tier, progress: IndexProgress,
+                 wake: Callable[[], None]) -> None:
+        self._cfg = cfg
+        self._tier = tier
+        self._progress = progress
+        self._wake = wake
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._next_log = time.monotonic() + 1.0
+        self._thread = threading.Thread(target=self._run, name="lmcached-disk-index",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._tier.rebuild_index(self._on_progress)
+            self._progress.report(self._progress.total)
+        except BaseException as exc:  # noqa: BLE001 - raised on the loop thread by `wait`
+            self._error = exc
+        finally:
+            self._wake()
+
+    def _on_progress(self, done_slots: int, num_slots: int) -> None:
+        if self._stopping:
+            raise StartupInterrupted(None)
+        self._progress(done_slots, num_slots)
+        if time.monotonic() >= self._next_log:
+            self._next_log = time.monotonic() + 1.0
+            logger.info("disk tier: %d of %d slots scanned", done_slots, num_slots)
+
+    def wait(self, step: Callable[[float], None]) -> None:
+        """Call `step(timeout_s)` (a loop pass that waits up to that long) until the
+        rebuild ends.
+
+        Raises:
+            StartupError: a slot cannot be read (the message names the cause and the fix).
+            Whatever `step` raises (StartupInterrupted: a stop during the rebuild).
+        """
+        while self._thread.is_alive():
+            step(STATUS_INTERVAL_S)
+        self._thread.join()
+        if isinstance(self._error, OSError):
+            raise _disk_error(self._cfg, self._error) from self._error
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Stop the rebuild at the scan's next progress report (within a few thousand
+        slots), and wait for its thread. Idempotent; nothing to stop once it ended."""
+        self._stopping = True
+        self._thread.join()

@@ -15,6 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -78,13 +80,9 @@ def test_two_daemons_racing_for_a_small_dev_shm_one_serves_one_refuses(unique_na
     assert result["left_in_dev_shm"] == []
 
 
-class _RefusingMmap(mmap.mmap):
-    """A real shared mapping whose madvise fails with one errno."""
-
-    refuse_errno = errno.EINVAL
-
-    def madvise(self, *args) -> None:
-        raise OSError(self.refuse_errno, os.strerror(self.refuse_errno))
+def refuse_madvise(monkeypatch, refused: int) -> None:
+    """madvise(2) fails with `refused` (pages.populate's call of it)."""
+    monkeypatch.setattr(pages, "_madvise", lambda *args: refused)
 
 
 @pytest.fixture
@@ -104,19 +102,45 @@ def sparse_segment(unique_name):
 def test_a_failed_populate_is_an_error_not_a_fallback(sparse_segment, monkeypatch, refused):
     """EFAULT is the kernel saying a page cannot be backed (a full tmpfs): touching it
     would be SIGBUS. It used to be taken for an old kernel, and the pages touched."""
-    monkeypatch.setattr(_RefusingMmap, "refuse_errno", refused)
-    with _RefusingMmap(sparse_segment, 1 << 20) as mapping:
+    refuse_madvise(monkeypatch, refused)
+    with mmap.mmap(sparse_segment, 1 << 20) as mapping:
         with pytest.raises(OSError) as caught:
             pages.populate(mapping, 0, 1 << 20)
     assert caught.value.errno == refused
     assert os.fstat(sparse_segment).st_blocks == 0  # no page was touched
 
 
-def test_populate_on_a_kernel_without_madv_populate_write_touches_every_page(sparse_segment):
+def test_populate_on_a_kernel_without_madv_populate_write_touches_every_page(sparse_segment,
+                                                                            monkeypatch):
     """EINVAL (Linux < 5.14 does not know the advice): one byte per page is touched."""
-    with _RefusingMmap(sparse_segment, 1 << 20) as mapping:
+    refuse_madvise(monkeypatch, errno.EINVAL)
+    with mmap.mmap(sparse_segment, 1 << 20) as mapping:
         pages.populate(mapping, 0, 1 << 20)
     assert os.fstat(sparse_segment).st_blocks * 512 == 1 << 20  # every page allocated
+
+
+def test_populate_lets_the_other_threads_run():
+    """While populate waits for the kernel, another thread of the process runs (the
+    daemon's disk index rebuild during the prefault): with a switch interval of 100 s, a
+    thread that waits for the GIL gets it only if populate releases it."""
+    num_bytes = 128 << 20  # tens of ms of populating: time for the thread to be scheduled
+    gate = threading.Lock()
+    gate.acquire()
+    ran = []
+    thread = threading.Thread(target=lambda: (gate.acquire(), ran.append(True)))
+    interval = sys.getswitchinterval()
+    with mmap.mmap(-1, num_bytes) as mapping:
+        thread.start()
+        time.sleep(0.1)  # the thread blocks on the gate, without the GIL
+        sys.setswitchinterval(100.0)
+        try:
+            gate.release()  # the thread goes on once it gets the GIL
+            pages.populate(mapping, 0, num_bytes)
+            ran_during_populate = bool(ran)
+        finally:
+            sys.setswitchinterval(interval)
+            thread.join(10)
+    assert ran_during_populate, "populate held the GIL: no other thread ran meanwhile"
 
 
 class _GiveUp(Exception):

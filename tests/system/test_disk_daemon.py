@@ -15,17 +15,22 @@ import time
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from conftest import start_daemon
-from engine_worker import small_layout
+from engine_worker import prompt_kv, small_layout
 from test_engine_multiprocess import run_worker
 from test_limits import wait_for
-from lmcached.client import hash_request_tokens
+from test_loading import server_info
+from lmcached.cli import main
+from lmcached.client import KVLayout, hash_request_tokens
 from lmcached.daemon.disk.directory import DirectoryLock
-from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile
+from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, slot_bytes_for
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
 from lmcached.daemon.l2.values import ENVELOPE, namespace_fingerprint
+from lmcached.wire.connection import Connection, DaemonError, hello
+from lmcached.wire.protocol import Info
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +41,7 @@ WORKER_ENV = {**os.environ, "LMCACHED_DATA_TIMEOUT_MS": "10000"}
 # tokens is 7 chunks, so a third prompt evicts the first.
 ARENA = ("--capacity", "1MiB", "--block-size", "64KiB", "--disk-fetch-wait", "5")
 NUM_CHUNKS = 7
+BIG_NUM_SLOTS = 1_000_000  # a slot file that takes seconds to scan
 
 
 def disk_args(directory: str, *more: str) -> tuple[str, ...]:
@@ -215,38 +221,139 @@ def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, di
         loader.shutdown()
 
 
-def test_a_stop_signal_during_a_long_index_rebuild_stops_the_daemon_cleanly(unique_name,
-                                                                          short_tmp):
-    """SIGTERM while a warm restart rebuilds the index of a big slot file (a million
-    slots: seconds of scanning): the daemon stops before the rebuild ends, exits 0,
-    leaves no arena in /dev/shm and no socket, and releases the directory's lock."""
-    directory = os.path.join(short_tmp, "disk")
-    os.mkdir(directory, 0o700)
-    num_slots = 1_000_000  # preallocated, never written: 4 GB of disk, no I/O
-    slot_file, _ = SlotFile.open(directory, PAGE_BYTES, num_slots)
-    slot_file.close()
-    socket, log_path = os.path.join(short_tmp, "d.sock"), os.path.join(short_tmp, "d.log")
+def serve_without_waiting(name: str, socket: str, log_path: str, *args: str) -> subprocess.Popen:
+    """`lmcached serve`, not waited for (it may be loading for a while)."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcached.cli", "serve", "--name", unique_name, "--socket",
-             socket, "--capacity", "1MiB", "--disk-path", directory, "--disk-capacity",
-             str(PAGE_BYTES * (num_slots + 1))], stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "lmcached.cli", "serve", "--name", name,
+                                 "--socket", socket, *args], stdout=log, stderr=subprocess.STDOUT)
+
+
+def rebuilding(socket: str) -> dict | None:
+    """INFO `server` once the daemon answers while it rebuilds the disk tier's index and
+    has scanned some slots, else None."""
+    server = server_info(socket)
+    if server and "disk_index" in server["loading_phase"].split(",") and \
+            server["loading_disk_scanned_slots"] > 0:
+        return server
+    return None
+
+
+def big_slot_file(directory: str) -> None:
+    """A slot file of BIG_NUM_SLOTS empty slots of one page: preallocated, never written
+    (4 GB of disk, no I/O), seconds of scanning."""
+    os.mkdir(directory, 0o700)
+    slot_file, _ = SlotFile.open(directory, PAGE_BYTES, BIG_NUM_SLOTS)
+    slot_file.close()
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "shutdown"])
+def test_a_stop_during_a_long_index_rebuild_stops_the_daemon_cleanly(unique_name, short_tmp,
+                                                                      stop):
+    """SIGTERM or `lmcached stop` (SHUTDOWN) while a warm restart rebuilds the index of a
+    big slot file (a million slots: seconds of scanning), the daemon answering INFO
+    meanwhile: it stops before the rebuild ends, exits 0, leaves no arena in /dev/shm and
+    no socket, and releases the directory's lock."""
+    directory = os.path.join(short_tmp, "disk")
+    big_slot_file(directory)
+    socket, log_path = os.path.join(short_tmp, "d.sock"), os.path.join(short_tmp, "d.log")
+    proc = serve_without_waiting(unique_name, socket, log_path, "--capacity", "1MiB",
+                                 "--disk-path", directory, "--disk-capacity",
+                                 str(PAGE_BYTES * (BIG_NUM_SLOTS + 1)))
     try:
         def read_log() -> str:
             with open(log_path, errors="replace") as f:
                 return f.read()
-        wait_for(lambda: "slots scanned" in read_log(), what="the index rebuild", timeout_s=60)
+        server = wait_for(lambda: rebuilding(socket), what="the index rebuild", timeout_s=60)
+        assert server["loading"] == 1 and server["loading_disk_slots"] == BIG_NUM_SLOTS
         signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            result = CliRunner().invoke(main, ["stop", "--socket", socket])
+            assert (result.exit_code, result.stdout) == (0, "stopping\nstopped\n"), \
+                result.output
         assert proc.wait(timeout=30) == 0, read_log()
         stopped_s = time.monotonic() - signalled
     finally:
         stop_daemon(proc)  # by pid, if the test failed before it stopped
     text = read_log()
-    assert "received SIGTERM during start-up: stopped" in text, text
+    assert (f"received {'SIGTERM' if stop == 'sigterm' else 'SHUTDOWN'} during start-up: "
+            "stopped") in text, text
     assert "chunks found" not in text, f"the rebuild ran to its end ({stopped_s:.1f} s):\n{text}"
     assert list_segments(unique_name) == [] and not os.path.exists(socket)
     DirectoryLock(directory).release()  # free: another daemon may start on it
+
+
+def test_a_warm_restart_answers_loading_while_it_rebuilds_then_serves_what_disk_holds(
+        daemon_factory, short_tmp):
+    """The restarted daemon listens at once: while it rebuilds the index of a million
+    slots, `lmcached ping` says LOADING with the phase and its progress (not "no
+    daemon"), `info` answers and names the phase, a worker's HELLO is refused with
+    `loading`; once rebuilt, the prompts stored before the restart hit, bit-exact."""
+    from lmcached.client import CacheEngine
+
+    directory = os.path.join(short_tmp, "disk")
+    layout = KVLayout("tiny", num_layers=1, num_kv_heads=2, head_size=16, chunk_size=16)
+    # A record of this layout fits a block of 4032 bytes, hence a slot of two pages (its
+    # envelope page and one page of record): a preallocated file of 8 GB, fallocated.
+    args = ("--capacity", "1MiB", "--block-size", "4032", "--disk-path", directory,
+            "--disk-capacity", str(slot_bytes_for(4032) * BIG_NUM_SLOTS + PAGE_BYTES),
+            "--disk-policy",
+            "write-through", "--disk-fetch-wait", "5")
+    prompts = [list(range(start, start + 100)) for start in (0, 1000)]
+    daemon = daemon_factory(*args)
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                             data_timeout_s=10) as engine:
+        for tokens in prompts:
+            assert engine.store(tokens, prompt_kv(layout, tokens)) == NUM_CHUNKS
+    written(daemon, 2 * NUM_CHUNKS)
+    daemon.stop()
+    log_path = daemon.log_path + ".2"
+    proc = serve_without_waiting(daemon.name, daemon.socket, log_path, *args)
+    try:
+        server = wait_for(lambda: rebuilding(daemon.socket), what="the index rebuild",
+                          timeout_s=60)
+        assert server["loading"] == 1 and server["loading_disk_slots"] == BIG_NUM_SLOTS
+        result = CliRunner().invoke(main, ["ping", "--socket", daemon.socket])
+        assert result.exit_code == 1, result.output
+        assert result.stdout.startswith("LOADING rebuilding the disk tier's index: "), \
+            result.output
+        done = int(result.stdout.split(": ", 1)[1].split(" of ")[0])
+        assert done > 0 and f" of {BIG_NUM_SLOTS} slots (" in result.stdout
+        result = CliRunner().invoke(main, ["info", "server", "--socket", daemon.socket])
+        lines = result.stdout.splitlines()
+        assert result.exit_code == 0 and "loading:1" in lines, result.output
+        assert any(line.startswith("loading_phase:disk_index") for line in lines), lines
+        assert result.stderr.startswith("note: the daemon is loading: it rebuilds its disk "
+                                        "tier's index (")
+        with Connection(daemon.socket) as conn:
+            with pytest.raises(DaemonError, match="^loading: rebuilding the disk tier's index"):
+                hello(conn, "worker", [layout.to_wire()])
+        # The directory was locked before the daemon listened: a second daemon on it
+        # fails at once, with its clear error, and takes no socket.
+        second = os.path.join(short_tmp, "second.sock")
+        with pytest.raises(RuntimeError, match=r"--disk-path .* is used by another lmcached "
+                           r"daemon \(pid \d+\)"):
+            start_daemon(f"{daemon.name}-second", second, os.path.join(short_tmp, "second.log"),
+                         *args)
+        assert not os.path.exists(second)
+
+        wait_for(lambda: (server_info(daemon.socket) or {}).get("loading") == 0,
+                 what="the end of the rebuild", timeout_s=60)
+        with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                                 data_timeout_s=10) as engine:
+            for tokens in prompts:
+                kv, mask = engine.retrieve(tokens, return_tuple=False)
+                assert bool(mask.all()) and torch.equal(kv, prompt_kv(layout, tokens))
+        with Connection(daemon.socket) as conn:
+            info = {k: v for section in conn.request(Info()).sections.values()
+                    for k, v in section.items()}
+        assert info["loading_phase"] == "none" and info["loading_disk_scanned_perc"] == 100.0
+        assert info["disk_restored_chunks"] == 2 * NUM_CHUNKS
+        assert info["disk_fetch_hit_chunks"] == 2 * NUM_CHUNKS and info["pinned_blocks"] == 0
+    finally:
+        assert stop_daemon(proc) == 0
+    assert list_segments(daemon.name) == [] and not os.path.exists(daemon.socket)
 
 
 def test_a_salted_prompt_comes_back_from_disk_under_its_own_salt_only(daemon_factory, disk_dir):

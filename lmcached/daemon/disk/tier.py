@@ -29,8 +29,9 @@ Flows (docs/operator.md, "The disk tier"):
 - records move between the arena's blocks and the slot file with no copy (slots.py's
   layout; `_in_place`), through a thread's buffer only where O_DIRECT cannot (blocks
   that are not whole pages).
-- warm restart: the index is rebuilt from the slots' envelopes before the daemon says
-  READY (`load`); checksums are verified when a slot is read.
+- warm restart: the slot file is opened before the daemon listens (`open_file`), and its
+  index rebuilt from the slots' envelopes while the daemon answers in its `loading` state,
+  before it says READY (`rebuild_index`); checksums are verified when a slot is read.
 
 Faults (ENOSPC, EIO, EROFS, a truncated file) are counted by kind (`disk_errors_*`),
 logged at most once per interval, and are misses or dropped writes for clients.
@@ -86,7 +87,9 @@ class DiskTier(DiskWrites, DiskFetches):
 
     Attributes:
         slots: the slot file, or None until the block size is known.
-        index: chunk -> slot, or None until the block size is known.
+        index: chunk -> slot, or None until the block size is known (empty until
+            `rebuild_index` when `needs_rebuild`).
+        needs_rebuild: the slot file holds an earlier daemon's slots, not yet indexed.
         pool: the host arena's block pool, set by the service once it exists.
         stats: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
 
@@ -112,6 +115,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self.pool: BlockPool | None = None
         self.num_restored = 0
         self.scan_s = 0.0
+        self.needs_rebuild = False
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._lock = lock
         self._fps: dict[Layout, bytes | None] = {}
@@ -134,23 +138,24 @@ class DiskTier(DiskWrites, DiskFetches):
     def _num_slots(self, slot_bytes: int) -> int:
         return (self.capacity_bytes - 4096) // slot_bytes
 
-    def load(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """At start: open the slot file left by an earlier daemon (if any) with its slot
-        size and rebuild the index from its envelopes (warm restart).
+    def open_file(self, block_bytes: int = 0) -> bool:
+        """At start, before the daemon listens: open the slot file with slots for blocks
+        of `block_bytes` (the arena's, when known), else with the slot size of the file an
+        earlier daemon left (if any). The index stays empty until `rebuild_index`.
 
         Returns:
-            How many chunks were found.
+            Whether the file kept the slots of an earlier daemon: `rebuild_index` must
+            read their envelopes (warm restart); also `needs_rebuild`.
 
         Raises:
-            OSError: the file cannot be opened or sized.
+            OSError: the file cannot be opened, created or sized.
         """
+        if block_bytes:
+            return self._open(slot_bytes_for(block_bytes))
         found = read_superblock(self.directory)
-        if found is None:
-            return 0
-        return self._open(found[0], progress)
+        return False if found is None else self._open(found[0])
 
-    def set_block_bytes(self, block_bytes: int,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def set_block_bytes(self, block_bytes: int) -> None:
         """Size the slots for the arena's blocks (once the block size is known); a slot
         file of another slot size is formatted anew, its chunks dropped (logged).
 
@@ -159,27 +164,53 @@ class DiskTier(DiskWrites, DiskFetches):
         """
         slot_bytes = slot_bytes_for(block_bytes)
         if self.slots is None or self.slots.slot_bytes != slot_bytes:
-            self._open(slot_bytes, progress)
+            if self._open(slot_bytes):
+                self.rebuild_index()
 
-    def _open(self, slot_bytes: int, progress) -> int:
+    def _open(self, slot_bytes: int) -> bool:
         num_slots = self._num_slots(slot_bytes)
         if num_slots < 1:
             logger.warning("disk tier %s: --disk-capacity %d bytes holds no slot of %d bytes: "
                            "the disk tier is off", self.directory, self.capacity_bytes, slot_bytes)
-            return 0
+            return False
         if self.slots is not None:
             self.slots.close()
-        self.slots, kept = SlotFile.open(self.directory, slot_bytes, num_slots)
+        self.slots, self.needs_rebuild = SlotFile.open(self.directory, slot_bytes, num_slots)
         self.index = DiskIndex(num_slots)
-        if kept:
-            started = time.monotonic()
-            self.num_restored = self.index.rebuild(self.slots.scan(progress))
-            self.scan_s = time.monotonic() - started
+        self.num_restored, self.scan_s = 0, 0.0
+        if not self.needs_rebuild:
+            self._log_opened()
+        return self.needs_rebuild
+
+    def rebuild_index(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Rebuild the index from the envelopes of the slots `open_file` kept (warm
+        restart). Runs on any one thread while nothing else uses the tier (the daemon
+        answers in its `loading` state meanwhile); the index is replaced at the end.
+
+        Args:
+            progress: `SlotFile.scan`'s: called as progress(done_slots, num_slots) from
+                the scan's threads; what it raises stops the scan and is raised here.
+
+        Returns:
+            How many chunks were found.
+
+        Raises:
+            OSError: a slot cannot be read.
+        """
+        started = time.monotonic()
+        index = DiskIndex(self.slots.num_slots)
+        num_restored = index.rebuild(self.slots.scan(progress))
+        self.index, self.num_restored = index, num_restored
+        self.scan_s = time.monotonic() - started
+        self.needs_rebuild = False
+        self._log_opened()
+        return num_restored
+
+    def _log_opened(self) -> None:
         logger.info("disk tier %s: %d slots of %d bytes (%s I/O), %d chunks found in %.2f s",
-                    self.slots.path, num_slots, slot_bytes,
+                    self.slots.path, self.slots.num_slots, self.slots.slot_bytes,
                     "O_DIRECT" if self.slots.direct else "buffered", self.num_restored,
                     self.scan_s)
-        return self.num_restored
 
     # ------------------------------------------------------------ namespaces
     def _ns_fp(self, ns: int) -> bytes | None:
