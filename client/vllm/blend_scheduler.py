@@ -8,9 +8,8 @@ False)`; vLLM then calls `start_load_kv` before the forward and computes only th
 vllm/v1/core/sched/scheduler.py ~l.979 in 0.32.0), and the workers blend it
 (client/vllm/blend_worker.py). A request none of whose segments is cached yet is served
 normally and its workers store the segments, for later requests in any process. Blend
-work is invisible to vLLM's token budget, so the tokens one step may claim or store are
-bounded (`blend_tokens_per_step`): beyond it the connector answers None ("ask again next
-step"); the first request of a step always goes.
+work is invisible to vLLM's token budget, so the claimed tokens of one step are bounded
+(`blend_tokens_per_step`): beyond it the connector answers None ("ask again next step").
 
 Requests that asked for blending and are served normally have their reason counted in
 `refusals` (one warning per reason). vllm-free.
@@ -54,7 +53,7 @@ class BlendScheduler:
         segment_layout: rank 0's namespace of document segments.
         refuse_all: a reason every blend request is refused for (no blend-aware
             model, a RoPE that cannot be re-rotated), or None.
-        tokens_per_step: tokens one step may blend or store before "ask again".
+        tokens_per_step: claimed tokens one step may blend before "ask again".
 
     Attributes:
         refusals: reason -> requests that asked for blending and were served normally.
@@ -115,15 +114,13 @@ class BlendScheduler:
             self._refuse(req_id, "local_hit")
             return False, 0
         claim = state.end - num_computed_tokens
-        # A store-only request's workers compute every segment but the last alone (vLLM's
-        # local hit too) before the forward of the step it is first scheduled in: that
-        # work is outside vLLM's token budget as well.
-        work = claim if state.claimed else state.end
-        if self._step_tokens and self._step_tokens + work > self.tokens_per_step:
+        if not state.claimed:
+            return True, 0
+        if self._step_tokens and self._step_tokens + claim > self.tokens_per_step:
             self.num_deferred += 1
             return True, None
-        self._step_tokens += work
-        return True, claim if state.claimed else 0
+        self._step_tokens += claim
+        return True, claim
 
     def _admit(self, request) -> tuple[_BlendRequest | None, str | None]:
         """A new request: its state, or (None, the reason it is served normally)."""

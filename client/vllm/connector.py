@@ -18,7 +18,7 @@ Extra config keys: `socket` (default: that of daemon `name`), `name` ("default")
 in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
 ("tokens": loads check each record's header and token ids; "checksum": saves also seal
 a payload checksum into every record, and loads check it: README, "Trust model"),
-`blend_tokens_per_step` (16384: prompt tokens one step may blend or store; CacheBlend requests,
+`blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
 `kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
 served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
 

@@ -160,23 +160,6 @@ def test_blend_work_beyond_the_step_budget_is_asked_again(daemon):
     scheduler.shutdown()
 
 
-def test_documents_to_store_count_against_the_step_budget(daemon):
-    # A first meeting's workers compute its documents alone before the step's forward,
-    # outside vLLM's token budget: two of them in one step would stall its decodes twice.
-    work = len(SYSTEM + DOC)
-    scheduler = BlendScheduler(make_settings(daemon.socket), SEGMENTS,
-                               tokens_per_step=work + 1)
-    one, two = (fake_request(name, SYSTEM + DOC + QUESTION) for name in ("one", "two"))
-    assert scheduler.get_num_new_matched_tokens(one, 4) == (True, 0)  # store-only
-    assert scheduler.get_num_new_matched_tokens(two, 0) == (True, None)  # ask again
-    scheduler.update_state_after_alloc(one, fake_blocks(4), 0)
-    (spec,) = scheduler.build_step(step_output(one))
-    assert spec.store_only
-    assert scheduler.get_num_new_matched_tokens(two, 0) == (True, 0)  # next step
-    assert scheduler.num_deferred == 1
-    scheduler.shutdown()
-
-
 def test_a_request_scheduled_again_from_scratch_is_blended_again(daemon):
     store_segment(daemon.socket, DOC)
     scheduler = BlendScheduler(make_settings(daemon.socket), SEGMENTS)
