@@ -5,7 +5,8 @@ Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ 
     python tests/vllm_e2e.py build-model DIR [--layers 2] [--dtype bfloat16]
     python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
         [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N] \\
-        [--blend-model] [--logprobs N] [--dtype bfloat16] [--cache-salt SALT]
+        [--blend-model] [--logprobs N] [--dtype bfloat16] [--cache-salt SALT] \\
+        [--no-prefix-caching] [--max-num-batched-tokens N --max-num-seqs N]
 
 A prompt is a list of token ids, or a dict {"prompt_token_ids": [...], "cache_salt": str,
 "kv_transfer_params": {...}} (CacheBlend requests: docs/cacheblend.md).
@@ -118,6 +119,11 @@ def run(args) -> dict:
         kwargs["hf_overrides"] = {"architectures": ["LMCachedLlamaForCausalLM"]}
     if args.logprobs:
         kwargs["max_logprobs"] = args.logprobs
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.max_num_batched_tokens:  # vLLM requires max_num_seqs <= this
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        kwargs["max_num_seqs"] = args.max_num_seqs
     start = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
               max_model_len=args.max_model_len, seed=0,
@@ -207,6 +213,13 @@ def main() -> int:
                      help="report the first token's top-N logprobs")
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--cache-salt", help="every prompt's cache_salt (a tenant)")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=0,
+                     help="vLLM's token budget per step (default: vLLM's)")
+    gen.add_argument("--max-num-seqs", type=int, default=8,
+                     help="requests per step, with --max-num-batched-tokens")
+    gen.add_argument("--no-prefix-caching", action="store_true",
+                     help="turn vLLM's own prefix cache off (each request computed or "
+                     "blended from scratch, never from another request's blocks)")
     args = parser.parse_args()
     if args.command == "build-model":
         build_model(args.path, args.layers, args.dtype, args.hidden)

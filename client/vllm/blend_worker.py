@@ -11,8 +11,11 @@ before the forward and computes only the tail itself), this module:
    Hugging Face path), writing each layer's blended K/V into the request's paged blocks
    with the backend's `do_kv_cache_update` (slot = block_id * block_size + pos %
    block_size; vllm/model_executor/layers/attention/attention.py ~l.724 in 0.32.0);
-3. releases the pins (every path), then computes alone, from position 0, every segment
-   that was not cached, and stores it for any later request in any process.
+3. releases the pins (every path), then queues every segment that was not cached, to be
+   computed alone, from position 0, and stored for any later request in any process: as
+   many per step as fit in `store_tokens_per_step` tokens (at least one), so that
+   a first meeting of a long document set is spread over steps as vLLM's chunked
+   prefill spreads a prompt, instead of stalling the decodes of one step.
 
 A blend that fails (the daemon went away, a pin of an ended session, a model the loop
 does not reproduce) reports the claimed blocks as load errors: vLLM recomputes them
@@ -27,6 +30,7 @@ rank cannot read a layer (otherwise one rank leaves the layer loop while the oth
 wait in its all-reduces). vllm-free: the connector hands in the collectives.
 """
 
+import collections
 import dataclasses
 from typing import Callable
 
@@ -87,6 +91,9 @@ class BlendWorker:
             client/blend/segments.py, shared with the Hugging Face path).
         hf_config: the model's Hugging Face config (RoPE parameters).
         tp_group: the TP group's collectives; None with one rank.
+        store_tokens_per_step: segment tokens one step may compute alone and store
+            (at least one segment per step); the connector passes vLLM's
+            `max_num_batched_tokens`.
 
     Attributes:
         num_blended_requests / num_reused_tokens / num_recomputed_tokens: blends done,
@@ -96,9 +103,13 @@ class BlendWorker:
     """
 
     def __init__(self, settings: ConnectorSettings, segment_layout: KVLayout,
-                 hf_config, tp_group: TensorParallelGroup | None = None) -> None:
+                 hf_config, tp_group: TensorParallelGroup | None = None,
+                 store_tokens_per_step: int = 2048) -> None:
         self.settings = settings
         self._tp_group = tp_group
+        self.store_tokens_per_step = store_tokens_per_step
+        # (token ids int64 [n] cpu, cache salt), in the order every TP rank queued them
+        self._pending_stores: collections.deque = collections.deque()
         self.engine = CacheEngine.connect(segment_layout, settings.socket,
                                           settings.daemon_name, timeout_s=settings.timeout_s)
         self._hf_config = hf_config
@@ -109,9 +120,15 @@ class BlendWorker:
         self.num_failed_blends = 0
         self._load_errors: set[int] = set()
 
+    @property
+    def num_pending_stores(self) -> int:
+        """Segments queued to be computed alone and stored in a later step."""
+        return len(self._pending_stores)
+
     def run(self, specs: list[BlendSpec], model) -> None:
         """Blend (or only store the documents of) each request of the step, before the
-        forward. Never raises: a failure becomes load errors (vLLM recomputes)."""
+        forward, then store queued segments within the step's budget (`store_pending`).
+        Never raises: a failure becomes load errors (vLLM recomputes)."""
         for spec in specs:
             try:
                 with torch.inference_mode():
@@ -123,13 +140,27 @@ class BlendWorker:
                 if not spec.store_only:
                     self._load_errors.update(_claimed_blocks(spec, self.settings.block_size))
                 continue
-            for segment in missing:  # a document not stored is only a later miss
-                try:
-                    with torch.inference_mode():
-                        self._store_segment(model, segment, spec.cache_salt)
-                except Exception as exc:  # noqa: BLE001
-                    logger.warning("lmcached blend: storing a document of request %s "
-                                   "failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+            self._pending_stores.extend((segment, spec.cache_salt) for segment in missing)
+        self.store_pending(model)
+
+    def store_pending(self, model) -> None:
+        """Compute alone and store queued segments, oldest first, as many as fit in
+        `store_tokens_per_step` tokens (at least one); call before the forward of every
+        step while segments are queued. Every TP rank stores the same segments in the
+        same step (their queues are built from the same specs). Never raises: a document
+        not stored is only a later miss."""
+        num_tokens = 0
+        while self._pending_stores and (
+                num_tokens == 0
+                or num_tokens + self._pending_stores[0][0].numel() <= self.store_tokens_per_step):
+            segment, salt = self._pending_stores.popleft()
+            num_tokens += segment.numel()
+            try:
+                with torch.inference_mode():
+                    self._store_segment(model, segment, salt)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("lmcached blend: storing a document failed: %s: %s",
+                               type(exc).__name__, exc)
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks of failed blends since the last call."""

@@ -202,8 +202,9 @@ class LMCachedConnector(KVConnectorBase_V1):
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
-                self.blend_worker = BlendWorker(self.settings, blend_layouts[rank],
-                                                vllm_config.model_config.hf_config, tp_group)
+                self.blend_worker = BlendWorker(
+                    self.settings, blend_layouts[rank], vllm_config.model_config.hf_config,
+                    tp_group, vllm_config.scheduler_config.max_num_batched_tokens)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -342,7 +343,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         if meta.loads:
             agree = all_ranks_first_failure if self.settings.world_size > 1 else None
             self.worker_side.load(meta.loads, agree)
-        if meta.blends and self.blend_worker is not None:
+        if self.blend_worker is not None and (meta.blends or self.blend_worker.num_pending_stores):
             from lmcached.client.vllm.blend_models import registered_model
 
             self.blend_worker.run(meta.blends, registered_model())

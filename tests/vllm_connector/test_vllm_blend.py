@@ -112,11 +112,14 @@ def test_blend_in_vllm_reuses_documents_another_process_met(rag, daemon_factory)
     prompts, reference = rag["prompts"], rag["outputs"]
 
     # A meets the documents first, under the salt of each tenant below (documents are
-    # keyed under the request's salt): nothing to blend, served normally, stored.
+    # keyed under the request's salt): nothing to blend, served normally, stored. Its
+    # budget of 64 tokens a step spreads the stores (900 tokens) over the steps that
+    # follow, blend requests in them or not.
     salts = [SALT] + [f"kl-{ratio}" for ratio in RATIOS]
     first = run_instance(rag["tmp"], "a", rag["model"],
                          [blend_request(prompts["first"], salt=salt, recompute_ratio=1.0)
-                          for salt in salts], daemon.socket, extra_args=BLEND_ARGS)
+                          for salt in salts], daemon.socket,
+                         extra_args=BLEND_ARGS + ("--max-num-batched-tokens", "64"))
     assert first["outputs"] == [reference["first"]] * len(salts)
     assert first["blend"]["store_only_requests"] == len(salts)
     # the system prompt and 3 documents, once per salt

@@ -51,11 +51,12 @@ def paged_model() -> FakeVllmLlama:
     return model
 
 
-def make_worker(socket: str, layout: KVLayout = LAYOUT, tp_group=None) -> BlendWorker:
+def make_worker(socket: str, layout: KVLayout = LAYOUT, tp_group=None,
+                store_tokens_per_step: int = 2048) -> BlendWorker:
     settings = ConnectorSettings(layouts=[layout], chunk_size=8, block_size=BLOCK,
                                  world_size=layout.world_size, socket=socket,
                                  daemon_name="unused", timeout_s=5.0)
-    return BlendWorker(settings, layout, HF_CONFIG, tp_group)
+    return BlendWorker(settings, layout, HF_CONFIG, tp_group, store_tokens_per_step)
 
 
 def spec_of(tokens, num_local=0, store_only=False, ratio=1.0, salt="s") -> BlendSpec:
@@ -89,6 +90,27 @@ def test_documents_stored_first_are_blended_into_the_paged_slots(daemon):
         torch.testing.assert_close(cache[written, 1], v[4:], rtol=1e-4, atol=1e-5)
         assert torch.isnan(cache[slots(spec, range(4))]).all()  # vLLM's own hit: untouched
     assert daemon.pins_held() == 0
+    worker.shutdown()
+
+
+def test_a_first_meeting_is_stored_over_steps_within_the_step_budget(daemon):
+    # Storing computes each document alone before the step's forward, outside vLLM's
+    # token budget: a long first meeting must not stall one step's decodes with all of it.
+    rng = np.random.default_rng(4)
+    system, doc1, doc2 = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10, 12))
+    model = paged_model()
+    worker = make_worker(daemon.socket, store_tokens_per_step=len(system + doc1))
+    worker.run([spec_of(system + doc1 + doc2, store_only=True)], model)
+    assert (worker.num_stored_segments, worker.num_pending_stores) == (2, 1)
+    assert worker.engine.lookup(torch.tensor(doc2), cache_salt="s") == 0
+    worker.run([], model)  # the next step (a step with no blend stores what is queued)
+    assert (worker.num_stored_segments, worker.num_pending_stores) == (3, 0)
+    assert worker.engine.lookup(torch.tensor(doc2), cache_salt="s") == len(doc2)
+    big = make_worker(daemon.socket, store_tokens_per_step=1)  # one segment per step at least
+    big.run([spec_of(doc2 + doc1, store_only=True, salt="t")], model)
+    assert (big.num_stored_segments, big.num_pending_stores) == (1, 1)
+    assert daemon.pins_held() == 0
+    big.shutdown()
     worker.shutdown()
 
 
