@@ -352,7 +352,7 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     (UNALIGNED_BLOCK_BYTES, UNALIGNED_BLOCK_BYTES + 500, True),  # fits the slot's pages
     (UNALIGNED_BLOCK_BYTES, 2 * UNALIGNED_BLOCK_BYTES - 100, False)])
 def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
-        unique_name, tmp_path, block_bytes, value_bytes, on_disk):
+        unique_name, tmp_path, caplog, block_bytes, value_bytes, on_disk):
     service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")),
                                 block_bytes)
     try:
@@ -368,6 +368,13 @@ def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_wh
         assert info["disk_write_drops_late"] == 0, info
         assert info["disk_write_drops_oversize"] == int(not on_disk), info
         assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
+        warnings = [r.getMessage() for r in caplog.records if "never written to disk" in
+                    r.getMessage()]
+        if on_disk:
+            assert warnings == []
+        else:  # once, naming the namespace and the --block-size that fits its records
+            assert len(warnings) == 1 and "disk-big" in warnings[0], warnings
+            assert f"--block-size {-(-value_bytes // 4096) * 4096} or more" in warnings[0]
         assert_nothing_held(service)
     finally:
         close_disk_service(service)

@@ -223,7 +223,22 @@ class DiskTier(DiskWrites, DiskFetches):
         if fp == b"":
             fp = None if layout.fmt == "kv" else namespace_fingerprint(layout)
             self._fps[layout] = fp
+            if fp is not None:
+                self._warn_oversize(layout)
         return fp
+
+    def _warn_oversize(self, layout) -> None:
+        """Say once per namespace, when its chunks first meet the disk tier, that its
+        records are larger than a slot (they are never spilled) and how to fix it."""
+        slots = self.slots
+        if slots is None or layout.record_bytes <= slots.max_record_bytes:
+            return
+        logger.warning(
+            "disk tier %s: chunks of %s are %d-byte records, larger than a slot's %d "
+            "bytes (one arena block): they are never written to disk (INFO "
+            "disk_write_drops_oversize); start the daemon with --block-size %d or more",
+            self.directory, layout.model_name, layout.record_bytes, slots.max_record_bytes,
+            round_up(layout.record_bytes))
 
     def _disk_key(self, pool_key: bytes) -> DiskKey | None:
         if pool_key[0] != _CHUNK_TAG:
