@@ -19,7 +19,7 @@ from test_disk_slots import chain
 from test_service import BLOCK_BYTES, greeted
 from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
-from lmcached.daemon.disk.slots import SlotFile
+from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, slot_bytes_for
 from lmcached.daemon.disk.tier import DiskTier
 from lmcached.daemon.l2.values import namespace_fingerprint
 from lmcached.daemon.replies import Deferred
@@ -334,6 +334,30 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
     found = {h.chunk_hash for h in restarted.scan()}
     restarted.close()
     assert kept and not found & set(on_disk), "a restart would serve an erased chunk"
+
+
+def test_a_slot_that_cannot_be_read_at_start_is_skipped_counted_and_the_rest_restored(
+        unique_name, tmp_path, monkeypatch, caplog):
+    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    layout, chunks = full_blocks(BLOCK_BYTES, 4)
+    service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
+    close_disk_service(service)
+    bad_offset = PAGE_BYTES + slot_bytes_for(BLOCK_BYTES)  # slot 1's envelope: a bad sector
+    pread = os.pread
+
+    def failing_pread(fd, length, offset):
+        if offset == bad_offset:
+            raise OSError(errno.EIO, "Input/output error")
+        return pread(fd, length, offset)
+    monkeypatch.setattr(os, "pread", failing_pread)
+    service = open_disk_service(f"{unique_name}-3", directory)  # rebuilds the index
+    try:
+        assert service.disk.num_restored == len(chunks) - 1
+        assert disk_info(service)["disk_errors_io"] == 1
+        assert "1 slot envelope(s) could not be read at start (io)" in caplog.text
+        assert len(service.disk.index.free_slots) == service.disk.index.num_slots - 3
+    finally:
+        close_disk_service(service)
 
 
 def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_service, caplog):

@@ -31,6 +31,7 @@ I/O is O_DIRECT (page-aligned memory, offsets and lengths; no page-cache polluti
 with a buffered fallback where the filesystem refuses it (tmpfs), logged once.
 """
 
+import collections
 import errno
 import mmap
 import os
@@ -51,6 +52,7 @@ SUPERBLOCK_VERSION = 2  # 2: the record page-aligned after an envelope page
 SCAN_THREADS = 4
 SCAN_RANGE_SLOTS = 65536  # slots one scan task reads at most
 SCAN_PROGRESS_SLOTS = 4096  # progress is reported after every this many slots of a task
+SCAN_MAX_ERRORS = 64  # envelope reads that fail in one task before it skips the rest of it
 _ZERO_PAGE = bytes(PAGE_BYTES)
 _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
                 errno.EIO: "io", errno.EROFS: "readonly"}
@@ -140,6 +142,7 @@ class SlotFile:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.direct = direct
+        self.scan_errors: dict[str, int] = {}  # the last `scan`'s failed reads, by kind
 
     @classmethod
     def open(cls, directory: str, slot_bytes: int, num_slots: int) -> tuple["SlotFile", bool]:
@@ -343,7 +346,10 @@ class SlotFile:
                 `scan` raises that exception.
 
         Returns:
-            The committed slots, in slot order.
+            The committed slots, in slot order. A slot whose envelope cannot be read
+            (EIO: a bad sector) is skipped as empty, and a task that met SCAN_MAX_ERRORS
+            of them skips the rest of its range (a dying disk must not stop the start);
+            `scan_errors` holds those errors (kind as `error_kind`: count).
         """
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         num_slots = self.num_slots
@@ -353,13 +359,22 @@ class SlotFile:
             ranges = [(start, min(num_slots, start + step)) for start in range(0, num_slots, step)]
             done = [0]
             stopped: list[BaseException] = []  # what a progress call raised
+            failed: list[str] = []  # the kind of every envelope read that failed
 
             def scan_range(bounds: tuple[int, int]) -> list[SlotHeader]:
-                found = []
+                found, errors = [], 0
                 for slot in range(*bounds):
                     if stopped:
                         break
-                    header = self._header(os.pread(fd, ENVELOPE_BYTES, self.slot_offset(slot)), slot)
+                    try:
+                        data = os.pread(fd, ENVELOPE_BYTES, self.slot_offset(slot))
+                    except OSError as exc:
+                        failed.append(error_kind(exc))
+                        errors += 1
+                        if errors >= SCAN_MAX_ERRORS:
+                            break
+                        continue
+                    header = self._header(data, slot)
                     if header is not None:
                         found.append(header)
                     if (slot - bounds[0] + 1) % SCAN_PROGRESS_SLOTS == 0 or slot + 1 == bounds[1]:
@@ -375,6 +390,7 @@ class SlotFile:
                 results = list(pool.map(scan_range, ranges))
             if stopped:
                 raise stopped[0]
+            self.scan_errors = dict(collections.Counter(failed))
             return [h for found in results for h in found]
         finally:
             os.close(fd)

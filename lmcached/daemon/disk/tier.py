@@ -195,7 +195,9 @@ class DiskTier(DiskWrites, DiskFetches):
             How many chunks were found.
 
         Raises:
-            OSError: a slot cannot be read.
+            OSError: the slot file cannot be opened for the scan. A slot whose envelope
+                cannot be read is not an error: it is skipped as empty, counted in
+                `disk_errors_<kind>` and logged (`SlotFile.scan`).
         """
         started = time.monotonic()
         index = DiskIndex(self.slots.num_slots)
@@ -203,6 +205,11 @@ class DiskTier(DiskWrites, DiskFetches):
         self.index, self.num_restored = index, num_restored
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False
+        for kind, count in self.slots.scan_errors.items():
+            self.stats[f"errors_{kind}"] = self.stats.get(f"errors_{kind}", 0) + count
+            logger.error("disk tier %s: %d slot envelope(s) could not be read at start (%s): "
+                         "those slots are taken as empty and their chunks are lost; check "
+                         "the drive (dmesg, smartctl)", self.slots.path, count, kind)
         self._log_opened()
         return num_restored
 
