@@ -155,6 +155,8 @@ def _contiguous_cpu(query, key, value, first: int, scale) -> torch.Tensor:
     causal square of keys [first, T)."""
     if first == 0:
         return _flash_cpu(query, key, value, is_causal=True, scale=scale)[0]
+    if query.shape[2] == 1:  # one row sees every key: no mask, no merge
+        return _flash_cpu(query, key, value, scale=scale)[0]
     if first < PAD_MAX_PREFIX_SHARE * query.shape[2]:
         batch, num_heads, _, head_size = query.shape
         padded = torch.cat((query.new_zeros(batch, num_heads, first, head_size), query), dim=2)

@@ -70,7 +70,8 @@ class BlendedLayers:
             (fresh rows where recomputed, re-rotated cached rows elsewhere).
         num_reused_tokens: tokens whose cached K/V were blended in (the last token,
             always recomputed, excluded).
-        recomputed_indices: int64 `[n]`, cpu: the rows computed through the last layer.
+        recomputed_indices: int64 `[n]`, cpu: the rows whose K/V the last layer
+            computed (its attention and MLP ran for the last of them only).
     """
 
     last_hidden: torch.Tensor
@@ -94,7 +95,9 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     j <= position of i (`attend_at_positions`: unmasked key blocks and small masked
     squares merged by log-sum-exp on CPU, no dense mask); then o_proj, the
     residual, post_attention_layernorm, mlp and the residual for S. Hidden states of
-    rows outside S keep their last computed value and are never read again.
+    rows outside S keep their last computed value and are never read again. At the
+    last layer only the last row goes on after blend (its hidden state gives the
+    logits; the others' would be read by no one), as vLLM's blend path does.
 
     Args:
         model: a model accepted by `check_blend_supported`, in eval mode.
@@ -120,6 +123,7 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
 
     rows = all_positions  # [n] int64 cpu: rows of the fresh q/k/v of this layer
     layers, num_reused = [], 0
+    last_layer = len(decoder.layers) - 1
     for layer_id, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         retrieved = task.result(layer_id)
@@ -142,17 +146,22 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
             token_dim=1,
         )
         rows = out.local_indices.to("cpu", torch.int64)
-        rows_dev = rows.to(device)
+        layers.append((out.k[None], out.v[None]))  # [1, kv_heads, T, head_size] each
+        # The last layer's outputs are read for the last token only (its K/V, in the
+        # cache, were computed for every selected row): attention and MLP for that row.
+        tail = slice(-1, None) if layer_id == last_layer else slice(None)
+        rows_out = rows[tail]
+        rows_dev = rows_out.to(device)
         # Query i sees key j iff j <= its position (true positions, not the top-left
         # alignment of is_causal), without a dense mask on CPU.
         attn_out = attend_at_positions(
-            out.q[None], out.k[None], out.v[None], out.positions, scale=attn.scaling,
+            out.q[:, tail][None], out.k[None], out.v[None], out.positions[tail],
+            scale=attn.scaling,
         )  # [1, heads, n', head_size]
-        attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
+        attn_out = attn_out[0].transpose(0, 1).reshape(rows_out.numel(), -1)
         selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]
         selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
         hidden[rows_dev] = selected
-        layers.append((out.k[None], out.v[None]))  # [1, kv_heads, T, head_size] each
 
     assert int(rows[-1]) == num_tokens - 1, (
         "the prompt's last token was not recomputed through the last layer: the "

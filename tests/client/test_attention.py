@@ -112,4 +112,24 @@ def test_runs_far_apart_take_the_causal_kernel_without_a_mask(monkeypatch):
     q, k, v = qkv(positions.numel(), torch.float32)
     out = attend_at_positions(q, k, v, positions, group_rows=8)
     torch.testing.assert_close(out, reference(q, k, v, positions), atol=1e-5, rtol=0)
-    assert len(masks) == 6 and all(mask is None for mask in masks)  # 3 runs x 2 parts
+    # Two runs x (prefix + causal square), and the last row alone: one call over its keys.
+    assert len(masks) == 5 and all(mask is None for mask in masks)
+
+
+def test_one_row_takes_one_unmasked_call(monkeypatch):
+    """The last token alone (blend_prefill's last layer): every key up to it, one call."""
+    calls = []
+    real = attention._flash_cpu
+
+    def spy(query, key, value, **kwargs):
+        calls.append((key.shape[2], kwargs.get("attn_mask"), kwargs.get("is_causal", False)))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash_cpu", spy)
+    for position in (NUM_KEYS - 1, 40):
+        calls.clear()
+        q, k, v = qkv(1, torch.float32, seed=position)
+        out = attend_at_positions(q, k, v, torch.tensor([position]))
+        torch.testing.assert_close(out, reference(q, k, v, torch.tensor([position])),
+                                   atol=1e-5, rtol=0)
+        assert calls == [(position + 1, None, False)]

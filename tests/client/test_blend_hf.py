@@ -337,3 +337,32 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
     assert rows == reference.num_recomputed_tokens and rows < len(prompt)
     assert torch.allclose(fast.logits, reference.logits, atol=1e-5, rtol=0)
     assert_cache_close(fast.past_key_values, reference.past_key_values, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(recompute_ratio=0.15),
+                                    dict(strategy="legolink", legolink_k=4)])
+def test_last_layer_runs_attention_and_mlp_for_the_last_token_only(model, daemon, kwargs):
+    """The last layer's K/V are computed for every selected row (the cache holds them),
+    its MLP only for the prompt's last token (the logits read nothing else)."""
+    mlp_rows = {}
+
+    def count(layer_id):
+        def hook(module, args):
+            mlp_rows[layer_id] = args[0].shape[0]
+        return hook
+
+    handles = [layer.mlp.register_forward_pre_hook(count(i))
+               for i, layer in enumerate(model.model.layers)]
+    prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
+    try:
+        with connect(model, daemon) as engine:
+            store_segments(model, engine, torch.cat(DOCS), SPT)
+            mlp_rows.clear()
+            prefill = blend_prefill(model, engine, prompt, SPT, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert mlp_rows[NUM_LAYERS - 1] == 1
+    assert mlp_rows[NUM_LAYERS - 2] == prefill.num_recomputed_tokens > 1
+    assert prefill.past_key_values.get_seq_length() == len(prompt)
+    assert daemon.pins_held() == 0
