@@ -88,7 +88,8 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
                        task: BlendRetrieverTask, executor: BlendExecutor) -> BlendedLayers:
     """Prefill one prompt layer by layer, computing only the rows the executor selects.
 
-    Per layer, with R the rows selected by the previous layer (every row at layer 0):
+    Per layer, with R the rows selected by the previous layer (at layer 0 every row, or
+    those `executor.fresh_rows` names, e.g. LegoLink's selection):
     input_layernorm, q/k/v projections and RoPE for R (cos/sin of the model's own
     `rotary_emb`), then `executor.blend` with the retriever's K/V of the layer; the
     selected rows S attend over the long K/V it returns, key j visible to query i iff
@@ -131,6 +132,10 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
         valid_mask = retrieved.valid_mask.to(torch.bool).clone()
         valid_mask[-1] = False
         num_reused = int(valid_mask.sum())
+        ahead = executor.fresh_rows(layer_id, valid_mask, retrieved.original_positions,
+                                    query_start_loc)
+        if ahead is not None:  # e.g. LegoLink's selection, known before layer 0
+            rows = ahead.to("cpu", torch.int64)
 
         rows_dev = rows.to(device)
         x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]

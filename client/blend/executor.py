@@ -210,14 +210,20 @@ class _SelectiveBlend(BlendExecutor):
         out.index_copy_(token_dim, rows.to(device), k)
         return out
 
-    def _select(self, mask, fresh_q, positions, qsl, token_dim):
-        """Record `mask` (bool [N], cpu) as the selection. Returns (q of the selected rows,
-        their positions, local_indices int64 cpu, new query_start_loc int64 [B+1] cpu)."""
+    def _record_selection(self, mask, qsl):
+        """Record `mask` (bool [N], cpu) as the selection. Returns (local_indices int64
+        cpu, new query_start_loc int64 [B+1] cpu)."""
         selected = mask_to_indices(mask)
         self._selected, self._num_tokens = selected, mask.numel()
         counts = torch.cat((torch.zeros(1, dtype=torch.int64), mask.to(torch.int64).cumsum(0)))
+        return selected, counts[qsl]
+
+    def _select(self, mask, fresh_q, positions, qsl, token_dim):
+        """Record `mask` as the selection (`_record_selection`). Returns (q of the selected
+        rows, their positions, local_indices, new query_start_loc)."""
+        selected, new_qsl = self._record_selection(mask, qsl)
         q = fresh_q.index_select(token_dim, selected.to(fresh_q.device))
-        return q, positions[selected.to(positions.device)], selected, counts[qsl]
+        return q, positions[selected.to(positions.device)], selected, new_qsl
 
     def _long_kv(self, retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                  token_dim):
@@ -355,10 +361,14 @@ class LegoLinkImpl(_SelectiveBlend):
     sink when it was computed alone; recomputing them in context removes the spurious
     sinks. The first segment of a request keeps its KV (it was computed where it is).
 
-    At layer 0 the caller passes fresh Q/K/V of every token (the selection is made
-    there); the output is Q of the selected rows and the long K/V (reused, re-rotated,
-    with fresh rows at the selection), and the new query_start_loc. Later layers get
-    fresh Q/K/V of the selected rows only, as after CacheBlend's check layer.
+    The selection depends on the retrieval only, so it is known before layer 0:
+    `fresh_rows(0, ...)` returns it, and a caller that computes Q/K/V for those rows
+    only saves the projections of every reused token (the Hugging Face path does). At
+    layer 0 the caller passes fresh Q/K/V of those rows, or of every token (the
+    selected ones are kept); the output is Q of the selected rows and the long K/V
+    (reused, re-rotated, with fresh rows at the selection), and the new query_start_loc.
+    Later layers get fresh Q/K/V of the selected rows only, as after CacheBlend's check
+    layer.
     """
 
     def __init__(self, legolink_k: int, *, delta_rotation: bool = True):
@@ -389,20 +399,40 @@ class LegoLinkImpl(_SelectiveBlend):
         num_tokens = valid.numel()
         new_qsl = None
         if layer_id == 0:
-            self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens,
-                             "every token (layer 0)")
             mask = self._segment_heads(valid, original, qsl)
-            fresh_q, positions, selected, new_qsl = self._select(
-                mask, fresh_q, positions, qsl, token_dim)
-            rows = selected.to(fresh_k.device)
-            fresh_k = fresh_k.index_select(token_dim, rows)
-            fresh_v = fresh_v.index_select(token_dim, rows)
+            if fresh_k.shape[token_dim] == num_tokens:  # every token: keep the selected
+                self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens,
+                                 "every token (layer 0)")
+                fresh_q, positions, selected, new_qsl = self._select(
+                    mask, fresh_q, positions, qsl, token_dim)
+                rows = selected.to(fresh_k.device)
+                fresh_k = fresh_k.index_select(token_dim, rows)
+                fresh_v = fresh_v.index_select(token_dim, rows)
+            else:  # the caller computed the rows of fresh_rows(0) only
+                selected, new_qsl = self._record_selection(mask, qsl)
+                self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim,
+                                 selected.numel(), f"every token ({num_tokens}) or the "
+                                 "selected ones (fresh_rows) at layer 0")
             logger.debug("legolink: selected %d of %d tokens (%d reused)", selected.numel(),
                          num_tokens, int(valid.sum()))
         self._check_selected_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens)
         k, v = self._long_kv(retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                              token_dim)
         return BlendOutput(fresh_q, k, v, positions, self._selected, new_qsl)
+
+    def fresh_rows(self, layer_id, valid_mask, original_positions,
+                   query_start_loc) -> torch.Tensor | None:
+        """At layer 0, the selection (`BlendExecutor.fresh_rows`): int64 indices, cpu, of
+        every token without reused KV and the first legolink_k tokens of each reused
+        segment that does not start its request; None at later layers (the previous
+        layer's local_indices).
+        """
+        if layer_id != 0:
+            return None
+        valid = valid_mask.to("cpu", torch.bool)
+        original = original_positions.to("cpu", torch.int64)
+        qsl = query_start_loc.to("cpu", torch.int64)
+        return mask_to_indices(self._segment_heads(valid, original, qsl))
 
     def _segment_heads(self, valid, original, qsl) -> torch.Tensor:
         """bool [N] cpu: invalid tokens, plus the first k tokens of each reused segment

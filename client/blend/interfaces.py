@@ -118,3 +118,20 @@ class BlendExecutor(abc.ABC):
                 the updated one).
             token_dim: the token axis of K/V (and of Q).
         """
+
+    def fresh_rows(self, layer_id: int, valid_mask: torch.Tensor,
+                   original_positions: torch.Tensor,
+                   query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """The rows whose fresh Q/K/V `blend(layer_id, ...)` needs, where the executor
+        knows them before they are computed, so that the caller computes only those (an
+        lmcached addition; LMCache's executors take every token at the first layer).
+
+        Args:
+            layer_id, valid_mask, original_positions, query_start_loc: as `blend`'s.
+
+        Returns:
+            int64 `[n]` ascending indices into the batch, cpu; or None: the rows `blend`
+            documents (every token at the first layer, the previous layer's
+            local_indices after).
+        """
+        return None

@@ -299,6 +299,30 @@ def test_legolink_recomputes_the_first_k_of_each_later_segment(token_dim):
     assert torch.equal(lay(out1.k, token_dim)[:, selected], lay(k1, token_dim))
 
 
+@pytest.mark.parametrize("token_dim", [0, 1])
+def test_legolink_names_its_layer_zero_rows_ahead_and_takes_them_alone(token_dim):
+    """fresh_rows(0) is the selection; layer 0 given fresh Q/K/V of those rows only
+    returns what it returns given every token's."""
+    batch = make_batch(LEGO_BATCH)
+    args = (batch["valid"], batch["original"], batch["qsl"])
+    executor = LegoLinkImpl(2)
+    executor.set_positional_encoder(ROPE.encoder)
+    assert executor.fresh_rows(0, *args).tolist() == LEGO_SELECTED_K2
+    assert executor.fresh_rows(1, *args) is None
+    assert CacheBlendImpl(0.15).fresh_rows(0, *args) is None
+    every, fresh_all = call(executor, 0, batch, torch.arange(batch["valid"].numel()), token_dim)
+    rows = torch.tensor(LEGO_SELECTED_K2)
+    q, k, v = (x.index_select(token_dim, rows) for x in fresh_all)
+    ahead = executor.blend(0, lay(batch["retrieved_k"], token_dim),
+                           lay(batch["retrieved_v"], token_dim), *args[:2], q, k, v,
+                           batch["new"][rows], batch["qsl"], token_dim)
+    assert ahead.q is q
+    for name in ("q", "k", "v", "positions", "local_indices", "query_start_loc"):
+        assert torch.equal(getattr(ahead, name), getattr(every, name)), name
+    with pytest.raises(ValueError, match="or the selected ones"):
+        call(executor, 0, batch, torch.tensor(LEGO_SELECTED_K2[:-1]), token_dim)
+
+
 def test_legolink_k_zero_and_k_large():
     batch = make_batch(LEGO_BATCH)
     rows = torch.arange(batch["valid"].numel())

@@ -341,9 +341,10 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
 
 @pytest.mark.parametrize("kwargs", [dict(recompute_ratio=0.15),
                                     dict(strategy="legolink", legolink_k=4)])
-def test_last_layer_runs_attention_and_mlp_for_the_last_token_only(model, daemon, kwargs):
+def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
     """The last layer's K/V are computed for every selected row (the cache holds them),
-    its MLP only for the prompt's last token (the logits read nothing else)."""
+    its MLP only for the prompt's last token (the logits read nothing else); LegoLink's
+    layer 0 projects only the rows it selects."""
     mlp_rows = {}
 
     def count(layer_id):
@@ -353,6 +354,8 @@ def test_last_layer_runs_attention_and_mlp_for_the_last_token_only(model, daemon
 
     handles = [layer.mlp.register_forward_pre_hook(count(i))
                for i, layer in enumerate(model.model.layers)]
+    handles.append(model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        count("q_proj 0")))
     prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
     try:
         with connect(model, daemon) as engine:
@@ -364,5 +367,8 @@ def test_last_layer_runs_attention_and_mlp_for_the_last_token_only(model, daemon
             handle.remove()
     assert mlp_rows[NUM_LAYERS - 1] == 1
     assert mlp_rows[NUM_LAYERS - 2] == prefill.num_recomputed_tokens > 1
+    # LegoLink's selection is known before layer 0: only its rows are projected there.
+    assert mlp_rows["q_proj 0"] == (prefill.num_recomputed_tokens
+                                    if kwargs.get("strategy") == "legolink" else len(prompt))
     assert prefill.past_key_values.get_seq_length() == len(prompt)
     assert daemon.pins_held() == 0
