@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from lmcached.client.attention import attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
@@ -84,6 +84,17 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
+def _project(proj: torch.nn.Module, x: torch.Tensor, head_size: int,
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """`proj(x)` per head, `[heads, n, head_size]`, with RoPE at the rows' positions where
+    cos/sin (`[n, head_size]`) are given: transformers' `apply_rotary_pos_emb`, one
+    tensor at a time. x: `[n, hidden_size]`."""
+    out = proj(x).view(x.shape[0], -1, head_size).transpose(0, 1)
+    if cos is None:
+        return out
+    return (out * cos[None]) + (rotate_half(out) * sin[None])
+
+
 def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
                        task: BlendRetrieverTask, executor: BlendExecutor) -> BlendedLayers:
     """Prefill one prompt layer by layer, computing only the rows the executor selects.
@@ -91,7 +102,9 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     Per layer, with R the rows selected by the previous layer (at layer 0 every row, or
     those `executor.fresh_rows` names, e.g. LegoLink's selection):
     input_layernorm, q/k/v projections and RoPE for R (cos/sin of the model's own
-    `rotary_emb`), then `executor.blend` with the retriever's K/V of the layer; the
+    `rotary_emb`; Q after blend, of the selected rows only, where the executor selects
+    from fresh K: CacheBlend's check layer), then `executor.blend` with the retriever's
+    K/V of the layer; the
     selected rows S attend over the long K/V it returns, key j visible to query i iff
     j <= position of i (`attend_at_positions`: unmasked key blocks and small masked
     squares merged by log-sum-exp on CPU, no dense mask); then o_proj, the
@@ -139,18 +152,25 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
 
         rows_dev = rows.to(device)
         x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
-        shape = (x.shape[0], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(0, 1)  # [heads, n, head_size]
-        k = attn.k_proj(x).view(shape).transpose(0, 1)  # [kv_heads, n, head_size]
-        v = attn.v_proj(x).view(shape).transpose(0, 1)  # [kv_heads, n, head_size]
-        q, k = apply_rotary_pos_emb(q, k, cos[rows_dev], sin[rows_dev], unsqueeze_dim=0)
+        row_cos, row_sin = cos[rows_dev], sin[rows_dev]  # [n, head_size] each
+        k = _project(attn.k_proj, x, attn.head_dim, row_cos, row_sin)  # [kv_heads, n, head_size]
+        v = _project(attn.v_proj, x, attn.head_dim)  # [kv_heads, n, head_size]
+        # Where the executor picks the rows from this layer's fresh K (CacheBlend's check
+        # layer), Q is projected after it, for the selected rows only.
+        q_after = executor.selects_from_fresh_k(layer_id)
+        q = None if q_after else _project(attn.q_proj, x, attn.head_dim, row_cos, row_sin)
 
         out = executor.blend(
             layer_id, _to(retrieved.k, device), _to(retrieved.v, device), valid_mask,
             retrieved.original_positions, q, k, v, all_positions[rows], query_start_loc,
             token_dim=1,
         )
-        rows = out.local_indices.to("cpu", torch.int64)
+        selected_rows = out.local_indices.to("cpu", torch.int64)
+        if out.q is None:  # [heads, n', head_size]: Q of the selected rows
+            local = torch.searchsorted(rows, selected_rows).to(device)
+            out.q = _project(attn.q_proj, x[local], attn.head_dim, row_cos[local],
+                             row_sin[local])
+        rows = selected_rows
         layers.append((out.k[None], out.v[None]))  # [1, kv_heads, T, head_size] each
         # The last layer's outputs are read for the last token only (its K/V, in the
         # cache, were computed for every selected row): attention and MLP for that row.

@@ -120,6 +120,9 @@ class _SelectiveBlend(BlendExecutor):
         elif layer_id != self._next_layer:
             raise ValueError(f"blend() got layer {layer_id}, expected {self._next_layer}: call "
                              "it for layers 0, 1, 2, ... in order (layer 0 starts a batch)")
+        if fresh_q is None and not self.selects_from_fresh_k(layer_id):
+            raise ValueError(f"fresh_q is None at layer {layer_id}: only a layer where "
+                             "selects_from_fresh_k() is True (CacheBlend's check layer) takes None")
         if not -fresh_k.dim() <= token_dim < fresh_k.dim():
             raise ValueError(f"token_dim {token_dim} is not an axis of K "
                              f"(shape {tuple(fresh_k.shape)})")
@@ -159,8 +162,10 @@ class _SelectiveBlend(BlendExecutor):
     @staticmethod
     def _check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_rows, which):
         """Raise ValueError unless fresh q/k/v and positions all have `num_rows` tokens."""
-        got = {"fresh_q": fresh_q.shape[token_dim], "fresh_k": fresh_k.shape[token_dim],
-               "fresh_v": fresh_v.shape[token_dim], "positions": positions.numel()}
+        got = {"fresh_k": fresh_k.shape[token_dim], "fresh_v": fresh_v.shape[token_dim],
+               "positions": positions.numel()}
+        if fresh_q is not None:  # None: Q of the selection computed after blend()
+            got["fresh_q"] = fresh_q.shape[token_dim]
         if any(n != num_rows for n in got.values()) or fresh_k.shape != fresh_v.shape:
             raise ValueError(f"this layer needs fresh Q/K/V and positions of {which} "
                              f"({num_rows} rows along token_dim {token_dim}); got {got}")
@@ -321,8 +326,12 @@ class CacheBlendImpl(_SelectiveBlend):
             if retrieved_k is not None:
                 reused_k = self._reused_k(retrieved_k, valid, original, qsl, token_dim)
                 mask = self._top_deviation(reused_k, fresh_k, valid, qsl, token_dim)
-            q, selected_positions, selected, new_qsl = self._select(
-                mask, fresh_q, positions, qsl, token_dim)
+            if fresh_q is None:  # the caller computes Q of the selection
+                selected, new_qsl = self._record_selection(mask, qsl)
+                q, selected_positions = None, positions[selected.to(positions.device)]
+            else:
+                q, selected_positions, selected, new_qsl = self._select(
+                    mask, fresh_q, positions, qsl, token_dim)
             logger.debug("cacheblend: layer %d selected %d of %d tokens (%d reused)", layer_id,
                          selected.numel(), num_tokens, int(valid.sum()))
             return BlendOutput(q, fresh_k, fresh_v, selected_positions, selected, new_qsl)
@@ -330,6 +339,11 @@ class CacheBlendImpl(_SelectiveBlend):
         k, v = self._long_kv(retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                              token_dim)
         return BlendOutput(fresh_q, k, v, positions, self._selected, None)
+
+    def selects_from_fresh_k(self, layer_id: int) -> bool:
+        """True at the check layer (`BlendExecutor.selects_from_fresh_k`): fresh_q may be
+        None there, and the caller computes Q of the selected rows only."""
+        return layer_id == self.check_layer
 
     def _top_deviation(self, reused_k, fresh_k, valid, qsl, token_dim) -> torch.Tensor:
         """bool [N] cpu: every invalid token, plus per request the ceil(ratio * reused)

@@ -323,6 +323,31 @@ def test_legolink_names_its_layer_zero_rows_ahead_and_takes_them_alone(token_dim
         call(executor, 0, batch, torch.tensor(LEGO_SELECTED_K2[:-1]), token_dim)
 
 
+@pytest.mark.parametrize("token_dim", [0, 1])
+def test_check_layer_takes_no_q_and_selects_the_same_rows(token_dim):
+    """selects_from_fresh_k: at the check layer fresh_q may be None (the caller projects
+    Q of the selection after blend); every other layer refuses None."""
+    batch = make_batch(BATCH)
+    _, check, _ = run_cacheblend(0.3, batch, token_dim)
+    executor = CacheBlendImpl(0.3)
+    executor.set_positional_encoder(ROPE.encoder)
+    assert [executor.selects_from_fresh_k(layer) for layer in range(3)] == [False, True, False]
+    assert not LegoLinkImpl(2).selects_from_fresh_k(0)
+    all_rows = torch.arange(batch["valid"].numel())
+    with pytest.raises(ValueError, match="fresh_q is None at layer 0"):
+        executor.blend(0, None, None, torch.zeros_like(batch["valid"]), batch["original"],
+                       None, *fresh(batch, all_rows, token_dim)[1:], batch["new"],
+                       batch["qsl"], token_dim)
+    call(executor, 0, batch, all_rows, token_dim)
+    _, k, v = fresh(batch, all_rows, token_dim, seed=11)
+    no_q = executor.blend(1, lay(batch["retrieved_k"], token_dim),
+                          lay(batch["retrieved_v"], token_dim), batch["valid"],
+                          batch["original"], None, k, v, batch["new"], batch["qsl"], token_dim)
+    assert no_q.q is None
+    for name in ("k", "v", "positions", "local_indices", "query_start_loc"):
+        assert torch.equal(getattr(no_q, name), getattr(check, name)), name
+
+
 def test_legolink_k_zero_and_k_large():
     batch = make_batch(LEGO_BATCH)
     rows = torch.arange(batch["valid"].numel())

@@ -344,7 +344,7 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
 def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
     """The last layer's K/V are computed for every selected row (the cache holds them),
     its MLP only for the prompt's last token (the logits read nothing else); LegoLink's
-    layer 0 projects only the rows it selects."""
+    layer 0 and CacheBlend's check layer project Q only for the rows they select."""
     mlp_rows = {}
 
     def count(layer_id):
@@ -354,8 +354,9 @@ def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
 
     handles = [layer.mlp.register_forward_pre_hook(count(i))
                for i, layer in enumerate(model.model.layers)]
-    handles.append(model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
-        count("q_proj 0")))
+    for layer in (0, 1):
+        handles.append(model.model.layers[layer].self_attn.q_proj.register_forward_pre_hook(
+            count(f"q_proj {layer}")))
     prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
     try:
         with connect(model, daemon) as engine:
@@ -370,5 +371,7 @@ def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
     # LegoLink's selection is known before layer 0: only its rows are projected there.
     assert mlp_rows["q_proj 0"] == (prefill.num_recomputed_tokens
                                     if kwargs.get("strategy") == "legolink" else len(prompt))
+    # CacheBlend's check layer (1) projects Q after its selection, for the selected rows.
+    assert mlp_rows["q_proj 1"] == prefill.num_recomputed_tokens
     assert prefill.past_key_values.get_seq_length() == len(prompt)
     assert daemon.pins_held() == 0
