@@ -31,9 +31,9 @@ BASELINE_REV = "3775bbb"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def masked_attention(query, key, value, positions, scale=None):
+def masked_attention(query, key, value, positions, scale=None, plan=None):
     """The attention before issue 26: SDPA over repeat_kv'd K/V with the boolean mask
-    key j <= positions[i] (`attend_at_positions`' signature and shapes)."""
+    key j <= positions[i] (`attend_at_positions`' signature and shapes; `plan` unused)."""
     groups = query.shape[1] // key.shape[1]
     mask = torch.arange(key.shape[2], device=query.device)[None, :] <= \
         positions.to(query.device)[:, None]

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import rotate_half
 
-from lmcached.client.attention import attend_at_positions
+from lmcached.client.attention import PositionsPlan, attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
 
 # Model types whose decoder is exactly embed_tokens -> layers -> norm -> lm_head, each
@@ -138,6 +138,7 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     rows = all_positions  # [n] int64 cpu: rows of the fresh q/k/v of this layer
     layers, num_reused = [], 0
     last_layer = len(decoder.layers) - 1
+    plan = None  # PositionsPlan of the rows that attend, reused while they stay the same
     for layer_id, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         retrieved = task.result(layer_id)
@@ -179,9 +180,12 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
         rows_dev = rows_out.to(device)
         # Query i sees key j iff j <= its position (true positions, not the top-left
         # alignment of is_causal), without a dense mask on CPU.
+        positions = out.positions[tail]
+        if plan is None or not plan.matches(positions):  # a new selection: cut its rows once
+            plan = PositionsPlan(positions)
         attn_out = attend_at_positions(
-            out.q[:, tail][None], out.k[None], out.v[None], out.positions[tail],
-            scale=attn.scaling,
+            out.q[:, tail][None], out.k[None], out.v[None], positions, scale=attn.scaling,
+            plan=plan,
         )  # [1, heads, n', head_size]
         attn_out = attn_out[0].transpose(0, 1).reshape(rows_out.numel(), -1)
         selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]

@@ -320,7 +320,7 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
 
     from lmcached.client import hf_blend
 
-    def masked(query, key, value, positions, scale=None):
+    def masked(query, key, value, positions, scale=None, plan=None):
         groups = query.shape[1] // key.shape[1]
         mask = torch.arange(key.shape[2])[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(
@@ -375,3 +375,23 @@ def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
     assert mlp_rows["q_proj 1"] == prefill.num_recomputed_tokens
     assert prefill.past_key_values.get_seq_length() == len(prompt)
     assert daemon.pins_held() == 0
+
+
+def test_layers_after_the_selection_reuse_its_positions_plan(model, daemon, monkeypatch):
+    """One PositionsPlan per selection, not per layer: every row at layer 0, the
+    selection at layers 1 and 2 (one plan), the last token at the last layer."""
+    from lmcached.client import hf_blend
+
+    plans = []
+    real = hf_blend.PositionsPlan
+
+    def counting(positions, *args):
+        plans.append(positions.numel())
+        return real(positions, *args)
+
+    monkeypatch.setattr(hf_blend, "PositionsPlan", counting)
+    prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
+    with connect(model, daemon) as engine:
+        store_segments(model, engine, torch.cat(DOCS), SPT)
+        prefill = blend_prefill(model, engine, prompt, SPT, recompute_ratio=0.15)
+    assert plans == [len(prompt), prefill.num_recomputed_tokens, 1]
