@@ -78,6 +78,7 @@ class _SelectiveBlend(BlendExecutor):
         self._reverse_encoder: PositionalEncoder | None = None
         self._warned_unrotated = False
         self._selected: torch.Tensor | None = None  # int64 [num_selected], cpu, ascending
+        self._moves: tuple[torch.Tensor, ...] | None = None  # _reused_k's positions, per batch
         self._num_tokens = 0
         self._next_layer = 0
 
@@ -116,7 +117,7 @@ class _SelectiveBlend(BlendExecutor):
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
             raise ValueError(f"layer_id must be an int >= 0, got {layer_id!r}")
         if layer_id == 0:
-            self._selected, self._num_tokens = None, 0
+            self._selected, self._num_tokens, self._moves = None, 0, None
         elif layer_id != self._next_layer:
             raise ValueError(f"blend() got layer {layer_id}, expected {self._next_layer}: call "
                              "it for layers 0, 1, 2, ... in order (layer 0 starts a batch)")
@@ -179,16 +180,18 @@ class _SelectiveBlend(BlendExecutor):
                          "the selected tokens only (BlendOutput.local_indices)")
 
     def _reused_k(self, retrieved_k, valid, original, qsl, token_dim):
-        """The retrieved K with its valid rows rotated to their index in their request.
+        """The retrieved K with every row rotated to its index in its request.
 
-        One encoder call on the valid rows only (delta = new - original), or, with
-        `delta_rotation=False`, the reverse encoder at the original positions then the
-        encoder at the new ones. Without the needed encoder(s), K as stored (one warning).
-        Never writes into retrieved_k (encoders get a gathered copy, so in-place encoders
-        such as vLLM's are fine); may return it unchanged.
+        One encoder call on a copy of every row, token axis first (delta = new -
+        original), or, with `delta_rotation=False`, the reverse encoder at the original
+        positions then the encoder at the new ones; rows without retrieved KV (undefined,
+        replaced by fresh rows later) are moved by 0. The positions are made once per
+        batch, the same tensors every layer (an encoder may cache what it derives from
+        them). Without the needed encoder(s), K as stored (one warning). Never writes into
+        retrieved_k (in-place encoders such as vLLM's get the copy); may return it
+        unchanged.
         """
-        rows = mask_to_indices(valid)  # int64 [num_valid], cpu
-        if rows.numel() == 0:
+        if not valid.any():
             return retrieved_k
         if self._encoder is None or (not self.delta_rotation and self._reverse_encoder is None):
             if not self._warned_unrotated:
@@ -199,21 +202,18 @@ class _SelectiveBlend(BlendExecutor):
                 self._warned_unrotated = True
             return retrieved_k
         device = retrieved_k.device
-        new = _positions_in_request(qsl)[rows]
-        old = original[rows]
-        # [num_valid, ...], token axis first.
-        k = retrieved_k.index_select(token_dim, rows.to(device)).movedim(token_dim, 0)
+        if self._moves is None:  # int64 [N] each, on K's device, once per batch
+            new = _positions_in_request(qsl)
+            old = torch.where(valid, original, new)
+            self._moves = (((new - old).to(device),) if self.delta_rotation
+                           else (old.to(device), new.to(device)))
+        k = retrieved_k.movedim(token_dim, 0).clone()  # [N, ...], token axis first
         if self.delta_rotation:
-            _, k = self._encoder((new - old).to(device), None, k)
+            _, k = self._encoder(self._moves[0], None, k)
         else:
-            _, k = self._reverse_encoder(old.to(device), None, k)
-            _, k = self._encoder(new.to(device), None, k)
-        k = k.movedim(0, token_dim)
-        if rows.numel() == valid.numel():
-            return k
-        out = retrieved_k.clone()
-        out.index_copy_(token_dim, rows.to(device), k)
-        return out
+            _, k = self._reverse_encoder(self._moves[0], None, k)
+            _, k = self._encoder(self._moves[1], None, k)
+        return k.movedim(0, token_dim)
 
     def _record_selection(self, mask, qsl):
         """Record `mask` (bool [N], cpu) as the selection. Returns (local_indices int64

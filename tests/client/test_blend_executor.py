@@ -348,6 +348,34 @@ def test_check_layer_takes_no_q_and_selects_the_same_rows(token_dim):
         assert torch.equal(getattr(no_q, name), getattr(check, name)), name
 
 
+def test_reused_k_is_rotated_with_one_table_per_batch(monkeypatch):
+    """The layers after the check layer rotate the same rows by the same deltas: the
+    executor hands the encoder one positions tensor per batch, and LlamaRotary computes
+    its cos/sin once (torch.unique runs once per table)."""
+    batch = make_batch(BATCH)
+    rope = LlamaRotary.from_params(HEAD_DIM, 10000.0)
+    executor = CacheBlendImpl(0.3)
+    executor.set_positional_encoder(rope.encoder)
+    all_rows = torch.arange(batch["valid"].numel())
+    call(executor, 0, batch, all_rows, 1)
+    selected = None
+    calls = []
+    real = torch.unique
+    for layer in (1, 2, 3):
+        rows = all_rows if layer == 1 else selected
+        q, k, v = fresh(batch, rows, 1, seed=layer)  # before counting: fresh() rotates too
+        monkeypatch.setattr(torch, "unique", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = executor.blend(layer, batch["retrieved_k"], batch["retrieved_v"], batch["valid"],
+                             batch["original"], q, k, v, batch["new"][rows], batch["qsl"], 1)
+        monkeypatch.setattr(torch, "unique", real)
+        selected = out.local_indices
+    assert len(calls) == 1
+    kept = mask_to_indices(~indices_to_mask(selected, all_rows.numel()).bool())
+    moved = ROPE.rotate(batch["retrieved_k"][:, kept],
+                        batch["new"][kept] - batch["original"][kept], 1)
+    assert torch.allclose(out.k[:, kept], moved, atol=1e-6, rtol=0)
+
+
 def test_legolink_k_zero_and_k_large():
     batch = make_batch(LEGO_BATCH)
     rows = torch.arange(batch["valid"].numel())
