@@ -67,7 +67,7 @@ class LlamaRotary:
         # float32 [head_dim // 2], cpu: a copy, as the model's forward uses it (.float()).
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32).clone()
         self.head_dim = 2 * self.inv_freq.numel()
-        # (delta tensor, its version, device, cos, sin) of the last `rotate`.
+        # (delta tensor, a copy of it, device, cos, sin) of the last `rotate`.
         self._last_tables: tuple | None = None
 
     @classmethod
@@ -205,8 +205,8 @@ class LlamaRotary:
         device has no float64), then gathered per token.
         """
         last = self._last_tables
-        if (last is not None and last[0] is delta_positions
-                and last[1] == delta_positions._version and last[2] == device):
+        if (last is not None and last[0] is delta_positions and last[2] == device
+                and torch.equal(delta_positions, last[1])):  # inference tensors: no _version
             return last[3], last[4]
         exact = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
         deltas, token_delta = torch.unique(delta_positions.to(device), return_inverse=True)
@@ -215,8 +215,9 @@ class LlamaRotary:
         cos = angles.cos().to(torch.float32)
         cos = torch.cat((cos, cos), dim=-1)[token_delta]  # [T, head_dim]
         sin = angles.sin().to(torch.float32)[token_delta]  # [T, head_dim // 2]
-        # The tensor itself is held, so that no other tensor can take its identity.
-        self._last_tables = (delta_positions, delta_positions._version, device, cos, sin)
+        # The tensor itself is held, so that no other tensor can take its identity, and
+        # a copy of its values, to see a change in place.
+        self._last_tables = (delta_positions, delta_positions.clone(), device, cos, sin)
         return cos, sin
 
     def encoder(self, positions: torch.Tensor, q: torch.Tensor | None,
