@@ -189,7 +189,8 @@ def run_quality(model, task, engine, num_prompts: int, pool_docs: int, seed: int
 def compare_quality(tree: dict, today: dict) -> str:
     """A table of each method's KL mean and top-1 agreement on this tree and on today's
     path (`run_quality`'s "methods"), with their absolute differences."""
-    lines = ["| method | KL mean (tree / today) | top-1 (tree / today) | |dKL| | |dtop-1| |",
+    lines = ["| method | KL mean (tree / today) | top-1 (tree / today) | KL difference | "
+             "top-1 difference |",
              "|---|---|---|---|---|"]
     for name, entry in tree.items():
         other = today[name]
