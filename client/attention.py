@@ -185,8 +185,9 @@ def _scattered_cpu(query, key, value, plan: PositionsPlan, scale) -> torch.Tenso
     heads = [_flash_cpu(query[:, :, start:end], key[:, :, :a], value[:, :, :a], scale=scale)
              for start, end, a in plan.prefix_groups]
     first_row = plan.prefix_groups[0][0]
-    merged = _merge(torch.cat([h[0] for h in heads], dim=2), torch.cat([h[1] for h in heads], dim=2),
-                    out[:, :, first_row:], lse[:, :, first_row:])
+    head_out = torch.cat([part[0] for part in heads], dim=2)  # [B, heads, n - first_row, D]
+    head_lse = torch.cat([part[1] for part in heads], dim=2)  # float32 [B, heads, n - first_row]
+    merged = _merge(head_out, head_lse, out[:, :, first_row:], lse[:, :, first_row:])
     if first_row == 0:
         return merged
     out = out.clone()

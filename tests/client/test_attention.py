@@ -51,7 +51,7 @@ def test_scattered_positions_equal_masked_sdpa(dtype, group_rows):
     scattered = torch.randperm(NUM_KEYS - 8, generator=gen)[:16] + 4
     positions = torch.cat((torch.arange(4), scattered, torch.arange(NUM_KEYS - 4, NUM_KEYS)))
     positions = positions.unique()  # sorted, distinct
-    q, k, v = qkv(positions.numel(), dtype)
+    q, k, v = qkv(positions.numel(), dtype, batch=2)
     out = attend_at_positions(q, k, v, positions, scale=0.3, group_rows=group_rows)
     expected = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
