@@ -11,24 +11,28 @@ interleaved, medians of --repeats runs after a warm-up:
 2. blend: TTFT of a full prefill, CacheBlend 0.15 and LegoLink 16 (`blend_prefill`) on
    the random-weight 8-layer Llama of bench_blend.py (hidden 1024, 16/4 heads), prompts
    of a 15-token system prompt, 512-token documents stored alone beforehand and a 3-token
-   question (bench_blend's TTFT prompts, random token ids): the blended layers' attention
-   with the dense mask (before: `attend_at_positions` replaced by SDPA with the mask) and
-   without (after); and the largest |logit| difference and the KL between the two.
+   question (bench_blend's TTFT prompts, random token ids), three ways: "today" (the
+   path before issue 26: layer loop, executors and re-rotation of
+   blend_baseline.BASELINE_REV, the selected rows' attention as SDPA with the dense
+   mask), "mask" (this tree with only the attention swapped for SDPA with the mask) and
+   "after" (this tree); today / after is the issue's gain, mask / after the attention's
+   share of it; and the largest |logit| difference and the KL between today and after.
 
     .venv/bin/python benchmarks/bench_attention.py                 # kernels + blend 4k
-    .venv/bin/python benchmarks/bench_attention.py --blend-lengths 4096,8192
+    .venv/bin/python benchmarks/bench_attention.py --kernel-keys 0 --blend-lengths 8192
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_blend import BIG_CONFIG  # noqa: E402
+from blend_baseline import Baseline, masked_attention  # noqa: E402
 from common import median, record_block_size, running_daemon  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -39,16 +43,7 @@ from lmcached.client.hf import blend_prefill, layout_for_model, store_segments  
 
 SEP = BIG_CONFIG["vocab_size"] - 1
 DOC_TOKENS = 512
-
-
-def masked_attention(query, key, value, positions, scale=None):
-    """The attention before issue 26: SDPA over repeat_kv'd K/V with the boolean mask."""
-    groups = query.shape[1] // key.shape[1]
-    mask = torch.arange(key.shape[2], device=query.device)[None, :] <= \
-        positions.to(query.device)[:, None]
-    return F.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
-        attn_mask=mask[None, None], scale=scale)
+VARIANTS = ("today", "mask", "after")
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
@@ -103,13 +98,14 @@ def blend_prompt(num_tokens: int, seed: int) -> tuple[torch.Tensor, int]:
 
 
 @torch.inference_mode()
-def bench_blend(lengths: list[int], repeats: int, seed: int) -> None:
+def bench_blend(lengths: list[int], repeats: int, seed: int, with_full: bool) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**BIG_CONFIG)).eval()
     layout = layout_for_model(model, 256, model_name="bench-attention")
     capacity_mib = max(256, 3 * layout.record_bytes(1) * max(lengths) // 2**20)
     methods = {"cacheblend 0.15": dict(strategy="cacheblend", recompute_ratio=0.15),
                "legolink 16": dict(strategy="legolink", legolink_k=16)}
+    baseline = Baseline()
     rows = []
     with running_daemon(f"{capacity_mib}MiB", record_block_size(layout)) as socket, \
             CacheEngine.connect(layout, socket=socket, strict=True,
@@ -119,36 +115,44 @@ def bench_blend(lengths: list[int], repeats: int, seed: int) -> None:
             store_segments(model, engine, ids[:num_docs], SEP)
             logits = {}
 
-            def run(name: str, kwargs: dict, before: bool):
+            def run(name: str, kwargs: dict, variant: str):
                 real = hf_blend.attend_at_positions
-                hf_blend.attend_at_positions = masked_attention if before else real
+                if variant == "mask":
+                    hf_blend.attend_at_positions = masked_attention
                 try:
-                    logits[name] = blend_prefill(model, engine, ids, SEP, **kwargs).logits
+                    with baseline.active() if variant == "today" else contextlib.nullcontext():
+                        logits[name] = blend_prefill(model, engine, ids, SEP, **kwargs).logits
                 finally:
                     hf_blend.attend_at_positions = real
 
-            fns = {"full": lambda: model(ids[None], logits_to_keep=1)}
+            fns = {"full": lambda: model(ids[None], logits_to_keep=1)} if with_full else {}
             for name, kwargs in methods.items():
-                fns[f"{name} before"] = lambda n=name, k=kwargs: run(f"{n} before", k, True)
-                fns[f"{name} after"] = lambda n=name, k=kwargs: run(f"{n} after", k, False)
+                for variant in VARIANTS:
+                    fns[f"{name} {variant}"] = (lambda n=f"{name} {variant}", k=kwargs,
+                                                v=variant: run(n, k, v))
+            load = os.getloadavg()[0]
             times = interleaved(fns, repeats)
-            full = times["full"]
-            print(f"  {num_tokens} tokens: full {full * 1e3:.0f} ms", flush=True)
+            load = max(load, os.getloadavg()[0])
+            full = times.get("full", float("nan"))
+            print(f"  {num_tokens} tokens (load {load:.1f}): full {full * 1e3:.0f} ms",
+                  flush=True)
             for name in methods:
-                before, after = times[f"{name} before"], times[f"{name} after"]
-                a, b = logits[f"{name} before"].double(), logits[f"{name} after"].double()
+                today, mask, after = (times[f"{name} {v}"] for v in VARIANTS)
+                a, b = logits[f"{name} today"].double(), logits[f"{name} after"].double()
                 kl = float((a.softmax(-1) * (a.log_softmax(-1) - b.log_softmax(-1))).sum())
                 diff = float((a - b).abs().max())
-                rows.append((num_tokens, name, full, before, after, diff, kl))
-                print(f"    {name}: before {before * 1e3:.0f} ms ({full / before:.2f}x), after "
-                      f"{after * 1e3:.0f} ms ({full / after:.2f}x), gain {before / after:.2f}x; "
-                      f"max |logit diff| {diff:.1e}, KL(before || after) {kl:.1e}", flush=True)
-    print("\n| prompt | method | full prefill | before | after | after / before | "
-          "max abs logit diff | KL |\n|---|---|---|---|---|---|---|---|")
-    for num_tokens, name, full, before, after, diff, kl in rows:
-        print(f"| {num_tokens} | {name} | {full * 1e3:.0f} ms | {before * 1e3:.0f} ms "
-              f"({full / before:.2f}x) | {after * 1e3:.0f} ms ({full / after:.2f}x) | "
-              f"{before / after:.2f}x | {diff:.1e} | {kl:.1e} |")
+                rows.append((num_tokens, load, name, full, today, mask, after, diff, kl))
+                print(f"    {name}: today {today * 1e3:.0f} ms ({full / today:.2f}x), mask "
+                      f"{mask * 1e3:.0f} ms, after {after * 1e3:.0f} ms ({full / after:.2f}x); "
+                      f"today / after {today / after:.2f}x, mask / after {mask / after:.2f}x; "
+                      f"max |logit diff| {diff:.1e}, KL(today || after) {kl:.1e}", flush=True)
+    print("\n| prompt | load | method | full prefill | today | mask | after | today / after | "
+          "mask / after | max abs logit diff | KL |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for num_tokens, load, name, full, today, mask, after, diff, kl in rows:
+        print(f"| {num_tokens} | {load:.1f} | {name} | {full * 1e3:.0f} ms | {today * 1e3:.0f} ms "
+              f"({full / today:.2f}x) | {mask * 1e3:.0f} ms | {after * 1e3:.0f} ms "
+              f"({full / after:.2f}x) | {today / after:.2f}x | {mask / after:.2f}x | "
+              f"{diff:.1e} | {kl:.1e} |")
 
 
 def main() -> int:
@@ -161,6 +165,9 @@ def main() -> int:
                         help="prompt lengths of the blend runs, comma-separated (default "
                         "4096; 'none' skips them)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (3)")
+    parser.add_argument("--no-full", action="store_true",
+                        help="skip the full prefill of the blend runs (today / after needs "
+                        "none; it takes most of their time)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -170,7 +177,8 @@ def main() -> int:
         bench_kernels(args.kernel_keys, args.repeats)
     if args.blend_lengths != "none":
         print(f"blend, random Llama {BIG_CONFIG}:", flush=True)
-        bench_blend([int(x) for x in args.blend_lengths.split(",")], args.repeats, args.seed)
+        bench_blend([int(x) for x in args.blend_lengths.split(",")], args.repeats, args.seed,
+                    not args.no_full)
     return 0
 
 

@@ -25,10 +25,17 @@ table on stdout, <out-dir>/<date>-blend[-quick].json (written first), .md and -q
 
     .venv/bin/python benchmarks/bench_blend.py            # full run
     .venv/bin/python benchmarks/bench_blend.py --quick    # smoke run, a minute or two
+    .venv/bin/python benchmarks/bench_blend.py --quality-only --compare-today
+
+`--compare-today` also runs the quality part on today's path (blend_baseline.py: the
+layer loop, executors and re-rotation of blend_baseline.BASELINE_REV with the dense-mask
+attention), in the same process, and prints the largest difference of each method's KL
+and top-1 agreement between the two (issue 26: quality unchanged, equal to 1e-6).
 """
 
 import argparse
 import datetime
+import json
 import os
 import random
 import sys
@@ -38,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import blend_report  # noqa: E402
+from blend_baseline import Baseline  # noqa: E402
 from common import machine_info, median, record_block_size, running_daemon  # noqa: E402
 from train_blend_model import load_or_train  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -178,6 +186,21 @@ def run_quality(model, task, engine, num_prompts: int, pool_docs: int, seed: int
             "store_tokens": num_stored, "store_s": store_s, "methods": summary}
 
 
+def compare_quality(tree: dict, today: dict) -> str:
+    """A table of each method's KL mean and top-1 agreement on this tree and on today's
+    path (`run_quality`'s "methods"), with their absolute differences."""
+    lines = ["| method | KL mean (tree / today) | top-1 (tree / today) | KL difference | "
+             "top-1 difference |",
+             "|---|---|---|---|---|"]
+    for name, entry in tree.items():
+        other = today[name]
+        lines.append(f"| {name} | {entry['kl_mean']:.6f} / {other['kl_mean']:.6f} | "
+                     f"{entry['top1_agreement']:.4f} / {other['top1_agreement']:.4f} | "
+                     f"{abs(entry['kl_mean'] - other['kl_mean']):.1e} | "
+                     f"{abs(entry['top1_agreement'] - other['top1_agreement']):.1e} |")
+    return "\n".join(lines)
+
+
 def _mean(values: list) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -299,6 +322,11 @@ def main() -> int:
     parser.add_argument("--rope", choices=("default", "llama3"), default="default",
                         help="the trained model's RoPE (llama3: Llama 3 scaling; its own "
                         "weights, trained on first use)")
+    parser.add_argument("--quality-only", action="store_true",
+                        help="skip the TTFT runs; write <date>-blend-quality.json")
+    parser.add_argument("--compare-today", action="store_true",
+                        help="also run the quality part on today's path (blend_baseline.py) "
+                        "and print the largest KL / top-1 differences")
     parser.add_argument("--train-steps", type=int, default=600,
                         help="steps of the trained model (train_blend_model.py --steps)")
     args = parser.parse_args()
@@ -325,6 +353,26 @@ def main() -> int:
             CacheEngine.connect(layout, socket=socket, strict=True, data_timeout_s=30) as engine:
         print(f"quality: {num_prompts} prompts ...", flush=True)
         quality = run_quality(model, task, engine, num_prompts, args.pool_docs, args.seed)
+        if args.compare_today:
+            print(f"quality, today's path (blend_baseline.py): {num_prompts} prompts ...",
+                  flush=True)
+            with Baseline().active():
+                today = run_quality(model, task, engine, num_prompts, args.pool_docs,
+                                    args.seed)
+            quality["today"] = today["methods"]
+            print(compare_quality(quality["methods"], today["methods"]), flush=True)
+    if args.quality_only:
+        stem = f"{datetime.date.today().isoformat()}-blend-quality"
+        path = os.path.join(args.out_dir, f"{stem}.json")
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"meta": {"command": " ".join(["python", "benchmarks/bench_blend.py"]
+                                                    + sys.argv[1:]), "machine": machine,
+                                "duration_s": time.perf_counter() - started},
+                       "model": {k: meta[k] for k in ("key", "cache_dir", "train", "accuracy")},
+                       "quality": quality}, f, indent=1, default=blend_report.json_default)
+        print(f"wrote {path}")
+        return 0
     names = ["full", "prefix"] + [name for name, _ in methods()]
     speed = {"trained": speed_suite("trained", model, task, lengths, repeats, names,
                                     args.seed, devices, all_methods_max)}

@@ -19,9 +19,9 @@ import dataclasses
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
-from lmcached.client.attention import attend_at_positions
+from lmcached.client.attention import PositionsPlan, attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
 
 # Model types whose decoder is exactly embed_tokens -> layers -> norm -> lm_head, each
@@ -70,7 +70,8 @@ class BlendedLayers:
             (fresh rows where recomputed, re-rotated cached rows elsewhere).
         num_reused_tokens: tokens whose cached K/V were blended in (the last token,
             always recomputed, excluded).
-        recomputed_indices: int64 `[n]`, cpu: the rows computed through the last layer.
+        recomputed_indices: int64 `[n]`, cpu: the rows whose K/V the last layer
+            computed (its attention and MLP ran for the last of them only).
     """
 
     last_hidden: torch.Tensor
@@ -83,18 +84,35 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
+def _project(proj: torch.nn.Module, x: torch.Tensor, head_size: int,
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """`proj(x)` per head, token-major `[n, heads, head_size]` (as the segments are
+    stored, client/blend/segments.py), with RoPE at the rows' positions where cos/sin
+    (`[n, head_size]`) are given: transformers' `apply_rotary_pos_emb`, one tensor at a
+    time. x: `[n, hidden_size]`."""
+    out = proj(x).view(x.shape[0], -1, head_size)
+    if cos is None:
+        return out
+    return (out * cos[:, None]) + (rotate_half(out) * sin[:, None])
+
+
 def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
                        task: BlendRetrieverTask, executor: BlendExecutor) -> BlendedLayers:
     """Prefill one prompt layer by layer, computing only the rows the executor selects.
 
-    Per layer, with R the rows selected by the previous layer (every row at layer 0):
+    Per layer, with R the rows selected by the previous layer (at layer 0 every row, or
+    those `executor.fresh_rows` names, e.g. LegoLink's selection):
     input_layernorm, q/k/v projections and RoPE for R (cos/sin of the model's own
-    `rotary_emb`), then `executor.blend` with the retriever's K/V of the layer; the
+    `rotary_emb`; Q after blend, of the selected rows only, where the executor selects
+    from fresh K: CacheBlend's check layer), then `executor.blend` with the retriever's
+    K/V of the layer; the
     selected rows S attend over the long K/V it returns, key j visible to query i iff
     j <= position of i (`attend_at_positions`: unmasked key blocks and small masked
     squares merged by log-sum-exp on CPU, no dense mask); then o_proj, the
     residual, post_attention_layernorm, mlp and the residual for S. Hidden states of
-    rows outside S keep their last computed value and are never read again.
+    rows outside S keep their last computed value and are never read again. At the
+    last layer only the last row goes on after blend (its hidden state gives the
+    logits; the others' would be read by no one), as vLLM's blend path does.
 
     Args:
         model: a model accepted by `check_blend_supported`, in eval mode.
@@ -121,6 +139,8 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
 
     rows = all_positions  # [n] int64 cpu: rows of the fresh q/k/v of this layer
     layers, num_reused = [], 0
+    last_layer = len(decoder.layers) - 1
+    plan = None  # PositionsPlan of the rows that attend, reused while they stay the same
     for layer_id, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         retrieved = task.result(layer_id)
@@ -128,14 +148,20 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
         valid_mask = retrieved.valid_mask.to(torch.bool).clone()
         valid_mask[-1] = False
         num_reused = int(valid_mask.sum())
+        ahead = executor.fresh_rows(layer_id, valid_mask, retrieved.original_positions,
+                                    query_start_loc)
+        if ahead is not None:  # e.g. LegoLink's selection, known before layer 0
+            rows = ahead.to("cpu", torch.int64)
 
         rows_dev = rows.to(device)
         x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
-        shape = (x.shape[0], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape)  # [n, heads, head_size]
-        k = attn.k_proj(x).view(shape)  # [n, kv_heads, head_size]
-        v = attn.v_proj(x).view(shape)  # [n, kv_heads, head_size]
-        q, k = apply_rotary_pos_emb(q, k, cos[rows_dev], sin[rows_dev], unsqueeze_dim=1)
+        row_cos, row_sin = cos[rows_dev], sin[rows_dev]  # [n, head_size] each
+        k = _project(attn.k_proj, x, attn.head_dim, row_cos, row_sin)  # [n, kv_heads, head_size]
+        v = _project(attn.v_proj, x, attn.head_dim)  # [n, kv_heads, head_size]
+        # Where the executor picks the rows from this layer's fresh K (CacheBlend's check
+        # layer), Q is projected after it, for the selected rows only.
+        q_after = executor.selects_from_fresh_k(layer_id)
+        q = None if q_after else _project(attn.q_proj, x, attn.head_dim, row_cos, row_sin)
 
         # Token-major, as the segments are stored (client/blend/segments.py).
         out = executor.blend(
@@ -143,20 +169,33 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
             retrieved.original_positions, q, k, v, all_positions[rows], query_start_loc,
             token_dim=0,
         )
-        rows = out.local_indices.to("cpu", torch.int64)
-        rows_dev = rows.to(device)
+        selected_rows = out.local_indices.to("cpu", torch.int64)
+        if out.q is None:  # [n', heads, head_size]: Q of the selected rows
+            local = torch.searchsorted(rows, selected_rows).to(device)
+            out.q = _project(attn.q_proj, x[local], attn.head_dim, row_cos[local],
+                             row_sin[local])
+        rows = selected_rows
         # Head-major views: [heads, n', head_size] / [kv_heads, T, head_size].
         out_q, out_k, out_v = (t.transpose(0, 1) for t in (out.q, out.k, out.v))
+        layers.append((out_k[None], out_v[None]))  # [1, kv_heads, T, head_size] each
+        # The last layer's outputs are read for the last token only (its K/V, in the
+        # cache, were computed for every selected row): attention and MLP for that row.
+        tail = slice(-1, None) if layer_id == last_layer else slice(None)
+        rows_out = rows[tail]
+        rows_dev = rows_out.to(device)
         # Query i sees key j iff j <= its position (true positions, not the top-left
         # alignment of is_causal), without a dense mask on CPU.
+        positions = out.positions[tail]
+        if plan is None or not plan.matches(positions):  # a new selection: cut its rows once
+            plan = PositionsPlan(positions)
         attn_out = attend_at_positions(
-            out_q[None], out_k[None], out_v[None], out.positions, scale=attn.scaling,
+            out_q[:, tail][None], out_k[None], out_v[None], positions, scale=attn.scaling,
+            plan=plan,
         )  # [1, heads, n', head_size]
-        attn_out = attn_out[0].transpose(0, 1).reshape(rows.numel(), -1)
+        attn_out = attn_out[0].transpose(0, 1).reshape(rows_out.numel(), -1)
         selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]
         selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
         hidden[rows_dev] = selected
-        layers.append((out_k[None], out_v[None]))  # [1, kv_heads, T, head_size] each
 
     assert int(rows[-1]) == num_tokens - 1, (
         "the prompt's last token was not recomputed through the last layer: the "

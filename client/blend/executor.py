@@ -78,6 +78,7 @@ class _SelectiveBlend(BlendExecutor):
         self._reverse_encoder: PositionalEncoder | None = None
         self._warned_unrotated = False
         self._selected: torch.Tensor | None = None  # int64 [num_selected], cpu, ascending
+        self._moves: tuple[torch.Tensor, ...] | None = None  # _reused_k's positions, per batch
         self._num_tokens = 0
         self._next_layer = 0
 
@@ -116,10 +117,13 @@ class _SelectiveBlend(BlendExecutor):
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
             raise ValueError(f"layer_id must be an int >= 0, got {layer_id!r}")
         if layer_id == 0:
-            self._selected, self._num_tokens = None, 0
+            self._selected, self._num_tokens, self._moves = None, 0, None
         elif layer_id != self._next_layer:
             raise ValueError(f"blend() got layer {layer_id}, expected {self._next_layer}: call "
                              "it for layers 0, 1, 2, ... in order (layer 0 starts a batch)")
+        if fresh_q is None and not self.selects_from_fresh_k(layer_id):
+            raise ValueError(f"fresh_q is None at layer {layer_id}: only a layer where "
+                             "selects_from_fresh_k() is True (CacheBlend's check layer) takes None")
         if not -fresh_k.dim() <= token_dim < fresh_k.dim():
             raise ValueError(f"token_dim {token_dim} is not an axis of K "
                              f"(shape {tuple(fresh_k.shape)})")
@@ -159,8 +163,10 @@ class _SelectiveBlend(BlendExecutor):
     @staticmethod
     def _check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_rows, which):
         """Raise ValueError unless fresh q/k/v and positions all have `num_rows` tokens."""
-        got = {"fresh_q": fresh_q.shape[token_dim], "fresh_k": fresh_k.shape[token_dim],
-               "fresh_v": fresh_v.shape[token_dim], "positions": positions.numel()}
+        got = {"fresh_k": fresh_k.shape[token_dim], "fresh_v": fresh_v.shape[token_dim],
+               "positions": positions.numel()}
+        if fresh_q is not None:  # None: Q of the selection computed after blend()
+            got["fresh_q"] = fresh_q.shape[token_dim]
         if any(n != num_rows for n in got.values()) or fresh_k.shape != fresh_v.shape:
             raise ValueError(f"this layer needs fresh Q/K/V and positions of {which} "
                              f"({num_rows} rows along token_dim {token_dim}); got {got}")
@@ -174,16 +180,18 @@ class _SelectiveBlend(BlendExecutor):
                          "the selected tokens only (BlendOutput.local_indices)")
 
     def _reused_k(self, retrieved_k, valid, original, qsl, token_dim):
-        """The retrieved K with its valid rows rotated to their index in their request.
+        """The retrieved K with every row rotated to its index in its request.
 
-        One encoder call on the valid rows only (delta = new - original), or, with
-        `delta_rotation=False`, the reverse encoder at the original positions then the
-        encoder at the new ones. Without the needed encoder(s), K as stored (one warning).
-        Never writes into retrieved_k (encoders get a gathered copy, so in-place encoders
-        such as vLLM's are fine); may return it unchanged.
+        One encoder call on a copy of every row, token axis first (delta = new -
+        original), or, with `delta_rotation=False`, the reverse encoder at the original
+        positions then the encoder at the new ones; rows without retrieved KV (undefined,
+        replaced by fresh rows later) are moved by 0. The positions are made once per
+        batch, the same tensors every layer (an encoder may cache what it derives from
+        them). Without the needed encoder(s), K as stored (one warning). Never writes into
+        retrieved_k (in-place encoders such as vLLM's get the copy); may return it
+        unchanged.
         """
-        rows = mask_to_indices(valid)  # int64 [num_valid], cpu
-        if rows.numel() == 0:
+        if not valid.any():
             return retrieved_k
         if self._encoder is None or (not self.delta_rotation and self._reverse_encoder is None):
             if not self._warned_unrotated:
@@ -194,30 +202,33 @@ class _SelectiveBlend(BlendExecutor):
                 self._warned_unrotated = True
             return retrieved_k
         device = retrieved_k.device
-        new = _positions_in_request(qsl)[rows]
-        old = original[rows]
-        # [num_valid, ...], token axis first.
-        k = retrieved_k.index_select(token_dim, rows.to(device)).movedim(token_dim, 0)
+        if self._moves is None:  # int64 [N] each, on K's device, once per batch
+            new = _positions_in_request(qsl)
+            old = torch.where(valid, original, new)
+            self._moves = (((new - old).to(device),) if self.delta_rotation
+                           else (old.to(device), new.to(device)))
+        k = retrieved_k.movedim(token_dim, 0).clone()  # [N, ...], token axis first
         if self.delta_rotation:
-            _, k = self._encoder((new - old).to(device), None, k)
+            _, k = self._encoder(self._moves[0], None, k)
         else:
-            _, k = self._reverse_encoder(old.to(device), None, k)
-            _, k = self._encoder(new.to(device), None, k)
-        k = k.movedim(0, token_dim)
-        if rows.numel() == valid.numel():
-            return k
-        out = retrieved_k.clone()
-        out.index_copy_(token_dim, rows.to(device), k)
-        return out
+            _, k = self._reverse_encoder(self._moves[0], None, k)
+            _, k = self._encoder(self._moves[1], None, k)
+        return k.movedim(0, token_dim)
 
-    def _select(self, mask, fresh_q, positions, qsl, token_dim):
-        """Record `mask` (bool [N], cpu) as the selection. Returns (q of the selected rows,
-        their positions, local_indices int64 cpu, new query_start_loc int64 [B+1] cpu)."""
+    def _record_selection(self, mask, qsl):
+        """Record `mask` (bool [N], cpu) as the selection. Returns (local_indices int64
+        cpu, new query_start_loc int64 [B+1] cpu)."""
         selected = mask_to_indices(mask)
         self._selected, self._num_tokens = selected, mask.numel()
         counts = torch.cat((torch.zeros(1, dtype=torch.int64), mask.to(torch.int64).cumsum(0)))
+        return selected, counts[qsl]
+
+    def _select(self, mask, fresh_q, positions, qsl, token_dim):
+        """Record `mask` as the selection (`_record_selection`). Returns (q of the selected
+        rows, their positions, local_indices, new query_start_loc)."""
+        selected, new_qsl = self._record_selection(mask, qsl)
         q = fresh_q.index_select(token_dim, selected.to(fresh_q.device))
-        return q, positions[selected.to(positions.device)], selected, counts[qsl]
+        return q, positions[selected.to(positions.device)], selected, new_qsl
 
     def _long_kv(self, retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                  token_dim):
@@ -315,8 +326,12 @@ class CacheBlendImpl(_SelectiveBlend):
             if retrieved_k is not None:
                 reused_k = self._reused_k(retrieved_k, valid, original, qsl, token_dim)
                 mask = self._top_deviation(reused_k, fresh_k, valid, qsl, token_dim)
-            q, selected_positions, selected, new_qsl = self._select(
-                mask, fresh_q, positions, qsl, token_dim)
+            if fresh_q is None:  # the caller computes Q of the selection
+                selected, new_qsl = self._record_selection(mask, qsl)
+                q, selected_positions = None, positions[selected.to(positions.device)]
+            else:
+                q, selected_positions, selected, new_qsl = self._select(
+                    mask, fresh_q, positions, qsl, token_dim)
             logger.debug("cacheblend: layer %d selected %d of %d tokens (%d reused)", layer_id,
                          selected.numel(), num_tokens, int(valid.sum()))
             return BlendOutput(q, fresh_k, fresh_v, selected_positions, selected, new_qsl)
@@ -324,6 +339,11 @@ class CacheBlendImpl(_SelectiveBlend):
         k, v = self._long_kv(retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                              token_dim)
         return BlendOutput(fresh_q, k, v, positions, self._selected, None)
+
+    def selects_from_fresh_k(self, layer_id: int) -> bool:
+        """True at the check layer (`BlendExecutor.selects_from_fresh_k`): fresh_q may be
+        None there, and the caller computes Q of the selected rows only."""
+        return layer_id == self.check_layer
 
     def _top_deviation(self, reused_k, fresh_k, valid, qsl, token_dim) -> torch.Tensor:
         """bool [N] cpu: every invalid token, plus per request the ceil(ratio * reused)
@@ -355,10 +375,14 @@ class LegoLinkImpl(_SelectiveBlend):
     sink when it was computed alone; recomputing them in context removes the spurious
     sinks. The first segment of a request keeps its KV (it was computed where it is).
 
-    At layer 0 the caller passes fresh Q/K/V of every token (the selection is made
-    there); the output is Q of the selected rows and the long K/V (reused, re-rotated,
-    with fresh rows at the selection), and the new query_start_loc. Later layers get
-    fresh Q/K/V of the selected rows only, as after CacheBlend's check layer.
+    The selection depends on the retrieval only, so it is known before layer 0:
+    `fresh_rows(0, ...)` returns it, and a caller that computes Q/K/V for those rows
+    only saves the projections of every reused token (the Hugging Face path does). At
+    layer 0 the caller passes fresh Q/K/V of those rows, or of every token (the
+    selected ones are kept); the output is Q of the selected rows and the long K/V
+    (reused, re-rotated, with fresh rows at the selection), and the new query_start_loc.
+    Later layers get fresh Q/K/V of the selected rows only, as after CacheBlend's check
+    layer.
     """
 
     def __init__(self, legolink_k: int, *, delta_rotation: bool = True):
@@ -389,20 +413,40 @@ class LegoLinkImpl(_SelectiveBlend):
         num_tokens = valid.numel()
         new_qsl = None
         if layer_id == 0:
-            self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens,
-                             "every token (layer 0)")
             mask = self._segment_heads(valid, original, qsl)
-            fresh_q, positions, selected, new_qsl = self._select(
-                mask, fresh_q, positions, qsl, token_dim)
-            rows = selected.to(fresh_k.device)
-            fresh_k = fresh_k.index_select(token_dim, rows)
-            fresh_v = fresh_v.index_select(token_dim, rows)
+            if fresh_k.shape[token_dim] == num_tokens:  # every token: keep the selected
+                self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens,
+                                 "every token (layer 0)")
+                fresh_q, positions, selected, new_qsl = self._select(
+                    mask, fresh_q, positions, qsl, token_dim)
+                rows = selected.to(fresh_k.device)
+                fresh_k = fresh_k.index_select(token_dim, rows)
+                fresh_v = fresh_v.index_select(token_dim, rows)
+            else:  # the caller computed the rows of fresh_rows(0) only
+                selected, new_qsl = self._record_selection(mask, qsl)
+                self._check_rows(fresh_q, fresh_k, fresh_v, positions, token_dim,
+                                 selected.numel(), f"every token ({num_tokens}) or the "
+                                 "selected ones (fresh_rows) at layer 0")
             logger.debug("legolink: selected %d of %d tokens (%d reused)", selected.numel(),
                          num_tokens, int(valid.sum()))
         self._check_selected_rows(fresh_q, fresh_k, fresh_v, positions, token_dim, num_tokens)
         k, v = self._long_kv(retrieved_k, retrieved_v, valid, original, qsl, fresh_k, fresh_v,
                              token_dim)
         return BlendOutput(fresh_q, k, v, positions, self._selected, new_qsl)
+
+    def fresh_rows(self, layer_id, valid_mask, original_positions,
+                   query_start_loc) -> torch.Tensor | None:
+        """At layer 0, the selection (`BlendExecutor.fresh_rows`): int64 indices, cpu, of
+        every token without reused KV and the first legolink_k tokens of each reused
+        segment that does not start its request; None at later layers (the previous
+        layer's local_indices).
+        """
+        if layer_id != 0:
+            return None
+        valid = valid_mask.to("cpu", torch.bool)
+        original = original_positions.to("cpu", torch.int64)
+        qsl = query_start_loc.to("cpu", torch.int64)
+        return mask_to_indices(self._segment_heads(valid, original, qsl))
 
     def _segment_heads(self, valid, original, qsl) -> torch.Tensor:
         """bool [N] cpu: invalid tokens, plus the first k tokens of each reused segment

@@ -78,7 +78,8 @@ class BlendOutput:
     """What one layer computes with, after blending; LMCache's `BlendOutput`.
 
     Attributes:
-        q: Q of the selected tokens only (token axis as given to `blend`).
+        q: Q of the selected tokens only (token axis as given to `blend`); None when
+            `blend` got fresh_q None (`BlendExecutor.selects_from_fresh_k`).
         k: K of every token, fresh where selected and reused elsewhere.
         v: V of every token, same.
         positions: int64 positions (in their request) of the selected tokens.
@@ -88,7 +89,7 @@ class BlendOutput:
             layer changed the selection, else None.
     """
 
-    q: torch.Tensor
+    q: torch.Tensor | None
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
@@ -112,9 +113,38 @@ class BlendExecutor(abc.ABC):
             retrieved_k, retrieved_v, valid_mask, original_positions: the retriever's
                 result for this layer (`BlendRetrieverResult`).
             fresh_q, fresh_k, fresh_v: Q/K/V computed now, RoPE applied at `positions`,
-                for the tokens selected by the previous layer (every token at the first).
+                for the tokens selected by the previous layer (every token at the first);
+                fresh_q may be None where `selects_from_fresh_k(layer_id)`.
             positions: int64 positions (in their request) of the rows of fresh Q/K/V.
             query_start_loc: the batch's original `[batch + 1]` request starts (never
                 the updated one).
             token_dim: the token axis of K/V (and of Q).
         """
+
+    def fresh_rows(self, layer_id: int, valid_mask: torch.Tensor,
+                   original_positions: torch.Tensor,
+                   query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """The rows whose fresh Q/K/V `blend(layer_id, ...)` needs, where the executor
+        knows them before they are computed, so that the caller computes only those (an
+        lmcached addition; LMCache's executors take every token at the first layer).
+
+        Args:
+            layer_id, valid_mask, original_positions, query_start_loc: as `blend`'s.
+
+        Returns:
+            int64 `[n]` ascending indices into the batch, cpu; or None: the rows `blend`
+            documents (every token at the first layer, the previous layer's
+            local_indices after).
+        """
+        return None
+
+    def selects_from_fresh_k(self, layer_id: int) -> bool:
+        """True where `blend(layer_id, ...)` picks the rows that go on from that layer's
+        fresh K (CacheBlend's check layer): the caller may then pass `fresh_q=None`,
+        get `BlendOutput.q` None and compute Q of `local_indices` only (an lmcached
+        addition; every other layer needs fresh_q).
+
+        Args:
+            layer_id: 0-based layer.
+        """
+        return False

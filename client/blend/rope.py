@@ -15,7 +15,8 @@ and PR #2946 show what happens when they are not: garbled output on Llama 3.1).
 Convention: transformers' Llama `rotate_half`, the half-split (GPT-NeoX) layout: the
 pairs are (x[i], x[i + head_dim/2]), not interleaved. Rotation runs in fp32 with the
 angles in float64 (float32 where the device has no float64), then is cast back to the
-input's dtype.
+input's dtype; the per-token cos/sin tables of the last delta tensor are kept, so that
+the layers of one blended batch compute them once.
 
 This module does not import transformers: `from_model` only reads attributes.
 """
@@ -66,6 +67,8 @@ class LlamaRotary:
         # float32 [head_dim // 2], cpu: a copy, as the model's forward uses it (.float()).
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32).clone()
         self.head_dim = 2 * self.inv_freq.numel()
+        # (delta tensor, a copy of it, device, cos, sin) of the last `rotate`.
+        self._last_tables: tuple | None = None
 
     @classmethod
     def from_params(cls, head_dim: int, rope_theta: float,
@@ -177,23 +180,45 @@ class LlamaRotary:
                              f"(x's token axis {token_dim}), "
                              f"got shape {tuple(delta_positions.shape)}")
         xr = x.reshape(*x.shape[:-1], width // self.head_dim, self.head_dim)
-        exact = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
-        # Blended segments move all their tokens by one delta: the angles (float64 cos
-        # and sin are slow) are computed once per distinct delta, then gathered.
-        deltas, token_delta = torch.unique(delta_positions.to(x.device), return_inverse=True)
-        # [num_deltas, head_dim // 2], float64: the angle of each pair, for each delta.
-        angles = deltas.to(exact)[:, None] * self.inv_freq.to(x.device, exact)[None, :]
+        cos, sin = self._tables(delta_positions, x.device)
+        half = self.head_dim // 2
         shape = [1] * xr.dim()
         shape[token_dim] = delta_positions.numel()
         shape[-1] = self.head_dim
-        # [num_tokens, head_dim] -> broadcastable to xr, float32.
-        cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(torch.float32)[token_delta]
-        sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(torch.float32)[token_delta]
-        cos, sin = cos.view(shape), sin.view(shape)
+        half_shape = shape[:-1] + [half]
+        cos, sin = cos.view(shape), sin.view(half_shape)
         x32 = xr.to(torch.float32)
-        half = self.head_dim // 2
-        rotated_half = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-        return (x32 * cos + rotated_half * sin).to(x.dtype).reshape(x.shape)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): three passes.
+        out = x32 * cos
+        out[..., :half].addcmul_(x32[..., half:], sin, value=-1)
+        out[..., half:].addcmul_(x32[..., :half], sin)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _tables(self, delta_positions: torch.Tensor,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos `[T, head_dim]` and sin `[T, head_dim // 2]` of each token's delta,
+        on `device`. The last call's tables are reused when given the same, unmodified
+        tensor again (a blend executor passes one tensor to every layer of a batch).
+
+        The angles are computed once per distinct delta (blended segments move all their
+        tokens by one delta; float64 cos and sin are slow), in float64 (float32 where the
+        device has no float64), then gathered per token.
+        """
+        last = self._last_tables
+        if (last is not None and last[0] is delta_positions and last[2] == device
+                and torch.equal(delta_positions, last[1])):  # inference tensors: no _version
+            return last[3], last[4]
+        exact = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+        deltas, token_delta = torch.unique(delta_positions.to(device), return_inverse=True)
+        # [num_deltas, head_dim // 2]: the angle of each pair, for each delta.
+        angles = deltas.to(exact)[:, None] * self.inv_freq.to(device, exact)[None, :]
+        cos = angles.cos().to(torch.float32)
+        cos = torch.cat((cos, cos), dim=-1)[token_delta]  # [T, head_dim]
+        sin = angles.sin().to(torch.float32)[token_delta]  # [T, head_dim // 2]
+        # The tensor itself is held, so that no other tensor can take its identity, and
+        # a copy of its values, to see a change in place.
+        self._last_tables = (delta_positions, delta_positions.clone(), device, cos, sin)
+        return cos, sin
 
     def encoder(self, positions: torch.Tensor, q: torch.Tensor | None,
                 k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -51,7 +51,7 @@ def test_scattered_positions_equal_masked_sdpa(dtype, group_rows):
     scattered = torch.randperm(NUM_KEYS - 8, generator=gen)[:16] + 4
     positions = torch.cat((torch.arange(4), scattered, torch.arange(NUM_KEYS - 4, NUM_KEYS)))
     positions = positions.unique()  # sorted, distinct
-    q, k, v = qkv(positions.numel(), dtype)
+    q, k, v = qkv(positions.numel(), dtype, batch=2)
     out = attend_at_positions(q, k, v, positions, scale=0.3, group_rows=group_rows)
     expected = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
@@ -98,8 +98,10 @@ def test_cuda_equals_masked_sdpa(dtype):
                                    atol=ATOL[dtype], rtol=0)
 
 
-def test_runs_far_apart_take_the_causal_kernel_without_a_mask(monkeypatch):
-    """LegoLink's selection: a run of rows per document, documents far apart."""
+def test_groups_squares_run_as_one_call_and_their_prefixes_unmasked(monkeypatch):
+    """LegoLink's selection: a run of rows per document, documents far apart. Every
+    group's square runs in one batched masked call; each group after key 0 adds one
+    unmasked call over the keys before it: 1 + 3 calls, not 2 per group plus merges."""
     masks = []
     real = attention._flash_cpu
 
@@ -112,4 +114,51 @@ def test_runs_far_apart_take_the_causal_kernel_without_a_mask(monkeypatch):
     q, k, v = qkv(positions.numel(), torch.float32)
     out = attend_at_positions(q, k, v, positions, group_rows=8)
     torch.testing.assert_close(out, reference(q, k, v, positions), atol=1e-5, rtol=0)
-    assert len(masks) == 6 and all(mask is None for mask in masks)  # 3 runs x 2 parts
+    assert len(masks) == 4 and masks[0].shape == (3, 1, 4, 4)  # G=3 squares of 4 x 4
+    assert all(mask is None for mask in masks[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_serves_every_layer_and_refuses_other_positions(dtype):
+    positions = torch.tensor([0, 3, 4, 9, 30, 31, 50, 79])
+    plan = attention.PositionsPlan(positions, group_rows=3)
+    for seed in (0, 1):  # two "layers", one plan
+        q, k, v = qkv(positions.numel(), dtype, seed=seed)
+        out = attend_at_positions(q, k, v, positions, plan=plan)
+        torch.testing.assert_close(out.float(), reference(q, k, v, positions),
+                                   atol=ATOL[dtype], rtol=0)
+    with pytest.raises(ValueError, match="plan was made for other positions"):
+        attend_at_positions(q, k, v, positions + 1, plan=plan)
+
+
+def test_a_sparse_stretch_does_not_widen_every_square():
+    """Rows 20 keys apart with groups of 32 rows would span 620 keys: the group ends
+    before 16 x 32 = 512 keys, so every padded square is at most 512 wide."""
+    num_keys = 1200
+    positions = torch.arange(0, num_keys, 20)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, positions.numel(), 16, generator=gen)
+    k, v = torch.randn(2, 1, 2, num_keys, 16, generator=gen)
+    plan = attention.PositionsPlan(positions, group_rows=32)
+    assert plan.width <= 16 * 32 and plan.num_groups == 3
+    out = attend_at_positions(q, k, v, positions, plan=plan)
+    torch.testing.assert_close(out, reference(q, k, v, positions), atol=1e-5, rtol=0)
+
+
+def test_one_row_takes_one_unmasked_call(monkeypatch):
+    """The last token alone (blend_prefill's last layer): every key up to it, one call."""
+    calls = []
+    real = attention._flash_cpu
+
+    def spy(query, key, value, **kwargs):
+        calls.append((key.shape[2], kwargs.get("attn_mask"), kwargs.get("is_causal", False)))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash_cpu", spy)
+    for position in (NUM_KEYS - 1, 40):
+        calls.clear()
+        q, k, v = qkv(1, torch.float32, seed=position)
+        out = attend_at_positions(q, k, v, torch.tensor([position]))
+        torch.testing.assert_close(out, reference(q, k, v, torch.tensor([position])),
+                                   atol=1e-5, rtol=0)
+        assert calls == [(position + 1, None, False)]

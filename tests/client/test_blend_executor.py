@@ -299,6 +299,83 @@ def test_legolink_recomputes_the_first_k_of_each_later_segment(token_dim):
     assert torch.equal(lay(out1.k, token_dim)[:, selected], lay(k1, token_dim))
 
 
+@pytest.mark.parametrize("token_dim", [0, 1])
+def test_legolink_names_its_layer_zero_rows_ahead_and_takes_them_alone(token_dim):
+    """fresh_rows(0) is the selection; layer 0 given fresh Q/K/V of those rows only
+    returns what it returns given every token's."""
+    batch = make_batch(LEGO_BATCH)
+    args = (batch["valid"], batch["original"], batch["qsl"])
+    executor = LegoLinkImpl(2)
+    executor.set_positional_encoder(ROPE.encoder)
+    assert executor.fresh_rows(0, *args).tolist() == LEGO_SELECTED_K2
+    assert executor.fresh_rows(1, *args) is None
+    assert CacheBlendImpl(0.15).fresh_rows(0, *args) is None
+    every, fresh_all = call(executor, 0, batch, torch.arange(batch["valid"].numel()), token_dim)
+    rows = torch.tensor(LEGO_SELECTED_K2)
+    q, k, v = (x.index_select(token_dim, rows) for x in fresh_all)
+    ahead = executor.blend(0, lay(batch["retrieved_k"], token_dim),
+                           lay(batch["retrieved_v"], token_dim), *args[:2], q, k, v,
+                           batch["new"][rows], batch["qsl"], token_dim)
+    assert ahead.q is q
+    for name in ("q", "k", "v", "positions", "local_indices", "query_start_loc"):
+        assert torch.equal(getattr(ahead, name), getattr(every, name)), name
+    with pytest.raises(ValueError, match="or the selected ones"):
+        call(executor, 0, batch, torch.tensor(LEGO_SELECTED_K2[:-1]), token_dim)
+
+
+@pytest.mark.parametrize("token_dim", [0, 1])
+def test_check_layer_takes_no_q_and_selects_the_same_rows(token_dim):
+    """selects_from_fresh_k: at the check layer fresh_q may be None (the caller projects
+    Q of the selection after blend); every other layer refuses None."""
+    batch = make_batch(BATCH)
+    _, check, _ = run_cacheblend(0.3, batch, token_dim)
+    executor = CacheBlendImpl(0.3)
+    executor.set_positional_encoder(ROPE.encoder)
+    assert [executor.selects_from_fresh_k(layer) for layer in range(3)] == [False, True, False]
+    assert not LegoLinkImpl(2).selects_from_fresh_k(0)
+    all_rows = torch.arange(batch["valid"].numel())
+    with pytest.raises(ValueError, match="fresh_q is None at layer 0"):
+        executor.blend(0, None, None, torch.zeros_like(batch["valid"]), batch["original"],
+                       None, *fresh(batch, all_rows, token_dim)[1:], batch["new"],
+                       batch["qsl"], token_dim)
+    call(executor, 0, batch, all_rows, token_dim)
+    _, k, v = fresh(batch, all_rows, token_dim, seed=11)
+    no_q = executor.blend(1, lay(batch["retrieved_k"], token_dim),
+                          lay(batch["retrieved_v"], token_dim), batch["valid"],
+                          batch["original"], None, k, v, batch["new"], batch["qsl"], token_dim)
+    assert no_q.q is None
+    for name in ("k", "v", "positions", "local_indices", "query_start_loc"):
+        assert torch.equal(getattr(no_q, name), getattr(check, name)), name
+
+
+def test_reused_k_is_rotated_with_one_table_per_batch(monkeypatch):
+    """The layers after the check layer rotate the same rows by the same deltas: the
+    executor hands the encoder one positions tensor per batch, and LlamaRotary computes
+    its cos/sin once (torch.unique runs once per table)."""
+    batch = make_batch(BATCH)
+    rope = LlamaRotary.from_params(HEAD_DIM, 10000.0)
+    executor = CacheBlendImpl(0.3)
+    executor.set_positional_encoder(rope.encoder)
+    all_rows = torch.arange(batch["valid"].numel())
+    call(executor, 0, batch, all_rows, 1)
+    selected = None
+    calls = []
+    real = torch.unique
+    for layer in (1, 2, 3):
+        rows = all_rows if layer == 1 else selected
+        q, k, v = fresh(batch, rows, 1, seed=layer)  # before counting: fresh() rotates too
+        monkeypatch.setattr(torch, "unique", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        out = executor.blend(layer, batch["retrieved_k"], batch["retrieved_v"], batch["valid"],
+                             batch["original"], q, k, v, batch["new"][rows], batch["qsl"], 1)
+        monkeypatch.setattr(torch, "unique", real)
+        selected = out.local_indices
+    assert len(calls) == 1
+    kept = mask_to_indices(~indices_to_mask(selected, all_rows.numel()).bool())
+    moved = ROPE.rotate(batch["retrieved_k"][:, kept],
+                        batch["new"][kept] - batch["original"][kept], 1)
+    assert torch.allclose(out.k[:, kept], moved, atol=1e-6, rtol=0)
+
+
 def test_legolink_k_zero_and_k_large():
     batch = make_batch(LEGO_BATCH)
     rows = torch.arange(batch["valid"].numel())

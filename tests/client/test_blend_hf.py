@@ -366,7 +366,7 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
 
     from lmcached.client import hf_blend
 
-    def masked(query, key, value, positions, scale=None):
+    def masked(query, key, value, positions, scale=None, plan=None):
         groups = query.shape[1] // key.shape[1]
         mask = torch.arange(key.shape[2])[None, :] <= positions[:, None]
         return F.scaled_dot_product_attention(
@@ -383,3 +383,61 @@ def test_blend_without_a_dense_mask_equals_the_masked_attention(model, daemon, m
     assert rows == reference.num_recomputed_tokens and rows < len(prompt)
     assert torch.allclose(fast.logits, reference.logits, atol=1e-5, rtol=0)
     assert_cache_close(fast.past_key_values, reference.past_key_values, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(recompute_ratio=0.15),
+                                    dict(strategy="legolink", legolink_k=4)])
+def test_blend_computes_only_the_rows_it_reads(model, daemon, kwargs):
+    """The last layer's K/V are computed for every selected row (the cache holds them),
+    its MLP only for the prompt's last token (the logits read nothing else); LegoLink's
+    layer 0 and CacheBlend's check layer project Q only for the rows they select."""
+    mlp_rows = {}
+
+    def count(layer_id):
+        def hook(module, args):
+            mlp_rows[layer_id] = args[0].shape[0]
+        return hook
+
+    handles = [layer.mlp.register_forward_pre_hook(count(i))
+               for i, layer in enumerate(model.model.layers)]
+    for layer in (0, 1):
+        handles.append(model.model.layers[layer].self_attn.q_proj.register_forward_pre_hook(
+            count(f"q_proj {layer}")))
+    prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
+    try:
+        with connect(model, daemon) as engine:
+            store_segments(model, engine, torch.cat(DOCS), SPT)
+            mlp_rows.clear()
+            prefill = blend_prefill(model, engine, prompt, SPT, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert mlp_rows[NUM_LAYERS - 1] == 1
+    assert mlp_rows[NUM_LAYERS - 2] == prefill.num_recomputed_tokens > 1
+    # LegoLink's selection is known before layer 0: only its rows are projected there.
+    assert mlp_rows["q_proj 0"] == (prefill.num_recomputed_tokens
+                                    if kwargs.get("strategy") == "legolink" else len(prompt))
+    # CacheBlend's check layer (1) projects Q after its selection, for the selected rows.
+    assert mlp_rows["q_proj 1"] == prefill.num_recomputed_tokens
+    assert prefill.past_key_values.get_seq_length() == len(prompt)
+    assert daemon.pins_held() == 0
+
+
+def test_layers_after_the_selection_reuse_its_positions_plan(model, daemon, monkeypatch):
+    """One PositionsPlan per selection, not per layer: every row at layer 0, the
+    selection at layers 1 and 2 (one plan), the last token at the last layer."""
+    from lmcached.client import hf_blend
+
+    plans = []
+    real = hf_blend.PositionsPlan
+
+    def counting(positions, *args):
+        plans.append(positions.numel())
+        return real(positions, *args)
+
+    monkeypatch.setattr(hf_blend, "PositionsPlan", counting)
+    prompt = torch.cat([DOCS[1], DOCS[0], DOCS[2], QUESTION])
+    with connect(model, daemon) as engine:
+        store_segments(model, engine, torch.cat(DOCS), SPT)
+        prefill = blend_prefill(model, engine, prompt, SPT, recompute_ratio=0.15)
+    assert plans == [len(prompt), prefill.num_recomputed_tokens, 1]

@@ -160,3 +160,20 @@ def test_tokens_sharing_a_delta_rotate_as_if_each_were_alone():
     for token, delta in enumerate(deltas.tolist()):
         alone = rope.rotate(x[:, token : token + 1], torch.tensor([delta]), token_dim=1)
         assert torch.equal(rotated[:, token : token + 1], alone)
+
+
+def test_the_tables_of_one_delta_tensor_are_made_once(monkeypatch):
+    """A blend executor passes one delta tensor to every layer of a batch: its cos/sin
+    are computed once; a tensor modified in place or another tensor gets new tables."""
+    rope = LlamaRotary.from_params(16, 10000.0)
+    calls = []
+    real = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: calls.append(1) or real(*a, **k))
+    delta = torch.tensor([0, 0, 5, 5, 9])
+    x = torch.randn(5, 2, 16)
+    first = rope.rotate(x, delta, 0)
+    assert torch.equal(rope.rotate(x, delta, 0), first) and len(calls) == 1
+    delta[2:] += 1  # modified in place: new tables
+    moved = rope.rotate(x, delta, 0)
+    assert len(calls) == 2 and not torch.equal(moved, first)
+    assert torch.equal(rope.rotate(x, delta.clone(), 0), moved) and len(calls) == 3
