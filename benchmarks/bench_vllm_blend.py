@@ -92,6 +92,16 @@ def requests_for(rng, size: int, repeats: int) -> tuple[list[dict], list[tuple[s
     return requests, labels
 
 
+def random_model(out_dir: str, layers: int, hidden: int) -> str:
+    """The directory of the random-weight float32 Llama of `layers` x `hidden` under
+    `out_dir`, built by tests/vllm_e2e.py the first time (a later run reuses it)."""
+    model = os.path.join(out_dir, f"model-{layers}x{hidden}")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([sys.executable, E2E, "build-model", model, "--layers", str(layers),
+                        "--hidden", str(hidden), "--dtype", "float32"], check=True, timeout=600)
+    return model
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
@@ -102,11 +112,7 @@ def main() -> int:
     args = parser.parse_args()
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)
-    model = os.path.join(out, f"model-{args.layers}x{args.hidden}")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, E2E, "build-model", model, "--layers", str(args.layers),
-                        "--hidden", str(args.hidden), "--dtype", "float32"], check=True,
-                       timeout=600)
+    model = random_model(out, args.layers, args.hidden)
     rng = np.random.default_rng(0)
     requests, labels = [], []
     for size in args.sizes:

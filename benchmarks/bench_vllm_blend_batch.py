@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vllm_blend import E2E, SEP, rag_parts  # noqa: E402  (benchmarks/ is not a package)
+from bench_vllm_blend import SEP, rag_parts, random_model  # noqa: E402  (benchmarks/ is not a package)
 
 from lmcached.launcher import temporary_daemon  # noqa: E402
 
@@ -205,11 +205,7 @@ def main() -> int:
         parser.error("--out-dir is required")
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)
-    model = os.path.join(out, f"model-{args.layers}x{args.hidden}")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        subprocess.run([sys.executable, E2E, "build-model", model, "--layers", str(args.layers),
-                        "--hidden", str(args.hidden), "--dtype", "float32"], check=True,
-                       timeout=600)
+    model = random_model(out, args.layers, args.hidden)
     plan = {"arrivals": arrivals(np.random.default_rng(0), args.size, args.repeats),
             "decoders": args.decoders, "warm_steps": args.warm_steps,
             "decode_tokens": args.warm_steps + 24}
