@@ -66,6 +66,10 @@ class TensorParallelGroup:
     min_flags: Callable[[torch.Tensor], torch.Tensor]
 
 
+MAX_PENDING_STORES = 256  # queued document segments; a first meeting beyond them is not
+#                          stored (counted): the queue drains at least one per step
+
+
 def rotary_of(hf_config) -> LlamaRotary:
     """The model's RoPE as a delta rotation (`LlamaRotary.from_params`), from its config.
 
@@ -99,6 +103,9 @@ class BlendWorker:
         num_blended_requests / num_reused_tokens / num_recomputed_tokens: blends done,
             tokens whose cached K/V were blended in, rows computed through every layer.
         num_stored_segments: document segments computed alone and stored.
+        num_skipped_stores: queued segments found stored meanwhile (by another request
+            or process) and not computed again.
+        num_dropped_stores: segments not queued, MAX_PENDING_STORES being queued.
         num_failed_blends: blends that failed and were left to vLLM to recompute.
     """
 
@@ -117,6 +124,8 @@ class BlendWorker:
         self.num_reused_tokens = 0
         self.num_recomputed_tokens = 0
         self.num_stored_segments = 0
+        self.num_skipped_stores = 0
+        self.num_dropped_stores = 0
         self.num_failed_blends = 0
         self._load_errors: set[int] = set()
 
@@ -140,8 +149,29 @@ class BlendWorker:
                 if not spec.store_only:
                     self._load_errors.update(_claimed_blocks(spec, self.settings.block_size))
                 continue
-            self._pending_stores.extend((segment, spec.cache_salt) for segment in missing)
+            self._queue_stores(missing, spec.cache_salt)
         self.store_pending(model)
+
+    def _queue_stores(self, segments: list[torch.Tensor], salt: str | None) -> None:
+        """Queue segments to store, each once (a burst of requests meeting the same new
+        documents queues them once), at most MAX_PENDING_STORES. Every TP rank makes the
+        same decisions (same specs, same queue)."""
+        pending = {(queued_salt, queued.numpy().tobytes())
+                   for queued, queued_salt in self._pending_stores}
+        for segment in segments:
+            key = (salt, segment.numpy().tobytes())
+            if key in pending:
+                continue
+            if len(self._pending_stores) >= MAX_PENDING_STORES:
+                if not self.num_dropped_stores:
+                    logger.warning("lmcached blend: %d document segments are queued to be "
+                                   "stored; new ones are not stored until the queue drains "
+                                   "(raise max_num_batched_tokens to store more per step)",
+                                   MAX_PENDING_STORES)
+                self.num_dropped_stores += 1
+                continue
+            pending.add(key)
+            self._pending_stores.append((segment, salt))
 
     def store_pending(self, model) -> None:
         """Compute alone and store queued segments, oldest first, as many as fit in
@@ -154,8 +184,11 @@ class BlendWorker:
                 num_tokens == 0
                 or num_tokens + self._pending_stores[0][0].numel() <= self.store_tokens_per_step):
             segment, salt = self._pending_stores.popleft()
-            num_tokens += segment.numel()
             try:
+                if self._stored_meanwhile(segment, salt):
+                    self.num_skipped_stores += 1
+                    continue
+                num_tokens += segment.numel()
                 with torch.inference_mode():
                     self._store_segment(model, segment, salt)
             except Exception as exc:  # noqa: BLE001
@@ -237,6 +270,19 @@ class BlendWorker:
                                               v[rows].contiguous(), attention.kv_cache, slots)
 
         return write
+
+    def _stored_meanwhile(self, tokens: torch.Tensor, salt: str | None) -> bool:
+        """Whether a queued segment is stored by now on every TP rank (another request
+        or process met the document since it was queued): one LOOKUP, and with TP one
+        all-reduce, so that every rank skips it or none does (the forward that stores it
+        runs the model's collectives)."""
+        try:
+            found = int(self.engine.lookup(tokens, cache_salt=salt) >= tokens.numel())
+        except Exception:  # noqa: BLE001 - not known stored: compute it (every rank agrees)
+            found = 0
+        if self._tp_group is not None:
+            found = int(self._tp_group.min_flags(torch.tensor([found], dtype=torch.int64))[0])
+        return bool(found)
 
     def _store_segment(self, model, tokens: torch.Tensor, salt: str | None) -> None:
         """Compute one segment alone from position 0 (every row, every layer) and store

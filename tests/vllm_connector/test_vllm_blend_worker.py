@@ -315,3 +315,42 @@ def test_rope_that_a_delta_rotation_cannot_move_is_refused():
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}})
     with pytest.raises(ValueError, match="yarn"):
         rotary_of(yarn)
+
+
+def test_queued_documents_are_stored_once_and_not_again_once_stored_meanwhile(daemon,
+                                                                             monkeypatch):
+    # A burst of requests meeting the same new documents queues each once; a document
+    # another process stored before its turn is skipped, not computed again; the queue
+    # is bounded (what does not fit is counted, not stored).
+    rng = np.random.default_rng(9)
+    system, doc1, doc2, doc3 = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 10, 12, 9))
+    model = paged_model()
+    worker = make_worker(daemon.socket, store_tokens_per_step=1)  # one segment per step
+    computed = []
+    store = BlendWorker._store_segment
+    monkeypatch.setattr(BlendWorker, "_store_segment",
+                        lambda self, m, tokens, salt: computed.append(tokens.tolist())
+                        or store(self, m, tokens, salt))
+    worker.run([spec_of(system + doc1 + doc2, store_only=True),
+                spec_of(system + doc1 + doc2 + doc3, store_only=True)], model)
+    assert worker.num_pending_stores == 3  # system, doc1, doc2, doc3 queued once; system stored
+    other = make_worker(daemon.socket)  # another process stores doc1 and doc3 meanwhile
+    other.run([spec_of(doc1 + doc3, store_only=True)], model)
+    for _ in range(3):
+        worker.run([], model)
+    assert worker.num_pending_stores == 0
+    # the other process stored doc1 and doc3 (store-only: every segment) before their turn
+    assert computed.count(doc1) == 1 and computed.count(doc3) == 1, "computed again"
+    assert worker.num_skipped_stores == 2
+    assert worker.num_stored_segments == 2  # system, doc2
+    assert worker.engine.lookup(torch.tensor(doc2), cache_salt="s") == len(doc2)
+
+    monkeypatch.setattr("lmcached.client.vllm.blend_worker.MAX_PENDING_STORES", 1)
+    worker.run([spec_of(system + doc1[:4] + [SEP] + doc2[:5] + [SEP] + doc3, store_only=True,
+                        salt="t")], model)
+    assert worker.num_dropped_stores >= 1
+    for _ in range(3):
+        worker.run([], model)
+    assert worker.num_pending_stores == 0 and daemon.pins_held() == 0
+    other.shutdown()
+    worker.shutdown()
