@@ -92,6 +92,8 @@ def blend_counters(llm) -> dict | None:
                         reused_tokens=worker.num_reused_tokens,
                         recomputed_tokens=worker.num_recomputed_tokens,
                         stored_segments=worker.num_stored_segments,
+                        skipped_stores=worker.num_skipped_stores,
+                        dropped_stores=worker.num_dropped_stores,
                         failed_blends=worker.num_failed_blends)
     return counters
 
