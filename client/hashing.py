@@ -33,6 +33,7 @@ from lmcached.wire.record_format import ROOT_HASH as _ROOT_HASH
 ChunkHash = NewType("ChunkHash", bytes)  # 16 bytes
 
 ROOT_HASH = ChunkHash(_ROOT_HASH)
+Tokens = torch.Tensor | np.ndarray | Sequence[int]  # token ids `[num_tokens]`, any of these
 
 _SALT_PREFIX = b"lmcached-salt\0"
 
@@ -74,7 +75,7 @@ def tenant_fingerprint(salt: str | None = None) -> bytes:
     return b"" if salt is None else root_hash(salt)[:TENANT_BYTES]
 
 
-def as_token_array(tokens: "torch.Tensor | np.ndarray | Sequence[int]") -> np.ndarray:
+def as_token_array(tokens: Tokens) -> np.ndarray:
     """Token ids as a contiguous little-endian int64 numpy array `[num_tokens]` (no copy
     when possible), so that every node hashes the same bytes whatever its byte order.
 

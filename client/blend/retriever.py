@@ -42,8 +42,8 @@ from lmcached.client.blend.interfaces import (
 )
 from lmcached.client.chain import PinnedChunks, release_all
 from lmcached.client.cuda import synchronize_if_cuda
-from lmcached.client.engine import CacheEngine, Tokens
-from lmcached.client.hashing import as_token_array
+from lmcached.client.engine import CacheEngine
+from lmcached.client.hashing import Tokens, as_token_array
 from lmcached.client.kv_io import copy_tensor, new_kv_buffer
 from lmcached.client.records import RecordIO
 from lmcached.client.views import PinsLost

@@ -463,8 +463,9 @@ def test_a_pinned_lookup_is_reused_by_the_retrieve_of_the_same_tokens(engine, da
     engine.store(tokens[:48], kv[:, :, :48])
     hashed = []
     real_hash = hash_request_tokens
-    monkeypatch.setattr("lmcached.client.engine.hash_request_tokens",
-                        lambda *a: hashed.append(1) or real_hash(*a))
+    for module in ("lmcached.client.engine", "lmcached.client.engine_retrieve"):
+        monkeypatch.setattr(f"{module}.hash_request_tokens",
+                            lambda *a: hashed.append(1) or real_hash(*a))
     sent = spy_requests(monkeypatch, engine.link)
     assert engine.lookup(tokens, pin=True) == 48
     assert daemon.info()["pinned_blocks"] == 3  # held between lookup and retrieve

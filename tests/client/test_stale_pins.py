@@ -148,7 +148,7 @@ def test_a_retrieve_whose_session_ends_during_the_copy_is_a_miss(daemon_factory,
     engine = CacheEngine.connect(layout, socket=daemon.socket, strict=True)
     try:
         engine.store(t1, filled(layout, NUM_TOKENS, 1.0))
-        import lmcached.client.engine as engine_module
+        import lmcached.client.engine_retrieve as engine_module  # retrieve's copies out
 
         copy = engine_module.copy_records_out
 
