@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_disk import CLIENT_TIMEOUT_S, MiB, wait_on_disk  # noqa: E402
-from bench_l2 import wait_drained  # noqa: E402
+from bench_l2 import check_cached_runs, wait_drained  # noqa: E402
 from common import machine_info, median, record_block_size  # noqa: E402
 from peers.redis_peer import running_redis  # noqa: E402
 from lmcached.client import CacheEngine  # noqa: E402
@@ -112,11 +112,7 @@ def bench_ttft(root: str, lengths: list[int], repeat: int, redis) -> list[dict]:
                         from_l2 = generate_with_cache(model, engine, ids, max_new_tokens=1,
                                                       store=False)
             redis.flushall()
-            for result in (from_arena, from_disk, from_l2):
-                if result.num_cached_tokens != length - 1 or int(result.output_ids[0]) != \
-                        int(full.output_ids[0]):
-                    raise RuntimeError(f"{length}: cached {result.num_cached_tokens}, or "
-                                       "another first token than the full prefill")
+            check_cached_runs(length, full, (from_arena, from_disk, from_l2))
             full_s.append(full.ttft_s)
             arena_s.append(from_arena.ttft_s)
             disk_s.append(from_disk.ttft_s)

@@ -57,6 +57,16 @@ def l2_info(socket: str) -> dict:
         return conn.request(Info("l2")).sections["l2"]
 
 
+def check_cached_runs(length: int, full, results) -> None:
+    """Raise unless every `generate_with_cache` result reused all but the last of the
+    `length` prompt tokens and gave the full prefill's first token."""
+    for result in results:
+        if result.num_cached_tokens != length - 1 or int(result.output_ids[0]) != \
+                int(full.output_ids[0]):
+            raise RuntimeError(f"{length}: cached {result.num_cached_tokens}, or another "
+                               "first token than the full prefill")
+
+
 def wait_drained(socket: str, timeout_s: float = 600) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -229,11 +239,7 @@ def bench_ttft(url: str, lengths: list[int], repeat: int) -> list[dict]:
                         with connect(layout, b) as engine_b:
                             from_l2 = generate_with_cache(model, engine_b, ids, max_new_tokens=1,
                                                           store=False)
-                    for result in (arena, from_l2):
-                        if result.num_cached_tokens != length - 1 or int(result.output_ids[0]) != \
-                                int(full.output_ids[0]):
-                            raise RuntimeError(f"{length}: cached {result.num_cached_tokens}, "
-                                               "or another first token than the full prefill")
+                    check_cached_runs(length, full, (arena, from_l2))
                     full_s.append(full.ttft_s)
                     arena_s.append(arena.ttft_s)
                     l2_s.append(from_l2.ttft_s)
