@@ -204,14 +204,21 @@ def run_ranks(work, world_size=2):
     assert not errors, errors
 
 
-def test_tensor_parallel_ranks_reuse_only_what_every_rank_found(daemon):
-    rng = np.random.default_rng(4)
-    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
+def two_ranks_that_stored(daemon, tokens: list[int]):
+    """(ranks, models, workers) of two TP ranks in threads, each in its own namespace, after
+    both stored the segments of `tokens` (store-only, salt "s")."""
     ranks = ThreadRanks(2)
     models = [paged_model() for _ in range(2)]
     workers = [make_worker(daemon.socket, dataclasses.replace(LAYOUT, world_size=2, worker_id=r),
                            ranks.group(r)) for r in range(2)]
-    run_ranks(lambda r: workers[r].run([spec_of(system + doc, store_only=True)], models[r]))
+    run_ranks(lambda r: workers[r].run([spec_of(tokens, store_only=True)], models[r]))
+    return ranks, models, workers
+
+
+def test_tensor_parallel_ranks_reuse_only_what_every_rank_found(daemon):
+    rng = np.random.default_rng(4)
+    system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
+    ranks, models, workers = two_ranks_that_stored(daemon, system + doc)
     assert [w.num_stored_segments for w in workers] == [2, 2]  # each rank its namespace
     with workers[1].engine.retrieve_views(doc, cache_salt="s") as views:  # rank 1 loses it
         first_block = views.block_ids[0]
@@ -239,11 +246,7 @@ def test_a_tensor_parallel_rank_that_cannot_read_a_layer_fails_the_blend_on_ever
         daemon, monkeypatch):
     rng = np.random.default_rng(5)
     system, doc = (rng.integers(0, SEP, n).tolist() + [SEP] for n in (5, 16))
-    ranks = ThreadRanks(2)
-    models = [paged_model() for _ in range(2)]
-    workers = [make_worker(daemon.socket, dataclasses.replace(LAYOUT, world_size=2, worker_id=r),
-                           ranks.group(r)) for r in range(2)]
-    run_ranks(lambda r: workers[r].run([spec_of(system + doc, store_only=True)], models[r]))
+    ranks, models, workers = two_ranks_that_stored(daemon, system + doc)
 
     from lmcached.client.blend.retriever import SPTBlendRetrieverTask
     from lmcached.client.views import PinsLost
