@@ -43,7 +43,8 @@ def test_step_prints_the_elapsed_time_and_keeps_the_status():
     assert done.stdout.splitlines() == ["ci: sleeping", "ci: done in 0:01: sleeping"]
     failed = _run_step("failing", "sh", "-c", "exit 3")
     assert failed.returncode == 3
-    assert failed.stdout.splitlines() == ["ci: failing", "ci: failed (status 3) after 0:00: failing"]
+    assert failed.stdout.splitlines() == [
+        "ci: failing", "ci: failed (status 3) after 0:00: failing"]
 
 
 def test_readme_states_the_test_time_as_measured_on_the_ci_machine():

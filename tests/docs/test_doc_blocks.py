@@ -3,12 +3,13 @@
 Every fenced block is one of these, and the test does what its kind asks:
 
 - **fragment**: the line before the block is `<!-- fragment: REASON -->` (invisible on
-  GitHub); skipped, the reason shown. For what needs a GPU node, vLLM or a long run.
+  GitHub); skipped, the reason shown. For what needs a GPU node, a model or a long run.
 - **python**: the python blocks of one file run in order in one fresh interpreter (names
   carry over from block to block, as in a notebook), against a daemon this test starts
   (`$LMCACHED_SOCKET`), offline, with a time limit. A block that raises fails the test;
   the traceback names the Markdown file and line. A `print(...)  # VALUE` line must
-  print VALUE.
+  print VALUE. A block after `<!-- needs: vllm -->` runs only where vLLM is installed
+  (`make test-vllm`), with the file's other python blocks.
 - **shell** (tagged `sh`, `bash`, `shell` or `console`, or untagged with a line that starts
   with a command of SHELL_COMMANDS): each command line is checked without running it.
   `lmcached ...` is parsed by the CLI's own click commands (an unknown command or option,
@@ -46,6 +47,7 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, REPO)
                              for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 FENCE = re.compile(r"^```\s*(\S*)\s*$")
 FRAGMENT = re.compile(r"^<!--\s*fragment:\s*(\S.*?)\s*-->$")
+NEEDS = re.compile(r"^<!--\s*needs:\s*(\w+)\s*-->$")
 SHELL_TAGS = {"sh", "bash", "shell", "console"}
 SHELL_COMMANDS = {"lmcached", "pip", "pip3", "make", "python", "python3", "vllm", "sudo",
                   "systemctl", "journalctl", "redis-server", "redis-cli", "curl", "docker",
@@ -60,13 +62,15 @@ DEFAULT_ARENA = "256MiB"
 @dataclass(frozen=True)
 class Block:
     """One fenced code block: its file (relative to the repository), the line of its
-    opening fence (1-based), its info string, its text and its fragment reason."""
+    opening fence (1-based), its info string, its text, its fragment reason and the
+    package it needs (`<!-- needs: vllm -->`)."""
 
     path: str
     line: int
     lang: str
     text: str
     fragment: str | None
+    needs: str | None = None
 
     @property
     def where(self) -> str:
@@ -85,9 +89,9 @@ def read_blocks(path: str, root: str = REPO) -> list[Block]:
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker = FRAGMENT.match(before)
+        marker, needs = FRAGMENT.match(before), NEEDS.match(before)
         blocks.append(Block(path, i + 1, opening[1], "\n".join(lines[i + 1:end]),
-                            marker[1] if marker else None))
+                            marker[1] if marker else None, needs[1] if needs else None))
         i = end + 1
     return blocks
 
@@ -223,15 +227,17 @@ def print_claims_broken(block: Block, printed: str) -> list[str]:
             for claim, got in zip(claims, lines + [""] * len(claims)) if got != claim]
 
 
-def run_python_blocks(blocks: list[Block], socket: str, workdir: str) -> subprocess.CompletedProcess:
+def run_python_blocks(blocks: list[Block], socket: str, workdir: str,
+                      **env_vars: str) -> subprocess.CompletedProcess:
     """`blocks` in order, in one fresh interpreter that runs in `workdir` (also its
-    TMPDIR) against the daemon on `socket`, offline; killed after PYTHON_TIMEOUT_S."""
+    TMPDIR) against the daemon on `socket`, offline, with `env_vars` added to its
+    environment; killed after PYTHON_TIMEOUT_S."""
     blocks_path = os.path.join(workdir, "blocks.json")
     with open(blocks_path, "w") as f:
         json.dump([(b.path, b.line, b.text) for b in blocks], f)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHED_")}
     env.update(LMCACHED_SOCKET=socket, TMPDIR=workdir, HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=REPO)
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=REPO, **env_vars)
     return subprocess.run([sys.executable, "-c", DRIVER, blocks_path], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=PYTHON_TIMEOUT_S)
 
@@ -239,6 +245,7 @@ def run_python_blocks(blocks: list[Block], socket: str, workdir: str) -> subproc
 # --------------------------------------------------------------------------- the docs
 BLOCKS = [block for path in DOCS for block in read_blocks(path)]
 PYTHON_DOCS = sorted({b.path for b in BLOCKS if kind(b) == "python"})
+VLLM_DOCS = sorted({b.path for b in BLOCKS if kind(b) == "python" and b.needs == "vllm"})
 
 
 def _blocks_of(kinds: set[str]) -> list:
@@ -251,16 +258,18 @@ def test_the_blocks_are_found():
                if kind(b) not in ("fragment", "python", "shell", "toml", "yaml", "promql",
                                   "text")}
     assert not unknown, f"blocks of a language this test cannot check: {unknown}"
+    needs = {b.where: b.needs for b in BLOCKS
+             if b.needs and (b.needs, kind(b)) != ("vllm", "python")}
+    assert not needs, f"only python blocks may need a package, and only vllm: {needs}"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(PYTHON_TIMEOUT_S + 60)
-@pytest.mark.parametrize("path", PYTHON_DOCS)
-def test_python_blocks_run_as_written(path, daemon_factory, tmp_path):
+def check_python_blocks(path: str, blocks: list[Block], daemon_factory, workdir: str,
+                        **env_vars: str) -> None:
+    """Run `blocks` of `path` (run_python_blocks) and fail the test unless each ran and
+    printed what it says it prints."""
     daemon = daemon_factory("--capacity", ARENA.get(path, DEFAULT_ARENA))
-    blocks = [b for b in BLOCKS if b.path == path and kind(b) == "python"]
     try:
-        proc = run_python_blocks(blocks, daemon.socket, str(tmp_path))
+        proc = run_python_blocks(blocks, daemon.socket, workdir, **env_vars)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the python blocks of {path} ran past {PYTHON_TIMEOUT_S} s:\n{exc.stdout}")
     assert proc.returncode == 0, (
@@ -270,6 +279,27 @@ def test_python_blocks_run_as_written(path, daemon_factory, tmp_path):
     assert [r["ran"] for r in ran] == [b.where for b in blocks], proc.stdout
     broken = {b.where: print_claims_broken(b, r["printed"]) for b, r in zip(blocks, ran)}
     assert not any(broken.values()), broken
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(PYTHON_TIMEOUT_S + 60)
+@pytest.mark.parametrize("path", PYTHON_DOCS)
+def test_python_blocks_run_as_written(path, daemon_factory, tmp_path):
+    blocks = [b for b in BLOCKS if b.path == path and kind(b) == "python" and not b.needs]
+    check_python_blocks(path, blocks, daemon_factory, str(tmp_path))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(PYTHON_TIMEOUT_S + 60)
+@pytest.mark.parametrize("path", VLLM_DOCS)
+def test_python_blocks_that_need_vllm_run_as_written(path, daemon_factory, tmp_path):
+    """Every python block of `path`, the vLLM ones included, in order (`make test-vllm`)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs "
+                                       "these blocks in .venv-vllm")
+    blocks = [b for b in BLOCKS if b.path == path and kind(b) == "python"]
+    check_python_blocks(path, blocks, daemon_factory, str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 @pytest.mark.parametrize("block", _blocks_of({"shell"}))
