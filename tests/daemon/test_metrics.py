@@ -397,6 +397,17 @@ def test_docs_list_every_metric_and_the_dashboard_uses_only_those(service):
     assert any("histogram_quantile(0.5" in e for e in exprs)
 
 
+def test_the_dashboard_shows_every_disk_and_l2_family(service):
+    tiers = {name for name in exposed_names(service)
+             if name.startswith(("lmcached_disk_", "lmcached_l2_"))}
+    assert len(tiers) >= 20, tiers  # exposed_names turns both tiers on
+    with open(os.path.join(DOCS, "grafana-dashboard.json")) as f:
+        dashboard = json.load(f)
+    shown = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
+             for name in re.findall(r"\blmcached_\w+", target["expr"])}
+    assert not tiers - shown, f"no dashboard panel shows {sorted(tiers - shown)}"
+
+
 def test_namespace_rows_are_bounded_and_the_rest_add_up_in_an_other_row(service):
     """One row per namespace for the MAX_NAMESPACE_ROWS busiest only: the rest, and the
     namespaces freed, add up in one "other" row, so every counter's sum over rows still

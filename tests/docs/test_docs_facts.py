@@ -1,7 +1,8 @@
 """Facts the docs state, checked against the code and a running daemon: README's `info`
 synopsis lists every INFO section, and the daemon's log lines the docs quote
 (`WARNING lmcached.daemon.X: message`) are the ones a running daemon prints: same level,
-same logger name.
+same logger name; docs/troubleshooting.md quotes the usage error `lmcached info bogus` prints
+(every INFO section, the `Usage:` lines) and states the exit status of both kinds of error.
 
 A real daemon is made to print them (a first layout, a session idle past
 `--idle-timeout`, a connection over `--max-clients`); every quoted line whose first
@@ -84,3 +85,45 @@ def test_readme_info_synopsis_lists_every_info_section():
     with open(os.path.join(REPO, "README.md")) as f:
         (synopsis,) = re.findall(r"^lmcached info \[([a-z0-9|]+)\]", f.read(), re.MULTILINE)
     assert synopsis.split("|") == list(INFO_SECTIONS)
+
+
+def _troubleshooting() -> str:
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as f:
+        return f.read()
+
+
+def test_troubleshooting_quotes_the_info_section_error_the_cli_prints():
+    from click.testing import CliRunner
+
+    from lmcached.cli import main
+
+    result = CliRunner().invoke(main, ["info", "bogus"], prog_name="lmcached")
+    assert result.exit_code == 2, result.output
+    page = _troubleshooting()
+    printed = [line for line in result.output.splitlines() if line]
+    assert printed[0].startswith("Usage: ") and printed[-1].startswith("Error: "), printed
+    for section in INFO_SECTIONS:
+        assert f"'{section}'" in printed[-1], (section, printed[-1])
+    missing = [line for line in printed if line not in page.splitlines()]
+    assert not missing, f"docs/troubleshooting.md does not quote {missing}"
+
+
+def test_troubleshooting_states_the_exit_status_of_errors_and_of_usage_errors(short_tmp):
+    from click.testing import CliRunner
+
+    from lmcached.cli import main
+
+    runner = CliRunner()
+    failed = runner.invoke(main, ["ping", "--socket", os.path.join(short_tmp, "none.sock")])
+    assert failed.exit_code == 1, failed.output
+    assert [line for line in failed.output.splitlines() if line] == [
+        f"Error: no daemon is running on {os.path.join(short_tmp, 'none.sock')}"]
+    misused = runner.invoke(main, ["info", "--bogus"], prog_name="lmcached")
+    assert misused.exit_code == 2, misused.output
+    lines = [line for line in misused.output.splitlines() if line]
+    assert lines[0].startswith("Usage: lmcached info ") and lines[-1].startswith("Error: ")
+    (intro,) = re.findall(r"The CLI prints one `Error: \.\.\.` line.*?\n\n", _troubleshooting(),
+                          re.DOTALL)
+    intro = " ".join(intro.split())
+    assert "exits with status 1" in intro and "exit status 2" in intro, intro
+    assert "`Usage:` line" in intro, intro
