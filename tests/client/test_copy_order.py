@@ -1,7 +1,8 @@
-"""The order of a store's copies on CPU, through seams: copies into a device tier land
+"""The order of the engine's copies, on CPU through seams: copies into a device tier land
 before the COMMIT whatever the KV's device (`Chain.store` synchronizes the destination
-records), copy threads wait for the caller's CUDA stream (`kv_io.after_caller_stream`,
-with a stand-in for torch.cuda), and device-tier records carry the chain's fingerprint.
+records), copy threads of a store or of a retrieve into `out` wait for the caller's CUDA
+stream (`kv_io.after_caller_stream`, with a stand-in for torch.cuda), and device-tier
+records carry the chain's fingerprint.
 
 The device tier is a memfd (`--gpu-backend fake`), whose records need no
 synchronization: the tests log the calls a real CUDA tier would need, in order.
@@ -17,6 +18,7 @@ import torch
 from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine
 from lmcached.client import engine as engine_module
+from lmcached.client import engine_retrieve, retrieve
 from lmcached.client.chain import Chain
 from lmcached.client.kv_io import after_caller_stream
 from lmcached.client.records import RecordIO, TieredRecords
@@ -151,6 +153,44 @@ def test_a_background_store_waits_for_the_callers_stream_on_each_copy_thread(
     for i in writes:  # each chunk's copy thread waited just before it copied
         thread = log[i][1]
         assert thread != caller
+        before = [entry for entry in log[:i] if entry[1] == thread]
+        assert before[-1] == ("wait", thread), log
+
+
+def test_a_retrieve_into_out_waits_for_the_callers_stream_on_each_copy_thread(
+        daemon, monkeypatch):
+    layout = small_layout()
+    tokens = list(range(4 * CHUNK))
+    expected = prompt_kv(layout, tokens)
+    log = []
+
+    def stand_in_order(*tensors):
+        log.append(("record", threading.current_thread().name, tensors))
+
+        def wait() -> None:
+            log.append(("wait", threading.current_thread().name))
+        return wait
+
+    copy_record = retrieve.copy_record
+
+    def logged_copy_record(*args):
+        log.append(("copy", threading.current_thread().name))
+        copy_record(*args)
+
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                             copy_threads=2) as engine:
+        assert engine.store(tokens, expected) == 4
+        monkeypatch.setattr(engine_retrieve, "after_caller_stream", stand_in_order)
+        monkeypatch.setattr(retrieve, "copy_record", logged_copy_record)
+        out = torch.empty_like(expected)
+        kv, mask = engine.retrieve(tokens, return_tuple=False, out=out)
+    assert int(mask.sum()) == len(tokens) and torch.equal(kv, expected)
+    caller = threading.current_thread().name
+    assert len(log[0]) == 3 and log[0][:2] == ("record", caller) and log[0][2][0] is out
+    copies = [i for i, entry in enumerate(log) if entry[0] == "copy"]
+    assert len(copies) == 4
+    for i in copies:  # each chunk's copy thread waited just before it copied
+        thread = log[i][1]
         before = [entry for entry in log[:i] if entry[1] == thread]
         assert before[-1] == ("wait", thread), log
 
