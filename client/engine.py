@@ -28,6 +28,7 @@ import concurrent.futures
 import functools
 import os
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.engine_retrieve import EngineRetrieve
 from lmcached.client.hashing import Tokens, as_token_array, hash_request_tokens, root_hash
-from lmcached.client.kv_io import ChunkCopier, KVSource, suffix_mask_skip
+from lmcached.client.kv_io import ChunkCopier, KVSource, after_caller_stream, suffix_mask_skip
 from lmcached.client.layout import KVLayout
 from lmcached.client.retrieve import PinnedLookups
 from lmcached.wire.logger import init_logger
@@ -274,7 +275,9 @@ class CacheEngine(EngineRetrieve):
                 `[num_layers, 2, T, num_kv_heads, head_size]` (vllm) /
                 `[num_layers, 2, num_kv_heads, T, head_size]` (huggingface), a tuple of
                 per-layer (K, V), or a DynamicCache; dtype = layout.dtype; T is
-                num_tokens, or the number of tokens the mask keeps.
+                num_tokens, or the number of tokens the mask keeps. KV on a CUDA
+                device is read after the work queued on the caller's current stream
+                when `store` is called (`kv_io.after_caller_stream`).
             mask: optional bool suffix mask `[num_tokens]`; the False prefix is not
                 stored (its KV need not be passed). As in the seed's store, it must
                 skip whole chunks (a multiple of chunk_size).
@@ -315,8 +318,10 @@ class CacheEngine(EngineRetrieve):
             )
         if num_tokens == skip:
             return 0
+        # The copy threads wait for the kernels queued so far on this thread's stream.
+        order = after_caller_stream(source.any_tensor)
         if blocking:
-            return self._store_now(token_array, source, skip, kv_start, cache_salt)
+            return self._store_now(token_array, source, skip, kv_start, cache_salt, order)
         with self._pending_lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -324,7 +329,7 @@ class CacheEngine(EngineRetrieve):
                 )
             self._pending.append(
                 self._executor.submit(self._store_now, token_array, source, skip, kv_start,
-                                      cache_salt)
+                                      cache_salt, order)
             )
         return 0
 
@@ -335,9 +340,11 @@ class CacheEngine(EngineRetrieve):
         return sum(future.result() for future in pending)
 
     def _store_now(self, tokens: np.ndarray, source: KVSource, skip: int, kv_start: int,
-                   salt: str | None = None) -> int:
+                   salt: str | None = None, order: Callable[[], None] = lambda: None) -> int:
         """Store the chunks from the one holding token `skip` (`Chain.store`); the KV of
-        token t is `source`'s token t - kv_start; chunks hashed under cache salt `salt`."""
+        token t is `source`'s token t - kv_start; chunks hashed under cache salt `salt`.
+        Each chunk's copy first calls `order()` on the thread that copies it
+        (`after_caller_stream` of the caller that submitted the store)."""
         layout = self.layout
         first_chunk = skip // layout.chunk_size
         chunks = chunk_ranges(len(tokens), layout.chunk_size, first_chunk)
@@ -345,6 +352,7 @@ class CacheEngine(EngineRetrieve):
 
         def write(records, span: list[int], i: int) -> None:
             start, stop = chunks[i]
+            order()
             records.write(span, hashes[i], tokens[start:stop], source, start - kv_start,
                           stop - kv_start)
 

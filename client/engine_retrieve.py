@@ -12,7 +12,7 @@ import torch
 
 from lmcached.client.chain import PinnedChunks
 from lmcached.client.hashing import Tokens, as_token_array, hash_request_tokens, root_hash
-from lmcached.client.kv_io import suffix_mask_skip
+from lmcached.client.kv_io import OrderedCopier, after_caller_stream, suffix_mask_skip
 from lmcached.client.records import TieredRecords
 from lmcached.client.retrieve import copy_records_out
 from lmcached.client.views import RetrievedViews, SpannedRecord
@@ -102,7 +102,8 @@ class EngineRetrieve:
                 False: one blob `layout.chunk_shape(n)`.
             out: optional destination with room for every retrieved token: a blob
                 (token dim >= n) or a tuple of per-layer (K, V) buffers; results are
-                views of it (no allocation).
+                views of it (no allocation). A CUDA `out` is written after the work
+                queued on the caller's current stream (`kv_io.after_caller_stream`).
             cache_salt: the request's cache salt, or None (see `lookup`).
 
         Returns:
@@ -125,7 +126,10 @@ class EngineRetrieve:
         try:
             spans, chunks = run.from_chunk(skip // self.layout.chunk_size)
             num_hit = chunks[-1][1] - skip if chunks else 0
-            kv = copy_records_out(run.records, self.copier, spans, chunks, skip, num_hit,
+            copier = self.copier if out is None else OrderedCopier(
+                self.copier, after_caller_stream(out[0][0] if isinstance(out, (tuple, list))
+                                                 else out))
+            kv = copy_records_out(run.records, copier, spans, chunks, skip, num_hit,
                                   return_tuple, out) if num_hit else ()
             run.records.synchronize()  # copies out of a GPU tier end before its RELEASE
             if num_hit and not run.holds_pins():  # the blocks may have been reused meanwhile

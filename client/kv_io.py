@@ -10,6 +10,9 @@ applies MADV_HUGEPAGE to large arrays (~5 GB/s first touch against ~2 GB/s for
 `torch.empty`).
 """
 
+import functools
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -191,6 +194,45 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
 _INT_ALIAS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def after_caller_stream(*tensors: torch.Tensor | None, cuda=torch.cuda) -> Callable[[], None]:
+    """Order copies made on other threads after the work the caller queued on its stream.
+
+    A copy thread copies on its own current CUDA stream (each thread's default), not on
+    the stream of the thread that produced the KV: unordered, a copy can read a tensor
+    before a kernel queued on the caller's stream has written it (PyTorch's "CUDA
+    semantics" note: use of a tensor on another stream needs an explicit order). Call
+    this on the caller's thread when the work is submitted: it records an event on the
+    caller's current stream of the first CUDA tensor's device. Each copy thread calls the
+    returned function before it copies: its current stream on that device then waits for
+    the event (`Stream.wait_event`: the device waits, the thread does not block).
+
+    Args:
+        tensors: the tensors the copies read or write (None is skipped); CPU tensors
+            need no order.
+        cuda: the `torch.cuda` module (tests pass a stand-in with `Event`,
+            `current_stream(device)` and the stream's `wait_event`).
+
+    Returns:
+        A function of no arguments, to call on each copy thread before its copies; it
+        does nothing when no tensor is on a CUDA device.
+    """
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cuda":
+            device = tensor.device
+            event = cuda.Event()
+            event.record(cuda.current_stream(device))
+
+            def wait() -> None:
+                cuda.current_stream(device).wait_event(event)
+
+            return wait
+    return _no_order
+
+
+def _no_order() -> None:
+    """`after_caller_stream` of CPU tensors: nothing to wait for."""
+
+
 def new_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor allocated by numpy (huge pages for large buffers).
 
@@ -243,6 +285,31 @@ class ChunkCopier:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class OrderedCopier:
+    """A `ChunkCopier` whose tasks each call `order()` first, on the thread that runs
+    them (`after_caller_stream`: copies into a caller's CUDA buffer wait for the work
+    queued on the caller's stream).
+
+    Args:
+        copier: the threads that run the tasks.
+        order: called before each task, on its thread.
+    """
+
+    def __init__(self, copier: ChunkCopier, order: Callable[[], None]) -> None:
+        self.copier = copier
+        self.order = order
+        self.num_threads = copier.num_threads
+
+    def run(self, tasks: list) -> None:
+        """`ChunkCopier.run` of the tasks, each after `order()`."""
+        self.copier.run([functools.partial(_after, self.order, task) for task in tasks])
+
+
+def _after(order: Callable[[], None], task: Callable[[], None]) -> None:
+    order()
+    task()
 
 
 def check_out_blob(out: torch.Tensor, layout: KVLayout, num_tokens: int) -> None:

@@ -150,6 +150,29 @@ class CudaVmmMemory:
                                                         self._stream))
         check("cuStreamSynchronize", cu.cuStreamSynchronize(self._stream))
 
+    def register_host(self, host: np.ndarray) -> None:
+        """Page-lock host memory `host` (uint8, contiguous: the host arena's blocks) for
+        every CUDA context of the process (cuMemHostRegister, PORTABLE), so that
+        `copy_to_host` into it is one DMA at pinned speed instead of a copy staged through
+        the driver's pinned buffer. Undo with `unregister_host` before `host` is unmapped.
+
+        Raises:
+            CudaError: the registration failed (usually CUDA_ERROR_OUT_OF_MEMORY: the
+                daemon's RLIMIT_MEMLOCK is below the arena's size); nothing is registered.
+        """
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
+        check("cuMemHostRegister", cu.cuMemHostRegister(
+            host.ctypes.data, host.nbytes, cu.CU_MEMHOSTREGISTER_PORTABLE))
+
+    def unregister_host(self, host: np.ndarray) -> None:
+        """Undo `register_host(host)` (cuMemHostUnregister).
+
+        Raises:
+            CudaError: the driver refused (the memory was not registered).
+        """
+        check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
+        check("cuMemHostUnregister", cu.cuMemHostUnregister(host.ctypes.data))
+
     def close(self) -> None:
         """Release everything in reverse order (the memory itself lives on while a
         client still maps it). Safe to call twice."""

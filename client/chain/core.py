@@ -92,7 +92,8 @@ class Chain:
                 tiered.by_tier.get(t) is None or tiered.by_tier[t].arena is not m
                 for t, m in snapshot.tiers.items()):
             by_tier = {t: RecordIO(m, self.layout, self.fingerprint) if isinstance(m, Arena)
-                       else DeviceRecordIO(m, self.layout) for t, m in snapshot.tiers.items()}
+                       else DeviceRecordIO(m, self.layout, self.fingerprint)
+                       for t, m in snapshot.tiers.items()}
             self._tiered = tiered = TieredRecords({0: self._records, **by_tier})
         return tiered
 
@@ -255,7 +256,10 @@ class Chain:
             hashes: the chunks' prefix hashes, in chain order.
             num_tokens: tokens of each chunk (its record size).
             write: `write(records, span, i)` writes chunk i's record into `span`.
-            wait: waits for the copies `write` queued (e.g. from a GPU) to land.
+            wait: waits for the copies `write` queued from the source (e.g. a GPU) to
+                land. Copies into a device tier are waited for here in any case
+                (`records.synchronize()`, whatever the source's device), so no COMMIT
+                publishes a header over KV still in flight.
 
         Returns:
             Chunks written and committed (0 when the daemon is unavailable or refused).
@@ -284,11 +288,12 @@ class Chain:
         if not records.maps(reply.block_ids):
             self._abort_unmapped(reply.block_ids, generation)
             return 0
-        writes, seals = [], []
+        writes, seals, into_device_tier = [], [], False
         for i, span in enumerate(reply.spans(), pos):
             if span is None:  # EXISTS or NOSPACE
                 continue
             writes.append(functools.partial(write, records, span, i))
+            into_device_tier = into_device_tier or tier_of(span[0]) != 0
             if self.verify == "checksum":
                 seals.append(functools.partial(records.seal, span, num_tokens[i]))
         written, num_nospace, num_later = len(writes), reply.status.count(NOSPACE), 0
@@ -297,6 +302,8 @@ class Chain:
             nonlocal num_later
             self.copier.run(writes)
             wait()  # device-to-host copies done before the seals and the COMMIT
+            if into_device_tier:  # copies into a device tier landed, whatever the source
+                records.synchronize()
             self.copier.run(seals)  # checksums of the final bytes, before COMMIT
             if end < len(hashes) and not num_nospace:
                 num_later = self._store_from(hashes, num_tokens, write, wait, end)

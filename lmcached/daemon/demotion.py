@@ -21,11 +21,18 @@ Rules (each one has a test, tests/daemon/test_demotion_model.py and tests/daemon
   the copy completed, so a reader never sees a half-copied value.
 - A copy error aborts the host blocks, marks the device tier failed (no new placements)
   and leaves its values readable where they are.
+- The host arena's blocks are page-locked for the driver (`register_host`, CUDA tiers)
+  while the demoter lives, so copies are DMA at pinned speed; where that fails (the
+  daemon's RLIMIT_MEMLOCK), copies are staged through pageable memory, several times
+  slower, and fewer bytes are kept in flight (one warning).
 """
 
 import time
 from collections.abc import Callable
 
+import numpy as np
+
+from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
@@ -34,7 +41,10 @@ from lmcached.daemon.tiers import Tier, TierSet
 logger = init_logger(__name__)
 
 MAX_VALUES_PER_PASS = 64  # values one planning pass may start (bounded loop work)
-MAX_INFLIGHT_DEMOTION_BYTES = 256 << 20  # ~5 ms of device-to-host copy at 50 GB/s
+MAX_INFLIGHT_DEMOTION_BYTES = 256 << 20  # ~5 ms of device-to-host copy at 50 GB/s (pinned)
+# Copies into pageable memory are staged through the driver's own pinned buffer and run
+# at a fraction of pinned speed: a quarter is assumed (not measured: no GPU here yet).
+MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES = MAX_INFLIGHT_DEMOTION_BYTES // 4
 DEMOTION_STATS = (
     "demotions", "demoted_bytes", "demotion_busy_us", "demotions_deduplicated",
     "demotions_dropped", "demotions_aborted", "errors_demotion",
@@ -86,6 +96,11 @@ class Demoter:
     Attributes:
         stats: counters of DEMOTION_STATS (`demotion_busy_us`: the worker's copy time).
         demoting_blocks: device blocks being copied, per tier id.
+        max_inflight_bytes: bytes of copies queued or running at most:
+            MAX_INFLIGHT_DEMOTION_BYTES, or MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES while the
+            host arena is not page-locked for a tier whose memory offers it (before the
+            worker's first copy, or after the registration failed). Set once by the
+            worker; read by the loop.
     """
 
     def __init__(self, tiers: TierSet, jobs: JobRunner,
@@ -95,14 +110,31 @@ class Demoter:
         self.stats = dict.fromkeys(DEMOTION_STATS, 0)
         self.demoting_blocks = [0] * len(tiers.tiers)
         self._inflight_bytes = 0
+        self._to_register = self._host_registration()
+        # Pageable until the worker has page-locked the host arena (`_register_host`).
+        self.max_inflight_bytes = (MAX_INFLIGHT_DEMOTION_BYTES if self._to_register is None
+                                   else MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES)
+        self._registered: tuple | None = None  # (memory, host blocks) once page-locked
         self._jobs = jobs
         self._queue = jobs.add_queue("demotion", self._copy, self._finish)
+
+    def _host_registration(self) -> tuple | None:
+        """(memory, host blocks) when the host arena's blocks are to be page-locked: by
+        the first device tier whose memory offers `register_host` (CUDA: one
+        registration serves every device). None without one: the fake tier's memory is
+        host memory, copied at memory speed anyway."""
+        memory = next((tier.memory for tier in self.tiers.device_tiers
+                       if hasattr(tier.memory, "register_host")), None)
+        if memory is None:
+            return None
+        arena = self.tiers.host.memory
+        return memory, arena.numpy_view(HEADER_BYTES, arena.capacity_bytes - HEADER_BYTES)
 
     # ------------------------------------------------------------ loop thread
     def plan(self, overflow: dict[int, int] | None = None) -> int:
         """Start demotions until every device tier has its reserve of empty blocks
         (counting those being emptied), within MAX_VALUES_PER_PASS values and
-        MAX_INFLIGHT_DEMOTION_BYTES. Loop thread only.
+        `max_inflight_bytes`. Loop thread only.
 
         Args:
             overflow: per tier id, the size in chunks of an ALLOC that found the tier
@@ -126,7 +158,7 @@ class Demoter:
             if missing <= 0:
                 continue
             for key, span in pool.lru_values(min(missing, MAX_VALUES_PER_PASS - started)):
-                if self._inflight_bytes >= MAX_INFLIGHT_DEMOTION_BYTES:
+                if self._inflight_bytes >= self.max_inflight_bytes:
                     return started
                 started += 1
                 if key in host.cached:  # a host copy exists: free the device copy
@@ -188,8 +220,9 @@ class Demoter:
 
     def close(self) -> None:
         """Stop the worker (after its current copy), finish what it completed and undo
-        the jobs not started: host blocks aborted, device pins dropped. Loop thread, at
-        shutdown."""
+        the jobs not started: host blocks aborted, device pins dropped; then unregister
+        the host arena (before the server closes the tiers' memory and the arena). Loop
+        thread, at shutdown."""
         self._queue.stop()
         left = self._queue.join()
         self._queue.finish_done()
@@ -199,11 +232,38 @@ class Demoter:
             job.tier.pool.free(job.device_blocks)
             self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
             self._inflight_bytes -= job.num_bytes
+        if self._registered is not None:
+            memory, blocks = self._registered
+            self._registered = None
+            try:
+                memory.unregister_host(blocks)
+            except Exception as exc:  # best effort at shutdown: the process unmaps it next
+                logger.warning("unregistering the host arena from the device failed: %s", exc)
 
     # ---------------------------------------------------------- worker thread
+    def _register_host(self, memory, blocks: np.ndarray) -> None:
+        """Page-lock the host arena's blocks (`memory.register_host`), before the first
+        copy: seconds for a large arena, so on the worker, never in the loop. On
+        failure: one warning, and the pageable in-flight budget stays."""
+        try:
+            memory.register_host(blocks)
+        except Exception as exc:  # a driver error (shm/cuda_driver.py's CudaError)
+            logger.warning(
+                "the host arena (%d bytes) could not be page-locked for demotion copies "
+                "(%s): they are staged through pageable memory, several times slower, with "
+                "at most %d bytes in flight; raise the daemon's RLIMIT_MEMLOCK "
+                "(LimitMEMLOCK=infinity in its systemd unit, or ulimit -l unlimited)",
+                blocks.nbytes, exc, self.max_inflight_bytes)
+            return
+        self._registered = (memory, blocks)
+        self.max_inflight_bytes = MAX_INFLIGHT_DEMOTION_BYTES
+
     def _copy(self, jobs: list[DemotionJob]) -> None:
         """Copy each job's device blocks into its host blocks; errors are the loop's
-        to report (`_finish`)."""
+        to report (`_finish`). The first call page-locks the host arena first."""
+        if self._to_register is not None:
+            to_register, self._to_register = self._to_register, None
+            self._register_host(*to_register)
         arena = self.tiers.host.memory
         for job in jobs:
             started = time.perf_counter()
