@@ -53,13 +53,15 @@ def chain(num_chunks: int, kv_bytes: int = 5000, first_token: int = 0) -> list[t
 
 @pytest.fixture
 def disk_dir(tmp_path):
-    path = tmp_path / "disk"
-    return prepare_disk_directory(str(path))
+    """The checked directory tmp_path/disk, held open (a `DiskDirectory`)."""
+    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    yield directory
+    directory.close()
 
 
 def test_records_read_back_bit_exact_and_a_reopened_file_finds_them(disk_dir):
     slot_file, kept = SlotFile.open(disk_dir, SLOT_BYTES, 8)
-    assert not kept and os.stat(os.path.join(disk_dir, FILE_NAME)).st_size == PAGE_BYTES + 8 * SLOT_BYTES
+    assert not kept and os.stat(disk_dir.file_path(FILE_NAME)).st_size == PAGE_BYTES + 8 * SLOT_BYTES
     records = chain(3)
     for slot, (_, chunk_hash, record) in zip((5, 0, 7), records):
         write_record(slot_file, slot, record, chunk_hash)
@@ -113,7 +115,7 @@ def test_a_tampered_or_truncated_slot_is_refused_when_read(disk_dir):
     (parent, chunk_hash, record), _ = chain(2)
     write_record(slot_file, 0, record, chunk_hash)
     write_record(slot_file, 1, record, chunk_hash)
-    path = os.path.join(disk_dir, FILE_NAME)
+    path = disk_dir.file_path(FILE_NAME)
     with open(path, "r+b") as f:  # one KV byte of slot 0 (after its envelope page)
         f.seek(PAGE_BYTES + PAGE_BYTES + len(record) - 1)
         byte = f.read(1)
@@ -135,7 +137,7 @@ def test_a_slot_file_of_the_first_format_is_formatted_anew_and_logged(disk_dir, 
     (_, chunk_hash, record), = chain(1)
     write_record(slot_file, 0, record, chunk_hash)
     slot_file.close()
-    with open(os.path.join(disk_dir, FILE_NAME), "r+b") as f:  # the superblock's version
+    with open(disk_dir.file_path(FILE_NAME), "r+b") as f:  # the superblock's version
         f.seek(8)
         f.write((1).to_bytes(4, "little"))
     assert slots_module.read_superblock(disk_dir) is None  # DiskTier.load finds no file
@@ -178,7 +180,8 @@ def test_unsafe_directories_are_refused_with_the_fix(tmp_path):
     with pytest.raises(DiskDirectoryError, match=r"writable by every user .*chmod 0700"):
         prepare_disk_directory(str(shared))
     made = prepare_disk_directory(str(tmp_path / "new" / "disk"))
-    assert os.stat(made).st_mode & 0o777 == 0o700
+    assert os.stat(made.path).st_mode & 0o777 == 0o700
+    made.close()
 
 
 def test_a_second_owner_of_a_directory_is_refused_naming_the_first(disk_dir):
@@ -191,7 +194,7 @@ def test_a_second_owner_of_a_directory_is_refused_naming_the_first(disk_dir):
 
 
 def test_buffered_io_where_o_direct_is_refused(disk_dir, monkeypatch):
-    monkeypatch.setattr(slots_module.SlotFile, "_reopen_direct", staticmethod(lambda path: None))
+    monkeypatch.setattr(slots_module.SlotFile, "_reopen_direct", staticmethod(lambda *args: None))
     slot_file, _ = SlotFile.open(disk_dir, SLOT_BYTES, 2)
     (parent, chunk_hash, record), _ = chain(2)
     write_record(slot_file, 1, record, chunk_hash)

@@ -41,10 +41,12 @@ HASHES_A = b"".join(h for _, h, _ in PROMPT_A)
 UNALIGNED_BLOCK_BYTES = BLOCK_BYTES - 1024  # a --block-size of 64-byte multiples, not pages
 
 
-def open_disk_service(name: str, directory: str, block_bytes: int = BLOCK_BYTES,
+def open_disk_service(name: str, path: str, block_bytes: int = BLOCK_BYTES,
                       policy: str = "on-evict") -> CacheService:
     """A service on a NUM_BLOCKS-block arena (the last block ends the mapping) with a
-    disk tier of 16 MiB in `directory`, its index rebuilt from what the directory holds."""
+    disk tier of 16 MiB in directory `path`, its index rebuilt from what the directory
+    holds."""
+    directory = prepare_disk_directory(path)
     arena = Arena.create(name, HEADER_BYTES + NUM_BLOCKS * block_bytes, block_bytes,
                          prefault=False)
     service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
@@ -64,7 +66,7 @@ def close_disk_service(service: CacheService) -> None:
 @pytest.fixture
 def disk_service(unique_name, tmp_path):
     """A service on a 6-block arena with an on-evict disk tier of 16 MiB."""
-    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")))
+    service = open_disk_service(unique_name, str(tmp_path / "disk"))
     yield service
     close_disk_service(service)
 
@@ -330,7 +332,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
     settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
     service.jobs.process_completions()
     assert lookup(service, session) == arena_prefix(service)  # a miss, not a disk hit
-    restarted, kept = SlotFile.open(tier.directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    restarted, kept = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
     found = {h.chunk_hash for h in restarted.scan()}
     restarted.close()
     assert kept and not found & set(on_disk), "a restart would serve an erased chunk"
@@ -338,7 +340,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
 
 def test_a_slot_that_cannot_be_read_at_start_is_skipped_counted_and_the_rest_restored(
         unique_name, tmp_path, monkeypatch, caplog):
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     layout, chunks = full_blocks(BLOCK_BYTES, 4)
     service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
     close_disk_service(service)
@@ -377,7 +379,7 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     (UNALIGNED_BLOCK_BYTES, 2 * UNALIGNED_BLOCK_BYTES - 100, False)])
 def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
         unique_name, tmp_path, caplog, block_bytes, value_bytes, on_disk):
-    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")),
+    service = open_disk_service(unique_name, str(tmp_path / "disk"),
                                 block_bytes)
     try:
         big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
@@ -437,7 +439,7 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
     buffered, through a thread's buffer where O_DIRECT cannot (blocks that are not
     whole pages: the last page of the arena's last block would end past the mapping)."""
     if not direct:  # as on tmpfs
-        monkeypatch.setattr(SlotFile, "_reopen_direct", staticmethod(lambda path: None))
+        monkeypatch.setattr(SlotFile, "_reopen_direct", staticmethod(lambda *args: None))
     copies = []
     for method in ("_copy_out", "_thread_buffer"):
         original = getattr(DiskTier, method)
@@ -445,7 +447,7 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
                             copies.append(name) or original(tier, *args))
     in_place = not direct or block_bytes % 4096 == 0
     layout, chunks = full_blocks(block_bytes)
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     service = written_then_restarted(unique_name, directory, block_bytes, chunks, layout)
     try:
         assert disk_info(service)["disk_direct_io"] == int(direct)
@@ -476,7 +478,7 @@ def test_a_slot_that_fails_its_checks_in_the_arena_blocks_gives_them_back(unique
     commit: a changed byte makes it a counted miss, its blocks (and those of the
     chunks after it) go back to the free queue, none pinned or WRITING."""
     layout, chunks = full_blocks(BLOCK_BYTES)
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
     try:
         tier = service.disk

@@ -24,7 +24,7 @@ from test_limits import wait_for
 from test_loading import server_info
 from lmcached.cli import main
 from lmcached.client import KVLayout, hash_request_tokens
-from lmcached.daemon.disk.directory import DirectoryLock
+from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, slot_bytes_for
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
@@ -241,9 +241,10 @@ def rebuilding(socket: str) -> dict | None:
 def big_slot_file(directory: str) -> None:
     """A slot file of BIG_NUM_SLOTS empty slots of one page: preallocated, never written
     (4 GB of disk, no I/O), seconds of scanning."""
-    os.mkdir(directory, 0o700)
-    slot_file, _ = SlotFile.open(directory, PAGE_BYTES, BIG_NUM_SLOTS)
+    disk_directory = prepare_disk_directory(directory)
+    slot_file, _ = SlotFile.open(disk_directory, PAGE_BYTES, BIG_NUM_SLOTS)
     slot_file.close()
+    disk_directory.close()
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "shutdown"])
@@ -281,7 +282,9 @@ def test_a_stop_during_a_long_index_rebuild_stops_the_daemon_cleanly(unique_name
             "stopped") in text, text
     assert "chunks found" not in text, f"the rebuild ran to its end ({stopped_s:.1f} s):\n{text}"
     assert list_segments(unique_name) == [] and not os.path.exists(socket)
-    DirectoryLock(directory).release()  # free: another daemon may start on it
+    disk_directory = prepare_disk_directory(directory)
+    DirectoryLock(disk_directory).release()  # free: another daemon may start on it
+    disk_directory.close()
 
 
 def test_a_warm_restart_answers_loading_while_it_rebuilds_then_serves_what_disk_holds(
