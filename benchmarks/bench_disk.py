@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import GB, LLAMA_1B, daemon_info, machine_info, median, record_block_size  # noqa: E402
 from lmcached.client import CacheEngine  # noqa: E402
+from lmcached.daemon.disk.directory import prepare_disk_directory  # noqa: E402
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
 from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
@@ -270,7 +271,8 @@ def bench_rebuild(root: str, num_slots: int) -> dict:
     directory = os.path.join(root, "rebuild")
     os.mkdir(directory, 0o700)
     slot_bytes = 2 * PAGE_BYTES
-    slot_file, _ = SlotFile.open(directory, slot_bytes, num_slots)
+    disk_directory = prepare_disk_directory(directory)
+    slot_file, _ = SlotFile.open(disk_directory, slot_bytes, num_slots)
     page, buffer = aligned_buffer(PAGE_BYTES), aligned_buffer(PAGE_BYTES)
     record = os.urandom(1000)
     buffer[:len(record)] = record
@@ -287,6 +289,7 @@ def bench_rebuild(root: str, num_slots: int) -> dict:
     found = slot_file.scan()
     scan_s = time.perf_counter() - started
     slot_file.close()
+    disk_directory.close()
     shutil.rmtree(directory)
     if len(found) != num_slots:
         raise RuntimeError(f"the scan found {len(found)} of {num_slots} slots")

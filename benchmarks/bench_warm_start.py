@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import median  # noqa: E402
+from lmcached.daemon.disk.directory import prepare_disk_directory  # noqa: E402
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
 from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
 from lmcached.shm.arena import Arena  # noqa: E402
@@ -35,7 +36,7 @@ RECORD_BYTES = 1000
 
 def written_slot_file(directory: str, num_slots: int) -> SlotFile:
     """A slot file of `num_slots` slots of two pages, each holding a small record."""
-    slot_file, _ = SlotFile.open(directory, 2 * PAGE_BYTES, num_slots)
+    slot_file, _ = SlotFile.open(prepare_disk_directory(directory), 2 * PAGE_BYTES, num_slots)
     page, record_page = aligned_buffer(PAGE_BYTES), aligned_buffer(PAGE_BYTES)
     record = os.urandom(RECORD_BYTES)
     record_page[:RECORD_BYTES] = record  # written whole (O_DIRECT), the tail included

@@ -216,10 +216,12 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         if self.l2 is not None:
             self.l2.pool = self.pool
         if self.disk is not None:
+            from lmcached.daemon.disk.directory import DiskDirectoryError
+
             self.disk.pool = self.pool
             try:
                 self.disk.set_block_bytes(self.arena.block_bytes)
-            except OSError as exc:  # the disk tier stays empty: never a client's error
+            except (OSError, DiskDirectoryError) as exc:  # stays empty: never a client's error
                 logger.error("the disk tier cannot size its slot file for blocks of %d "
                              "bytes (%s): it stays unused", self.arena.block_bytes, exc)
         for pool in tiers.pools:  # each counts its values by namespace

@@ -24,7 +24,6 @@ import errno
 import grp
 import os
 import resource
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -279,20 +278,22 @@ def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
                   num_threads=cfg.l2_threads, jobs=jobs)
 
 
-def disk_free_bytes(directory: str) -> int:
-    """Free bytes of the directory's filesystem, counting the slot file already there as
-    free (a restart keeps the size it had)."""
+def disk_free_bytes(directory) -> int:
+    """Free bytes of the filesystem of `directory` (a `DiskDirectory`, examined through its
+    descriptor), counting the slot file already there as free (a restart keeps the size
+    it had)."""
     from lmcached.daemon.disk.slots import FILE_NAME
 
-    free = shutil.disk_usage(directory).free
+    fs = os.statvfs(directory.fd)
+    free = fs.f_bavail * fs.f_frsize
     try:
-        free += os.stat(os.path.join(directory, FILE_NAME)).st_blocks * 512
+        free += os.stat(FILE_NAME, dir_fd=directory.fd, follow_symlinks=False).st_blocks * 512
     except FileNotFoundError:
         pass
     return free
 
 
-def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
+def disk_capacity_bytes(cfg: ServerConfig, directory) -> int:
     """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
     space of the directory's filesystem (`disk_free_bytes`).
 
@@ -307,9 +308,9 @@ def disk_capacity_bytes(cfg: ServerConfig, directory: str) -> int:
     capacity = int(text)
     if capacity > free:
         raise StartupError(f"--disk-capacity {format_bytes(capacity)} is more than the "
-                           f"{format_bytes(free)} free in {directory}: lower --disk-capacity "
-                           f"(bytes, or a percentage of the free space, e.g. 50%) or free "
-                           f"space there")
+                           f"{format_bytes(free)} free in {directory.path}: lower "
+                           f"--disk-capacity (bytes, or a percentage of the free space, "
+                           f"e.g. 50%) or free space there")
     return capacity
 
 
@@ -334,25 +335,32 @@ def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
 
     try:
         directory = prepare_disk_directory(cfg.disk_path)
-        lock = DirectoryLock(directory)
     except DiskDirectoryError as exc:
         raise StartupError(str(exc)) from None
+    lock = None
     try:
+        lock = DirectoryLock(directory)
         capacity = disk_capacity_bytes(cfg, directory)
         tier = DiskTier(directory, lock, capacity_bytes=capacity, policy=cfg.disk_policy,
                         fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs)
-    except BaseException:
-        lock.release()
+    except BaseException as exc:
+        if lock is not None:
+            lock.release()
+        directory.close()
+        if isinstance(exc, DiskDirectoryError):
+            raise StartupError(str(exc)) from None
         raise
     try:
         tier.open_file(arena.block_bytes)
     except BaseException as exc:
         tier.close()  # its threads and file; the directory's lock is released
+        if isinstance(exc, DiskDirectoryError):
+            raise StartupError(str(exc)) from None
         if isinstance(exc, OSError):
             raise _disk_error(cfg, exc) from exc
         raise
-    logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory, format_bytes(capacity),
-                cfg.disk_policy, cfg.disk_fetch_wait_s)
+    logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory.path,
+                format_bytes(capacity), cfg.disk_policy, cfg.disk_fetch_wait_s)
     return tier
 
 

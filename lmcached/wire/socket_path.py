@@ -164,9 +164,28 @@ def _owners(uids: set[int]) -> str:
     return " or ".join(describe_user(uid) for uid in sorted(uids, reverse=True))
 
 
-def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
-    """Every directory above `directory` (lexically and after resolving symlinks) is
-    owned by a trusted uid and writable by nobody else unless sticky."""
+def check_ancestors(directory: str, trusted_uids: set[int], what: str, *,
+                    held: str = "the socket", option: str = "--socket",
+                    example: str = ", e.g. under $XDG_RUNTIME_DIR or /run") -> None:
+    """Check every directory above `directory` (lexically and after resolving symlinks):
+    owned by a trusted uid and writable by nobody else unless sticky (/tmp). Otherwise
+    someone else could rename `directory` away after a check and put his own in its place.
+    The socket's directory and the disk tier's (lmcached/daemon/disk/directory.py) both
+    use it.
+
+    Args:
+        directory: the directory whose parents are checked (it need not exist).
+        trusted_uids: the uids that may own a parent (the daemon's and root).
+        what: the start of the error message (which setting is refused).
+        held: what the directory holds, for the message ("the socket").
+        option: the option that chooses another place ("--socket").
+        example: said after the option in the message's fix.
+
+    Raises:
+        UnsafeSocketPathError: the first parent that fails, who could change it, and how
+            to fix it.
+        OSError: a parent cannot be examined (stat).
+    """
     checked = set()
     for path in (os.path.abspath(directory), os.path.realpath(directory)):
         parent = os.path.dirname(path)
@@ -176,16 +195,16 @@ def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
             if st.st_uid not in trusted_uids:
                 raise UnsafeSocketPathError(
                     f"{what}: {parent} is owned by {describe_user(st.st_uid)}, who could replace "
-                    f"the directories below it; put the socket in a directory whose parents "
-                    f"belong to {_owners(trusted_uids)} (--socket, e.g. under "
-                    f"$XDG_RUNTIME_DIR or /run)"
+                    f"the directories below it; put {held} in a directory whose parents "
+                    f"belong to {_owners(trusted_uids)} ({option}{example})"
                 )
             if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
                 raise UnsafeSocketPathError(
                     f"{what}: {parent} is writable by "
                     f"{'every user' if st.st_mode & stat.S_IWOTH else _group(st.st_gid)} "
                     f"(mode 0{stat.S_IMODE(st.st_mode):o}, not sticky), who could replace the "
-                    f"directories below it; fix it (chmod go-w {parent}) or choose another --socket"
+                    f"directories below it; fix it (chmod go-w {parent}) or choose another "
+                    f"{option}"
                 )
             parent = os.path.dirname(parent)
 
@@ -195,9 +214,9 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
     st = os.lstat(directory)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeSocketPathError(
-            f"{what}: {directory} is a symlink (to {os.readlink(directory)!r}); whoever controls "
-            f"its target controls the socket. Remove it (rm {directory}) and let the daemon "
-            f"create the directory, or choose another --socket"
+            f"{what}: {directory} is a symlink (to {os.readlink(directory)!r}) made by "
+            f"{describe_user(st.st_uid)}; whoever controls its target controls the socket. "
+            f"{_way_out(directory, st.st_uid, 'rm')}"
         )
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeSocketPathError(f"{what}: {directory} is not a directory")
@@ -205,8 +224,8 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
     if st.st_uid not in trusted_uids:
         raise UnsafeSocketPathError(
             f"{what}: {directory} is owned by {describe_user(st.st_uid)}, not by "
-            f"{_owners(trusted_uids)}; its owner could replace the socket. Remove it (if it "
-            f"is a leftover or an attack: rm -r {directory}) or choose another --socket"
+            f"{_owners(trusted_uids)}; its owner could replace the socket (a leftover, or "
+            f"made first by that user to take the socket). {_way_out(directory, st.st_uid, 'rm -r')}"
         )
     if mode & stat.S_IWOTH:
         raise UnsafeSocketPathError(
@@ -219,6 +238,23 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
             f"member could replace the socket. Make it 0750 (chmod 0750 {directory}): "
             f"--allow-group needs the group to enter the directory, never to write it"
         )
+
+
+def _way_out(directory: str, owner_uid: int, remove: str) -> str:
+    """The fix of a socket directory (or symlink) that the daemon may not use: remove it
+    (as root when another user made it: in a sticky directory such as /tmp only its owner
+    and root may), or use another directory. For the default /tmp/lmcached-<uid>, which
+    any local user can make first, the other directories are --socket and
+    $XDG_RUNTIME_DIR (`default_socket_path`)."""
+    if owner_uid == os.geteuid():
+        removal = f"Remove it ({remove} {directory})"
+    else:
+        removal = f"Remove it as root (sudo {remove} {directory})"
+    if directory != os.path.dirname(_user_socket_paths(DEFAULT_NAME)[-1]):
+        return f"{removal} and let the daemon create the directory, or choose another --socket"
+    return (f"{removal} and let the daemon create the directory, or give the daemon and its "
+            f"clients another directory: --socket PATH, or set XDG_RUNTIME_DIR (they then use "
+            f"$XDG_RUNTIME_DIR/lmcached; a login session has /run/user/{os.getuid()})")
 
 
 def check_socket_directory(socket_path: str) -> None:
@@ -240,7 +276,7 @@ def check_socket_directory(socket_path: str) -> None:
     trusted = {0, os.geteuid()}
     what = f"unsafe socket directory for {socket_path}"
     _check_directory(directory, trusted, what)
-    _check_ancestors(directory, trusted, what)
+    check_ancestors(directory, trusted, what)
 
 
 def group_can_enter(socket_path: str, gid: int) -> bool:
@@ -272,7 +308,7 @@ def prepare_socket_directory(socket_path: str, allow_group_gid: int | None = Non
         path = os.path.dirname(path)
     what = f"unsafe socket directory for {socket_path}"
     if missing:  # never create anything below a directory someone else controls
-        _check_ancestors(missing[-1], {0, os.geteuid()}, what)
+        check_ancestors(missing[-1], {0, os.geteuid()}, what)
     for path in reversed(missing):
         try:
             os.mkdir(path, _DIR_MODE)
@@ -321,7 +357,7 @@ def check_client_socket_directory(socket_path: str) -> None:
         if parent.st_uid == 0 and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             trusted = trusted | {st.st_uid}  # only root could have made it: the daemon's
     _check_directory(directory, trusted, what)
-    _check_ancestors(directory, {0, os.geteuid()}, what)
+    check_ancestors(directory, {0, os.geteuid()}, what)
 
 
 def claim_socket_path(path: str) -> None:

@@ -19,7 +19,7 @@ from test_disk_slots import chain
 from test_service import BLOCK_BYTES, greeted
 from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
-from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, slot_bytes_for
+from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, round_up, slot_bytes_for
 from lmcached.daemon.disk.tier import DiskTier
 from lmcached.daemon.l2.values import namespace_fingerprint
 from lmcached.daemon.replies import Deferred
@@ -41,11 +41,13 @@ HASHES_A = b"".join(h for _, h, _ in PROMPT_A)
 UNALIGNED_BLOCK_BYTES = BLOCK_BYTES - 1024  # a --block-size of 64-byte multiples, not pages
 
 
-def open_disk_service(name: str, directory: str, block_bytes: int = BLOCK_BYTES,
-                      policy: str = "on-evict") -> CacheService:
-    """A service on a NUM_BLOCKS-block arena (the last block ends the mapping) with a
-    disk tier of 16 MiB in `directory`, its index rebuilt from what the directory holds."""
-    arena = Arena.create(name, HEADER_BYTES + NUM_BLOCKS * block_bytes, block_bytes,
+def open_disk_service(name: str, path: str, block_bytes: int = BLOCK_BYTES,
+                      policy: str = "on-evict", num_blocks: int = NUM_BLOCKS) -> CacheService:
+    """A service on an arena of `num_blocks` blocks (the last block ends the mapping) with
+    a disk tier of 16 MiB in directory `path`, its index rebuilt from what the directory
+    holds."""
+    directory = prepare_disk_directory(path)
+    arena = Arena.create(name, HEADER_BYTES + num_blocks * block_bytes, block_bytes,
                          prefault=False)
     service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
                                         max_session_share=100.0), arena)
@@ -64,7 +66,7 @@ def close_disk_service(service: CacheService) -> None:
 @pytest.fixture
 def disk_service(unique_name, tmp_path):
     """A service on a 6-block arena with an on-evict disk tier of 16 MiB."""
-    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")))
+    service = open_disk_service(unique_name, str(tmp_path / "disk"))
     yield service
     close_disk_service(service)
 
@@ -80,13 +82,16 @@ def settle(service: CacheService, done, timeout_s: float = 20.0):
 
 
 def store_chunk(service: CacheService, session, chunk_hash: bytes, record: bytes) -> int:
-    """ALLOC, fill and COMMIT one chunk; returns its block id."""
+    """ALLOC, fill and COMMIT one chunk (in as many blocks as it spans); returns its first
+    block id."""
     arena = service.arena
     alloc = service.handle(session, Alloc(1, chunk_hash, [len(record)]))
-    (block_id,) = alloc.block_ids
-    arena.numpy_view(arena.block_offset(block_id), len(record))[:] = np.frombuffer(record, np.uint8)
-    assert service.handle(session, Commit([block_id])) == Ok()
-    return block_id
+    for i, block_id in enumerate(alloc.block_ids):
+        piece = record[i * arena.block_bytes:(i + 1) * arena.block_bytes]
+        arena.numpy_view(arena.block_offset(block_id), len(piece))[:] = \
+            np.frombuffer(piece, np.uint8)
+    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+    return alloc.block_ids[0]
 
 
 def store_both(service: CacheService, session, settled: bool = True) -> None:
@@ -330,7 +335,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
     settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
     service.jobs.process_completions()
     assert lookup(service, session) == arena_prefix(service)  # a miss, not a disk hit
-    restarted, kept = SlotFile.open(tier.directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    restarted, kept = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
     found = {h.chunk_hash for h in restarted.scan()}
     restarted.close()
     assert kept and not found & set(on_disk), "a restart would serve an erased chunk"
@@ -338,7 +343,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
 
 def test_a_slot_that_cannot_be_read_at_start_is_skipped_counted_and_the_rest_restored(
         unique_name, tmp_path, monkeypatch, caplog):
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     layout, chunks = full_blocks(BLOCK_BYTES, 4)
     service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
     close_disk_service(service)
@@ -377,7 +382,7 @@ def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_
     (UNALIGNED_BLOCK_BYTES, 2 * UNALIGNED_BLOCK_BYTES - 100, False)])
 def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_when_evicted(
         unique_name, tmp_path, caplog, block_bytes, value_bytes, on_disk):
-    service = open_disk_service(unique_name, prepare_disk_directory(str(tmp_path / "disk")),
+    service = open_disk_service(unique_name, str(tmp_path / "disk"),
                                 block_bytes)
     try:
         big_layout = Layout("disk-big", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, value_bytes)
@@ -411,10 +416,11 @@ def full_blocks(block_bytes: int, num_chunks: int = NUM_BLOCKS):
     return Layout("disk-full-blocks", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, block_bytes), chunks
 
 
-def written_then_restarted(name: str, directory: str, block_bytes: int, chunks, layout):
+def written_then_restarted(name: str, directory: str, block_bytes: int, chunks, layout,
+                           num_blocks: int = NUM_BLOCKS):
     """Store `chunks` into every block of an arena with a write-through disk tier, stop
     it, and start another on the same directory (a warm restart: an empty arena)."""
-    service = open_disk_service(name, directory, block_bytes, "write-through")
+    service = open_disk_service(name, directory, block_bytes, "write-through", num_blocks)
     try:
         session = greeted(service, layout)
         for _, chunk_hash, record in chunks:  # one at a time: write-through pins 1/4
@@ -423,7 +429,7 @@ def written_then_restarted(name: str, directory: str, block_bytes: int, chunks, 
         assert disk_info(service)["disk_writes"] == len(chunks)
     finally:
         close_disk_service(service)
-    return open_disk_service(f"{name}-2", directory, block_bytes)
+    return open_disk_service(f"{name}-2", directory, block_bytes, num_blocks=num_blocks)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
@@ -437,7 +443,7 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
     buffered, through a thread's buffer where O_DIRECT cannot (blocks that are not
     whole pages: the last page of the arena's last block would end past the mapping)."""
     if not direct:  # as on tmpfs
-        monkeypatch.setattr(SlotFile, "_reopen_direct", staticmethod(lambda path: None))
+        monkeypatch.setattr(SlotFile, "_reopen_direct", staticmethod(lambda *args: None))
     copies = []
     for method in ("_copy_out", "_thread_buffer"):
         original = getattr(DiskTier, method)
@@ -445,7 +451,7 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
                             copies.append(name) or original(tier, *args))
     in_place = not direct or block_bytes % 4096 == 0
     layout, chunks = full_blocks(block_bytes)
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     service = written_then_restarted(unique_name, directory, block_bytes, chunks, layout)
     try:
         assert disk_info(service)["disk_direct_io"] == int(direct)
@@ -476,7 +482,7 @@ def test_a_slot_that_fails_its_checks_in_the_arena_blocks_gives_them_back(unique
     commit: a changed byte makes it a counted miss, its blocks (and those of the
     chunks after it) go back to the free queue, none pinned or WRITING."""
     layout, chunks = full_blocks(BLOCK_BYTES)
-    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    directory = str(tmp_path / "disk")
     service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
     try:
         tier = service.disk
@@ -494,6 +500,122 @@ def test_a_slot_that_fails_its_checks_in_the_arena_blocks_gives_them_back(unique
         assert info["disk_fetch_verify_checksum"] == 1 and info["disk_fetch_hit_chunks"] == 2
         assert len(service.pool.cached) == 2
         assert service.pool.num_empty_blocks == NUM_BLOCKS - 2  # the others given back
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)
+
+
+DERIVED_ARENA_BYTES = 512 << 10  # 64 blocks of 8 KiB (prompt A's), 128 of 4 KiB
+
+
+def open_derived_service(name: str, path: str) -> CacheService:
+    """A daemon's start without --block-size on the disk directory `path`: the arena has
+    no block size until the first HELLO; the slot file an earlier daemon left is opened
+    with its own slot size and its index rebuilt (`startup.open_disk_tier`), before any
+    layout attaches. Write-through, so that every stored chunk reaches the disk."""
+    arena = Arena.create(name, HEADER_BYTES + DERIVED_ARENA_BYTES, 0, prefault=False)
+    service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent",
+                                        max_session_share=100.0), arena)
+    directory = prepare_disk_directory(path)
+    tier = DiskTier(directory, DirectoryLock(directory), capacity_bytes=(16 << 20),
+                    policy="write-through", fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
+    if tier.open_file(arena.block_bytes):
+        tier.rebuild_index()
+    service.attach_disk(tier)
+    return service
+
+
+def read_values(service: CacheService, reply: BlocksReply) -> list[bytes]:
+    """The bytes of every value of an ACQUIRE's reply, each gathered from its blocks."""
+    arena, out = service.arena, []
+    for span, num_bytes in zip(reply.spans(), reply.num_bytes):
+        data = b"".join(bytes(arena.numpy_view(arena.block_offset(block_id), arena.block_bytes))
+                        for block_id in span)
+        out.append(data[:num_bytes])
+    return out
+
+
+@pytest.mark.parametrize("other_record_bytes,fits", [(2000, True), (3 * PAGE_BYTES, False)],
+                         ids=["smaller_blocks", "larger_blocks"])
+def test_a_warm_restart_keeps_its_disk_tier_whichever_layout_attaches_first(
+        unique_name, tmp_path, caplog, other_record_bytes, fits):
+    """Without --block-size the first layout that attaches sets the block size. Layout A
+    stored prompt A (on disk in slots sized for A's 8 KiB blocks); after a restart layout
+    B attaches first and sets other blocks: the slot file keeps its slots and A's chunks,
+    so A hits them, read back bit-exact (into two 4 KiB blocks each where B's blocks
+    are smaller). Where B's records do not fit the slots, a warning names the file, its
+    slot size and the --block-size that keeps it."""
+    path = str(tmp_path / "disk")
+    service = open_derived_service(unique_name, path)
+    try:
+        session = greeted(service, LAYOUT)
+        assert service.arena.block_bytes == 2 * PAGE_BYTES
+        for _, chunk_hash, record in PROMPT_A:
+            store_chunk(service, session, chunk_hash, record)
+            settle(service, lambda: not service.disk._writing)
+        assert disk_info(service)["disk_writes"] == len(PROMPT_A)
+    finally:
+        close_disk_service(service)
+    slot_bytes = slot_bytes_for(2 * PAGE_BYTES)
+
+    other = Layout("disk-other", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, other_record_bytes)
+    service = open_derived_service(f"{unique_name}-2", path)
+    try:
+        assert service.disk.num_restored == len(PROMPT_A)
+        session = greeted(service, other, LAYOUT)  # B first: it sets the block size
+        assert service.arena.block_bytes == round_up(other_record_bytes)
+        info = disk_info(service)
+        assert info["disk_slot_bytes"] == slot_bytes and info["disk_used_slots"] == len(PROMPT_A)
+        reply = service.handle(session, Lookup([2], HASHES_A))
+        if isinstance(reply, Deferred):
+            settle(service, lambda: reply.job.done)
+            reply = service.resume(session, reply)
+        assert reply.num_chunks == len(PROMPT_A), "the restart lost A's chunks on disk"
+        reply = service.handle(session, Acquire([2], HASHES_A))
+        assert read_values(service, reply) == [record for _, _, record in PROMPT_A]
+        assert [len(span) for span in reply.spans()] == \
+            [-(-RECORD_BYTES // service.arena.block_bytes)] * len(PROMPT_A)
+        service.handle(session, Release([reply.lease]))
+        warnings = [r.getMessage() for r in caplog.records if "keeps its slots" in r.getMessage()
+                    and r.levelname == "WARNING"]
+        if fits:
+            assert warnings == []
+        else:
+            assert len(warnings) == 1, warnings
+            assert (f"disk tier {service.disk.slots.path} keeps its slots of {slot_bytes} bytes"
+                    in warnings[0] and "--block-size 8192 to keep this file" in warnings[0]), \
+                warnings[0]
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 1600])
+def test_spanned_records_go_to_disk_and_come_back_bit_exact_when_they_fit_a_slot(
+        unique_name, tmp_path, block_bytes):
+    """A chunk larger than one block spans several; it goes to disk when its record fits a
+    slot (the block size rounded up to whole 4 KiB pages: 4 KiB for blocks of 1024 or
+    1600 bytes), and a warm restart reads it back into as many fresh blocks, byte for
+    byte (docs/operator.md, "The disk tier")."""
+    record_bytes = 3000  # 3 blocks of 1024, 2 of 1600; one page of a slot
+    chunks = chain(2, record_bytes - (RECORD_BYTES - KV_BYTES), first_token=9000)
+    assert all(len(record) == record_bytes for _, _, record in chunks)
+    layout = Layout("disk-spanned", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, record_bytes)
+    service = written_then_restarted(unique_name, str(tmp_path / "disk"), block_bytes, chunks,
+                                     layout, num_blocks=24)
+    try:
+        assert service.disk.num_restored == len(chunks)
+        session = greeted(service, layout)
+        hashes = b"".join(h for _, h, _ in chunks)
+        reply = service.handle(session, Lookup([1], hashes))
+        assert isinstance(reply, Deferred)
+        settle(service, lambda: reply.job.done)
+        assert service.resume(session, reply).num_chunks == len(chunks)
+        reply = service.handle(session, Acquire([1], hashes))
+        assert [len(span) for span in reply.spans()] == [-(-record_bytes // block_bytes)] * 2
+        assert read_values(service, reply) == [record for _, _, record in chunks]
+        service.handle(session, Release([reply.lease]))
+        assert disk_info(service)["disk_fetch_failures"] == 0
         assert_nothing_held(service)
     finally:
         close_disk_service(service)

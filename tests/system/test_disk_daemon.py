@@ -24,7 +24,7 @@ from test_limits import wait_for
 from test_loading import server_info
 from lmcached.cli import main
 from lmcached.client import KVLayout, hash_request_tokens
-from lmcached.daemon.disk.directory import DirectoryLock
+from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, slot_bytes_for
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
@@ -241,9 +241,10 @@ def rebuilding(socket: str) -> dict | None:
 def big_slot_file(directory: str) -> None:
     """A slot file of BIG_NUM_SLOTS empty slots of one page: preallocated, never written
     (4 GB of disk, no I/O), seconds of scanning."""
-    os.mkdir(directory, 0o700)
-    slot_file, _ = SlotFile.open(directory, PAGE_BYTES, BIG_NUM_SLOTS)
+    disk_directory = prepare_disk_directory(directory)
+    slot_file, _ = SlotFile.open(disk_directory, PAGE_BYTES, BIG_NUM_SLOTS)
     slot_file.close()
+    disk_directory.close()
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "shutdown"])
@@ -281,7 +282,9 @@ def test_a_stop_during_a_long_index_rebuild_stops_the_daemon_cleanly(unique_name
             "stopped") in text, text
     assert "chunks found" not in text, f"the rebuild ran to its end ({stopped_s:.1f} s):\n{text}"
     assert list_segments(unique_name) == [] and not os.path.exists(socket)
-    DirectoryLock(directory).release()  # free: another daemon may start on it
+    disk_directory = prepare_disk_directory(directory)
+    DirectoryLock(disk_directory).release()  # free: another daemon may start on it
+    disk_directory.close()
 
 
 def test_a_warm_restart_answers_loading_while_it_rebuilds_then_serves_what_disk_holds(
@@ -385,3 +388,89 @@ def test_a_salted_prompt_comes_back_from_disk_under_its_own_salt_only(daemon_fac
     info = daemon.info()
     assert info["disk_fetch_hit_chunks"] == NUM_CHUNKS and info["disk_fetch_failures"] == 0
     assert info["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_slot_file_that_is_not_a_regular_file_stops_the_start_at_once(unique_name, short_tmp,
+                                                                       kind):
+    """A FIFO in place of the slot file once blocked the start before the daemon listened
+    (SIGTERM had no effect, the directory stayed locked); a symlink led to another file.
+    Both are refused at once, naming the file and the fix, and leave nothing behind."""
+    from test_security import serve_expecting_failure
+
+    directory = os.path.join(short_tmp, "disk")
+    os.mkdir(directory, 0o700)
+    path = os.path.join(directory, FILE_NAME)
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        os.symlink(os.path.join(short_tmp, "elsewhere"), path)
+    sock = os.path.join(short_tmp, "d.sock")
+    started = time.monotonic()
+    proc = serve_expecting_failure(unique_name, sock, "--disk-path", directory,
+                                   "--disk-capacity", "8MiB")  # 30 s at most
+    assert time.monotonic() - started < 20
+    problem = "a FIFO" if kind == "fifo" else "a symlink"
+    assert f"{path} is {problem}, not a regular file" in proc.stderr, proc.stderr
+    assert f"rm {path}" in proc.stderr, proc.stderr
+    assert list_segments(unique_name) == [] and not os.path.exists(sock)
+    assert not os.path.exists(os.path.join(short_tmp, "elsewhere"))
+    checked = prepare_disk_directory(directory)
+    DirectoryLock(checked).release()  # not left locked
+    checked.close()
+
+
+def test_a_disk_path_below_a_directory_others_can_write_is_refused(unique_name, short_tmp):
+    from test_security import serve_expecting_failure
+
+    parent = os.path.join(short_tmp, "public")
+    os.mkdir(parent)
+    os.chmod(parent, 0o777)  # not sticky
+    proc = serve_expecting_failure(unique_name, os.path.join(short_tmp, "d.sock"),
+                                   "--disk-path", os.path.join(parent, "disk"))
+    assert f"{parent} is writable by every user (mode 0777, not sticky)" in proc.stderr
+    assert f"chmod go-w {parent}" in proc.stderr and os.listdir(parent) == []
+
+
+def test_the_slot_file_and_the_lock_are_readable_by_the_daemons_user_only(daemon_factory,
+                                                                         disk_dir):
+    """Both files hold what the cache holds (the slot file every prompt's token ids): 0600
+    after a start, and a file found 0644 is brought to 0600 (logged)."""
+    paths = [os.path.join(disk_dir, FILE_NAME), os.path.join(disk_dir, "lock")]
+    daemon = daemon_factory(*disk_args(disk_dir))
+    assert [os.stat(p).st_mode & 0o7777 for p in paths] == [0o600, 0o600]
+    daemon.stop()
+    for p in paths:
+        os.chmod(p, 0o644)
+    restarted = daemon_factory(*disk_args(disk_dir))
+    assert [os.stat(p).st_mode & 0o7777 for p in paths] == [0o600, 0o600]
+    assert f"{paths[0]} had mode 0644: set to 0600" in restarted.log()
+
+
+def test_a_warm_restart_keeps_its_disk_tier_whichever_layout_attaches_first(daemon_factory,
+                                                                           disk_dir):
+    """No --block-size: the first layout that attaches sets the block size. Layout A's
+    prompt is on disk; after a restart layout B (records 3 times larger) attaches first
+    and sets larger blocks: the slot file keeps its slots and A's chunks (a warning says
+    so, with the --block-size that keeps it), and A's prompt hits, bit-exact."""
+    import msgspec
+
+    args = ("--capacity", "1MiB", "--disk-path", disk_dir, "--disk-capacity", "8MiB",
+            "--disk-policy", "write-through", "--disk-fetch-wait", "5")
+    daemon = daemon_factory(*args)
+    store(daemon, 0)
+    info = written(daemon, NUM_CHUNKS)
+    slot_bytes, block_bytes = info["disk_slot_bytes"], info["block_bytes"]
+    daemon.stop()
+    restarted = daemon_factory(*args)
+    layout_a = small_layout().to_wire()
+    layout_b = msgspec.structs.replace(layout_a, model_name="other-model",
+                                       record_bytes=3 * layout_a.record_bytes)
+    with Connection(restarted.socket) as conn:
+        hello(conn, "first", [layout_b])
+    info = restarted.info()
+    assert info["block_bytes"] > block_bytes and info["disk_slot_bytes"] == slot_bytes
+    assert info["disk_used_slots"] == NUM_CHUNKS
+    assert retrieve(restarted, 0) == {"hit": 100, "mismatches": 0}
+    assert restarted.info()["disk_fetch_hit_chunks"] == NUM_CHUNKS
+    assert f"keeps its slots of {slot_bytes} bytes" in restarted.log()

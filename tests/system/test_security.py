@@ -201,6 +201,45 @@ def test_tmp_fallback_of_a_user_is_refused_when_prepared_by_someone_else(monkeyp
 
 
 @needs_root
+@pytest.mark.parametrize("attack", ["other_owner", "symlink"])
+def test_a_squatted_tmp_fallback_names_its_owner_and_the_ways_out(monkeypatch, attack):
+    """Another user made /tmp/lmcached-<uid> first (a directory, or a symlink): in sticky
+    /tmp only he or root can remove it. The refusal names him (uid and name) and the ways
+    out: remove it as root, or another directory (--socket, XDG_RUNTIME_DIR)."""
+    import pwd
+
+    squatter = pwd.getpwnam("nobody")
+    for name in ("LMCACHED_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "getuid", lambda: OTHER_UID)
+    monkeypatch.setattr(os, "geteuid", lambda: OTHER_UID)
+    sock = default_socket_path("default")
+    directory = os.path.dirname(sock)
+    if os.path.lexists(directory):
+        pytest.skip(f"{directory} exists on this machine")
+    try:
+        if attack == "other_owner":
+            os.mkdir(directory, 0o700)
+            os.chown(directory, squatter.pw_uid, -1)
+        else:
+            os.symlink(tempfile.gettempdir(), directory)
+            os.lchown(directory, squatter.pw_uid, -1)
+        for check in (prepare_socket_directory, check_client_socket_directory):
+            with pytest.raises(UnsafeSocketPathError) as refused:
+                check(sock)
+            message = str(refused.value)
+            assert f"uid {squatter.pw_uid} (nobody)" in message, message
+            for way_out in (f"Remove it as root (sudo rm", f" {directory})", "--socket PATH",
+                            "set XDG_RUNTIME_DIR"):
+                assert way_out in message, message
+    finally:
+        if os.path.islink(directory):
+            os.unlink(directory)
+        elif os.path.isdir(directory):
+            shutil.rmtree(directory)
+
+
+@needs_root
 def test_client_trusts_another_users_directory_only_where_only_root_could_make_it(short_tmp):
     """/run/lmcached (root's parent, 0755) of a daemon running as `lmcached` is fine;
     the same directory in a sticky world-writable parent (/tmp) could be anybody's."""

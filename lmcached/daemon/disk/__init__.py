@@ -3,7 +3,8 @@ back, and a restarted daemon finds them again (`--disk-path`, docs/operator.md).
 
 What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/disk/`):
 
-- `directory`: the directory's safety checks and the lock that keeps a second daemon out.
+- `directory`: the directory's safety checks (its ancestors too), the open directory that
+  every file in it is opened relative to, and the lock that keeps a second daemon out.
 - `slots`: the I/O. The preallocated slot file, O_DIRECT reads and writes of whole slots,
   the envelope written last, and the scan of envelopes that rebuilds the index.
 - `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).

@@ -29,6 +29,11 @@ judges. After Redis's RDB rename and the "commit record last" rule of write-ahea
 
 I/O is O_DIRECT (page-aligned memory, offsets and lengths; no page-cache pollution),
 with a buffered fallback where the filesystem refuses it (tmpfs), logged once.
+
+The file is only ever opened relative to the checked directory's descriptor
+(`directory.DiskDirectory.open_file`: no symlink followed, never a FIFO or a device, a
+file of the daemon's uid with mode 0600); a second open (O_DIRECT, the scan) must find
+the same file (`_open_again`).
 """
 
 import collections
@@ -39,6 +44,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from lmcached.daemon.disk.directory import DiskDirectory
 from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, ENVELOPE_VERSION, L2_MAGIC
 from lmcached.wire.logger import init_logger
 
@@ -100,10 +106,32 @@ class SlotHeader:
         self.record_bytes = record_bytes
 
 
-def read_superblock(directory: str) -> tuple[int, int] | None:
+def read_superblock(directory: DiskDirectory) -> tuple[int, int] | None:
     """(slot_bytes, num_slots) of the slot file in `directory`, or None when there is
-    none or it is not one of ours (too short, another magic or version)."""
-    fields = _superblock_fields(directory)
+    none or it is not one of ours (too short, another magic or version).
+
+    Raises:
+        DiskDirectoryError: the file is not a regular file of ours (`open_file`).
+        OSError: it cannot be opened or read.
+    """
+    try:
+        fd = directory.open_file(FILE_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return _geometry(_superblock_fields(fd))
+    finally:
+        os.close(fd)
+
+
+def _superblock_fields(fd: int) -> tuple | None:
+    """The superblock's fields (SUPERBLOCK) of the open slot file, or None: too short."""
+    data = os.pread(fd, SUPERBLOCK.size, 0)
+    return SUPERBLOCK.unpack(data) if len(data) == SUPERBLOCK.size else None
+
+
+def _geometry(fields: tuple | None) -> tuple[int, int] | None:
+    """(slot_bytes, num_slots) of superblock `fields` of ours, else None."""
     if fields is None:
         return None
     magic, version, _flags, slot_bytes, num_slots = fields
@@ -112,14 +140,22 @@ def read_superblock(directory: str) -> tuple[int, int] | None:
     return slot_bytes, num_slots
 
 
-def _superblock_fields(directory: str) -> tuple | None:
-    """The superblock's fields (SUPERBLOCK) as found, or None: no file, or too short."""
-    try:
-        with open(os.path.join(directory, FILE_NAME), "rb") as f:
-            data = f.read(SUPERBLOCK.size)
-    except FileNotFoundError:
-        return None
-    return SUPERBLOCK.unpack(data) if len(data) == SUPERBLOCK.size else None
+def _open_again(directory: DiskDirectory, fd: int, flags: int) -> int:
+    """The slot file opened once more relative to `directory` (another open file, for
+    O_DIRECT or for the scan), refused unless it is the file of `fd`.
+
+    Raises:
+        DiskDirectoryError: see `DiskDirectory.open_file`.
+        OSError: it cannot be opened, or is another file now (ESTALE: replaced since
+            `fd` was opened).
+    """
+    again = directory.open_file(FILE_NAME, flags)
+    first, second = os.fstat(fd), os.fstat(again)
+    if (first.st_dev, first.st_ino) != (second.st_dev, second.st_ino):
+        os.close(again)
+        raise OSError(errno.ESTALE, f"{directory.file_path(FILE_NAME)} was replaced while "
+                                    f"the daemon had it open")
+    return again
 
 
 class SlotFile:
@@ -129,15 +165,18 @@ class SlotFile:
     is one or two positioned system calls on a shared descriptor.
 
     Attributes:
-        path: the file's path.
+        path: the file's path (for messages: it is only ever opened relative to the
+            directory's descriptor).
         slot_bytes: bytes per slot (a multiple of PAGE_BYTES: the envelope page, then
             `max_record_bytes` for the record).
         num_slots: how many slots.
         direct: whether I/O bypasses the page cache (O_DIRECT).
     """
 
-    def __init__(self, path: str, fd: int, slot_bytes: int, num_slots: int, direct: bool) -> None:
-        self.path = path
+    def __init__(self, directory: DiskDirectory, fd: int, slot_bytes: int, num_slots: int,
+                 direct: bool) -> None:
+        self.path = directory.file_path(FILE_NAME)
+        self._directory = directory
         self._fd = fd
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
@@ -145,10 +184,13 @@ class SlotFile:
         self.scan_errors: dict[str, int] = {}  # the last `scan`'s failed reads, by kind
 
     @classmethod
-    def open(cls, directory: str, slot_bytes: int, num_slots: int) -> tuple["SlotFile", bool]:
+    def open(cls, directory: DiskDirectory, slot_bytes: int,
+             num_slots: int) -> tuple["SlotFile", bool]:
         """Open the directory's slot file with this geometry, creating it (or formatting
         it anew, when its slot size differs) as needed; space is preallocated
-        (posix_fallocate) where the filesystem allows.
+        (posix_fallocate) where the filesystem allows. The file is opened relative to
+        the directory's descriptor, once (`DiskDirectory.open_file`: a regular file of
+        ours, mode 0600), and truncated through that descriptor when it is formatted.
 
         Args:
             directory: the checked and locked disk directory.
@@ -162,27 +204,30 @@ class SlotFile:
             index can be rebuilt with `scan`).
 
         Raises:
+            DiskDirectoryError: the file is a symlink, a FIFO, a device..., or another
+                uid's (the message names it and the fix).
             OSError: the file cannot be created, opened or sized.
             ValueError: slot_bytes is not a multiple of PAGE_BYTES, or num_slots < 1.
         """
         if slot_bytes % PAGE_BYTES or slot_bytes <= 0 or num_slots < 1:
             raise ValueError(f"slot file of {num_slots} slots of {slot_bytes} bytes: slots "
                              f"must be whole pages ({PAGE_BYTES} bytes), at least one")
-        path = os.path.join(directory, FILE_NAME)
-        found = read_superblock(directory)
-        kept = found is not None and found[0] == slot_bytes
-        if found is not None and not kept:
-            logger.warning("disk tier %s was written with slots of %d bytes, the arena's "
-                           "blocks now need %d: its chunks are dropped", path, found[0],
-                           slot_bytes)
-        old = _superblock_fields(directory) if found is None else None
-        if old is not None and old[0] == SUPERBLOCK_MAGIC and old[1] != SUPERBLOCK_VERSION:
-            logger.warning("disk tier %s was written in slot format %d, this lmcached reads "
-                           "format %d only: the file is formatted anew and its chunks are "
-                           "dropped", path, old[1], SUPERBLOCK_VERSION)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(path, flags | (0 if kept else os.O_TRUNC), 0o600)
+        path = directory.file_path(FILE_NAME)
+        fd = directory.open_file(FILE_NAME, os.O_RDWR, create=True)
         try:
+            old = _superblock_fields(fd)
+            found = _geometry(old)
+            kept = found is not None and found[0] == slot_bytes
+            if found is not None and not kept:
+                logger.warning("disk tier %s was written with slots of %d bytes, the arena's "
+                               "blocks now need %d: its chunks are dropped", path, found[0],
+                               slot_bytes)
+            if old is not None and old[0] == SUPERBLOCK_MAGIC and old[1] != SUPERBLOCK_VERSION:
+                logger.warning("disk tier %s was written in slot format %d, this lmcached "
+                               "reads format %d only: the file is formatted anew and its "
+                               "chunks are dropped", path, old[1], SUPERBLOCK_VERSION)
+            if not kept:
+                os.ftruncate(fd, 0)
             size = PAGE_BYTES + slot_bytes * num_slots
             os.ftruncate(fd, size)
             try:
@@ -195,33 +240,35 @@ class SlotFile:
             SUPERBLOCK.pack_into(superblock, 0, SUPERBLOCK_MAGIC, SUPERBLOCK_VERSION, 0,
                                  slot_bytes, num_slots)
             os.pwrite(fd, superblock, 0)
+            direct_fd = cls._reopen_direct(directory, fd)
         except BaseException:
             os.close(fd)
             raise
-        direct_fd = cls._reopen_direct(path)
         if direct_fd is not None:
             os.close(fd)
             fd = direct_fd
-        return cls(path, fd, slot_bytes, num_slots, direct_fd is not None), kept
+        return cls(directory, fd, slot_bytes, num_slots, direct_fd is not None), kept
 
     @staticmethod
-    def _reopen_direct(path: str) -> int | None:
-        """The file opened O_DIRECT, or None (logged once) where the filesystem refuses."""
+    def _reopen_direct(directory: DiskDirectory, fd: int) -> int | None:
+        """The slot file of `fd` opened again O_DIRECT (relative to the directory), or
+        None (logged once) where the filesystem refuses."""
+        path = directory.file_path(FILE_NAME)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+            direct_fd = _open_again(directory, fd, os.O_RDWR | os.O_DIRECT)
         except OSError as exc:
             logger.info("disk tier %s: O_DIRECT refused (%s, e.g. tmpfs): buffered I/O",
                         path, exc.strerror or exc)
             return None
         probe = aligned_buffer(PAGE_BYTES)
         try:
-            os.preadv(fd, [probe], 0)
+            os.preadv(direct_fd, [probe], 0)
         except OSError as exc:
-            os.close(fd)
+            os.close(direct_fd)
             logger.info("disk tier %s: O_DIRECT reads fail (%s): buffered I/O", path,
                         exc.strerror or exc)
             return None
-        return fd
+        return direct_fd
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of `slot` in the file."""
@@ -350,8 +397,14 @@ class SlotFile:
             (EIO: a bad sector) is skipped as empty, and a task that met SCAN_MAX_ERRORS
             of them skips the rest of its range (a dying disk must not stop the start);
             `scan_errors` holds those errors (kind as `error_kind`: count).
+
+        Raises:
+            OSError: the file cannot be opened again for the scan (relative to the
+                directory), or it is another file now (ESTALE).
+            DiskDirectoryError: the name now leads to something else than a regular
+                file of ours.
         """
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_again(self._directory, self._fd, os.O_RDONLY)
         num_slots = self.num_slots
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

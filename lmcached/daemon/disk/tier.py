@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 
 from lmcached.daemon.connection import RateLimitedLog
-from lmcached.daemon.disk.directory import DirectoryLock
+from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
 from lmcached.daemon.disk.index import DiskIndex, DiskKey
 from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
@@ -76,7 +76,8 @@ class DiskTier(DiskWrites, DiskFetches):
     """Spills chunks to a slot file and fetches misses back (module docstring).
 
     Args:
-        directory: the checked disk directory; lock: its lock, held until `close`.
+        directory: the checked disk directory, held open; lock: its lock. The tier owns
+            both until `close`.
         capacity_bytes: bytes the slot file may take.
         policy: "on-evict" or "write-through".
         fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a disk fetch, in seconds.
@@ -97,14 +98,15 @@ class DiskTier(DiskWrites, DiskFetches):
         ValueError: unknown policy, capacity below one page, fetch_wait_s < 0.
     """
 
-    def __init__(self, directory: str, lock: DirectoryLock, *, capacity_bytes: int,
+    def __init__(self, directory: DiskDirectory, lock: DirectoryLock, *, capacity_bytes: int,
                  policy: str, fetch_wait_s: float, arena: Arena, jobs: JobRunner,
                  layout_of: Callable[[int], Layout | None] = lambda ns: None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"disk policy {policy!r}: use one of {', '.join(POLICIES)}")
         if fetch_wait_s < 0:
             raise ValueError(f"disk fetch wait {fetch_wait_s} s: must be >= 0")
-        self.directory = directory
+        self.directory = directory.path  # for messages and INFO
+        self.disk_directory = directory
         self.capacity_bytes = capacity_bytes
         self.policy = policy
         self.fetch_wait_s = fetch_wait_s
@@ -147,25 +149,57 @@ class DiskTier(DiskWrites, DiskFetches):
             Whether the file kept the slots of an earlier daemon: `rebuild_index` must
             read their envelopes (warm restart); also `needs_rebuild`.
 
+        With `block_bytes` (`--block-size`), a file of another slot size is formatted
+        anew and its chunks dropped (logged): the operator chose the block size.
+
         Raises:
+            DiskDirectoryError: the slot file is not a regular file of ours.
             OSError: the file cannot be opened, created or sized.
         """
         if block_bytes:
             return self._open(slot_bytes_for(block_bytes))
-        found = read_superblock(self.directory)
+        found = read_superblock(self.disk_directory)
         return False if found is None else self._open(found[0])
 
     def set_block_bytes(self, block_bytes: int) -> None:
-        """Size the slots for the arena's blocks (once the block size is known); a slot
-        file of another slot size is formatted anew, its chunks dropped (logged).
+        """The arena's block size is known now (the first layout that attached set it,
+        or `--block-size`): size the slots for its blocks, unless the tier already has a
+        slot file. A file an earlier daemon left keeps its slot size and its chunks
+        whatever the first layout is, never formatted anew here: records that fit its
+        slots (those of the layouts that wrote it, whatever blocks they span now) are
+        written and fetched as before; larger ones are not written to disk, and a
+        warning names the file, its slot size and the `--block-size` to pass
+        (`_warn_kept_slots`).
 
         Raises:
+            DiskDirectoryError: the slot file is not a regular file of ours.
             OSError: the file cannot be created or sized.
         """
-        slot_bytes = slot_bytes_for(block_bytes)
-        if self.slots is None or self.slots.slot_bytes != slot_bytes:
-            if self._open(slot_bytes):
+        if self.slots is None:
+            found = read_superblock(self.disk_directory)
+            if self._open(found[0] if found else slot_bytes_for(block_bytes)):
                 self.rebuild_index()
+        if self.slots is not None and self.slots.slot_bytes != slot_bytes_for(block_bytes):
+            self._warn_kept_slots(block_bytes)
+
+    def _warn_kept_slots(self, block_bytes: int) -> None:
+        """Say that the slot file keeps slots sized for other blocks than the arena's."""
+        slots = self.slots
+        num_chunks = len(self.index.entries) if self.index is not None else 0
+        if block_bytes <= slots.max_record_bytes:
+            logger.info("disk tier %s keeps its slots of %d bytes (records up to %d bytes) "
+                        "and its %d chunks; the arena's blocks are %d bytes", slots.path,
+                        slots.slot_bytes, slots.max_record_bytes, num_chunks, block_bytes)
+            return
+        logger.warning(
+            "disk tier %s keeps its slots of %d bytes (records up to %d bytes) and its %d "
+            "chunks, written by an earlier daemon; the first layout that attached set "
+            "blocks of %d bytes: records larger than %d bytes are not written to disk (INFO "
+            "disk_write_drops_oversize). Start the daemon with --block-size %d to keep this "
+            "file whichever client attaches first, or with --block-size %d to size the "
+            "slots for these blocks (the file is then formatted anew and its chunks dropped)",
+            slots.path, slots.slot_bytes, slots.max_record_bytes, num_chunks, block_bytes,
+            slots.max_record_bytes, slots.max_record_bytes, round_up(block_bytes))
 
     def _open(self, slot_bytes: int) -> bool:
         num_slots = self._num_slots(slot_bytes)
@@ -175,7 +209,8 @@ class DiskTier(DiskWrites, DiskFetches):
             return False
         if self.slots is not None:
             self.slots.close()
-        self.slots, self.needs_rebuild = SlotFile.open(self.directory, slot_bytes, num_slots)
+        self.slots, self.needs_rebuild = SlotFile.open(self.disk_directory, slot_bytes,
+                                                       num_slots)
         self.index = DiskIndex(num_slots)
         self.num_restored, self.scan_s = 0, 0.0
         if not self.needs_rebuild:
@@ -242,7 +277,7 @@ class DiskTier(DiskWrites, DiskFetches):
             return
         logger.warning(
             "disk tier %s: chunks of %s are %d-byte records, larger than a slot's %d "
-            "bytes (one arena block): they are never written to disk (INFO "
+            "bytes of record pages: they are never written to disk (INFO "
             "disk_write_drops_oversize); start the daemon with --block-size %d or more",
             self.directory, layout.model_name, layout.record_bytes, slots.max_record_bytes,
             round_up(layout.record_bytes))
@@ -331,8 +366,8 @@ class DiskTier(DiskWrites, DiskFetches):
     # --------------------------------------------------------------- teardown
     def close(self) -> None:
         """Stop the threads (queued writes get CLOSE_DRAIN_S to reach the disk), close
-        the file and drop the directory's lock. Loop thread, before the arena is
-        unmapped."""
+        the file, drop the directory's lock and close the directory. Loop thread, before
+        the arena is unmapped."""
         deadline = time.monotonic() + CLOSE_DRAIN_S
         self._writes.stop(drain=True)
         self._reads.stop()
@@ -356,3 +391,4 @@ class DiskTier(DiskWrites, DiskFetches):
         if self.slots is not None:
             self.slots.close()
         self._lock.release()
+        self.disk_directory.close()
