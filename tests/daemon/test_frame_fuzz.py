@@ -25,6 +25,7 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
+    MAX_WIRE_INT,
     PROTOCOL_VERSION,
     Acquire,
     Alloc,
@@ -290,7 +291,8 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     session's) and PINGs, pipelined in one write: no RELEASE gets a reply, every other
     request gets its own, in order, ending with the last PING's Ok; the session's pins
     and the `not_owner` count match a model of leases (a RELEASE is refused whole when
-    a lease in it is not held or listed twice)."""
+    a lease in it is not held or listed twice, and not decoded, counted as `bad_request`,
+    when a lease is out of the wire's range)."""
     owner = Connection(daemon.socket)
     ns_a, ns_b = hello(owner, "owner", [RANK0, RANK1]).namespaces
     for ns in (ns_a, ns_b):
@@ -300,7 +302,7 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     sock = connect(daemon.socket, timeout_s=30)
     sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 1, "pipe", [RANK0, RANK1])))
     assert read_frames(sock, 1)[0].namespaces == [ns_a, ns_b]
-    totals = {"refused": 0, "freed": 0}
+    totals = {"refused": 0, "freed": 0, "undecodable": 0}
 
     def session_pins() -> int:
         rows = owner.request(Clients()).clients
@@ -327,7 +329,9 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
                            "foreign": lambda _: foreign, "raw": lambda n: n}
                 leases = [resolve[how](n) for how, n in arg]
                 frames.append(Release(leases))
-                if len(set(leases)) != len(leases) or any(x not in held for x in leases):
+                if any(not 0 <= x <= MAX_WIRE_INT for x in leases):  # the decoder refuses
+                    totals["undecodable"] += 1
+                elif len(set(leases)) != len(leases) or any(x not in held for x in leases):
                     totals["refused"] += 1
                 else:
                     totals["freed"] += len(leases)
@@ -355,7 +359,8 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     assert blocks["pinned_blocks"] == 1  # the owner's own lease only
     stats = owner.request(Info("stats")).sections["stats"]
     assert stats.get("errors_not_owner", 0) == totals["refused"]
-    assert totals["refused"] > 0 and totals["freed"] > 0
+    assert stats.get("errors_bad_request", 0) == totals["undecodable"]
+    assert totals["refused"] > 0 and totals["freed"] > 0 and totals["undecodable"] > 0
     sock.settimeout(0.3)
     with pytest.raises(TimeoutError):
         sock.recv(1)  # and nothing more came
