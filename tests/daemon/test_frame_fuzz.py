@@ -45,6 +45,7 @@ from lmcached.wire.protocol import (
 )
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.service import CacheService
+from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION
 from lmcached.shm.arena import Arena
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
@@ -367,3 +368,20 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     sock.close()
     owner.close()
     assert daemon.proc.poll() is None
+
+
+# ------------------------------------------------ the new request fields, on a real daemon
+def test_fuzzed_parents_tenants_bounds_and_blend_parameters_leave_the_daemon_clean():
+    """tests/fuzz_frames.py at test size: 1,500 hostile frames (chain parents, tenant
+    fingerprints, every integer at its edges, leases and blocks really held) from three
+    sessions of a real daemon over a disk tier, and 150 vLLM requests with random
+    `lmcached_blend` parameters through the blend scheduler: no internal error, no
+    exception, and once the sessions close nothing pinned or being written (INFO)."""
+    import fuzz_frames
+
+    result = fuzz_frames.run(num_frames=1_500, num_blend=150, seed=3)
+    assert fuzz_frames.ok(result), result
+    assert result["frames"]["frames"] == 1_500 and result["exit_status"] == 0
+    assert {"bad_request", "bad_namespace"} <= set(result["frames"]["codes"])
+    assert result["blend"]["refusals"]["bad_params"] > 0
+    assert result["tenants_tracked"] <= 4 * MAX_TENANTS_PER_SESSION  # 3 raw, 1 blend session
