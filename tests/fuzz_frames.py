@@ -198,6 +198,15 @@ def fuzz_blend_params(path: str, num_requests: int, rng: random.Random) -> dict:
                       dtype="float32", chunk_size=8, fmt="vllm")
     settings = ConnectorSettings(layouts=[layout], chunk_size=8, block_size=4, world_size=1,
                                  socket=path, daemon_name="unused", timeout_s=5.0)
+    import torch
+
+    from lmcached.client import CacheEngine
+
+    documents = [[5, 6, 7, 99], [11, 12, 13, 14, 15, 99], [21, 22, 99]]
+    with CacheEngine.connect(layout, path, strict=True) as engine:  # cached documents
+        for salt in ("alice", "bob"):
+            for doc in documents[:2]:
+                engine.store(doc, torch.randn(2, 2, len(doc), 1, 8), cache_salt=salt)
     scheduler = BlendScheduler(settings, layout, tokens_per_step=64)
     keys = ["separator", "strategy", "recompute_ratio", "legolink_k"]
     for i in range(num_requests):
@@ -207,8 +216,12 @@ def fuzz_blend_params(path: str, num_requests: int, rng: random.Random) -> dict:
             params[key] = rng.choice(BLEND_HOSTILE if hostile else BLEND_VALID[key])
         if rng.random() < 0.05:
             params["typo"] = 1
-        tokens = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 40))]
-        tokens[rng.randrange(len(tokens))] = 99
+        if rng.random() < 0.5:  # documents, some cached, then a question
+            tokens = [t for doc in rng.sample(documents, rng.randrange(1, 4)) for t in doc]
+            tokens += [rng.randrange(100, 200) for _ in range(rng.randrange(1, 6))]
+        else:
+            tokens = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 40))]
+            tokens[rng.randrange(len(tokens))] = 99
         request = types.SimpleNamespace(
             request_id=f"b{i}", prompt_token_ids=tokens, lora_request=None,
             mm_features=None, cache_salt=rng.choice([None, "alice", "bob", f"s{i}"]),

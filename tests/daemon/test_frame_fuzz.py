@@ -383,5 +383,5 @@ def test_fuzzed_parents_tenants_bounds_and_blend_parameters_leave_the_daemon_cle
     assert fuzz_frames.ok(result), result
     assert result["frames"]["frames"] == 1_500 and result["exit_status"] == 0
     assert {"bad_request", "bad_namespace"} <= set(result["frames"]["codes"])
-    assert result["blend"]["refusals"]["bad_params"] > 0
+    assert result["blend"]["refusals"]["bad_params"] > 0 and result["blend"]["claimed"] > 0
     assert result["tenants_tracked"] <= 4 * MAX_TENANTS_PER_SESSION  # 3 raw, 1 blend session
