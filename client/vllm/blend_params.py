@@ -21,6 +21,8 @@ import numpy as np
 
 BLEND_KEY = "lmcached_blend"
 STRATEGIES = ("cacheblend", "legolink")
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 in vLLM; a separator above is no token
+MAX_LEGOLINK_K = 1 << 20  # tokens recomputed per segment: more than any context holds
 
 # Why a request that asked for blending was served normally (counter names).
 REFUSALS = ("unsalted", "bad_params", "lora", "multimodal", "prompt_embeds",
@@ -60,7 +62,7 @@ def blend_params(request) -> tuple[BlendParams | None, str | None]:
         return None, None
     params = parse_blend_params(transfer[BLEND_KEY])
     if params is None:
-        return None, "bad_params"
+        return None, "bad_params"  # blend_params_problem says why
     if getattr(request, "cache_salt", None) is None:
         return None, "unsalted"
     if getattr(request, "lora_request", None) is not None:
@@ -75,21 +77,51 @@ def blend_params(request) -> tuple[BlendParams | None, str | None]:
 
 def parse_blend_params(raw) -> BlendParams | None:
     """`BlendParams` from the request's `lmcached_blend` dict, or None when it is not one
-    (unknown keys, a strategy not in `STRATEGIES`, a ratio outside [0, 1], a separator or
-    legolink_k that is not a non-negative int)."""
-    if not isinstance(raw, dict) or set(raw) - {"separator", "strategy", "recompute_ratio",
-                                                "legolink_k"}:
+    (`blend_params_problem` says why)."""
+    if blend_params_problem(raw) is not None:
         return None
+    return BlendParams(int(raw["separator"]), raw.get("strategy", "cacheblend"),
+                       float(raw.get("recompute_ratio", 0.15)), int(raw.get("legolink_k", 16)))
+
+
+def blend_params_problem(raw) -> str | None:
+    """What is wrong with a request's `lmcached_blend` value, or None when it is valid.
+
+    Every number is bounded here, where it enters, so that nothing downstream (numpy's
+    int64 comparisons in the scheduler, torch in the worker's forward) meets a value
+    it cannot hold: `separator` an int in [0, MAX_TOKEN_ID], `legolink_k` an int in
+    [0, MAX_LEGOLINK_K], `recompute_ratio` a finite number in [0, 1], `strategy` one of
+    STRATEGIES, and no other key (a typo is not silently ignored).
+
+    Returns:
+        None, or one line naming the field, the value (shortened) and what is allowed.
+    """
+    if not isinstance(raw, dict):
+        return f"lmcached_blend is a {type(raw).__name__}, not a dict"
+    unknown = set(raw) - {"separator", "strategy", "recompute_ratio", "legolink_k"}
+    if unknown:
+        return (f"unknown key(s) {sorted(map(str, unknown))[:4]}: the keys are separator, "
+                "strategy, recompute_ratio, legolink_k")
     separator = raw.get("separator")
+    if not _is_int(separator) or not 0 <= separator <= MAX_TOKEN_ID:
+        return f"separator {_short(separator)} is not a token id (an int in [0, {MAX_TOKEN_ID}])"
     strategy = raw.get("strategy", "cacheblend")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        return f"strategy {_short(strategy)} is not one of {STRATEGIES}"
     ratio = raw.get("recompute_ratio", 0.15)
+    # NaN and the infinities fail the range test.
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        return f"recompute_ratio {_short(ratio)} is not a number in [0, 1]"
     legolink_k = raw.get("legolink_k", 16)
-    if (not _is_int(separator) or separator < 0 or strategy not in STRATEGIES
-            or not _is_int(legolink_k) or legolink_k < 0
-            or isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-            or not 0.0 <= ratio <= 1.0):
-        return None
-    return BlendParams(int(separator), strategy, float(ratio), int(legolink_k))
+    if not _is_int(legolink_k) or not 0 <= legolink_k <= MAX_LEGOLINK_K:
+        return f"legolink_k {_short(legolink_k)} is not an int in [0, {MAX_LEGOLINK_K}]"
+    return None
+
+
+def _short(value) -> str:
+    """`value`'s repr, cut to 40 characters, for a log line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _is_int(value) -> bool:

@@ -24,7 +24,13 @@ import numpy as np
 from lmcached.client.blend.retriever import split_on_spt
 from lmcached.client.engine import CacheEngine
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm.blend_params import BlendParams, BlendSpec, blend_params
+from lmcached.client.vllm.blend_params import (
+    BLEND_KEY,
+    BlendParams,
+    BlendSpec,
+    blend_params,
+    blend_params_problem,
+)
 from lmcached.client.vllm.specs import ConnectorSettings
 from lmcached.wire.logger import init_logger
 
@@ -103,7 +109,9 @@ class BlendScheduler:
             state, reason = self._admit(request)
             if state is None:
                 if reason is not None:
-                    self._refuse(req_id, reason)
+                    detail = (blend_params_problem(request.kv_transfer_params[BLEND_KEY])
+                              if reason == "bad_params" else None)
+                    self._refuse(req_id, reason, detail)
                 return False, 0
         state.num_local_tokens = num_computed_tokens
         # vLLM asks again only for a request it schedules from scratch (new, waiting, or
@@ -146,11 +154,14 @@ class BlendScheduler:
         self._requests[request.request_id] = state
         return state, None
 
-    def _refuse(self, req_id: str, reason: str) -> None:
+    def _refuse(self, req_id: str, reason: str, detail: str | None = None) -> None:
+        """Serve `req_id` normally from now on; count `reason` (one warning per reason,
+        with `detail`, e.g. which blend parameter is out of range)."""
         self._refused.add(req_id)
         if not self.refusals[reason]:
             logger.warning("lmcached blend: a request asking for blending is served normally "
-                           "(%s); further ones are counted in the connector's refusals", reason)
+                           "(%s%s); further ones are counted in the connector's refusals",
+                           reason, f": {detail}" if detail else "")
         self.refusals[reason] += 1
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

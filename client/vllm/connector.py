@@ -86,6 +86,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
 from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.hook_guard import HookGuard, claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
@@ -103,12 +104,18 @@ DEFAULT_TIMEOUT_S = 5.0
 # ------------------------------------------------------------------------- metadata
 @dataclasses.dataclass
 class LMCachedConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the workers (pickled to every worker process)."""
+    """One step's work for the workers (pickled to every worker process).
+
+    `failed_loads`: req_id -> vLLM block ids vLLM was promised but the scheduler side
+    could not plan the load of (a hook failed, `HookGuard`): every worker reports them
+    as load errors (vLLM recomputes them) and saves nothing of that request this step.
+    """
 
     step: int
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     blends: list[BlendSpec] = dataclasses.field(default_factory=list)
+    failed_loads: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -139,6 +146,9 @@ class LMCachedConnector(KVConnectorBase_V1):
 
     The hooks delegate to LMCachedConnectorScheduler (client/vllm/scheduler.py) or
     LMCachedConnectorWorker (client/vllm/worker.py), after vLLM's NixlConnector split.
+    No hook raises into vLLM: an exception is counted in `hook_guard` and served as a
+    miss (0 tokens matched; tokens already promised are reported as load errors, so
+    that vLLM recomputes them; a save skipped).
 
     Args:
         vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).
@@ -154,6 +164,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             and for both while the connector is inactive).
         num_matched_tokens / num_loaded_tokens / num_saved_chunks / num_load_errors:
             counters of the scheduler (matched) and the worker (loaded, saved, failed).
+        hook_guard: exceptions caught in the hooks, per hook (`HookGuard.failures`).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -172,6 +183,11 @@ class LMCachedConnector(KVConnectorBase_V1):
         self.worker_side: LMCachedConnectorWorker | None = None
         self.blend_scheduler: BlendScheduler | None = None
         self.blend_worker: BlendWorker | None = None
+        self.hook_guard = HookGuard()
+        self._local_hits: dict[str, int] = {}  # req_id -> vLLM's own hit at the last lookup
+        self._claims: dict[str, list[int]] = {}  # req_id -> blocks promised in this step
+        self._failed_loads: dict[str, list[int]] = {}  # for the next step's metadata
+        self._failed_blocks: set[int] = set()  # worker: blocks to report as load errors
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -249,44 +265,104 @@ class LMCachedConnector(KVConnectorBase_V1):
         """
         if self.scheduler_side is None:
             return 0, False
-        if self.blend_scheduler is not None:
-            handled, num_tokens = self.blend_scheduler.get_num_new_matched_tokens(
-                request, num_computed_tokens)
-            if handled:
-                return num_tokens, False
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens), False
+        self._local_hits[request.request_id] = num_computed_tokens
+        try:
+            if self.blend_scheduler is not None:
+                handled, num_tokens = self.blend_scheduler.get_num_new_matched_tokens(
+                    request, num_computed_tokens)
+                if handled:
+                    return num_tokens, False
+            return self.scheduler_side.get_num_new_matched_tokens(
+                request, num_computed_tokens), False
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler: a miss
+            self.hook_guard.caught("get_num_new_matched_tokens", exc, "0 tokens matched")
+            self._forget(request)
+            return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load."""
-        if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
-            self.blend_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-        elif self.scheduler_side is not None:
-            self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        """Pin the chunks vLLM now expects us to load (ACQUIRE per rank) and plan the load.
+
+        If this fails, the blocks of the tokens promised are sent to the workers as load
+        errors with the step's metadata (vLLM recomputes them)."""
+        if self.scheduler_side is None:
+            return
+        try:
+            if num_external_tokens:
+                self._claims[request.request_id] = claimed_block_ids(
+                    blocks.get_block_ids()[0], self._local_hits.get(request.request_id, 0),
+                    num_external_tokens, self.settings.block_size)
+            if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
+                self.blend_scheduler.update_state_after_alloc(request, blocks,
+                                                              num_external_tokens)
+            else:
+                self.scheduler_side.update_state_after_alloc(request, blocks,
+                                                             num_external_tokens)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
+            self.hook_guard.caught("update_state_after_alloc", exc,
+                                   "the promised blocks are recomputed (load errors)")
+            self._forget(request)
+            claimed = self._claims.pop(request.request_id, None)
+            if claimed:
+                self._failed_loads[request.request_id] = claimed
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
         """This step's loads (allocated this step) and saves (full prompt chunks computed
-        by the end of this step and not stored yet), for every worker."""
+        by the end of this step and not stored yet), for every worker.
+
+        If this fails, the step's metadata carries no work, only every block promised
+        this step as a failed load (vLLM recomputes them)."""
         if self.scheduler_side is None:
             return LMCachedConnectorMetadata(0)
-        meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
-        if self.blend_scheduler is not None:
-            meta.blends = self.blend_scheduler.build_step(scheduler_output)
+        failed, self._failed_loads = self._failed_loads, {}
+        claims, self._claims = self._claims, {}
+        try:
+            meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
+            if self.blend_scheduler is not None:
+                meta.blends = self.blend_scheduler.build_step(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
+            self.hook_guard.caught("build_connector_meta", exc,
+                                   "the step's promised blocks are recomputed (load errors)")
+            self._guarded("build_connector_meta", self.scheduler_side.abandon_step)
+            for req_id, block_ids in claims.items():
+                self._forget_id(req_id)
+                failed[req_id] = block_ids
+            return LMCachedConnectorMetadata(0, failed_loads=failed)
+        meta.failed_loads = failed
         return meta
 
     def update_connector_output(self, connector_output) -> None:
         """Release the pins of steps every rank has loaded; replan saves after failures."""
         meta = connector_output.kv_connector_worker_meta
         if self.scheduler_side is not None and isinstance(meta, LMCachedWorkerMetadata):
-            self.scheduler_side.on_worker_report(meta.loaded_steps, meta.failed_chunks)
+            self._guarded("update_connector_output", self.scheduler_side.on_worker_report,
+                          meta.loaded_steps, meta.failed_chunks)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; unpin a load that never reached a step. Blocks are freed
         at once (saves are synchronous)."""
-        if self.scheduler_side is not None:
-            self.scheduler_side.request_finished(request)
-        if self.blend_scheduler is not None:
-            self.blend_scheduler.request_finished(request)
+        self._forget(request)
         return False, None
+
+    def _forget(self, request) -> None:
+        """Drop what either scheduler side keeps for `request` (and its pins); never raises."""
+        self._forget_id(request.request_id, request)
+
+    def _forget_id(self, req_id: str, request=None) -> None:
+        self._local_hits.pop(req_id, None)
+        if request is None:
+            request = _RequestId(req_id)
+        if self.scheduler_side is not None:
+            self._guarded("request_finished", self.scheduler_side.request_finished, request)
+        if self.blend_scheduler is not None:
+            self._guarded("request_finished", self.blend_scheduler.request_finished, request)
+
+    def _guarded(self, hook: str, call, *args) -> Any:
+        """`call(*args)`, or None (counted, logged) when it raises."""
+        try:
+            return call(*args)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM
+            self.hook_guard.caught(hook, exc, "skipped")
+            return None
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -304,6 +380,9 @@ class LMCachedConnector(KVConnectorBase_V1):
                                       group.kv_cache_spec.page_size_bytes)
         except ValueError as exc:
             self._disable(str(exc))
+        except Exception as exc:  # noqa: BLE001 - unregistered: every load is a load error
+            self.hook_guard.caught("register_kv_caches", exc,
+                                   "no KV cache mapped: loads fail (recomputed), no saves")
 
     # --------------------------------------------------------------- sleep mode
     # vLLM 0.33 added these three to the base class; on 0.32 nothing calls them.
@@ -318,7 +397,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         waited for). Until `restore_kv_caches`, a load fails as a load error (vLLM
         recomputes it) and a save is skipped. Idempotent."""
         if self.worker_side is not None:
-            self.worker_side.unregister()
+            self._guarded("unregister_kv_caches", self.worker_side.unregister)
 
     def restore_kv_caches(self) -> None:
         """After wake-up: map the layers' KV tensors again, as bound to the attention
@@ -327,11 +406,16 @@ class LMCachedConnector(KVConnectorBase_V1):
             return
         forward_context = self._vllm_config.compilation_config.static_forward_context
         kv_caches = {}
-        for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
-            kv_cache = forward_context[name].kv_cache
-            # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
-            # virtual engine).
-            kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+        try:
+            for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
+                kv_cache = forward_context[name].kv_cache
+                # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
+                # virtual engine).
+                kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+        except Exception as exc:  # noqa: BLE001 - stays unregistered: loads are load errors
+            self.hook_guard.caught("restore_kv_caches", exc,
+                                   "no KV cache mapped: loads fail (recomputed), no saves")
+            return
         self.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -340,22 +424,44 @@ class LMCachedConnector(KVConnectorBase_V1):
         if self.worker_side is None or not self.has_connector_metadata():
             return
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
+        for block_ids in meta.failed_loads.values():
+            self._failed_blocks.update(block_ids)
         if meta.loads:
             agree = all_ranks_first_failure if self.settings.world_size > 1 else None
-            self.worker_side.load(meta.loads, agree)
+            try:
+                self.worker_side.load(meta.loads, agree)
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's forward
+                self.hook_guard.caught("start_load_kv", exc,
+                                       "the step's loads are recomputed (load errors)")
+                for load in meta.loads:
+                    meta.failed_loads[load.req_id] = [b for ids in load.block_ids for b in ids]
+                    self._failed_blocks.update(meta.failed_loads[load.req_id])
         if self.blend_worker is not None and (meta.blends or self.blend_worker.num_pending_stores):
-            from lmcached.client.vllm.blend_models import registered_model
+            try:
+                from lmcached.client.vllm.blend_models import registered_model
 
-            self.blend_worker.run(meta.blends, registered_model())
+                self.blend_worker.run(meta.blends, registered_model())
+            except Exception as exc:  # noqa: BLE001 - never into vLLM's forward
+                self.hook_guard.caught("start_load_kv", exc,
+                                       "the step's blends are recomputed (load errors)")
+                for spec in meta.blends:
+                    if not spec.store_only:
+                        self._failed_blocks.update(claimed_block_ids(
+                            spec.block_ids, spec.num_local_tokens,
+                            len(spec.tokens) - spec.num_local_tokens, self.settings.block_size))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loaded every layer before the forward."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        errors = self.worker_side.take_load_errors() if self.worker_side else set()
+        errors, self._failed_blocks = self._failed_blocks, set()
+        if self.worker_side is not None:
+            errors |= self._guarded("get_block_ids_with_load_errors",
+                                    self.worker_side.take_load_errors) or set()
         if self.blend_worker is not None:
-            errors |= self.blend_worker.take_load_errors()
+            errors |= self._guarded("get_block_ids_with_load_errors",
+                                    self.blend_worker.take_load_errors) or set()
         return errors
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
@@ -367,13 +473,15 @@ class LMCachedConnector(KVConnectorBase_V1):
         if self.worker_side is None or not self.has_connector_metadata():
             return
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
-        if meta.saves:
-            self.worker_side.save(meta.saves)
+        # KV computed this step on top of a load that never happened is never saved.
+        saves = [save for save in meta.saves if save.req_id not in meta.failed_loads]
+        if saves:
+            self._guarded("wait_for_save", self.worker_side.save, saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing is asynchronous; forget finished requests' failure epochs."""
         if self.worker_side is not None:
-            self.worker_side.request_finished(finished_req_ids)
+            self._guarded("get_finished", self.worker_side.request_finished, finished_req_ids)
         return None, None
 
     def build_connector_worker_meta(self) -> "LMCachedWorkerMetadata | None":
@@ -383,15 +491,25 @@ class LMCachedConnector(KVConnectorBase_V1):
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         if not meta.loads:
             return None
-        return LMCachedWorkerMetadata({meta.step: 1}, self.worker_side.take_failed_chunks())
+        failed = self._guarded("build_connector_worker_meta", self.worker_side.take_failed_chunks)
+        if failed is None:  # what failed is unknown: every load of the step is replanned
+            failed = {load.req_id: load.first_chunk for load in meta.loads}
+        for load in meta.loads:
+            if load.req_id in meta.failed_loads:
+                failed[load.req_id] = min(failed.get(load.req_id, load.first_chunk),
+                                          load.first_chunk)
+        return LMCachedWorkerMetadata({meta.step: 1}, failed)
 
     def shutdown(self) -> None:
         """Close the sessions (the daemon releases every pin they hold)."""
-        if self.scheduler_side is not None:
-            self.scheduler_side.shutdown()
-        if self.worker_side is not None:
-            self.worker_side.shutdown()
-        if self.blend_scheduler is not None:
-            self.blend_scheduler.shutdown()
-        if self.blend_worker is not None:
-            self.blend_worker.shutdown()
+        for side in (self.scheduler_side, self.worker_side, self.blend_scheduler,
+                     self.blend_worker):
+            if side is not None:
+                self._guarded("shutdown", side.shutdown)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RequestId:
+    """What the scheduler sides' `request_finished` read of a request: its id."""
+
+    request_id: str

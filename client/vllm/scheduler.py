@@ -277,6 +277,12 @@ class LMCachedConnectorScheduler:
             state.num_saved_chunks = ready
         return self._step, loads, saves
 
+    def abandon_step(self) -> None:
+        """Unpin the loads of the step `build_step` was building when it failed: its
+        metadata never reaches the workers, so no report will release them."""
+        self._release(self._step_pins.pop(self._step, []))
+        self._step_reports.pop(self._step, None)
+
     def on_worker_report(self, loaded_steps: dict[int, int],
                          failed_chunks: dict[str, int]) -> None:
         """Release the pins of steps every rank has loaded; replan saves after failures.

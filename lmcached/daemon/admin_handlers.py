@@ -7,9 +7,10 @@ the ones that walk many blocks or sessions are paged and priced by their work
 """
 
 import bisect
+import os
 
 from lmcached.daemon import keys
-from lmcached.daemon.info import INFO_SECTIONS, client_rows, info_sections
+from lmcached.daemon.info import INFO_SECTIONS, client_rows, info_sections, own_tenant_fields
 from lmcached.wire.protocol import (
     Clear,
     Clients,
@@ -149,7 +150,12 @@ class AdminHandlers:
                             page[-1] + 1 if more else 0)
 
     def _info(self, session: Session, req: Info) -> InfoReply:
+        """INFO; the `tenants` section shows a session outside the daemon's uid (and
+        root) only the rows of the fingerprints it sent itself: one tenant's client
+        never reads another's counts, nor learns its fingerprint."""
         sections = info_sections(self)
+        if session.uid not in (0, os.geteuid()):
+            sections["tenants"] = own_tenant_fields(sections["tenants"], session.tenants)
         if req.section is not None:
             name = req.section.lower()
             if name not in sections:

@@ -80,6 +80,16 @@ def tenant_fields(counters: StatsSnapshot) -> InfoFields:
     return fields
 
 
+def own_tenant_fields(fields: InfoFields, tenants: set[bytes]) -> InfoFields:
+    """The `tenants` section `fields` as a session outside the daemon's uid sees it:
+    `tenants_tracked`, `tenants_max` and the rows of `tenants` (the fingerprints it sent
+    itself) only, so that no tenant's client reads another's counts or learns its
+    fingerprint."""
+    names = {tenant.hex() for tenant in tenants}
+    return {name: value for name, value in fields.items()
+            if not name.startswith("tenant_") or name.split("_")[1] in names}
+
+
 def info_sections(service: "CacheService",
                   counters: StatsSnapshot | None = None) -> dict[str, InfoFields]:
     """INFO fields by section (INFO_SECTIONS, in that order) of a running daemon.

@@ -20,6 +20,7 @@ from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.replies import RequestError
+from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.units import format_bytes
 
@@ -49,13 +50,23 @@ class RequestChecks:
             )
         return num_chunks
 
-    def _tenant_row(self, tenant: bytes, salted: bool = False) -> list[int]:
+    def _tenant_row(self, session: Session, tenant: bytes, salted: bool = False) -> list[int]:
         """The counters (`TenantStats.row`) of a LOOKUP's or ACQUIRE's tenant
-        fingerprint, after validating it (TENANT_BYTES, or empty: unsalted)."""
+        fingerprint, after validating it (TENANT_BYTES, or empty: unsalted).
+
+        A session is counted under at most MAX_TENANTS_PER_SESSION fingerprints (those it
+        sent first, `Session.tenants`); its requests under any other count under
+        "other", so that no one client fills the table's MAX_TENANTS rows. The daemon
+        cannot tell a tenant's own fingerprint from a copy another client sends
+        (docs/architecture.md, "Trust model": the counts are what clients claim)."""
         if len(tenant) not in (0, TENANT_BYTES):
             raise RequestError("bad_request", f"tenant is {len(tenant)} bytes: a tenant "
                                f"fingerprint is {TENANT_BYTES} bytes (the first of the "
                                "salted chain's root hash), or empty for an unsalted request")
+        if tenant and tenant not in session.tenants:
+            if len(session.tenants) >= MAX_TENANTS_PER_SESSION:
+                return self.stats.tenants.other()
+            session.tenants.add(tenant)
         return self.stats.tenants.row(tenant, salted)
 
     def _chunk_keys(self, session: Session, ns: int, hashes: bytes) -> list[bytes]:

@@ -77,6 +77,7 @@ class Session:
         "num_host_pinned",
         "num_host_writing",
         "num_requests",
+        "tenants",
         "created_at",
         "last_request_at",
     )
@@ -98,6 +99,9 @@ class Session:
         self.writing: dict[int, PendingValue] = {}
         self.expired: set[int] = set()
         self.pins: dict[int, int] = {}
+        # tenant fingerprints this session was counted under (at most
+        # MAX_TENANTS_PER_SESSION; its others count under "other")
+        self.tenants: set[bytes] = set()
         self.num_host_pinned = 0
         self.num_host_writing = 0
         self.num_requests = 0

@@ -82,6 +82,9 @@ class PoolStats:
 # count under OTHER, so that neither the table nor the metrics' `tenant` label grows with
 # what clients send. First come, never dropped: no label comes and goes.
 MAX_TENANTS = 64
+# Fingerprints one session may be counted under: 70 made-up fingerprints from one client
+# take at most this many of the MAX_TENANTS rows, the rest count under "other".
+MAX_TENANTS_PER_SESSION = 8
 UNSALTED = "unsalted"
 OTHER = "other"
 _OTHER_KEY = b"other"  # never a fingerprint (those are TENANT_BYTES long)
@@ -111,6 +114,10 @@ class TenantStats:
                 return self._rows[_OTHER_KEY]
             row = self._rows[tenant] = [0, 0, 0]
         return row
+
+    def other(self) -> list[int]:
+        """The counters of "other" (`row`'s answer past a bound)."""
+        return self._rows[_OTHER_KEY]
 
     def copy(self) -> dict[str, tuple[int, int, int]]:
         """{"unsalted" | "other" | 16 hex digits: (hits, misses, lookups)}, unsalted and

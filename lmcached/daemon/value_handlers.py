@@ -75,7 +75,7 @@ class ValueHandlers:
     def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
-        tenant = self._tenant_row(req.tenant)
+        tenant = self._tenant_row(session, req.tenant)
         self._require_pool()
         if not self._resuming:
             self.stats.lookups += 1
@@ -91,7 +91,7 @@ class ValueHandlers:
     def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
-        tenant = self._tenant_row(req.tenant, req.salted)
+        tenant = self._tenant_row(session, req.tenant, req.salted)
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])

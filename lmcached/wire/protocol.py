@@ -57,7 +57,14 @@ def local_block(ref: int) -> int:
     return ref & ((1 << TIER_SHIFT) - 1)
 
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+# Every integer a client sends is bounded by the schema, so the decoder refuses one out
+# of range (`bad_request`, counted under errors_bad_request) before a handler, numpy or
+# a struct.pack meets it: an int64 at most, never negative.
+MAX_WIRE_INT = (1 << 63) - 1
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_WIRE_INT)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]  # sizes, leases, cursors
+NamespaceId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+BlockRef = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIERS << TIER_SHIFT)]  # block_ref()
 ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
@@ -83,7 +90,7 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     model_name: ShortName
     world_size: PositiveInt
-    worker_id: Annotated[int, msgspec.Meta(ge=0)]
+    worker_id: Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
     fmt: Literal["vllm", "huggingface", "kv"]
     dtype: ShortName
     num_layers: PositiveInt
@@ -106,8 +113,8 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     `layouts` is empty for admin tools that store nothing.
     """
 
-    version: int
-    pid: int
+    version: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # a pid_t
     name: str
     layouts: list[Layout] = []
     # Device UUIDs whose tiers this session maps (OPEN_TIER) and may be handed blocks
@@ -128,7 +135,7 @@ class Lookup(msgspec.Struct, tag="lookup", array_like=True):
     unsalted), by which INFO's `tenants` section and the metrics count per tenant.
     """
 
-    namespaces: list[int]
+    namespaces: list[NamespaceId]
     hashes: bytes
     parent: bytes = b""
     tenant: bytes = b""
@@ -142,7 +149,7 @@ class Acquire(msgspec.Struct, tag="acquire", array_like=True):
     client of before `tenant` sends only this flag (its chunks count under the tenant
     "other"), a newer one sends both, so that an older daemon counts it as salted."""
 
-    namespaces: list[int]
+    namespaces: list[NamespaceId]
     hashes: bytes
     parent: bytes = b""
     salted: bool = False
@@ -153,7 +160,7 @@ class Release(msgspec.Struct, tag="release", array_like=True):
     """Unpin the blocks of each lease. No reply (a client never waits for it); a lease
     this session does not hold is counted as error `not_owner` and logged."""
 
-    leases: list[int]
+    leases: list[Count]
 
 
 class Alloc(msgspec.Struct, tag="alloc", array_like=True):
@@ -164,44 +171,44 @@ class Alloc(msgspec.Struct, tag="alloc", array_like=True):
     the host arena (tier 0, the default).
     """
 
-    ns: int
+    ns: NamespaceId
     hashes: bytes
-    num_bytes: list[int]
+    num_bytes: list[Count]
     tier: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIERS)] = 0
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
     """WRITING -> READY for every value one of whose blocks is listed."""
 
-    block_ids: list[int]
+    block_ids: list[BlockRef]
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
     """WRITING -> FREE for every value one of whose blocks is listed."""
 
-    block_ids: list[int]
+    block_ids: list[BlockRef]
 
 
 class Put(msgspec.Struct, tag="put", array_like=True):
     """Blocks to write a value of `num_bytes` under a string key (replaces on COMMIT)."""
 
-    ns: int
+    ns: NamespaceId
     key: str
-    num_bytes: int
+    num_bytes: Count
 
 
 class Get(msgspec.Struct, tag="get", array_like=True):
     """Pin the value under a string key under a lease and return its blocks (empty and
     lease 0 when missing)."""
 
-    ns: int
+    ns: NamespaceId
     key: str
 
 
 class Delete(msgspec.Struct, tag="delete", array_like=True):
     """Remove a string key now (its readers keep their pinned bytes)."""
 
-    ns: int
+    ns: NamespaceId
     key: str
 
 
@@ -214,11 +221,11 @@ class Scan(msgspec.Struct, tag="scan", array_like=True):
     once; one stored or removed meanwhile may or may not be. A page may hold no key.
     A client of before the cursor (three fields) gets the first page."""
 
-    ns: int
+    ns: NamespaceId
     prefix: str
-    limit: int
-    cursor: Annotated[int, msgspec.Meta(ge=0)] = 0
-    count: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Count
+    cursor: Count = 0
+    count: Count = 0
 
 
 # The sections INFO answers, in order (lmcached/daemon/info.py builds them; the CLI checks
@@ -246,8 +253,8 @@ class Clients(msgspec.Struct, tag="clients", array_like=True):
     caps larger counts). Page until the reply's cursor is 0 (`list_clients`); a client
     of before the cursor (no field) gets the first page."""
 
-    cursor: Annotated[int, msgspec.Meta(ge=0)] = 0
-    count: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cursor: Count = 0
+    count: Count = 0
 
 
 class Evict(msgspec.Struct, tag="evict", array_like=True):
@@ -257,7 +264,7 @@ class Evict(msgspec.Struct, tag="evict", array_like=True):
     it is evicted in every namespace.
     """
 
-    lru: int = 0
+    lru: Count = 0
     key: str | None = None
 
 
@@ -288,9 +295,9 @@ class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
     No reply, as RELEASE (a reader never waits for it); any session may send it.
     """
 
-    ns: int
+    ns: NamespaceId
     hashes: bytes
-    block_ids: list[int]
+    block_ids: list[BlockRef]
 
 
 Request = (

@@ -25,6 +25,7 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.frames import encode_frame, reply_decoder
 from lmcached.wire.protocol import (
+    MAX_WIRE_INT,
     PROTOCOL_VERSION,
     Acquire,
     Alloc,
@@ -44,6 +45,7 @@ from lmcached.wire.protocol import (
 )
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.service import CacheService
+from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION
 from lmcached.shm.arena import Arena
 
 LAYOUT = Layout("tiny-llama", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, 1000)
@@ -290,7 +292,8 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     session's) and PINGs, pipelined in one write: no RELEASE gets a reply, every other
     request gets its own, in order, ending with the last PING's Ok; the session's pins
     and the `not_owner` count match a model of leases (a RELEASE is refused whole when
-    a lease in it is not held or listed twice)."""
+    a lease in it is not held or listed twice, and not decoded, counted as `bad_request`,
+    when a lease is out of the wire's range)."""
     owner = Connection(daemon.socket)
     ns_a, ns_b = hello(owner, "owner", [RANK0, RANK1]).namespaces
     for ns in (ns_a, ns_b):
@@ -300,7 +303,7 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     sock = connect(daemon.socket, timeout_s=30)
     sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 1, "pipe", [RANK0, RANK1])))
     assert read_frames(sock, 1)[0].namespaces == [ns_a, ns_b]
-    totals = {"refused": 0, "freed": 0}
+    totals = {"refused": 0, "freed": 0, "undecodable": 0}
 
     def session_pins() -> int:
         rows = owner.request(Clients()).clients
@@ -327,7 +330,9 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
                            "foreign": lambda _: foreign, "raw": lambda n: n}
                 leases = [resolve[how](n) for how, n in arg]
                 frames.append(Release(leases))
-                if len(set(leases)) != len(leases) or any(x not in held for x in leases):
+                if any(not 0 <= x <= MAX_WIRE_INT for x in leases):  # the decoder refuses
+                    totals["undecodable"] += 1
+                elif len(set(leases)) != len(leases) or any(x not in held for x in leases):
                     totals["refused"] += 1
                 else:
                     totals["freed"] += len(leases)
@@ -355,10 +360,28 @@ def test_pipelined_releases_of_random_leases_keep_the_replies_in_step(daemon):
     assert blocks["pinned_blocks"] == 1  # the owner's own lease only
     stats = owner.request(Info("stats")).sections["stats"]
     assert stats.get("errors_not_owner", 0) == totals["refused"]
-    assert totals["refused"] > 0 and totals["freed"] > 0
+    assert stats.get("errors_bad_request", 0) == totals["undecodable"]
+    assert totals["refused"] > 0 and totals["freed"] > 0 and totals["undecodable"] > 0
     sock.settimeout(0.3)
     with pytest.raises(TimeoutError):
         sock.recv(1)  # and nothing more came
     sock.close()
     owner.close()
     assert daemon.proc.poll() is None
+
+
+# ------------------------------------------------ the new request fields, on a real daemon
+def test_fuzzed_parents_tenants_bounds_and_blend_parameters_leave_the_daemon_clean():
+    """tests/fuzz_frames.py at test size: 1,500 hostile frames (chain parents, tenant
+    fingerprints, every integer at its edges, leases and blocks really held) from three
+    sessions of a real daemon over a disk tier, and 150 vLLM requests with random
+    `lmcached_blend` parameters through the blend scheduler: no internal error, no
+    exception, and once the sessions close nothing pinned or being written (INFO)."""
+    import fuzz_frames
+
+    result = fuzz_frames.run(num_frames=1_500, num_blend=150, seed=3)
+    assert fuzz_frames.ok(result), result
+    assert result["frames"]["frames"] == 1_500 and result["exit_status"] == 0
+    assert {"bad_request", "bad_namespace"} <= set(result["frames"]["codes"])
+    assert result["blend"]["refusals"]["bad_params"] > 0 and result["blend"]["claimed"] > 0
+    assert result["tenants_tracked"] <= 4 * MAX_TENANTS_PER_SESSION  # 3 raw, 1 blend session

@@ -65,6 +65,17 @@ def store_segment(socket: str, tokens, salt: str = "s") -> None:
     ({"separator": 7, "legolink_k": -1}, None),
     ({"separator": 7, "ratio": 0.1}, None),  # unknown key: a typo is not silently ignored
     ([7], None),
+    ({"separator": 2**31 - 1, "legolink_k": 1 << 20}, BlendParams(2**31 - 1, legolink_k=1 << 20)),
+    ({"separator": 2**31}, None),  # no token id
+    ({"separator": 2**63}, None),  # beyond int64: numpy would raise OverflowError
+    ({"separator": -(2**63) - 1}, None),
+    ({"separator": 7, "strategy": "legolink", "legolink_k": 10**30}, None),
+    ({"separator": 7, "strategy": "legolink", "legolink_k": 2**63}, None),  # would wrap
+    ({"separator": 7, "legolink_k": (1 << 20) + 1}, None),
+    ({"separator": 7, "recompute_ratio": float("nan")}, None),
+    ({"separator": 7, "recompute_ratio": float("inf")}, None),
+    ({"separator": 7, "recompute_ratio": 10**400}, None),
+    ({"separator": 7, "strategy": ["cacheblend"]}, None),  # unhashable: no TypeError
 ])
 def test_blend_params_accept_only_what_the_design_defines(raw, expected):
     assert parse_blend_params(raw) == expected
@@ -82,6 +93,29 @@ def test_requests_the_design_refuses_are_named(change, reason):
     request = fake_request("r", SYSTEM + QUESTION)
     vars(request).update(change)
     assert blend_params(request) == (None, reason)
+
+
+@pytest.mark.parametrize("blend, named", [
+    ({"separator": 2**63}, "separator 9223372036854775808 is not a token id"),
+    ({"separator": 10**50}, "separator 1000000000000000000000000000000000000..."),
+    ({"strategy": "legolink", "legolink_k": 10**30}, f"legolink_k {10**30} is not"),
+    ({"strategy": "legolink", "legolink_k": 2**63}, "legolink_k 9223372036854775808 is"),
+    ({"recompute_ratio": float("nan")}, "recompute_ratio nan"),
+])
+def test_out_of_range_blend_parameters_are_a_counted_refusal_not_an_exception(
+        daemon, blend, named, caplog):
+    """A separator or legolink_k beyond any bound is refused where it is parsed: the
+    request is served normally (False, 0), counted under bad_params, and the one warning
+    names the parameter; a second such request is counted without a second warning."""
+    scheduler = BlendScheduler(make_settings(daemon.socket), SEGMENTS)
+    for n in range(2):
+        request = fake_request(f"r{n}", SYSTEM + DOC + QUESTION, **blend)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (False, 0)
+        assert not scheduler.handles(request)
+    assert scheduler.refusals == {"bad_params": 2}
+    warnings = [r.getMessage() for r in caplog.records if "served normally" in r.getMessage()]
+    assert len(warnings) == 1 and named in warnings[0], warnings
+    scheduler.shutdown()
 
 
 def test_nothing_cached_is_store_only_then_the_documents_are_claimed(daemon):
