@@ -97,7 +97,7 @@ test-vllm: $(VLLM_VENV)/.installed-vllm
 	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py \
 		tests/vllm_connector/test_vllm_blend.py \
 		tests/vllm_connector/test_vllm_conformance.py tests/vllm_connector/test_vllm_salts.py \
-		tests/docs/test_doc_blocks.py
+		tests/vllm_connector/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
 
 ## make test-vllm-033: the connector against vLLM 0.33.0's KV connector base class, read from
 ## its wheel's base.py (pip download vllm==0.33.0 --no-deps: ~340 MB, kept in

@@ -23,6 +23,8 @@ from test_vllm_connector import (  # noqa: F401 (engine_factory, model_dir are f
     store_from_another_instance,
 )
 
+pytestmark = pytest.mark.vllm
+
 
 def boom(*args, **kwargs):
     raise OverflowError("Python int too large to convert to C long")
