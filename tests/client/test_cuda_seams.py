@@ -86,3 +86,102 @@ def test_an_imported_tier_is_unmapped_after_its_device_finished_and_in_its_conte
     gc.collect()
     assert events == ["synchronize(3)", "cuCtxPushCurrent", "cuMemUnmap", "cuMemAddressFree",
                       "cuCtxPopCurrent", "cuDevicePrimaryCtxRelease"]
+
+
+class FakeCudart:
+    """torch.cuda.cudart() that records each call with the device current at the time."""
+
+    def __init__(self, register_status: int) -> None:
+        self.register_status = register_status
+        self.calls = []
+        self.current = None
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, self.current))
+        return self.register_status
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr, self.current))
+        return 0
+
+    def cudaGetErrorString(self, status):
+        return "out of memory"
+
+
+class FakeRuntimeLibrary:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def cudaGetLastError(self):
+        self.calls.append(("cudaGetLastError",))
+        return 2
+
+
+def fake_cuda_runtime(monkeypatch, register_status: int) -> FakeCudart:
+    """torch.cuda as a process with 4 devices, current device 0, would show it."""
+    from lmcached.client import cuda as client_cuda
+
+    cudart = FakeCudart(register_status)
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.previous, cudart.current = cudart.current, self.index
+
+        def __exit__(self, *exc):
+            cudart.current = self.previous
+
+    def current(index):
+        cudart.calls.append(("context", index))
+        return Device(index)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(client_cuda, "_device_current", current)
+    monkeypatch.setattr(client_cuda, "_runtime_libraries",
+                        lambda: (FakeRuntimeLibrary(cudart.calls),))
+    monkeypatch.setattr(client_cuda, "_registered", {})
+    return cudart
+
+
+def stand_in_arena(base_ptr: int = 1 << 30):
+    from lmcached.shm.arena import HEADER_BYTES
+
+    return types.SimpleNamespace(base_ptr=base_ptr, capacity_bytes=HEADER_BYTES + (64 << 20))
+
+
+def test_a_failed_registration_clears_the_runtime_error_and_is_not_unregistered(
+        monkeypatch, caplog):
+    from lmcached.client.cuda import register_arena, unregister_arena
+    from lmcached.shm.arena import HEADER_BYTES
+
+    cudart = fake_cuda_runtime(monkeypatch, register_status=2)  # cudaErrorMemoryAllocation
+    arena = stand_in_arena()
+    assert register_arena(arena, device="cuda:2") is False
+    assert cudart.calls == [("context", 2), ("register", arena.base_ptr + HEADER_BYTES, 2),
+                            ("cudaGetLastError",)]
+    assert "cudaHostRegister of the" in caplog.text and "out of memory, 2" in caplog.text
+    cudart.calls.clear()
+    unregister_arena(arena)
+    assert cudart.calls == []  # nothing was registered: nothing to undo
+
+
+def test_registration_runs_in_the_named_devices_context_and_is_undone_there(monkeypatch):
+    from lmcached.client.cuda import register_arena, unregister_arena
+    from lmcached.shm.arena import HEADER_BYTES
+
+    cudart = fake_cuda_runtime(monkeypatch, register_status=0)
+    arena = stand_in_arena()
+    ptr = arena.base_ptr + HEADER_BYTES
+    assert register_arena(arena, device=torch.device("cuda", 3)) is True
+    assert register_arena(arena, device=3) is True  # once per arena
+    unregister_arena(arena)
+    unregister_arena(arena)  # twice: undone once
+    assert cudart.calls == [("context", 3), ("register", ptr, 3),
+                            ("context", 3), ("unregister", ptr, 3)]
+    other = stand_in_arena(2 << 30)
+    assert register_arena(other) is True  # no device named: torch's current one
+    assert cudart.calls[-1] == ("register", other.base_ptr + HEADER_BYTES, 0)
