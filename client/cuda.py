@@ -145,3 +145,17 @@ def synchronize_if_cuda(*tensors: torch.Tensor | None) -> None:
         if tensor is not None and tensor.device.type == "cuda":
             torch.cuda.synchronize(tensor.device)
             return
+
+
+def synchronize_devices(tensors) -> None:
+    """Wait for the work queued on every CUDA device among `tensors` (each device once).
+
+    A copy between device memory and host memory has landed only when its device has run
+    it, whichever side is on the host: a device-to-host copy into a pinned buffer returns
+    before the bytes are there.
+    """
+    seen = set()
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cuda" and tensor.device not in seen:
+            seen.add(tensor.device)
+            torch.cuda.synchronize(tensor.device)

@@ -185,3 +185,27 @@ def test_registration_runs_in_the_named_devices_context_and_is_undone_there(monk
     other = stand_in_arena(2 << 30)
     assert register_arena(other) is True  # no device named: torch's current one
     assert cudart.calls[-1] == ("register", other.base_ptr + HEADER_BYTES, 0)
+
+
+class ViewOnCuda1(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1 (a view of a GPU tier, for the copy's
+    synchronization; the bytes are copied on the CPU)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+def test_copy_to_a_host_buffer_waits_for_the_gpu_tier_views_device(monkeypatch):
+    from lmcached.client.views import RetrievedViews
+
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    chunks = [torch.full(LAYOUT.chunk_shape(16), float(i)).to(LAYOUT.torch_dtype)
+              .as_subclass(ViewOnCuda1) for i in range(2)]
+    views = RetrievedViews(chunks, [4, 9], 0, 32, release_fn=None)
+    out = torch.zeros(LAYOUT.chunk_shape(32), dtype=LAYOUT.torch_dtype)  # host (pinned there)
+    got = views.copy_to(out)
+    assert synchronized == [torch.device("cuda", 1)]  # the source's device, once
+    assert torch.equal(got.as_subclass(torch.Tensor)[:, :, 16:],
+                       torch.ones(LAYOUT.chunk_shape(16), dtype=LAYOUT.torch_dtype))
