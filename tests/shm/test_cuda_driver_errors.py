@@ -52,6 +52,9 @@ class FakeDriver(types.ModuleType):
         return types.SimpleNamespace(location=types.SimpleNamespace())
 
     def _cuInit(self, flags):
+        if self._init is None:  # as cuda-bindings where no libcuda.so can be found
+            raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found '
+                               'via system search.')
         return (self._init,)
 
     def _cuDeviceGetUuid(self, device):
@@ -112,6 +115,14 @@ def test_a_failed_driver_call_names_the_call_and_its_curesult(fake_driver):
     with pytest.raises(DeviceTierError,
                        match=r"^GPU tier on CUDA device 3: cuInit failed: CUDA_ERROR_NO_DEVICE$"):
         device_memory._cuda_memory(3, 64 * MiB)
+
+
+def test_no_nvidia_driver_is_one_line_not_a_loader_traceback(fake_driver):
+    fake_driver(init=None)
+    with pytest.raises(DeviceTierError, match=r"^GPU tier on CUDA device 0: cuInit: the NVIDIA "
+                       r"driver cannot be loaded \(.*\): run where the driver is installed, "
+                       r"or start without --gpu-capacity$"):
+        device_memory._cuda_memory(0, 64 * MiB)
 
 
 def test_cuda_error_takes_a_curesult_or_a_message(fake_driver):
