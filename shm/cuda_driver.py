@@ -94,7 +94,12 @@ class CudaVmmMemory:
             raise
 
     def _create(self, ordinal: int, size_bytes: int) -> None:
-        check("cuInit", cu.cuInit(0))
+        try:
+            result = cu.cuInit(0)
+        except RuntimeError as exc:  # cuda-bindings' loader: no libcuda.so (no driver)
+            raise CudaError("cuInit", f"the NVIDIA driver cannot be loaded ({exc}): run where "
+                            "the driver is installed, or start without --gpu-capacity") from None
+        check("cuInit", result)
         self._device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
         self.device = device_uuid(self._device)
         attr = cu.CUdevice_attribute
