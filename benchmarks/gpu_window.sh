@@ -50,6 +50,11 @@ cuda_test_ids() {
 case "$what" in
   collect)
     cd "$repo"
+    for bench in "${benches[@]}"; do
+      [ -f "$repo/benchmarks/$bench.py" ] || { echo "gpu_window.sh: benchmarks/$bench.py is gone" >&2; exit 1; }
+      PYTHONPATH="$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import $bench" \
+        || { echo "gpu_window.sh: benchmarks/$bench.py does not import" >&2; exit 1; }
+    done
     ids="$(cuda_test_ids)"
     count="$(printf '%s\n' "$ids" | grep -c '::' || true)"
     if [ "$count" -eq 0 ]; then
@@ -57,11 +62,6 @@ case "$what" in
       exit 1
     fi
     files="$(printf '%s\n' "$ids" | cut -d: -f1 | sort -u)"
-    for bench in "${benches[@]}"; do
-      [ -f "$repo/benchmarks/$bench.py" ] || { echo "gpu_window.sh: benchmarks/$bench.py is gone" >&2; exit 1; }
-      PYTHONPATH="$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import $bench" \
-        || { echo "gpu_window.sh: benchmarks/$bench.py does not import" >&2; exit 1; }
-    done
     printf '%s\n' "$ids"
     echo "benchmarks imported: ${benches[*]}"
     echo "cuda tests: $count in $(printf '%s\n' "$files" | wc -l) files"
@@ -75,9 +75,9 @@ mkdir -p "$out"
 "$py" -m pip install --quiet --no-index --no-deps --target /tmp/site "$repo"/.whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 cd /tmp
-{
+{  # every line even when one fails: the report is what explains a failed run
   nvidia-smi || true
-  "$py" -c 'import sys, torch, lmcached; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print("lmcached", lmcached.__file__)'
+  "$py" -c 'import sys, torch, lmcached; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print("lmcached", lmcached.__file__)' || true
   "$py" -c 'import cuda.bindings; print("cuda-bindings", cuda.bindings.__version__)' || true
   "$py" -c 'import transformers; print("transformers", transformers.__version__)' || true
   echo "id: $(id)"
@@ -98,7 +98,7 @@ fi
 
 # tests: one pytest process per file, each under `timeout`, within the budget.
 start_s=$SECONDS
-files="$(cuda_test_ids | cut -d: -f1 | sort -u)"
+files="$(cuda_test_ids | cut -d: -f1 | sort -ru)"  # tests/vllm_connector, tests/system, tests/client
 junit=/tmp/gpu-window-junit
 rm -rf "$junit" && mkdir -p "$junit"
 : > "$out/tests-summary.txt"

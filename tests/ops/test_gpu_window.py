@@ -34,7 +34,6 @@ def test_collect_lists_every_cuda_marked_test_and_imports_the_gpu_benchmarks():
     assert "benchmarks imported: bench_cuda bench_vllm_worker" in proc.stdout
 
 
-@pytest.mark.slow
 def test_collect_fails_on_a_benchmark_that_is_gone():
     proc = collect({"GPU_WINDOW_BENCHES": "bench_cuda bench_moved_away"})
     assert proc.returncode != 0
