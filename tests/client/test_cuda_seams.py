@@ -9,6 +9,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from lmcached.client import KVLayout, hash_request_tokens
@@ -51,21 +52,38 @@ def test_verify_prefix_gathers_the_header_rows_not_whole_blocks():
     assert GatheredBytes.gathered == [3 * header_bytes]  # not 3 * BLOCK_BYTES
 
 
-class RecordingDriver(types.ModuleType):
-    """cuda.bindings.driver whose every call is recorded in a shared list of events."""
-
-    def __init__(self, events: list) -> None:
-        super().__init__("cuda.bindings.driver")
-        self.events = events
+class _Names:
+    """Any attribute, e.g. `CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED`: its name."""
 
     def __getattr__(self, name):
+        return name
+
+
+class RecordingDriver(types.ModuleType):
+    """cuda.bindings.driver whose every call is recorded in a shared list of events and
+    succeeds with the value 1, except the call named `fails` (CUDA_ERROR_UNKNOWN, 999)."""
+
+    def __init__(self, events: list, fails: str | None = None) -> None:
+        super().__init__("cuda.bindings.driver")
+        self.events = events
+        self.fails = fails
+        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+
+    def __getattr__(self, name):
+        if name in ("CUmemAllocationProp", "CUmemAccessDesc"):
+            return lambda: types.SimpleNamespace(location=types.SimpleNamespace())
+        if name.startswith("CU"):
+            return _Names()
+        if name == "cuGetErrorName":
+            return lambda result: (0, b"CUDA_ERROR_UNKNOWN")
         if not name.startswith("cu"):
             raise AttributeError(name)
-        return lambda *args: self.events.append(name) or (0,)
+        return lambda *args: self.events.append(name) or ((999,) if name == self.fails
+                                                          else (0, 1))
 
 
-def fake_cuda_bindings(monkeypatch, events: list) -> None:
-    driver = RecordingDriver(events)
+def fake_cuda_bindings(monkeypatch, events: list, fails: str | None = None) -> None:
+    driver = RecordingDriver(events, fails)
     bindings = types.ModuleType("cuda.bindings")
     bindings.driver = driver
     cuda = types.ModuleType("cuda")
@@ -86,6 +104,48 @@ def test_an_imported_tier_is_unmapped_after_its_device_finished_and_in_its_conte
     gc.collect()
     assert events == ["synchronize(3)", "cuCtxPushCurrent", "cuMemUnmap", "cuMemAddressFree",
                       "cuCtxPopCurrent", "cuDevicePrimaryCtxRelease"]
+
+
+def import_tier(monkeypatch, events: list, fails: str | None = None):
+    """CudaTierMap over the recording driver, torch's CUDA calls stubbed."""
+    from lmcached.wire.protocol import TierHandle, TierInfo
+
+    fake_cuda_bindings(monkeypatch, events, fails)
+    monkeypatch.delitem(sys.modules, "lmcached.shm.cuda_driver", raising=False)
+    monkeypatch.setattr(tier_map, "local_device", lambda uuid: 0)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch, "as_tensor", lambda mapping, device: ("u8 of", mapping, device))
+    info = types.SimpleNamespace(device="GPU-0", block_bytes=1 << 20, num_blocks=2)
+    handle = types.SimpleNamespace(generation=5, size_bytes=2 << 20)
+    try:
+        return tier_map.CudaTierMap(info, handle, fd=9)
+    finally:
+        sys.modules.pop("lmcached.shm.cuda_driver", None)  # never keep the fake-bound module
+
+
+def test_the_tier_is_imported_with_its_devices_primary_context_pushed(monkeypatch):
+    events = []
+    tier = import_tier(monkeypatch, events)
+    assert events == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent",
+                      "cuMemImportFromShareableHandle", "cuMemGetAllocationGranularity",
+                      "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemRelease",
+                      "cuCtxPopCurrent"]  # the context stays retained by the mapping
+    _, mapping, device = tier.u8
+    assert device == "cuda:0" and (mapping.ordinal, mapping.context) == (0, 1)
+    events.clear()
+    del tier, mapping
+    gc.collect()  # the last view gone: unmapped in the context, which is then released
+    assert events == ["cuCtxPushCurrent", "cuMemUnmap", "cuMemAddressFree", "cuCtxPopCurrent",
+                      "cuDevicePrimaryCtxRelease"]
+
+
+def test_a_failed_import_undoes_the_mapping_and_releases_the_context(monkeypatch):
+    events = []
+    with pytest.raises(Exception, match="^cuMemSetAccess failed: CUDA_ERROR_UNKNOWN$"):
+        import_tier(monkeypatch, events, fails="cuMemSetAccess")
+    assert events[events.index("cuMemSetAccess"):] == [
+        "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease", "cuCtxPopCurrent",
+        "cuDevicePrimaryCtxRelease"]
 
 
 class FakeCudart:
