@@ -11,9 +11,7 @@ a torch tensor through `__cuda_array_interface__`. The mapping is undone when th
 tensor viewing it is gone, so a daemon restart never pulls memory from under a view.
 
 The only client module that imports cuda-bindings (lazily, when a CUDA tier is mapped).
-
-NOT RUN YET: written without a GPU; tests/system/test_gpu_tier.py and
-benchmarks/gpu_window.sh are the checks still owed.
+What has run on a GPU and what has not: docs/operator.md, "What has run on a GPU".
 """
 
 import functools
@@ -44,19 +42,40 @@ def local_device(uuid: str) -> int:
 
 class _Mapping:
     """Owner of one imported VMM mapping: `__cuda_array_interface__` for torch, and the
-    unmap when the last tensor over it is freed."""
+    unmap when the last tensor over it is freed.
 
-    def __init__(self, ptr: int, size: int) -> None:
+    Args:
+        ptr, size: the mapped address range (bytes).
+        ordinal: the CUDA device it is mapped on (this process's numbering).
+        device, context: that device's CUdevice and primary context, retained for the
+            mapping's life (released after the unmap).
+    """
+
+    def __init__(self, ptr: int, size: int, ordinal: int, device, context) -> None:
         self.ptr = ptr
         self.size = size
+        self.ordinal = ordinal
+        self.device = device
+        self.context = context
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
                                          "data": (ptr, False), "version": 2, "strides": None}
 
     def __del__(self) -> None:
         from cuda.bindings import driver as cu
 
-        cu.cuMemUnmap(self.ptr, self.size)
-        cu.cuMemAddressFree(self.ptr, self.size)
+        # Work queued on any stream may still read or write the mapping (a copy from a
+        # view whose tensor is already gone): wait for the device before unmapping.
+        try:
+            torch.cuda.synchronize(self.ordinal)
+        except Exception:  # interpreter shutdown: the process's work has ended anyway
+            pass
+        cu.cuCtxPushCurrent(self.context)
+        try:
+            cu.cuMemUnmap(self.ptr, self.size)
+            cu.cuMemAddressFree(self.ptr, self.size)
+        finally:
+            cu.cuCtxPopCurrent()
+            cu.cuDevicePrimaryCtxRelease(self.device)
 
 
 class CudaTierMap:
@@ -92,8 +111,15 @@ class CudaTierMap:
         self.num_blocks = info.num_blocks
         ordinal = local_device(info.device)
         torch.cuda.init()
-        with torch.cuda.device(ordinal):
-            torch.cuda.current_stream()  # makes torch's primary context current here
+        # The VMM calls below act on the calling thread's current driver context. Torch's
+        # device guard does not make one current (it sets the device lazily), so push the
+        # device's primary context, the one torch's runtime uses, for the calls.
+        check("cuInit", cu.cuInit(0))
+        device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+        context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device))
+        mapped = False
+        check("cuCtxPushCurrent", cu.cuCtxPushCurrent(context))
+        try:
             kinds = cu.CUmemAllocationHandleType
             allocation = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
                 fd, kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
@@ -121,7 +147,13 @@ class CudaTierMap:
                     raise
             finally:
                 cu.cuMemRelease(allocation)  # the mapping keeps the memory alive
-            self.u8 = torch.as_tensor(_Mapping(int(ptr), size), device=f"cuda:{ordinal}")
+            mapping = _Mapping(int(ptr), size, ordinal, device, context)
+            mapped = True
+        finally:
+            cu.cuCtxPopCurrent()
+            if not mapped:
+                cu.cuDevicePrimaryCtxRelease(device)
+        self.u8 = torch.as_tensor(mapping, device=f"cuda:{ordinal}")
 
     def close(self) -> None:
         """Forget the mapping; it is undone when the last view of it is freed."""
@@ -188,7 +220,8 @@ class DeviceRecordIO:
         if not spans:
             return 0
         index = torch.tensor([span[0] for span in spans], device=self._blocks.device)
-        headers = self._blocks.index_select(0, index)[:, : self._header_bytes].cpu().numpy()
+        # [len(spans), header_bytes] uint8: gather the header rows only, never whole blocks
+        headers = self._blocks[:, : self._header_bytes].index_select(0, index).cpu().numpy()
         return check_headers(headers, chunk_hashes, token_array, chunks, fingerprint)
 
     def kv_view(self, block_id: int, num_tokens: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from lmcached.client.cuda import synchronize_if_cuda
+from lmcached.client.cuda import synchronize_devices
 from lmcached.client.kv_io import ChunkCopier, copy_tensor
 from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.client.retrieve import copy_record
@@ -172,7 +172,9 @@ class RetrievedViews:
                 tasks.append(functools.partial(copy_tensor, dst, entry))
             start += n
         self._copier.run(tasks)
-        synchronize_if_cuda(out)
+        # Both ends: views of a GPU tier copied into host memory land when their device
+        # has run the copies, not `out`'s.
+        synchronize_devices([out, *(e for e in entries if isinstance(e, torch.Tensor))])
         if not self.pins_held():
             raise PinsLost("the daemon session that pinned these views ended during the copy")
         return out.narrow(self._token_dim, 0, self.num_tokens)

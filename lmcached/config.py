@@ -40,6 +40,9 @@ from lmcached.wire.units import echo_size, format_size, size_style
 DEFAULT_CAPACITY_BYTES = 4 << 30  # and at most 25% of RAM
 DEFAULT_RAM_FRACTION = 0.25
 DEFAULT_GROUP_SHM_MODE = 0o660  # with --allow-group: members map the arena read-write
+# The smallest CUDA VMM allocation granularity of any device (cuMemGetAllocationGranularity):
+# a CUDA GPU tier below it would be empty. The device's own is checked at start.
+CUDA_VMM_MIN_GRANULARITY_BYTES = 2 << 20
 
 
 def default_capacity_bytes() -> int:
@@ -217,6 +220,13 @@ def config_from_context(ctx: click.Context, check_shm_free: bool = True) -> Serv
             f"GPU devices {typed.get('gpu_device', params['gpu_device'])} "
             f"({_source_label(ctx, 'gpu_device')}) without a GPU tier size: add "
             "--gpu-capacity SIZE"
+        )
+    if cfg.gpu_backend == "cuda" and 0 < cfg.gpu_capacity_bytes < CUDA_VMM_MIN_GRANULARITY_BYTES:
+        raise ConfigError(
+            f"GPU tier {echo_size(typed.get('gpu_capacity'), cfg.gpu_capacity_bytes)} "
+            f"({_source_label(ctx, 'gpu_capacity')}) is less than 2MiB, the smallest CUDA "
+            "VMM allocation granularity (the tier is a whole number of granules): use "
+            "--gpu-capacity 2MiB or more"
         )
     capacity = echo_size(typed.get("capacity"), cfg.capacity_bytes)
     style = size_style(typed.get("capacity"))

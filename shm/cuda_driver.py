@@ -8,9 +8,7 @@ NVIDIA's memMapIPCDrv sample: cuMemCreate with POSIX file descriptor handles,
 cuMemAddressReserve + cuMemMap + cuMemSetAccess to use it here (demotion copies), and
 cuMemExportToShareableHandle for the descriptor that clients import (client/tier_map.py).
 Every call is checked; a failure raises `CudaError` naming the call and its CUresult.
-
-NOT RUN YET: no GPU was available when this was written; the GPU tests
-(tests/system/test_gpu_tier.py) and benchmarks/gpu_window.sh are the checks still owed.
+What has run on a GPU and what has not: docs/operator.md, "What has run on a GPU".
 """
 
 import os
@@ -18,15 +16,39 @@ import os
 import numpy as np
 from cuda.bindings import driver as cu
 
+from lmcached.wire.units import format_bytes
+
 
 class CudaError(Exception):
-    """A CUDA driver call failed: `call` and the CUresult name."""
+    """A CUDA driver call failed, or what it reported cannot be used.
+
+    Args:
+        call: the driver call (or the check) that failed, e.g. "cuMemCreate".
+        result: the call's CUresult (the message is its name, e.g. CUDA_ERROR_OUT_OF_MEMORY),
+            or a message that says what is wrong and what to do.
+
+    Attributes:
+        call: as given.
+        code: the CUresult's name, or None for a message.
+    """
 
     def __init__(self, call: str, result) -> None:
-        err, name = cu.cuGetErrorName(result)
         self.call = call
-        self.code = name.decode() if err == cu.CUresult.CUDA_SUCCESS else str(result)
-        super().__init__(f"{call} failed: {self.code}")
+        if isinstance(result, str):
+            self.code = None
+            super().__init__(f"{call}: {result}")
+        else:
+            self.code = _result_name(result)
+            super().__init__(f"{call} failed: {self.code}")
+
+
+def _result_name(result) -> str:
+    """A CUresult's name (CUDA_ERROR_...), or its text where the driver has none."""
+    try:
+        err, name = cu.cuGetErrorName(result)
+    except (TypeError, ValueError):
+        return str(result)
+    return name.decode() if err == cu.CUresult.CUDA_SUCCESS else str(result)
 
 
 def check(call: str, result: tuple):
@@ -72,7 +94,12 @@ class CudaVmmMemory:
             raise
 
     def _create(self, ordinal: int, size_bytes: int) -> None:
-        check("cuInit", cu.cuInit(0))
+        try:
+            result = cu.cuInit(0)
+        except RuntimeError as exc:  # cuda-bindings' loader: no libcuda.so (no driver)
+            raise CudaError("cuInit", f"the NVIDIA driver cannot be loaded ({exc}): run where "
+                            "the driver is installed, or start without --gpu-capacity") from None
+        check("cuInit", result)
         self._device = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
         self.device = device_uuid(self._device)
         attr = cu.CUdevice_attribute
@@ -94,13 +121,16 @@ class CudaVmmMemory:
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         size = size_bytes // self.granularity * self.granularity
         if size == 0:
-            raise CudaError("cuMemCreate", f"{size_bytes} bytes is less than the device's "
-                            f"allocation granularity ({self.granularity} bytes)")
+            raise CudaError("cuMemCreate", f"{format_bytes(size_bytes)} is less than the "
+                            "device's CUDA VMM allocation granularity "
+                            f"({format_bytes(self.granularity)}): use --gpu-capacity "
+                            f"{-(-self.granularity // (1 << 20))}MiB or more")
         free, _ = check("cuMemGetInfo", cu.cuMemGetInfo())
         if size > free:
-            raise CudaError("cuMemGetInfo", f"device {ordinal} has {free} bytes free, "
-                            f"{size} asked; a dead daemon generation may still be mapped "
-                            "by clients (nvidia-smi shows who holds memory)")
+            raise CudaError("cuMemGetInfo", f"device {ordinal} has {format_bytes(free)} free, "
+                            f"{format_bytes(size)} asked: lower --gpu-capacity, or free the "
+                            "device (a dead daemon generation may still be mapped by "
+                            "clients; nvidia-smi shows who holds memory)")
         self.size_bytes = size
         self._handle = check("cuMemCreate", cu.cuMemCreate(size, prop, 0))
         self._undo.append(lambda: cu.cuMemRelease(self._handle))

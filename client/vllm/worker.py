@@ -9,6 +9,7 @@ each record's fingerprint. vllm-free: the connector passes what it reads from vL
 Split from the connector after vLLM's NixlConnectorWorker / LMCache's worker adapter.
 """
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -189,7 +190,8 @@ class LMCachedConnectorWorker:
         fingerprint = xxhash.xxh3_64_intdigest(f"{layout.fingerprint}|{paged.description}".encode())
         # GPU blocks: page-lock the arena so copies run at pinned-memory speed (the
         # engine's cuda_register path); CPU blocks need nothing.
-        hooks = (register_arena, unregister_arena) if paged.device.type == "cuda" else ()
+        hooks = ((functools.partial(register_arena, device=paged.device), unregister_arena)
+                 if paged.device.type == "cuda" else ())
         self._link = self.settings.open_link([self.rank], f"vllm-worker(rank {self.rank})",
                                              *hooks)
         self.chain = Chain(self._link, layout, self.settings.verify, fingerprint=fingerprint)

@@ -87,6 +87,7 @@ def test_refuses_shapes_that_do_not_match():
         attend_causal_suffix(torch.randn(1, 4, NUM_KEYS + 1, 16), k, v)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_equals_masked_sdpa(dtype):

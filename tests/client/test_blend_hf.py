@@ -309,6 +309,7 @@ def test_prompt_without_separator_is_one_segment(model, daemon):
         assert torch.allclose(run.logits, logits, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_ratio_one_equals_full_prefill_on_cuda(daemon):
     model = tiny_model().cuda()

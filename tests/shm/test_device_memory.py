@@ -95,7 +95,8 @@ def test_open_device_tiers_makes_one_per_device_and_undoes_a_failure(unique_name
 
 
 def test_without_cuda_bindings_the_cuda_backend_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cuda", None)  # import cuda... -> ImportError
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):  # imported earlier, or not
+        monkeypatch.setitem(sys.modules, name, None)  # import cuda... -> ImportError
     monkeypatch.delitem(sys.modules, "lmcached.shm.cuda_driver", raising=False)
     with pytest.raises(DeviceTierError, match=r"pip install '\.\[gpu\]' in a checkout of "
                        r"lmcached, or pip install 'lmcached\[gpu\]' from a package index"):
