@@ -296,13 +296,17 @@ class SPTBlendRetriever(BlendRetriever):
         if run is None or _num_hit(run) >= len(tokens):
             return run
         try:
-            other = self.cache_engine.sibling(self._other_layout)
-        except ValueError as exc:  # an engine not made by CacheEngine.connect
-            raise ValueError(
-                f"SPTBlendRetriever needs an engine made by CacheEngine.connect, to look for "
-                f"documents in {self._other_layout.model_name!r} ({self._other_layout.fmt}) "
-                f"too: {exc}") from None
-        found = other.acquire(tokens, cache_salt=cache_salt)
+            try:
+                other = self.cache_engine.sibling(self._other_layout)
+            except ValueError as exc:  # an engine not made by CacheEngine.connect
+                raise ValueError(
+                    f"SPTBlendRetriever needs an engine made by CacheEngine.connect, to look "
+                    f"for documents in {self._other_layout.model_name!r} "
+                    f"({self._other_layout.fmt}) too: {exc}") from None
+            found = other.acquire(tokens, cache_salt=cache_salt)
+        except BaseException:
+            release_all([run.pins])
+            raise
         if found is None or _num_hit(found) <= _num_hit(run):
             if found is not None:
                 release_all([found.pins])

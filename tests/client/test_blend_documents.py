@@ -108,3 +108,22 @@ def test_a_segment_engine_finds_documents_stored_the_seed_way(model, daemon):
             assert torch.equal(result.k[: len(DOC)], stored.layers[2].keys[0].transpose(0, 1))
             assert torch.equal(result.v[: len(DOC)], stored.layers[2].values[0].transpose(0, 1))
     assert daemon.pins_held() == 0
+
+
+def test_an_engine_that_cannot_open_the_other_namespace_is_refused_with_the_fix(model, daemon):
+    """Where a segment is missing from the engine's namespace and the engine cannot open
+    a session on the other one (not made by CacheEngine.connect), new_request says so
+    instead of missing silently, and leaves nothing pinned."""
+    import time
+
+    layout = layout_for_model(model, chunk_size=16, model_name="docs-no-sibling")
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+        # The document's first two chunks only: a partial hit, pinned, then the refusal.
+        assert engine.store(DOC[:32], alone(model, DOC[:32])) == 2
+        engine._connect_options = None  # as an engine built around a link by hand
+        with pytest.raises(ValueError, match="needs an engine made by CacheEngine.connect"):
+            SPTBlendRetriever(SPT, engine).new_request(PROMPT, [0, len(PROMPT)])
+        deadline = time.monotonic() + 10.0  # RELEASE is not answered: poll
+        while daemon.pins_held() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert daemon.pins_held() == 0
