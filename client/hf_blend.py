@@ -1,18 +1,21 @@
-"""Run a Llama-family decoder layer by layer over blended K/V: the prefill of CacheBlend.
+"""CacheBlend's decoder adapter for transformers' Llama-family models (CacheBlend's prefill).
 
 Why this file exists: CacheBlend (Yao et al., "CacheBlend: Fast Large Language Model
 Serving for RAG with Cached Knowledge Fusion", EuroSys 2025) and EPIC's LegoLink (Hu et
 al., "EPIC: Efficient Position-Independent Caching for Serving Large Language Models",
 ICML 2025) compute only some rows of a prompt through some layers; those rows attend over
 the K/V of every token, where the other rows' K/V come from the cache. A transformers
-forward computes every row of every layer, so this module drives each decoder layer from
-its submodules (input_layernorm, q/k/v projections, rotary embedding, attention, o_proj,
-post_attention_layernorm, mlp) and lets a `BlendExecutor` (client/blend/executor.py,
-after LMCache's `lmcache.blend`) decide at each layer which rows go on. With every row
-selected it computes what the model's own forward computes.
+forward computes every row of every layer, so the one layer loop of lmcached.client.blend
+(client/blend/layer_loop.py, shared with vLLM's path, client/vllm/blend_layers.py) drives
+each decoder layer through `HFDecoder`, the adapter over its submodules
+(input_layernorm, q/k/v projections, rotary embedding, o_proj, post_attention_layernorm,
+mlp), and a `BlendExecutor` (client/blend/executor.py, after LMCache's `lmcache.blend`)
+decides at each layer which rows go on. With every row selected it computes what the
+model's own forward computes.
 
-Used by hf.py, which holds the public API (`store_segments`, `blend_prefill`); these two
-are the only modules of lmcached.client importing transformers.
+Used by hf.py, which holds the public API (`store_segments`, `blend_prefill`); hf.py,
+this module and hf_attention.py are the only modules of lmcached.client importing
+transformers.
 """
 
 import dataclasses
@@ -23,6 +26,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from lmcached.client.attention import PositionsPlan, attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
+from lmcached.client.blend.layer_loop import DecoderAdapter, run_layers
 
 # Model types whose decoder is exactly embed_tokens -> layers -> norm -> lm_head, each
 # layer pre-norm attention + MLP with plain q/k/v/o projections and RoPE from
@@ -80,10 +84,6 @@ class BlendedLayers:
     recomputed_indices: torch.Tensor
 
 
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device, non_blocking=True)
-
-
 def _project(proj: torch.nn.Module, x: torch.Tensor, head_size: int,
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """`proj(x)` per head, token-major `[n, heads, head_size]` (as the segments are
@@ -96,23 +96,94 @@ def _project(proj: torch.nn.Module, x: torch.Tensor, head_size: int,
     return (out * cos[:, None]) + (rotate_half(out) * sin[:, None])
 
 
+class HFDecoder(DecoderAdapter):
+    """The `DecoderAdapter` of a transformers Llama-family model.
+
+    RoPE is the cos/sin of the model's own `rotary_emb` over the prompt's positions,
+    made once by `embed`; Q is projected only when asked (`project(with_q=False)` skips
+    it: CacheBlend's check layer computes Q of the selected rows only). Each layer's
+    long K/V are kept (`layers`, head-major views for a DynamicCache). The selected rows
+    attend through `attend_at_positions` (client/attention.py: unmasked key blocks and
+    small masked squares merged by log-sum-exp on CPU, no dense mask), with one
+    `PositionsPlan` per selection, reused while the rows stay the same.
+
+    Args:
+        model: a model accepted by `check_blend_supported`, in eval mode.
+
+    Attributes:
+        layers: per layer, (K, V) `[1, num_kv_heads, num_tokens, head_size]` each.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        self._decoder = model.model
+        self.num_layers = len(self._decoder.layers)
+        self.device = model.device
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cos = self._sin = None  # [T, head_size] each, set by embed
+        self._plan = None  # PositionsPlan of the rows that attend
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        decoder = self._decoder
+        hidden = decoder.embed_tokens(input_ids.to(self.device)[None])  # [1, T, hidden_size]
+        positions = torch.arange(input_ids.numel(), device=self.device)
+        cos, sin = decoder.rotary_emb(hidden, positions[None])  # [1, T, head_size] each
+        self._cos, self._sin = cos[0], sin[0]
+        return hidden[0]  # [T, hidden_size]
+
+    def head_shape(self, layer_id: int) -> tuple[int, int, int]:
+        config = self._decoder.config
+        head_size = self._decoder.layers[layer_id].self_attn.head_dim
+        return (config.num_attention_heads,
+                getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                head_size)
+
+    def input_norm(self, layer_id: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._decoder.layers[layer_id].input_layernorm(hidden)
+
+    def project(self, layer_id: int, x: torch.Tensor, positions: torch.Tensor,
+                with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        attn = self._decoder.layers[layer_id].self_attn
+        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_size] each
+        k = _project(attn.k_proj, x, attn.head_dim, cos, sin)  # [n, kv_heads, head_size]
+        v = _project(attn.v_proj, x, attn.head_dim)  # [n, kv_heads, head_size]
+        q = _project(attn.q_proj, x, attn.head_dim, cos, sin) if with_q else None
+        return q, k, v
+
+    def project_q(self, layer_id: int, x: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        attn = self._decoder.layers[layer_id].self_attn
+        return _project(attn.q_proj, x, attn.head_dim, self._cos[positions],
+                        self._sin[positions])
+
+    def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # Head-major views: [1, kv_heads, T, head_size].
+        self.layers.append((k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        if self._plan is None or not self._plan.matches(positions):  # a new selection
+            self._plan = PositionsPlan(positions)
+        attn = self._decoder.layers[layer_id].self_attn
+        out = attend_at_positions(
+            q.transpose(0, 1)[None],  # [1, heads, S, head_size]
+            k.transpose(0, 1)[None],  # [1, kv_heads, T, head_size]
+            v.transpose(0, 1)[None], positions, scale=attn.scaling, plan=self._plan,
+        )  # [1, heads, S, head_size]
+        return out[0].transpose(0, 1)  # [S, heads, head_size]
+
+    def finish(self, layer_id: int, hidden: torch.Tensor,
+               attn_out: torch.Tensor) -> torch.Tensor:
+        layer = self._decoder.layers[layer_id]
+        selected = hidden + layer.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        return selected + layer.mlp(layer.post_attention_layernorm(selected))
+
+
 def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
                        task: BlendRetrieverTask, executor: BlendExecutor) -> BlendedLayers:
-    """Prefill one prompt layer by layer, computing only the rows the executor selects.
-
-    Per layer, with R the rows selected by the previous layer (at layer 0 every row, or
-    those `executor.fresh_rows` names, e.g. LegoLink's selection):
-    input_layernorm, q/k/v projections and RoPE for R (cos/sin of the model's own
-    `rotary_emb`; Q after blend, of the selected rows only, where the executor selects
-    from fresh K: CacheBlend's check layer), then `executor.blend` with the retriever's
-    K/V of the layer; the
-    selected rows S attend over the long K/V it returns, key j visible to query i iff
-    j <= position of i (`attend_at_positions`: unmasked key blocks and small masked
-    squares merged by log-sum-exp on CPU, no dense mask); then o_proj, the
-    residual, post_attention_layernorm, mlp and the residual for S. Hidden states of
-    rows outside S keep their last computed value and are never read again. At the
-    last layer only the last row goes on after blend (its hidden state gives the
-    logits; the others' would be read by no one), as vLLM's blend path does.
+    """Prefill one prompt layer by layer, computing only the rows the executor selects
+    (`lmcached.client.blend.layer_loop.run_layers` over `HFDecoder`), the last token's
+    output included (its hidden state gives the logits: it is always recomputed, and
+    the last layer's attention and MLP run for it alone).
 
     Args:
         model: a model accepted by `check_blend_supported`, in eval mode.
@@ -125,85 +196,11 @@ def run_blended_layers(model: PreTrainedModel, input_ids: torch.Tensor,
     Returns:
         BlendedLayers.
     """
-    device = model.device
-    decoder = model.model
-    num_tokens = input_ids.numel()
-    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
-    all_positions = torch.arange(num_tokens, dtype=torch.int64)  # [T], cpu
-    key_positions = all_positions.to(device)  # [T]: long K/V row j is position j
-
-    hidden = decoder.embed_tokens(input_ids.to(device)[None])  # [1, T, hidden_size]
-    cos, sin = decoder.rotary_emb(hidden, key_positions[None])  # [1, T, head_size] each
-    cos, sin = cos[0], sin[0]
-    hidden = hidden[0]  # [T, hidden_size]
-
-    rows = all_positions  # [n] int64 cpu: rows of the fresh q/k/v of this layer
-    layers, num_reused = [], 0
-    last_layer = len(decoder.layers) - 1
-    plan = None  # PositionsPlan of the rows that attend, reused while they stay the same
-    for layer_id, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        retrieved = task.result(layer_id)
-        # The last token's output gives the logits: it is always recomputed.
-        valid_mask = retrieved.valid_mask.to(torch.bool).clone()
-        valid_mask[-1] = False
-        num_reused = int(valid_mask.sum())
-        ahead = executor.fresh_rows(layer_id, valid_mask, retrieved.original_positions,
-                                    query_start_loc)
-        if ahead is not None:  # e.g. LegoLink's selection, known before layer 0
-            rows = ahead.to("cpu", torch.int64)
-
-        rows_dev = rows.to(device)
-        x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
-        row_cos, row_sin = cos[rows_dev], sin[rows_dev]  # [n, head_size] each
-        k = _project(attn.k_proj, x, attn.head_dim, row_cos, row_sin)  # [n, kv_heads, head_size]
-        v = _project(attn.v_proj, x, attn.head_dim)  # [n, kv_heads, head_size]
-        # Where the executor picks the rows from this layer's fresh K (CacheBlend's check
-        # layer), Q is projected after it, for the selected rows only.
-        q_after = executor.selects_from_fresh_k(layer_id)
-        q = None if q_after else _project(attn.q_proj, x, attn.head_dim, row_cos, row_sin)
-
-        # Token-major, as the segments are stored (client/blend/segments.py).
-        out = executor.blend(
-            layer_id, _to(retrieved.k, device), _to(retrieved.v, device), valid_mask,
-            retrieved.original_positions, q, k, v, all_positions[rows], query_start_loc,
-            token_dim=0,
-        )
-        selected_rows = out.local_indices.to("cpu", torch.int64)
-        if out.q is None:  # [n', heads, head_size]: Q of the selected rows
-            local = torch.searchsorted(rows, selected_rows).to(device)
-            out.q = _project(attn.q_proj, x[local], attn.head_dim, row_cos[local],
-                             row_sin[local])
-        rows = selected_rows
-        # Head-major views: [heads, n', head_size] / [kv_heads, T, head_size].
-        out_q, out_k, out_v = (t.transpose(0, 1) for t in (out.q, out.k, out.v))
-        layers.append((out_k[None], out_v[None]))  # [1, kv_heads, T, head_size] each
-        # The last layer's outputs are read for the last token only (its K/V, in the
-        # cache, were computed for every selected row): attention and MLP for that row.
-        tail = slice(-1, None) if layer_id == last_layer else slice(None)
-        rows_out = rows[tail]
-        rows_dev = rows_out.to(device)
-        # Query i sees key j iff j <= its position (true positions, not the top-left
-        # alignment of is_causal), without a dense mask on CPU.
-        positions = out.positions[tail]
-        if plan is None or not plan.matches(positions):  # a new selection: cut its rows once
-            plan = PositionsPlan(positions)
-        attn_out = attend_at_positions(
-            out_q[:, tail][None], out_k[None], out_v[None], positions, scale=attn.scaling,
-            plan=plan,
-        )  # [1, heads, n', head_size]
-        attn_out = attn_out[0].transpose(0, 1).reshape(rows_out.numel(), -1)
-        selected = hidden[rows_dev] + attn.o_proj(attn_out)  # [n', hidden_size]
-        selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
-        hidden[rows_dev] = selected
-
-    assert int(rows[-1]) == num_tokens - 1, (
-        "the prompt's last token was not recomputed through the last layer: the "
-        "executor dropped a row marked not-valid (bug)"
-    )
+    decoder = HFDecoder(model)
+    run = run_layers(decoder, input_ids.cpu(), task, executor, last_token_output=True)
     return BlendedLayers(
-        last_hidden=hidden[-1],
-        cache=DynamicCache(ddp_cache_data=layers),
-        num_reused_tokens=num_reused,
-        recomputed_indices=rows,
+        last_hidden=run.hidden[-1],
+        cache=DynamicCache(ddp_cache_data=decoder.layers),
+        num_reused_tokens=run.num_reused_tokens,
+        recomputed_indices=run.recomputed_indices,
     )

@@ -14,13 +14,16 @@ What lives here:
                     create_index, indices_to_mask, mask_to_indices
     retriever.py    SPTBlendRetriever, split_on_spt (per-segment lookups on the daemon,
                     one layer of K/V at a time from the pinned arena blocks)
+    layer_loop.py   run_layers over a DecoderAdapter: the one CacheBlend layer loop
+                    (its adapters: lmcached.client.hf_blend, lmcached.client.vllm.blend_layers)
     rope.py         LlamaRotary (RoPE re-rotation by a position delta, in fp32)
     segments.py     segment_layout, segment_layout_of (the one namespace of documents,
                     token-major, shared by the vLLM blend worker and the Hugging Face path)
 
 What it may import: torch, numpy and lmcached.client's core (engine, records, kv_io,
-cuda, hashing) and lmcached.wire.logger; never transformers (the Hugging Face layer loop
-that drives these is `lmcached.client.hf_blend`, behind `lmcached.client.hf`) nor vllm.
+cuda, hashing) and lmcached.wire.logger; never transformers nor vllm (the
+decoder adapters that know their modules live beside them: `lmcached.client.hf_blend`,
+`lmcached.client.vllm.blend_layers`).
 """
 
 from lmcached.client.blend.executor import (

@@ -40,6 +40,7 @@ from lmcached.client.blend.interfaces import (
     BlendRetrieverResult,
     BlendRetrieverTask,
 )
+from lmcached.client.blend.segments import document_layouts
 from lmcached.client.chain import PinnedChunks, release_all
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.engine import CacheEngine
@@ -199,7 +200,9 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
         else:
             k = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
             v = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
-        self._engine.copier.run([functools.partial(_copy_layer, k, v, chunk, layer_id)
+        token_axis = layout.token_dim - 2
+        self._engine.copier.run([functools.partial(_copy_layer, k, v, chunk, layer_id,
+                                                   token_axis)
                                  for chunk in self._chunks])
         synchronize_if_cuda(k)
         if not all(run.holds_pins() for run in self._runs):  # blocks may have been reused
@@ -219,6 +222,11 @@ class SPTBlendRetrieverTask(BlendRetrieverTask):
         self.release()
 
 
+def _num_hit(run: PinnedChunks) -> int:
+    """Tokens of the verified prefix of a pinned run."""
+    return run.chunks[-1][1] if run.chunks else 0
+
+
 def _release_runs(runs: list[PinnedChunks], garbage: bool) -> None:
     """RELEASE the leases of `runs`, one frame per daemon session (never raises)."""
     if garbage:
@@ -227,11 +235,14 @@ def _release_runs(runs: list[PinnedChunks], garbage: bool) -> None:
     release_all([run.pins for run in runs])
 
 
-def _copy_layer(k: torch.Tensor, v: torch.Tensor, chunk: _Chunk, layer: int) -> None:
-    """Copy layer `layer` of one chunk's record into its token range of `k` and `v`."""
-    layout = chunk.records.layout
-    token_axis = layout.token_dim - 2
-    kv = _layer_in_record(chunk, layer)  # [2, *k.shape with num_tokens tokens]
+def _copy_layer(k: torch.Tensor, v: torch.Tensor, chunk: _Chunk, layer: int,
+                token_axis: int) -> None:
+    """Copy layer `layer` of one chunk's record into its token range (along `token_axis`)
+    of `k` and `v`, moving the token axis where the record's format differs (a document
+    found in the model's other namespace)."""
+    kv = _layer_in_record(chunk, layer)  # [2, T, H, D] vllm / [2, H, T, D] huggingface
+    if chunk.records.layout.token_dim - 2 != token_axis:
+        kv = kv.transpose(1, 2)  # [2, *k.shape with num_tokens tokens], strided
     copy_tensor(k.narrow(token_axis, chunk.dst_start, chunk.num_tokens), kv[0])
     copy_tensor(v.narrow(token_axis, chunk.dst_start, chunk.num_tokens), kv[1])
 
@@ -252,13 +263,18 @@ class SPTBlendRetriever(BlendRetriever):
 
     The caller joins the segments of a prompt with a separator token (`spt`) that it
     inserts itself, and stores each segment's KV on its own, from position 0
-    (`CacheEngine.store(segment_tokens, kv)`). Each segment is looked up as its own
-    chunk chain, so a document is found wherever it appears in a prompt.
+    (`CacheEngine.store(segment_tokens, kv)`, or `store_segments`, or vLLM's blend
+    worker). Each segment is looked up as its own chunk chain, so a document is found
+    wherever it appears in a prompt, in either namespace that may hold the model's
+    documents (client/blend/segments.py, "Where documents live"): the engine's own,
+    then, for a segment it does not hold whole, the other one (a `sibling` session,
+    opened on the first such segment).
 
     Args:
         spt: the separator: one token id (e.g. a reserved special token's id) or a
             sequence of token ids, as it appears in `input_tokens`.
-        cache_engine: the engine whose layout and daemon hold the segments.
+        cache_engine: an engine of the model (made by `CacheEngine.connect`): its
+            layout gives the results' format, its daemon holds the segments.
         device: where `result()` puts K and V (default cpu).
 
     Raises:
@@ -270,6 +286,33 @@ class SPTBlendRetriever(BlendRetriever):
         self.spt = _separator(spt)
         self.cache_engine = cache_engine
         self.device = torch.device("cpu" if device is None else device)
+        self._other_layout = document_layouts(cache_engine.layout)[1]
+
+    def _acquire(self, tokens: np.ndarray, cache_salt: str | None) -> PinnedChunks | None:
+        """Pin the longest cached chain of one segment: the engine's own namespace, then,
+        unless it holds the whole segment, the model's other document namespace (the
+        shorter run is released). None: the daemon is unavailable."""
+        run = self.cache_engine.acquire(tokens, cache_salt=cache_salt)
+        if run is None or _num_hit(run) >= len(tokens):
+            return run
+        try:
+            try:
+                other = self.cache_engine.sibling(self._other_layout)
+            except ValueError as exc:  # an engine not made by CacheEngine.connect
+                raise ValueError(
+                    f"SPTBlendRetriever needs an engine made by CacheEngine.connect, to look "
+                    f"for documents in {self._other_layout.model_name!r} "
+                    f"({self._other_layout.fmt}) too: {exc}") from None
+            found = other.acquire(tokens, cache_salt=cache_salt)
+        except BaseException:
+            release_all([run.pins])
+            raise
+        if found is None or _num_hit(found) <= _num_hit(run):
+            if found is not None:
+                release_all([found.pins])
+            return run
+        release_all([run.pins])
+        return found
 
     def new_request(self, input_tokens: Tokens,
                     query_start_loc: torch.Tensor | Sequence[int],
@@ -278,9 +321,11 @@ class SPTBlendRetriever(BlendRetriever):
 
         Every request of the batch (query_start_loc boundaries always cut) is split with
         `split_on_spt`; each segment is ACQUIREd as its own chain from position 0
-        (`CacheEngine.acquire`): N segments are N synchronous round trips, all here,
-        none in `result()` (protocol v2 ACQUIRE pins one chain per request). A segment is
-        valid on its cached, verified chunks, a prefix of it. A daemon that is down or
+        (`CacheEngine.acquire`), in the engine's namespace, then, where that does not
+        hold it whole, in the model's other document namespace: N segments are N to 2N
+        synchronous round trips, all here, none in `result()` (protocol v2 ACQUIRE pins
+        one chain per request). A segment is valid on its cached, verified chunks, a
+        prefix of it (the longer of the two namespaces'). A daemon that is down or
         restarting retrieves nothing (no exception).
 
         Args:
@@ -297,7 +342,9 @@ class SPTBlendRetriever(BlendRetriever):
         Raises:
             TypeError: tokens or query_start_loc are not integers.
             ValueError: tokens not 1-D; query_start_loc not 1-D, not starting at 0, not
-                ending at num_tokens, or decreasing.
+                ending at num_tokens, or decreasing; an engine not made by
+                `CacheEngine.connect` missing a segment (the other namespace needs a
+                `sibling` session).
         """
         tokens = as_token_array(input_tokens)
         starts = as_token_array(query_start_loc)
@@ -318,14 +365,14 @@ class SPTBlendRetriever(BlendRetriever):
         chunks: list[_Chunk] = []
         try:
             for begin, end in segments:
-                run = self.cache_engine.acquire(tokens[begin:end], cache_salt=cache_salt)
+                run = self._acquire(tokens[begin:end], cache_salt)
                 if run is None:
                     continue
                 runs.append(run)
                 for span, (start, stop) in zip(run.spans, run.chunks):
                     kv = run.records.kv_view(span[0], stop - start) if len(span) == 1 else None
                     chunks.append(_Chunk(begin + start, stop - start, span, run.records, kv))
-                num_hit = run.chunks[-1][1] if run.chunks else 0
+                num_hit = _num_hit(run)
                 valid_mask[begin : begin + num_hit] = True
                 original_positions[begin : begin + num_hit] = torch.arange(num_hit)
         except BaseException:

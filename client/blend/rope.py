@@ -21,6 +21,7 @@ the layers of one blended batch compute them once.
 This module does not import transformers: `from_model` only reads attributes.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -109,14 +110,26 @@ class LlamaRotary:
         return cls(inv_freq)
 
     @classmethod
+    def from_config(cls, config) -> "LlamaRotary":
+        """The RoPE a Llama-family model's config describes (`rope_settings`), computed
+        as the model's default init does (`from_params`): vLLM's blend worker, which
+        has the config, not transformers' rotary module.
+
+        Raises:
+            ValueError: as `rope_settings`.
+        """
+        settings = rope_settings(config)
+        return cls.from_params(settings.head_dim, settings.rope_theta, settings.rope_scaling)
+
+    @classmethod
     def from_model(cls, model) -> "LlamaRotary":
         """The RoPE a transformers Llama-family model uses, read from the model itself.
 
-        Reads `model.model.rotary_emb` (or `model.rotary_emb` for a bare decoder):
-        its `inv_freq` buffer and `attention_scaling`; and the rope type from
-        `model.config.rope_parameters` (transformers 5) or `rope_scaling` (older).
-        A model cast to bf16 also casts `inv_freq`; its forward then uses the cast
-        values as float32, and so does this.
+        Reads `model.model.rotary_emb` (or `model.rotary_emb` for a bare decoder): its
+        `inv_freq` buffer and `attention_scaling`; the settings come from
+        `rope_settings(model.config)`, the reader `from_config` uses too. A model cast
+        to bf16 also casts `inv_freq`; its forward then uses the cast values as float32,
+        and so does this.
 
         Raises:
             ValueError: the rope type is dynamic, longrope, yarn or unknown; the
@@ -129,23 +142,14 @@ class LlamaRotary:
         if not isinstance(inv_freq, torch.Tensor):
             raise ValueError(f"{type(model).__name__} has no model.rotary_emb.inv_freq: "
                              "only Llama-family models with one shared RoPE are supported")
-        config = model.config
-        params = (getattr(config, "rope_parameters", None)
-                  or getattr(config, "rope_scaling", None) or {})
-        if any(isinstance(value, dict) for value in params.values()):
-            raise ValueError("per-layer-type RoPE (e.g. Gemma's) is not supported: one "
-                             "rotation must serve every layer")
-        _check_rope_type(params.get("rope_type", params.get("type", "default")))
+        settings = rope_settings(model.config)
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         if scaling != 1.0:
             raise ValueError(f"attention_scaling is {scaling}, not 1: cos/sin are scaled, so a "
                              "re-rotation would scale K twice; unsupported")
-        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        head_dim = (getattr(config, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
-        if partial not in (None, 1, 1.0) or 2 * inv_freq.numel() != head_dim:
-            raise ValueError(f"partial rotary (factor {partial}, {2 * inv_freq.numel()} of "
-                             f"{head_dim} dims rotated) is not supported")
+        if 2 * inv_freq.numel() != settings.head_dim:
+            raise ValueError(f"partial rotary ({2 * inv_freq.numel()} of {settings.head_dim} "
+                             "dims rotated) is not supported")
         return cls(inv_freq)
 
     def rotate(self, x: torch.Tensor, delta_positions: torch.Tensor,
@@ -240,6 +244,51 @@ class LlamaRotary:
                         k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A `PositionalEncoder` undoing `encoder(positions, ...)`: rotate by -positions."""
         return self.encoder(-positions, q, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSettings:
+    """A model's RoPE settings, as `LlamaRotary.from_params` takes them.
+
+    Attributes:
+        head_dim: width of one attention head.
+        rope_theta: the RoPE base.
+        rope_scaling: the rope type and its parameters (`rope_type`, `factor`, ...); {}
+            for plain RoPE.
+    """
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict
+
+
+def rope_settings(config) -> RopeSettings:
+    """Read a Llama-family config's RoPE: the one reader of these settings, for the
+    Hugging Face path (`LlamaRotary.from_model`) and vLLM's (`from_config`).
+
+    Reads `rope_parameters` (transformers 5) over `rope_scaling` (older; the legacy key
+    "type" for "rope_type"), `rope_theta` from them or the config (10000 where neither
+    has it), `partial_rotary_factor` from them or the config, and `head_dim` (else
+    hidden_size / num_attention_heads).
+
+    Raises:
+        ValueError: per-layer-type RoPE (e.g. Gemma's), a rope type a delta rotation is
+            not exact for (dynamic, longrope, yarn, unknown), or a partial rotary.
+    """
+    params = {**(getattr(config, "rope_scaling", None) or {}),
+              **(getattr(config, "rope_parameters", None) or {})}
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError("per-layer-type RoPE (e.g. Gemma's) is not supported: one "
+                         "rotation must serve every layer")
+    _check_rope_type(params.get("rope_type", params.get("type", "default")))
+    head_dim = (getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial rotary (factor {partial} of {head_dim} dims) is not "
+                         "supported")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    return RopeSettings(head_dim, float(theta), params)
 
 
 def _check_rope_type(rope_type: str) -> str:

@@ -15,6 +15,17 @@ chunk size, the geometry and dtype, the TP size and rank; and when their request
 the same cache salt (it enters each segment's chain at its root). Any difference is a
 different namespace (the layout fingerprint in every record header covers the geometry
 and dtype): a miss, never another model's bytes.
+
+Where documents live, one rule for every reader and writer: a document is the KV of its
+tokens computed alone from position 0, stored as its own chunk chain. Writers
+(`store_segments`, vLLM's blend worker) put it in the segment namespace. Readers
+(`SPTBlendRetriever`, hence `blend_prefill` and vLLM's blend worker) look for it in the
+two namespaces of the model that may hold it (`document_layouts`): the engine's own
+first, then the other one; the other is the model's prefix namespace (Hugging Face
+format, `prefix_layout_of`), where LMCache's seed API puts a document
+(`engine.store(segment_tokens, kv)` on an engine of `layout_for_model`). The chains are
+the same KV under either namespace (hashes from position 0, token ids checked), only the
+byte order differs; the reader copies it into its own format.
 """
 
 import dataclasses
@@ -73,3 +84,28 @@ def segment_layout_of(layout: KVLayout) -> KVLayout:
     fields = dataclasses.asdict(layout)
     del fields["fmt"]
     return segment_layout(**fields)
+
+
+def prefix_layout_of(layout: KVLayout) -> KVLayout:
+    """The prefix namespace (Hugging Face format, as `layout_for_model` makes it) of the
+    model and geometry of a segment namespace: where `engine.store(segment, kv)` on a
+    Hugging Face engine of that model puts a document.
+
+    Returns:
+        `layout` itself when it is not a segment namespace.
+    """
+    name = segment_model_name(layout)
+    if name is None:
+        return layout
+    fields = dataclasses.asdict(layout)
+    fields.update(model_name=name, fmt="huggingface")
+    return KVLayout(**fields)
+
+
+def document_layouts(layout: KVLayout) -> tuple[KVLayout, KVLayout]:
+    """The two namespaces that may hold the documents of `layout`'s model, in the order a
+    reader given an engine of `layout` searches them: its own, then the other (the
+    segment namespace, or for a segment namespace the model's prefix namespace)."""
+    if segment_model_name(layout) is None:
+        return layout, segment_layout_of(layout)
+    return layout, prefix_layout_of(layout)

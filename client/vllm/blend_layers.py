@@ -1,19 +1,18 @@
-"""Run a vLLM Llama-family decoder layer by layer over blended K/V (CacheBlend's prefill).
+"""CacheBlend's decoder adapter for vLLM's Llama-family models (CacheBlend's prefill).
 
 Why this file exists: CacheBlend (Yao et al., EuroSys 2025) and EPIC's LegoLink (Hu et
 al., ICML 2025) compute only some rows of a prompt through some layers; the other rows'
 K/V come from the cache, moved to their new positions. vLLM's forward computes every row
 of every layer and its attention backends assume each request's queries are a contiguous
-suffix (vllm/v1/attention/backends/flash_attn.py ~l.513 in 0.32.0), so this module drives
-each decoder layer of vLLM's own model from its submodules (`embed_input_ids`,
-`input_layernorm`, `qkv_proj`, `rotary_emb`, `o_proj`, `post_attention_layernorm`,
-`mlp`) and lets a `BlendExecutor` (lmcached.client.blend: the one implementation of the
-selection and the re-rotation, shared with the Hugging Face path, client/hf_blend.py)
-decide at each layer which rows go on. The selected rows attend over the layer's long
-K/V through `attend_at_positions` (client/attention.py, shared with the Hugging Face
-path), or on CUDA through FlashAttention varlen over the paged cache
-(client/vllm/blend_flash.py). With every row selected it computes what the model's own
-forward computes. vllm-free: the model is used through its attributes.
+suffix (vllm/v1/attention/backends/flash_attn.py ~l.513 in 0.32.0), so the one layer
+loop of lmcached.client.blend (client/blend/layer_loop.py, shared with the Hugging Face
+path, client/hf_blend.py) drives each decoder layer of vLLM's own model through
+`VllmDecoder`, the adapter over its submodules (`embed_input_ids`, `input_layernorm`,
+`qkv_proj`, `rotary_emb`, `o_proj`, `post_attention_layernorm`, `mlp`). The selected
+rows attend over the layer's long K/V through `attend_at_positions` (client/attention.py,
+shared with the Hugging Face path), or on CUDA through FlashAttention varlen over the
+paged cache (client/vllm/blend_flash.py). With every row selected it computes what the
+model's own forward computes. vllm-free: the model is used through its attributes.
 """
 
 import dataclasses
@@ -23,6 +22,7 @@ import torch
 
 from lmcached.client.attention import attend_at_positions
 from lmcached.client.blend.interfaces import BlendExecutor, BlendRetrieverTask
+from lmcached.client.blend.layer_loop import DecoderAdapter, run_layers
 
 # (layer_id, k, v): the long K/V of one layer, `[num_tokens, num_kv_heads, head_size]`
 # each, model dtype and device (reused rows re-rotated, fresh rows where recomputed).
@@ -76,23 +76,75 @@ def check_blend_model(model) -> None:
                              "scaling or adaptive norms: not reproduced by blending")
 
 
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
+class VllmDecoder(DecoderAdapter):
+    """The `DecoderAdapter` of a vLLM Llama-family model (one TP rank's heads).
+
+    Q, K and V come from the fused `qkv_proj` (`(out, bias)`), RoPE from the layer's
+    `rotary_emb(positions, q, k)`; Q is returned with K/V at every layer (the fused
+    projection computes it anyway). K/V go to `sink`; the selected rows attend through
+    `attention`.
+
+    Args:
+        model: a vLLM model accepted by `check_blend_model`.
+        sink: called once per layer, in order, with the layer's long K/V.
+        attention: the selected rows' attention (default `positions_attention`).
+    """
+
+    def __init__(self, model, sink: LayerSink, attention: "AttentionFn | None" = None):
+        self._layers = model.model.layers
+        self._embed = model.model.embed_input_ids
+        self._sink = sink
+        self._attention = attention or positions_attention
+        self.num_layers = len(self._layers)
+        self.device = next(model.parameters()).device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(input_ids.to(self.device))  # [T, hidden_size]
+
+    def head_shape(self, layer_id: int) -> tuple[int, int, int]:
+        attn = self._layers[layer_id].self_attn
+        return attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def input_norm(self, layer_id: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self._layers[layer_id].input_layernorm(hidden)
+
+    def project(self, layer_id: int, x: torch.Tensor, positions: torch.Tensor,
+                with_q: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self._layers[layer_id].self_attn
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q.contiguous(), k.contiguous())
+        return (q.reshape(-1, attn.num_heads, attn.head_dim),  # [n, heads, head_size]
+                k.reshape(-1, attn.num_kv_heads, attn.head_dim),  # [n, kv_heads, head_size]
+                v.reshape(-1, attn.num_kv_heads, attn.head_dim))
+
+    def project_q(self, layer_id: int, x: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        return self.project(layer_id, x, positions, with_q=True)[0]
+
+    def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._sink(layer_id, k, v)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        return self._attention(layer_id, self._layers[layer_id].self_attn, q, k, v,
+                               positions.to(self.device))
+
+    def finish(self, layer_id: int, hidden: torch.Tensor,
+               attn_out: torch.Tensor) -> torch.Tensor:
+        layer = self._layers[layer_id]
+        o, _ = layer.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        selected = hidden + o  # [S, hidden_size]
+        return selected + layer.mlp(layer.post_attention_layernorm(selected))
 
 
 def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
                        executor: BlendExecutor, sink: LayerSink,
                        attention: "AttentionFn | None" = None) -> BlendRun:
-    """Prefill one prompt layer by layer, computing only the rows the executor selects.
-
-    Per layer, with R the rows selected by the previous layer (every row at layer 0):
-    input_layernorm, qkv_proj and the model's own rotary embedding for R, then
-    `executor.blend` with the retriever's K/V of the layer (token axis 0); `sink` gets
-    the layer's long K/V; then, except at the last layer (only its K/V are needed: vLLM
-    computes the rest of the prompt), the selected rows S attend over the long K/V
-    (`attention`: key j visible to query i iff j <= position of i), o_proj, the residual,
-    post_attention_layernorm, mlp and the residual for S. A layer with no selected row
-    calls no module (a zero-row matmul is skipped).
+    """Prefill one prompt layer by layer, computing only the rows the executor selects
+    (`lmcached.client.blend.layer_loop.run_layers` over `VllmDecoder`): `sink` gets each
+    layer's long K/V; the last layer computes K/V only (vLLM computes the rest of the
+    prompt).
 
     Args:
         model: a vLLM model accepted by `check_blend_model` (one TP rank's: its heads;
@@ -109,50 +161,10 @@ def run_blended_layers(model, input_ids: torch.Tensor, task: BlendRetrieverTask,
     Returns:
         BlendRun.
     """
-    device = _model_device(model)
-    decoder = model.model
-    num_tokens = input_ids.numel()
-    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int64)
-    all_positions = torch.arange(num_tokens, dtype=torch.int64)  # [T], cpu
-    hidden = decoder.embed_input_ids(input_ids.to(device))  # [T, hidden_size]
-    rows = all_positions  # int64 [n], cpu: rows of this layer's fresh q/k/v
-    num_reused = 0
-    last_layer = len(decoder.layers) - 1
-    for layer_id, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        retrieved = task.result(layer_id)
-        num_reused = int(retrieved.valid_mask.sum())
-        rows_dev = rows.to(device)
-        head_size = attn.head_dim
-        if rows.numel():
-            x = layer.input_layernorm(hidden[rows_dev])  # [n, hidden_size]
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q, k = attn.rotary_emb(all_positions[rows].to(device), q.contiguous(),
-                                   k.contiguous())
-        else:
-            q = hidden.new_empty((0, attn.q_size))
-            k = hidden.new_empty((0, attn.kv_size))
-            v = hidden.new_empty((0, attn.kv_size))
-        q = q.reshape(-1, attn.num_heads, head_size)  # [n, heads, head_size]
-        k = k.reshape(-1, attn.num_kv_heads, head_size)  # [n, kv_heads, head_size]
-        v = v.reshape(-1, attn.num_kv_heads, head_size)
-        out = executor.blend(layer_id, retrieved.k, retrieved.v, retrieved.valid_mask,
-                             retrieved.original_positions, q, k, v, all_positions[rows],
-                             query_start_loc, token_dim=0)
-        sink(layer_id, out.k, out.v)
-        rows = out.local_indices.to("cpu", torch.int64)
-        if layer_id == last_layer or not rows.numel():
-            continue
-        rows_dev = rows.to(device)
-        attn_out = (attention or positions_attention)(layer_id, attn, out.q, out.k, out.v,
-                                                 out.positions.to(device))
-        attn_out = attn_out.reshape(rows.numel(), -1)  # [S, heads * head_size]
-        o, _ = attn.o_proj(attn_out)
-        selected = hidden[rows_dev] + o  # [S, hidden_size]
-        selected = selected + layer.mlp(layer.post_attention_layernorm(selected))
-        hidden[rows_dev] = selected
-    return BlendRun(num_reused_tokens=num_reused, recomputed_indices=rows)
+    run = run_layers(VllmDecoder(model, sink, attention), input_ids, task, executor,
+                     last_token_output=False)
+    return BlendRun(num_reused_tokens=run.num_reused_tokens,
+                    recomputed_indices=run.recomputed_indices)
 
 
 def positions_attention(layer_id: int, attn, q: torch.Tensor, k: torch.Tensor,

@@ -71,18 +71,12 @@ MAX_PENDING_STORES = 256  # queued document segments; a first meeting beyond the
 
 
 def rotary_of(hf_config) -> LlamaRotary:
-    """The model's RoPE as a delta rotation (`LlamaRotary.from_params`), from its config.
+    """The model's RoPE as a delta rotation, from its config (`LlamaRotary.from_config`).
 
     Raises:
         ValueError: a RoPE type a delta rotation is not exact for (dynamic, yarn, ...).
     """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy = getattr(hf_config, "rope_scaling", None) or {}
-    scaling = {**legacy, **params}
-    theta = scaling.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    head_dim = (getattr(hf_config, "head_dim", None)
-                or hf_config.hidden_size // hf_config.num_attention_heads)
-    return LlamaRotary.from_params(head_dim, float(theta), scaling)
+    return LlamaRotary.from_config(hf_config)
 
 
 class BlendWorker:

@@ -177,3 +177,30 @@ def test_the_tables_of_one_delta_tensor_are_made_once(monkeypatch):
     moved = rope.rotate(x, delta, 0)
     assert len(calls) == 2 and not torch.equal(moved, first)
     assert torch.equal(rope.rotate(x, delta.clone(), 0), moved) and len(calls) == 3
+
+
+@pytest.mark.parametrize("kind", ["default", "llama3"])
+def test_the_config_reader_gives_the_rope_the_model_uses(kind):
+    """One reader of the RoPE settings (`rope_settings`) serves the Hugging Face path
+    (from the model) and vLLM's blend worker (from the config): both get the same
+    rotation, and both refuse what a delta rotation cannot move."""
+    from lmcached.client.vllm.blend_worker import rotary_of
+
+    model = cached_llama(kind)
+    from_model = LlamaRotary.from_model(model)
+    for from_config in (LlamaRotary.from_config(model.config), rotary_of(model.config)):
+        assert from_config.head_dim == from_model.head_dim
+        assert torch.allclose(from_config.inv_freq, from_model.inv_freq, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"partial_rotary_factor": 0.5}, "partial"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+])
+def test_the_config_reader_refuses_what_from_model_refuses(extra, match):
+    from lmcached.client.vllm.blend_worker import rotary_of
+
+    model = tiny_llama(**extra)
+    for read in (LlamaRotary.from_model, lambda m: rotary_of(m.config)):
+        with pytest.raises(ValueError, match=match):
+            read(model)

@@ -78,3 +78,15 @@ def test_request_semantics_import_no_click_and_no_torch():
 
 def test_request_semantics_import_no_psutil_and_no_prometheus_client():
     assert modules_loaded_with_semantics(NOT_WITH_SEMANTICS_LAZY) == []
+
+
+@pytest.mark.parametrize("wrong_import", ["transformers", "lmcached.client.hf_blend"])
+def test_a_wrong_import_breaks_the_blend_contract(tmp_path, wrong_import):
+    """CacheBlend's one layer loop stays engine-free: importing an engine, or an
+    engine's adapter, from it is caught."""
+    tree = installed_tree(str(tmp_path))
+    with open(os.path.join(tree, "lmcached", "client", "blend", "layer_loop.py"), "a") as f:
+        f.write(f"\nimport {wrong_import}  # noqa: E402,F401 (the wrong import)\n")
+    result = lint_imports(tree)
+    assert result.returncode != 0, result.stdout
+    assert f"lmcached.client.blend.layer_loop -> {wrong_import}" in result.stdout, result.stdout
