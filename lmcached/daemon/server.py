@@ -30,7 +30,8 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
 from lmcached.daemon.progress import IndexProgress, Loading, PrefaultProgress
-from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
+from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection
+from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
 from lmcached.daemon.service import CacheService
