@@ -9,14 +9,14 @@ import os
 
 from lmcached.shm import pages
 from lmcached.shm.pages import ProgressCallback
-from lmcached.shm.arena import (
-    _MEMFD_LINK_RE,
+from lmcached.shm.arena import Arena
+from lmcached.shm.segment import (
     ARENA_MAGIC,
     HEADER_BYTES,
+    MEMFD_LINK_RE,
     SEGMENT_HEADER,
-    Arena,
-    _start_time_s,
     segment_name,
+    start_time_s,
 )
 from lmcached.wire.logger import init_logger
 
@@ -59,7 +59,7 @@ def create_memfd(
         mapping = mmap.mmap(fd, capacity_bytes)
         pid = os.getpid()
         SEGMENT_HEADER.pack_into(mapping, 0, ARENA_MAGIC, generation, pid,
-                                 _start_time_s(pid), capacity_bytes,
+                                 start_time_s(pid), capacity_bytes,
                                  block_bytes)
         arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
         arena._memfd = fd
@@ -105,7 +105,7 @@ def from_fd(cls: type[Arena], fd: int, generation: int, block_bytes: int, size_b
         raise ValueError(f"descriptor {fd} holds {size} bytes, but the daemon announced "
                          f"an arena of {size_bytes} bytes")
     # The daemon's name, for messages; memory passed another way is "anonymous".
-    match = _MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
+    match = MEMFD_LINK_RE.match(os.readlink(f"/proc/self/fd/{fd}"))
     if match and match.group(2) != str(generation):
         raise ValueError(f"descriptor {fd} is an arena of generation {match.group(2)}, "
                          f"not of generation {generation}")
