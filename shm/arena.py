@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import posix_ipc
 
-from lmcached.shm import pages
+from lmcached.shm import memfd, pages
 from lmcached.shm.pages import ProgressCallback
 from lmcached.shm.segment import (
     ARENA_MAGIC,
@@ -193,20 +193,29 @@ class Arena:
                      progress: ProgressCallback | None = None) -> "Arena":
         """An anonymous arena (memfd_create) with the header of `create`, mapped by
         others only through its descriptor (`export_fd`): see shm/memfd.py `create_memfd`
-        for its arguments and errors."""
-        from lmcached.shm import memfd
-
-        return memfd.create_memfd(cls, name, generation, capacity_bytes, block_bytes,
-                                  prefault, progress)
+        for its arguments and errors; `prefault` and `progress` as `create`."""
+        fd, mapping = memfd.create_memfd(name, generation, capacity_bytes, block_bytes)
+        try:
+            arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
+            arena._memfd = fd
+            if prefault:
+                arena.prefault(progress, reserve_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        logger.info("created anonymous arena %s: %d bytes, block_bytes=%d",
+                    arena.segment_name, capacity_bytes, block_bytes)
+        return arena
 
     @classmethod
     def from_fd(cls, fd: int, generation: int, block_bytes: int, size_bytes: int,
                 populate: bool = True) -> "Arena":
         """Map an anonymous arena received as a file descriptor, its header read-only:
-        see shm/memfd.py `from_fd` for its arguments and errors."""
-        from lmcached.shm import memfd
-
-        return memfd.from_fd(cls, fd, generation, block_bytes, size_bytes, populate)
+        see shm/memfd.py `map_fd` for its arguments and errors; `block_bytes` is the
+        block size the daemon announced. The result is a client arena (`is_owner`
+        False): `close()` only unmaps it."""
+        name, mapping = memfd.map_fd(fd, generation, size_bytes, populate)
+        return cls(name, generation, mapping, size_bytes, block_bytes, False)
 
     def export_fd(self) -> int:
         """The descriptor of an anonymous arena (owner only): sent to clients by
