@@ -2,7 +2,7 @@
 
 Why this file exists: the check is the pool's specification in executable form (the
 exact-order and model-based tests run it after every step), long enough to read on its
-own; `BlockPool.check_invariants` calls it. Split from block_pool.py (pure move).
+own; `BlockPool.check_invariants` calls it.
 """
 
 from collections.abc import Callable, Hashable
