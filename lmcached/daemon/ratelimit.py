@@ -6,19 +6,22 @@ tier (I/O faults) both log conditions that can recur on every loop pass; neither
 flood the log, and the disk tier must not import the loop's modules to get this.
 """
 
+import logging
 import time
-
-from lmcached.wire.logger import init_logger
-
-logger = init_logger(__name__)
 
 LOG_INTERVAL_S = 10.0  # a repeated warning is logged at most once per interval
 
 
 class RateLimitedLog:
-    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count."""
+    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count.
 
-    def __init__(self) -> None:
+    Args:
+        logger: the logger of the module whose condition it reports (its name is what
+            operators filter on, and what docs/troubleshooting.md quotes).
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
         self.next_at = 0.0
         self.suppressed = 0
 
@@ -30,6 +33,6 @@ class RateLimitedLog:
         if self.suppressed:
             message += " (%d more since the last report)"
             args = (*args, self.suppressed)
-        logger.warning(message, *args)
+        self.logger.warning(message, *args)
         self.suppressed = 0
         self.next_at = now + LOG_INTERVAL_S

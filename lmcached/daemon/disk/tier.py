@@ -127,7 +127,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self._epoch = 0  # CLEARs so far
         self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
         self._local = threading.local()  # each worker thread's slot buffer
-        self._log = RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         self._runner = jobs
         self._writes = jobs.add_queue("disk-writer", self._write, self._finish_writes,
                                       num_threads=NUM_THREADS)
