@@ -1,7 +1,7 @@
 """Attention without a dense mask (client/attention.py) against SDPA with the mask, before/after.
 
 Why this file exists: the constants of client/attention.py (rows per group, when to pad
-a short prefix) and the CacheBlend speed-ups of issue 26 come from here. In one process,
+a short prefix) and CacheBlend's speed-ups over the dense mask come from here. In one process,
 interleaved, medians of --repeats runs after a warm-up:
 
 1. kernels: one attention of 8 heads (4 KV heads) of 64 over T keys, queries = the last
@@ -12,7 +12,7 @@ interleaved, medians of --repeats runs after a warm-up:
    the random-weight 8-layer Llama of bench_blend.py (hidden 1024, 16/4 heads), prompts
    of a 15-token system prompt, 512-token documents stored alone beforehand and a 3-token
    question (bench_blend's TTFT prompts, random token ids), three ways: "today" (the
-   path before issue 26: layer loop, executors and re-rotation of
+   dense-mask path: layer loop, executors and re-rotation of
    blend_baseline.BASELINE_REV, the selected rows' attention as SDPA with the dense
    mask), "mask" (this tree with only the attention swapped for SDPA with the mask) and
    "after" (this tree); today / after is the issue's gain, mask / after the attention's

@@ -2,7 +2,7 @@
 
 Prints, for 1-, 64- and 1024-block requests over a 16k-block pool kept full of cached
 values (so every allocate also evicts), the time per request and block operations per
-second. Target (issue 2): a 64-chunk request's metadata work under 100 us.
+second. Target: a 64-chunk request's metadata work under 100 us.
 
     python benchmarks/bench_block_pool.py [--num-blocks 16384] [--repeat 200]
 """

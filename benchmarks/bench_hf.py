@@ -1,6 +1,6 @@
 """Prefix caching with transformers: TTFT of generate_with_cache with a cached prefix vs none.
 
-Why this file exists: a cache hit must never make the first token slower (issue 26).
+Why this file exists: a cache hit must never make the first token slower.
 With transformers' "sdpa" attention, queries that follow cached keys get an explicit
 mask, and PyTorch's CPU kernel with a mask is about twice as slow as its causal kernel,
 so a short hit cost more than it saved. This script times, in one process, methods

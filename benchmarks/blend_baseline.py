@@ -1,8 +1,8 @@
-"""Today's blend_prefill, as it was before issue 26's speed-ups, in this same process.
+"""blend_prefill as it was before its speed-ups (the dense-mask path), in this same process.
 
-Why this file exists: issue 26 asks for CacheBlend's and LegoLink's speed-up over a full
-prefill against "today's" path (the dense-mask attention), before/after in one run, and
-for unchanged quality. Today's path is the layer loop, executors and RoPE re-rotation of
+Why this file exists: CacheBlend's and LegoLink's speed-up over a full prefill is measured
+against "today's" path (the dense-mask attention), before/after in one run, with
+quality unchanged. Today's path is the layer loop, executors and RoPE re-rotation of
 commit `BASELINE_REV` (loaded here from git, `git show`, as standalone modules: nothing of
 them stays in the package), with the selected rows' attention as SDPA over the boolean
 mask (`masked_attention`, what hf_blend ran before client/attention.py). Inside
@@ -27,13 +27,13 @@ import torch.nn.functional as F
 
 from lmcached.client import hf
 
-# main before issue 26's blend speed-ups: today's executors, re-rotation and layer loop.
+# the commit before the blend speed-ups: today's executors, re-rotation and layer loop.
 BASELINE_REV = "3775bbb"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def masked_attention(query, key, value, positions, scale=None, plan=None):
-    """The attention before issue 26: SDPA over repeat_kv'd K/V with the boolean mask
+    """The attention before the speed-ups: SDPA over repeat_kv'd K/V with the boolean mask
     key j <= positions[i] (`attend_at_positions`' signature and shapes; `plan` unused)."""
     groups = query.shape[1] // key.shape[1]
     mask = torch.arange(key.shape[2], device=query.device)[None, :] <= \

@@ -3,7 +3,7 @@
 Why this file exists: `run.py` measures; this module turns its results dict (the JSON
 kept in benchmarks/results/) into what a reader compares: every lmcached figure with its
 ratio to the memcpy limit measured in the same run (scenario 1) and to each peer, the
-targets of issue 6 with met / NOT met, and two plots (bandwidth vs prompt length, latency
+suite's targets with met / NOT met, and two plots (bandwidth vs prompt length, latency
 vs concurrent clients). It reads only the results dict, so an old JSON can be re-rendered:
 
     python benchmarks/report.py benchmarks/results/2026-11-23.json
@@ -75,7 +75,7 @@ def _target(name: str, met: bool | None, value: str, note: str = "") -> dict:
 
 
 def evaluate_targets(results: dict) -> list[dict]:
-    """The targets of issue 6 with their measured values; met is None when not measured."""
+    """The suite's targets with their measured values; met is None when not measured."""
     targets = []
     for shape, by_tokens in results["lmcached"].items():
         lengths = sorted(by_tokens, key=int)

@@ -1,4 +1,4 @@
-"""The benchmark suite of issue 6: lmcached beside the memcpy limit, Redis and LMCache.
+"""The benchmark suite: lmcached beside the memcpy limit, Redis and LMCache.
 
     python benchmarks/run.py [--quick] [--peers lmcache]      (make bench / make bench-quick)
 

@@ -7,20 +7,25 @@
         kv, ret_mask = engine.retrieve(tokens)
 
 What lives here:
-    engine.py, builder.py      CacheEngine (store / retrieve / lookup) and one engine per id
+    engine.py, builder.py      CacheEngine (store / retrieve / lookup) and one engine per id;
+                               engine_retrieve.py its read half (acquire, retrieve, views)
     chain/                     the ONE chunk-chain core every caller uses: request
                                splitting, lookup, ACQUIRE + pins + record checks, store
                                (ALLOC -> fill -> COMMIT | ABORT)
     retrieve.py                the engine's read side: pinned lookups, copies out
     daemon_link.py             the one call path to the daemon: sessions, reconnects,
-                               leases; snapshot.py (one call's session state) and
-                               link_tiers.py (the device tiers a session maps)
+                               leases; snapshot.py (one call's session state),
+                               link_tiers.py (the device tiers a session maps) and
+                               link_failures.py (outage or refusal: how a failure is named)
     layout.py, records.py      the key namespace and the chunk records in arena blocks
     hashing.py                 the xxh3_128 prefix chain of chunk hashes
     kv_io.py, views.py         KV formats in and out, zero-copy views of arena blocks
+    tier_map.py                a CUDA device tier of the daemon mapped here, and its records
     cuda.py                    page-locking the arena for GPU copies
-    hf.py, hf_blend.py         Hugging Face integration: prefix caching and CacheBlend (the
-                               only modules here importing transformers)
+    attention.py               causal attention for queries after cached keys (no dense mask)
+    hf.py, hf_blend.py,        Hugging Face integration: prefix caching, CacheBlend, and an
+    hf_attention.py            attention for prompts after a cached prefix (the only
+                               modules here importing transformers)
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
     vllm/                      the vLLM KV connector (the only code importing vllm)
@@ -30,8 +35,9 @@ What lives here:
 
 What it may import: `lmcached.shm` and `lmcached.wire`; never the daemon (`lmcached.daemon`)
 nor the operations layer (docs/architecture.md, "Layers"). The engine core imports
-neither `vllm/` nor `adapters/` nor `hf.py` / `hf_blend.py`, so importing `lmcached.client` never
-imports vllm or transformers.
+neither `vllm/` nor `adapters/` nor `hf*.py`, so importing `lmcached.client` never
+imports vllm or transformers. The layers between these modules are pyproject.toml's
+`client-layers` import-linter contract (tests/docs/test_layers.py runs it).
 
 The engine needs torch, which the base install (the daemon and the CLI) leaves out: without
 it, importing this package raises ImportError naming the extra to install.

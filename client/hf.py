@@ -267,7 +267,7 @@ def generate_with_cache(model: PreTrainedModel, engine: CacheEngine | None,
             num_cached = 0
         if num_cached > 0:
             cache = _cache_from_kv(kv, num_cached)
-    with prefix_attention(model):  # the causal kernel over the cached prefix (issue 26)
+    with prefix_attention(model):  # the causal kernel over the cached prefix, no mask
         out = model(ids[:, num_cached:], **{CACHE_ARG: cache}, use_cache=True)
     logits = out.logits[0, -1].float()
     next_token = int(logits.argmax())

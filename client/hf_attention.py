@@ -3,8 +3,8 @@
 Why this file exists: when the queries of a forward follow cached keys (a prefill after
 `generate_with_cache` retrieved a prefix), transformers' "sdpa" implementation builds an
 explicit boolean mask and PyTorch's CPU kernel with a mask runs about twice as slow as
-its causal kernel, so a short cache hit made the first token slower than no cache at all
-(issue 26). This module registers "lmcached_sdpa" with transformers' `AttentionInterface`
+its causal kernel, so a short cache hit would make the first token slower than no cache
+at all. This module registers "lmcached_sdpa" with transformers' `AttentionInterface`
 and `AttentionMaskInterface`: where the queries are the last tokens of the keys with no
 padding, no mask is built and the attention runs `lmcached.client.attention`
 (unmasked prefix + causal square, merged by log-sum-exp); everything else (padding,

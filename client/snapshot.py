@@ -7,13 +7,22 @@ the chunk-chain operations (client/chain/) send their requests through it.
 """
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lmcached.shm.arena import Arena
 from lmcached.wire.protocol import Acquire, BlocksReply, Get, HelloReply
 
-if TYPE_CHECKING:
-    from lmcached.client.daemon_link import DaemonLink
+
+class SessionLink(Protocol):
+    """What a snapshot sends its requests through: the `DaemonLink` that made it
+    (client/daemon_link.py builds every snapshot, so this module names only the two
+    methods it calls and does not import it back)."""
+
+    def request(self, message, generation: int | None = None):
+        """Send one request in session generation `generation` (`DaemonLink.request`)."""
+
+    def release(self, leases: list[int], session_id: int) -> None:
+        """RELEASE `leases` of session `session_id`, fire-and-forget (`DaemonLink.release`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +35,7 @@ class Snapshot:
     the link is on another generation.
 
     Attributes:
+        link: the `DaemonLink` that made it; its requests go through it.
         hello: the session's HELLO reply (namespace ids, block size, generation).
         arena: the arena of that generation, mapped.
         leases: leases taken through `acquire` in this snapshot (released by
@@ -36,7 +46,7 @@ class Snapshot:
             none is mapped: where ALLOC asks for new chunks to go.
     """
 
-    link: "DaemonLink"
+    link: SessionLink
     hello: HelloReply
     arena: Arena
     leases: list[int] = dataclasses.field(default_factory=list)

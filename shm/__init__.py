@@ -4,6 +4,7 @@ What lives here, one concept per module:
     arena.py          the POSIX shared-memory segment: create (reserve, prefault), attach,
                       unlink, and zero-copy views of its blocks (the daemon and the clients)
     memfd.py          anonymous arenas: created by memfd_create, mapped from a descriptor
+    segment.py        an arena segment's name and header, which both of the above write
     geometry.py       an arena's size limits: smallest block, most blocks
     pages.py          a mapping's pages: reserve them one daemon at a time, populate them,
                       make the header read-only; the free space of /dev/shm

@@ -32,7 +32,6 @@ daemon's socket (SCM_RIGHTS) and map it with `from_fd`; nothing of it is in /dev
 
 import mmap
 import os
-import re
 import struct
 import time
 from typing import TYPE_CHECKING
@@ -40,8 +39,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import posix_ipc
 
-from lmcached.shm import pages
+from lmcached.shm import memfd, pages
 from lmcached.shm.pages import ProgressCallback
+from lmcached.shm.segment import (
+    ARENA_MAGIC,
+    HEADER_BYTES,
+    SEGMENT_HEADER,
+    segment_name,
+    start_time_s,
+)
 from lmcached.wire.logger import init_logger
 
 if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
@@ -49,41 +55,11 @@ if TYPE_CHECKING:  # torch is imported on first view: the daemon never needs it
 
 logger = init_logger(__name__)
 
-SEGMENT_PREFIX = "lmcached."
-HEADER_BYTES = 4096
-ARENA_MAGIC = b"LMCACHD1"
-# magic, generation, owner pid, owner create time (s), capacity_bytes, block_bytes
-SEGMENT_HEADER = struct.Struct("<8sQQdQQ")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-# /proc/self/fd/N of a memfd made by create_memfd: "/memfd:lmcached.<name>.<gen> (deleted)"
-_MEMFD_LINK_RE = re.compile(r"^/memfd:lmcached\.([A-Za-z0-9_-]{1,64})\.([0-9]+)(?: |$)")
-
 # Dtypes a block view may have (KV caches are fp16/bf16/fp32/fp8; ints for headers).
 SUPPORTED_DTYPE_NAMES = (
     "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
     "float64", "float8_e4m3fn", "float8_e5m2",
 )
-
-def _start_time_s(pid: int) -> float:
-    """When process `pid` started, in seconds since the epoch (the segment header's owner
-    create time). psutil is imported here, by the creator only: clients import this module
-    and never create an arena."""
-    import psutil
-
-    return psutil.Process(pid).create_time()
-
-
-def segment_name(name: str, generation: int) -> str:
-    """POSIX name of an arena segment: `/lmcached.<name>.<generation>`.
-
-    Raises:
-        ValueError: `name` is not 1-64 characters of [A-Za-z0-9_-].
-    """
-    if not _NAME_RE.match(name):
-        raise ValueError(
-            f"arena name {name!r} must be 1-64 characters of letters, digits, '_' or '-'"
-        )
-    return f"/{SEGMENT_PREFIX}{name}.{generation}"
 
 
 class Arena:
@@ -192,7 +168,7 @@ class Arena:
                 ARENA_MAGIC,
                 generation,
                 pid,
-                _start_time_s(pid),
+                start_time_s(pid),
                 capacity_bytes,
                 block_bytes,
             )
@@ -217,20 +193,29 @@ class Arena:
                      progress: ProgressCallback | None = None) -> "Arena":
         """An anonymous arena (memfd_create) with the header of `create`, mapped by
         others only through its descriptor (`export_fd`): see shm/memfd.py `create_memfd`
-        for its arguments and errors."""
-        from lmcached.shm import memfd
-
-        return memfd.create_memfd(cls, name, generation, capacity_bytes, block_bytes,
-                                  prefault, progress)
+        for its arguments and errors; `prefault` and `progress` as `create`."""
+        fd, mapping = memfd.create_memfd(name, generation, capacity_bytes, block_bytes)
+        try:
+            arena = cls(name, generation, mapping, capacity_bytes, block_bytes, True)
+            arena._memfd = fd
+            if prefault:
+                arena.prefault(progress, reserve_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        logger.info("created anonymous arena %s: %d bytes, block_bytes=%d",
+                    arena.segment_name, capacity_bytes, block_bytes)
+        return arena
 
     @classmethod
     def from_fd(cls, fd: int, generation: int, block_bytes: int, size_bytes: int,
                 populate: bool = True) -> "Arena":
         """Map an anonymous arena received as a file descriptor, its header read-only:
-        see shm/memfd.py `from_fd` for its arguments and errors."""
-        from lmcached.shm import memfd
-
-        return memfd.from_fd(cls, fd, generation, block_bytes, size_bytes, populate)
+        see shm/memfd.py `map_fd` for its arguments and errors; `block_bytes` is the
+        block size the daemon announced. The result is a client arena (`is_owner`
+        False): `close()` only unmaps it."""
+        name, mapping = memfd.map_fd(fd, generation, size_bytes, populate)
+        return cls(name, generation, mapping, size_bytes, block_bytes, False)
 
     def export_fd(self) -> int:
         """The descriptor of an anonymous arena (owner only): sent to clients by

@@ -34,7 +34,7 @@ import posix_ipc
 
 from lmcached.wire.logger import init_logger
 
-from .arena import SEGMENT_PREFIX
+from .segment import SEGMENT_PREFIX
 
 logger = init_logger(__name__)
 

@@ -1,6 +1,6 @@
 """LMCache's in-process CPU engine on lmcached's shapes (runs in LMCache's own venv).
 
-Why this file exists: issue 6 compares lmcached with LMCache. This script runs inside a
+Why this file exists: the suite compares lmcached with LMCache. This script runs inside a
 separate virtualenv that has `lmcache` (and torch==2.13.0+cpu) installed, so it imports
 neither lmcached nor anything of this repository; lmcache_peer.py starts it and reads the
 JSON it writes.

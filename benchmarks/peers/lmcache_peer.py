@@ -1,6 +1,6 @@
 """LMCache beside lmcached: its in-process CPU engine and its multi-process server.
 
-Why this file exists: issue 6 asks for LMCache on the same shapes when `pip install
+Why this file exists: the suite measures LMCache on the same shapes when `pip install
 lmcache` works in a separate virtualenv (`--peers lmcache`). LMCache needs its own
 torch and dozens of packages, so it never enters lmcached's venv: this module creates
 (or reuses) that venv, records versions, and runs two measurements there:

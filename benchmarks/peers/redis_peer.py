@@ -1,6 +1,6 @@
 """Redis as a KV-chunk store: the store people reach for, measured on our shapes.
 
-Why this file exists: issue 6 compares lmcached with a real `redis-server` (Debian's
+Why this file exists: the suite compares lmcached with a real `redis-server` (Debian's
 package, installed if missing), started here on a loopback port with persistence off
 and stopped by pid, whatever happens. Chunks are stored as bytes with redis-py + hiredis,
 pipelined: one key per chunk (the same xxh3 prefix-chain hashes as lmcached), one

@@ -282,7 +282,7 @@ class CacheBlendImpl(_SelectiveBlend):
             reduce_scores: with tensor parallelism, a sum over the ranks (vLLM's
                 `tensor_model_parallel_all_reduce`) of the float32 `[N]` deviations of
                 each rank's head slice, so that every rank selects the same tokens
-                (the design: /work/shared/designs/cacheblend-in-vllm.md, step 4);
+                (docs/cacheblend.md, "Inside vLLM", tensor parallelism);
                 None with one rank.
 
         Raises:

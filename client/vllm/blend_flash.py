@@ -9,8 +9,7 @@ sink, `do_kv_cache_update`), so each maximal run of consecutive selected rows is
 pseudo-sequence of FlashAttention varlen over the paged cache: its queries are the run,
 its keys the request's block table with `seqused_k` = the run's last position + 1, and
 the kernel's bottom-right causal mask then shows row i exactly the keys at positions <=
-its own (the design, /work/shared/designs/cacheblend-in-vllm.md, step 3). No mask is
-materialized and the K/V are read in place.
+its own. No mask is materialized and the K/V are read in place.
 
     positions:   0 1 2 . . 5 6 . . 9        selected rows (S = 6)
     runs:        [0 1 2]   [5 6]   [9]      cu_seqlens_q = [0, 3, 5, 6]

@@ -4,7 +4,7 @@ Why this file exists: the connector's CacheBlend (client/vllm/blend_worker.py) r
 model's own modules layer by layer in `start_load_kv`, and vLLM gives a KV connector no
 model. Each class here subclasses vLLM's own (weights, forward, torch.compile unchanged)
 and only records the instance in a process-wide registry, which the connector's worker
-reads (the design: /work/shared/designs/cacheblend-in-vllm.md, "The model object").
+reads (docs/cacheblend.md, "Inside vLLM").
 Registered by the `vllm.general_plugins` entry point (client/vllm/blend_plugin.py).
 """
 

@@ -8,7 +8,7 @@ vllm/v1/request.py ~l.120 in 0.32.0)::
     {"lmcached_blend": {"separator": 128002, "recompute_ratio": 0.15}}
     {"lmcached_blend": {"separator": 128002, "strategy": "legolink", "legolink_k": 16}}
 
-Anything the design refuses (/work/shared/designs/cacheblend-in-vllm.md, "Refuse") is
+Anything refused here (`REFUSALS`) is
 served as a normal prefill, and the reason is counted: blended KV enters vLLM's own
 prefix cache as if it were exact, so a blend request must carry a `cache_salt` of its
 own, or a later plain request could reuse blended blocks. vllm-free: the request is read

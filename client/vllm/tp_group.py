@@ -2,7 +2,7 @@
 
 Why this file exists: the workers of one engine must agree on load errors (every rank
 reports the same ones) and, for CacheBlend, on deviation scores and hits, or one rank
-waits for ever in a collective. Moved from client/vllm/connector.py, unchanged.
+waits for ever in a collective.
 """
 
 import numpy as np

@@ -25,8 +25,10 @@ What lives here:
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against
                                hostile local processes
     notify.py, progress.py     systemd's notify protocol, start-up progress
+    ratelimit.py               a repeated warning logged at most once per interval
 
 What it may import: `lmcached.shm` and `lmcached.wire`; never `lmcached.client`, torch,
 click, transformers or vllm. prometheus_client only in metrics.py (with --metrics-port),
-redis-py only in l2/redis_store.py (with --l2).
+redis-py only in l2/redis_store.py (with --l2). The layers between these modules are
+pyproject.toml's `daemon-layers` import-linter contract (tests/docs/test_layers.py runs it).
 """

@@ -40,7 +40,6 @@ SILENT_GRACE_S = 1.0  # at max_clients, a connection silent this long may make r
 HOUSEKEEPING_INTERVAL_S = 1.0
 ACCEPT_BATCH = 64  # connections accepted per loop pass at most
 ACCEPT_BACKOFF_S = 0.1  # no accept() for this long after EMFILE / ENFILE
-LOG_INTERVAL_S = 10.0  # a repeated warning is logged at most once per interval
 
 
 class ClientConnection:
@@ -160,22 +159,3 @@ def _undecodable(service: CacheService, payload, exc: Exception):
         )
     return service.error("bad_request", f"undecodable request: {exc!r}")
 
-
-class RateLimitedLog:
-    """Logs a repeated condition at most once per LOG_INTERVAL_S, with a repeat count."""
-
-    def __init__(self) -> None:
-        self.next_at = 0.0
-        self.suppressed = 0
-
-    def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.suppressed += 1
-            return
-        if self.suppressed:
-            message += " (%d more since the last report)"
-            args = (*args, self.suppressed)
-        logger.warning(message, *args)
-        self.suppressed = 0
-        self.next_at = now + LOG_INTERVAL_S

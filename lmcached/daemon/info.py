@@ -9,7 +9,7 @@ Building them from the daemon's state lives here, apart from the request semanti
 
 import os
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from lmcached import __version__
 from lmcached.daemon.demotion import DEMOTION_STATS
@@ -17,14 +17,42 @@ from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
 from lmcached.daemon.progress import loading_fields
-from lmcached.daemon.stats import MAX_TENANTS, StatsSnapshot
+from lmcached.daemon.stats import MAX_TENANTS, DaemonStats, StatsSnapshot
 from lmcached.wire.units import format_bytes
 
-if TYPE_CHECKING:  # service.py imports this module
-    from lmcached.daemon.service import CacheService
+if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
+    from lmcached.daemon.block_pool import BlockPool
+    from lmcached.daemon.demotion import Demoter
+    from lmcached.daemon.disk.tier import DiskTier
+    from lmcached.daemon.l2.tier import L2Tier
+    from lmcached.daemon.progress import Loading
+    from lmcached.daemon.server_config import ServerConfig
+    from lmcached.daemon.tiers import TierSet
+    from lmcached.shm.arena import Arena
+    from lmcached.wire.protocol import Layout
 
 INFO_SECTIONS = protocol.INFO_SECTIONS  # their names are the wire contract's
 InfoFields = dict[str, int | float | str]
+
+
+class DaemonState(Protocol):
+    """The daemon state INFO reads: `CacheService` (service.py, whose admin handlers
+    call `info_sections`, so this module names the attributes here and does not import
+    it back; see `CacheService` for each)."""
+
+    config: "ServerConfig"
+    arena: "Arena"
+    tiers: "TierSet"
+    pool: "BlockPool | None"
+    demoter: "Demoter | None"
+    l2: "L2Tier | None"
+    disk: "DiskTier | None"
+    sessions: dict[int, Session]
+    namespaces: "dict[Layout, int]"
+    started_at: float
+    load_progress: "Loading | None"
+    loading: "Loading | None"
+    stats: DaemonStats
 _own_process = None  # a psutil.Process, made once: psutil.Process() reads /proc
 
 
@@ -90,7 +118,7 @@ def own_tenant_fields(fields: InfoFields, tenants: set[bytes]) -> InfoFields:
             if not name.startswith("tenant_") or name.split("_")[1] in names}
 
 
-def info_sections(service: "CacheService",
+def info_sections(service: DaemonState,
                   counters: StatsSnapshot | None = None) -> dict[str, InfoFields]:
     """INFO fields by section (INFO_SECTIONS, in that order) of a running daemon.
 
@@ -167,7 +195,7 @@ def info_sections(service: "CacheService",
     }
 
 
-def _device_tier_info(service: "CacheService", counters: StatsSnapshot,
+def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
                       stats: InfoFields) -> tuple[InfoFields, InfoFields]:
     """The `memory` and `blocks` fields of each device tier (`tier<i>_...`, i >= 1),
     and its hits and the demotion counters added to `stats`; the host arena's fields

@@ -113,7 +113,7 @@ def take_snapshot(service) -> Snapshot:
 
 def namespace_rows(service) -> list[NamespaceRow]:
     """The namespace rows of a snapshot (`Snapshot.namespaces`): bounded, so that a
-    scrape's size and cost do not grow with the namespaces clients register (issue 22).
+    scrape's size and cost do not grow with the namespaces clients register.
 
     The OTHER_NAMESPACES row keeps every counter's sum over rows equal to its INFO twin,
     and monotonic: a namespace that loses its own row or is freed moves its counts there.

@@ -199,7 +199,7 @@ class NamespaceRegistry:
         record still fills its blocks and no client can shrink the usable arena for the
         others. Never so small that the arena has more than MAX_DERIVED_BLOCKS blocks
         or blocks below MIN_BLOCK_BYTES (a smaller record then leaves the rest of its
-        block unused; issue 22), so that no client can make every walk over the cached
+        block unused), so that no client can make every walk over the cached
         values long.
 
         Args:
@@ -220,7 +220,7 @@ class NamespaceRegistry:
 
     def _warn_derived_block_bytes(self, layout: Layout) -> None:
         """Log the block size the first layout set, with its fill ratio and the
-        `--block-size` that keeps it whichever client comes first (issue 28 item 6)."""
+        `--block-size` that keeps it whichever client comes first."""
         block_bytes = self.arena.block_bytes
         blocks_per_record = -(-layout.record_bytes // block_bytes)
         fill_ratio = layout.record_bytes / (blocks_per_record * block_bytes)

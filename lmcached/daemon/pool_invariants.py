@@ -2,19 +2,32 @@
 
 Why this file exists: the check is the pool's specification in executable form (the
 exact-order and model-based tests run it after every step), long enough to read on its
-own; `BlockPool.check_invariants` calls it. Split from block_pool.py (pure move).
+own; `BlockPool.check_invariants` calls it.
 """
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from typing import Protocol
 
-from lmcached.daemon.free_queue import BlockState
-
-if TYPE_CHECKING:
-    from lmcached.daemon.block_pool import BlockPool
+from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
 
 
-def check_pool_invariants(pool: "BlockPool") -> None:
+class PoolState(Protocol):
+    """The parts of a `BlockPool` the check reads (block_pool.py calls the check, so this
+    module names them here and does not import it back; see `BlockPool` for each)."""
+
+    blocks: list[KVCacheBlock]
+    free_block_queue: FreeKVCacheBlockQueue
+    cached: dict[BlockHash, list[KVCacheBlock]]
+    group_of: Callable[[BlockHash], Hashable] | None
+    num_values_by_group: dict[Hashable, int]
+    num_cached_bytes: int
+    num_writing_blocks: int
+    num_cached_blocks: int
+    num_detached_blocks: int
+    num_pinned_blocks: int
+
+
+def check_pool_invariants(pool: PoolState) -> None:
     """Verify every invariant of `pool` in O(num_blocks) (tests and debug builds).
 
     Raises:

@@ -30,7 +30,9 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import configure_logging, init_logger
 from lmcached.daemon.notify import SystemdNotifier
 from lmcached.daemon.progress import IndexProgress, Loading, PrefaultProgress
-from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection, RateLimitedLog
+from lmcached.daemon.connection import HOUSEKEEPING_INTERVAL_S, ClientConnection
+from lmcached.daemon.connection import logger as connection_logger
+from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.metrics import MetricsExporter, take_snapshot
 from lmcached.daemon.service import CacheService
@@ -97,8 +99,9 @@ class Server(ClientIO, ClientAccounting):
         self._parked: dict[ClientConnection, None] = {}  # a request waits for an L2 fetch
         self._buffered_bytes = 0  # input + output buffers of every connection
         self._accept_paused_until = 0.0
-        self._accept_log = RateLimitedLog()
-        self._drop_log = RateLimitedLog()
+        # Accepts, refusals and drops are the connections' limits: their logger's.
+        self._accept_log = RateLimitedLog(connection_logger)
+        self._drop_log = RateLimitedLog(connection_logger)
         self._metrics: MetricsExporter | None = None
 
     # ----------------------------------------------------------------- start-up

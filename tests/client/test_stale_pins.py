@@ -1,4 +1,4 @@
-"""A pin is only as good as the daemon session that took it (red team round 3, item 1).
+"""A pin is only as good as the daemon session that took it.
 
 Engine A stores T1 (KV = 1.0) and pins it with `lookup(T1, pin=True)`. A's session then
 ends before the retrieve -- the daemon drops it (`--idle-timeout`), or one of A's calls

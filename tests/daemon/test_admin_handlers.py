@@ -1,6 +1,6 @@
 """The admin requests of `CacheService` in process: SCAN, INFO, CLIENTS, EVICT, CLEAR,
 PING, CONFIG GET, SHUTDOWN, and who may send them (lmcached/daemon/admin_handlers.py).
-Split from test_service.py (pure move); its helpers and fixtures live there.
+Its helpers and fixtures live in test_service.py.
 """
 
 import itertools

@@ -1,4 +1,4 @@
-"""Namespaces are bounded and freed (issue 22, item 4): a flood of HELLOs with distinct
+"""Namespaces are bounded and freed: a flood of HELLOs with distinct
 layouts, each session closed, leaves the daemon's memory and its metrics scrape bounded.
 
 A real daemon process with the metrics endpoint; RSS is INFO's `rss_private_bytes` (the

@@ -1,6 +1,6 @@
 """HELLO and the namespace registry of `CacheService` in process: layouts registered,
 bounded, freed, and the block size a first layout may set (lmcached/daemon/namespaces.py).
-Split from test_service.py (pure move); its helpers and fixtures live there.
+Its helpers and fixtures live in test_service.py.
 """
 
 import logging

@@ -1,6 +1,6 @@
 """A request's price follows its work: a client that pipelines costly admin requests
 (SCAN over ~100k cached values, CLIENTS over ~1000 sessions) never delays another
-client's data-path request (LOOKUP) beyond a few milliseconds (issue 22, item 3).
+client's data-path request (LOOKUP) beyond a few milliseconds.
 
 Real daemon processes. The pipelining client sends frames without reading replies in
 between (a second thread drains them); the test's own thread times LOOKUPs meanwhile.

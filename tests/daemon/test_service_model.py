@@ -1,6 +1,6 @@
 """A model-based test of `CacheService`: random ACQUIRE / RELEASE / ALLOC / COMMIT / ABORT
 of two TP=2 sessions against an independent model of what each holds (hypothesis's rule
-based state machine). Split from test_service.py (pure move); its helpers live there.
+based state machine). Its helpers live in test_service.py.
 """
 
 from hypothesis import settings

@@ -22,9 +22,9 @@ PACKAGE_DIRS = {
     "lmcached/client": "client",
     "lmcached/examples": "examples",
 }
-# What `import lmcached.daemon.service` must not load (DESIGN.md, "Layers").
+# What `import lmcached.daemon.service` must not load (docs/architecture.md, "Layers").
 NOT_WITH_SEMANTICS = ("click", "torch")
-# Nor these, once the daemon imports psutil and prometheus_client lazily (issue 23, H6).
+# Nor these: the daemon imports psutil and prometheus_client lazily, where it needs them.
 NOT_WITH_SEMANTICS_LAZY = ("prometheus_client", "psutil")
 
 

@@ -41,7 +41,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from lmcached.daemon.connection import RateLimitedLog
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
 from lmcached.daemon.disk.index import DiskIndex, DiskKey
@@ -50,6 +49,7 @@ from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligne
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
 from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena
@@ -129,7 +129,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self._epoch = 0  # CLEARs so far
         self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
         self._local = threading.local()  # each worker thread's slot buffer
-        self._log = RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         self._runner = jobs
         self._writes = jobs.add_queue("disk-writer", self._write, self._finish_writes,
                                       num_threads=NUM_THREADS)

@@ -6,8 +6,8 @@ the index and the threads; `fetch.py` is the read half). `DiskWrites` is a part 
 `DiskTier` with no state of its own: its methods run on the loop thread, except
 `_write`, which runs on the writer threads and changes no block metadata.
 
-How on-evict spills without slowing a store (issue 25: "drops counted, never slowing a
-store"): the loop never copies a chunk's bytes. Chunks next in line for eviction are
+How on-evict spills without slowing a store (a spill that cannot keep up is a counted
+drop, never a wait): the loop never copies a chunk's bytes. Chunks next in line for eviction are
 written AHEAD of it, by the writer threads, straight from their arena blocks, which stay
 unpinned (their LRU place, hits and eviction are unchanged). When the pool evicts one
 (`spill`, the `BlockPool.on_evict` hook) it is on disk already (`spills_present`), or
