@@ -190,6 +190,12 @@ def _check_ancestors(directory: str, trusted_uids: set[int], what: str) -> None:
             parent = os.path.dirname(parent)
 
 
+def _is_shared(st: os.stat_result) -> bool:
+    """A directory others are meant to write (sticky, as /tmp and /dev/shm, or not ours):
+    its mode is not ours to change, a private subdirectory is the fix."""
+    return bool(st.st_mode & stat.S_ISVTX) or st.st_uid != os.geteuid()
+
+
 def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
     """The socket's own directory: a real directory, trusted owner, no group/other write."""
     st = os.lstat(directory)
@@ -207,6 +213,14 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
             f"{what}: {directory} is owned by {describe_user(st.st_uid)}, not by "
             f"{_owners(trusted_uids)}; its owner could replace the socket. Remove it (if it "
             f"is a leftover or an attack: rm -r {directory}) or choose another --socket"
+        )
+    if mode & (stat.S_IWOTH | stat.S_IWGRP) and _is_shared(st):
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is a shared directory, writable by "
+            f"{'every user' if mode & stat.S_IWOTH else _group(st.st_gid)} (mode 0{mode:o}); "
+            f"anybody who may write it could replace the socket. Never change its mode: use a "
+            f"private subdirectory, which the daemon creates 0700 (e.g. --socket "
+            f"{os.path.join(directory, f'lmcached-{os.geteuid()}', 'NAME.sock')})"
         )
     if mode & stat.S_IWOTH:
         raise UnsafeSocketPathError(

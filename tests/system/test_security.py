@@ -262,6 +262,27 @@ def test_an_unsafe_socket_directory_is_a_value_error_naming_the_path_and_the_fix
     assert fix.format(dir=directory) in message, message
 
 
+@pytest.mark.parametrize("check", [check_socket_directory, check_client_socket_directory])
+@pytest.mark.parametrize("where", ["/tmp", "sticky 1777 of ours"])
+def test_a_socket_in_a_shared_directory_is_refused_with_a_private_subdirectory_as_the_fix(
+        short_tmp, check, where):
+    """/tmp itself (root's, 1777) or any sticky world-writable directory: the advice is a
+    private subdirectory, never a change to the shared directory's mode."""
+    directory = "/tmp"
+    if where != "/tmp":
+        directory = os.path.join(short_tmp, "shared")
+        os.mkdir(directory)
+        os.chmod(directory, 0o1777)
+    sock = os.path.join(directory, f"lmc-test-{os.getpid()}.sock")
+    with pytest.raises(UnsafeSocketPathError) as excinfo:
+        check(sock)
+    message = str(excinfo.value)
+    assert f"{directory} is a shared directory, writable by every user (mode 01777)" in message
+    assert "Never change its mode: use a private subdirectory" in message, message
+    assert f"--socket {directory}/lmcached-{os.geteuid()}/NAME.sock" in message, message
+    assert "chmod" not in message, message
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
