@@ -13,7 +13,8 @@ it is the only lmcached module that imports vllm. Enable it with (the module pat
         "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket": "/run/lmcached/lmcached.sock", "chunk_size": 256}}'
 
-Extra config keys: `socket` (default: that of daemon `name`), `name` ("default"),
+Extra config keys: `socket` (default: that of daemon `name`, found as the CLI finds it),
+`name` (default: $LMCACHED_NAME, else "default"),
 `chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
 in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
 ("tokens": loads check each record's header and token ids; "checksum": saves also seal
@@ -182,7 +183,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             block_size=vllm_config.cache_config.block_size,
             world_size=vllm_config.parallel_config.tensor_parallel_size,
             socket=transfer.get_from_extra_config("socket", None),
-            daemon_name=transfer.get_from_extra_config("name", "default"),
+            daemon_name=transfer.get_from_extra_config("name", None),
             timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
             verify=transfer.get_from_extra_config("verify", "tokens"),
         )

@@ -316,7 +316,10 @@ def test_daemon_client_and_cli_find_the_same_default_socket(monkeypatch, short_t
     os.makedirs(os.path.dirname(expected), 0o700)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(expected)  # a daemon's socket there: a client given no path finds it
-        assert DaemonLink(None, "llama").socket_path == expected
+        listener.listen(1)  # accepts, never answers the HELLO
+        link = DaemonLink(None, "llama", timeout_s=0.3)
+        assert not link.try_connect() and link.socket_path == expected
+        link.close()
 
 
 # -------------------------------------------------- --allow-group with a real second uid

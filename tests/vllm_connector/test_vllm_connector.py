@@ -55,7 +55,7 @@ from lmcached.client.vllm.connector import (  # noqa: E402
 from lmcached.client.vllm.namespaces import namespace_layouts  # noqa: E402
 from lmcached.client.vllm import load_policy  # noqa: E402
 from lmcached.wire.connection import Connection
-from lmcached.wire.protocol import Clients  # noqa: E402
+from lmcached.wire.protocol import Clients, Info  # noqa: E402
 
 BLOCK = 16
 CHUNK = 32
@@ -545,6 +545,34 @@ def test_a_failed_load_is_recomputed_by_default_and_fails_its_request_under_fail
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert len(request.output_token_ids) == 3
     assert pinned_blocks(daemon) == 0
+
+
+def test_a_connector_given_no_socket_finds_the_daemon_as_the_cli_does(
+        model_dir, monkeypatch, short_tmp, unique_name):
+    """No `socket` or `name` in the extra config: $LMCACHED_NAME and the runtime
+    directories decide, as for `lmcached info` (lmcached.wire.socket_path)."""
+    from conftest import start_daemon
+    from lmcached.wire import envs, socket_path
+
+    for name in (*envs.ENV_VARS, *envs.SYSTEMD_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket_path, "RUN_DIRECTORY", os.path.join(short_tmp, "run"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(short_tmp, "xdg"))
+    monkeypatch.setenv("LMCACHED_NAME", unique_name)
+    where = os.path.join(short_tmp, "xdg", "lmcached", f"{unique_name}.sock")
+    daemon = start_daemon(unique_name, where, os.path.join(short_tmp, "d.log"),
+                          "--capacity", "16MiB")
+    engine = Engine(model_dir, None)
+    try:
+        assert engine.connector.settings.socket is None
+        engine.add(prompt_of(100, seed=23))
+        engine.run()
+        assert engine.worker.num_saved_chunks == 3
+        with Connection(where) as conn:
+            assert conn.request(Info("stats")).sections["stats"]["stores"] == 3
+    finally:
+        engine.close()
+        assert daemon.stop() == 0
 
 
 def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after(
