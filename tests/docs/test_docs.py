@@ -120,6 +120,10 @@ QUOTED_MESSAGES = [
     "needs redis-py",
     "next try in",
     "list several addresses only for a cluster",
+    "does not speak RESP (Redis' protocol): to PING it answered",
+    "refuses lmcached",
+    "a read-only replica",
+    "Never change its mode: use a private subdirectory",
     "is larger than a Redis value may be",
 ]
 
