@@ -56,7 +56,8 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
 )
-from lmcached.wire.socket_path import check_client_socket_directory, find_socket_path
+from lmcached.wire.socket_path import (API_HINT, NoDaemonError, connect_first, daemon_name,
+                                        daemon_socket_paths)
 
 logger = init_logger(__name__)
 
@@ -106,10 +107,12 @@ class DaemonLink:
 
     Args:
         socket_path: the daemon's socket, or None to look for daemon `name` where it
-            may listen (`find_socket_path`: $LMCACHED_SOCKET, /run/lmcached,
-            $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached, /tmp/lmcached-<uid>), again
-            at each reconnect.
-        name: daemon name used to find the default socket, and the client's name.
+            may listen, as the CLI does (`socket_path.daemon_socket_paths`:
+            $LMCACHED_SOCKET, else /run/lmcached, $RUNTIME_DIRECTORY,
+            $XDG_RUNTIME_DIR/lmcached, /tmp/lmcached-<uid>; the first that answers),
+            again at each reconnect.
+        name: the daemon's name, to find its socket (None: $LMCACHED_NAME, else
+            "default").
         layouts: the namespaces to register in HELLO, one per layout (e.g. one per
             tensor parallel rank); empty for admin-like clients.
         timeout_s: timeout of `connect` / `try_connect` and of admin requests, seconds.
@@ -137,7 +140,7 @@ class DaemonLink:
     def __init__(
         self,
         socket_path: str | None,
-        name: str = "default",
+        name: str | None = None,
         layouts: Sequence[Layout] = (),
         timeout_s: float = ADMIN_TIMEOUT_S,
         client_name: str = "lmcached-client",
@@ -149,9 +152,9 @@ class DaemonLink:
         if not (timeout_s > 0 and data_timeout_s > 0):
             raise ValueError(f"timeouts must be positive seconds, got timeout_s={timeout_s}, "
                              f"data_timeout_s={data_timeout_s}")
-        self.name = name
-        self._socket_given = socket_path is not None
-        self.socket_path = socket_path or find_socket_path(name)
+        self.name = daemon_name(name)
+        self._socket = socket_path
+        self.socket_path = daemon_socket_paths(socket_path, self.name)[0]  # until connected
         self.layouts = tuple(layouts)
         self.timeout_s = timeout_s
         self.data_timeout_s = data_timeout_s
@@ -184,9 +187,10 @@ class DaemonLink:
                 (None: `self.timeout_s`).
 
         Raises:
-            OSError (e.g. FileNotFoundError, ConnectionRefusedError, PermissionError,
-                TimeoutError): no daemon answers; ConnectionError also for a reply out
-                of protocol.
+            OSError (e.g. ConnectionRefusedError, PermissionError, TimeoutError): no
+                daemon answers; NoDaemonError (a FileNotFoundError) when none listens in
+                any place looked at, which its message lists; ConnectionError also for a
+                reply out of protocol.
             DaemonError: the daemon refused the HELLO (code "version": another protocol
                 version; or a layout that does not fit).
             posix_ipc.Error (e.g. PermissionsError): the arena segment cannot be opened.
@@ -208,10 +212,19 @@ class DaemonLink:
 
     def _connect(self, timeout_s: float | None) -> None:
         with self.lock:
-            if not self._socket_given:  # a daemon started since may listen elsewhere
-                self.socket_path = find_socket_path(self.name)
-            check_client_socket_directory(self.socket_path)
-            conn = Connection(self.socket_path, self.timeout_s if timeout_s is None else timeout_s)
+            wait_s = self.timeout_s if timeout_s is None else timeout_s
+
+            def open_at(path: str) -> Connection:
+                self.socket_path = path
+                return Connection(path, wait_s)
+
+            # Looked up at each connect: a daemon started since may listen elsewhere.
+            paths = daemon_socket_paths(self._socket, self.name)
+            try:
+                conn = connect_first(paths, open_at, API_HINT)
+            except NoDaemonError:
+                self.socket_path = paths[0]
+                raise
             devices = [d for d in self.devices if d not in self.failed_devices]
             tiers = {}
             try:

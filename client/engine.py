@@ -109,11 +109,12 @@ class CacheEngine(EngineRetrieve):
 
         Args:
             layout: this worker's KV layout (the namespace of its chunks).
-            socket: the daemon's socket path; default: where daemon `name` listens
-                ($LMCACHED_SOCKET, else the first socket of /run/lmcached/<name>.sock,
-                $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached, /tmp/lmcached-<uid>:
-                lmcached.wire.socket_path.client_socket_paths), looked up at each connect.
-            name: daemon name (default "default").
+            socket: the daemon's socket path; default: where daemon `name` listens, found
+                as the CLI finds it ($LMCACHED_SOCKET, else the first of
+                /run/lmcached/<name>.sock, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached,
+                /tmp/lmcached-<uid> where a daemon answers:
+                lmcached.wire.socket_path.daemon_socket_paths), looked up at each connect.
+            name: daemon name (default: $LMCACHED_NAME, else "default").
             timeout_s: timeout of this first connect and HELLO, seconds.
             strict: raise when the session cannot be opened now, instead of starting
                 disconnected (misses) and reconnecting later.
@@ -140,14 +141,15 @@ class CacheEngine(EngineRetrieve):
         Raises:
             ValueError: verify is not "tokens" or "checksum"; a timeout that is not
                 positive (or a bad $LMCACHED_DATA_TIMEOUT_MS).
-            With strict=True only: whatever `DaemonLink.connect` raises (OSError,
+            With strict=True only: whatever `DaemonLink.connect` raises (OSError, e.g.
+                lmcached.wire.socket_path.NoDaemonError listing every place looked at;
                 lmcached.wire.connection.DaemonError, posix_ipc.Error, ...).
         """
         check_verify(verify)
         if tier_device and verify == "checksum":
             raise ValueError("verify='checksum' reads every record on the CPU: it cannot be "
                              "combined with tier_device (use verify='tokens')")
-        link = DaemonLink(socket, name or "default", [layout.to_wire()], timeout_s,
+        link = DaemonLink(socket, name, [layout.to_wire()], timeout_s,
                           f"CacheEngine({layout.model_name}, rank {layout.worker_id})",
                           data_timeout_s, [tier_device] if tier_device else ())
         if cuda_register:

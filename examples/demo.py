@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 from lmcached.launcher import temporary_daemon
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.protocol import Info, Ping
+from lmcached.wire.socket_path import connect_first, daemon_socket_paths
 
 _MISSING = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
 if _MISSING:
@@ -227,14 +228,23 @@ def block_bytes_for(size: DemoSize) -> int:
 
 
 @contextlib.contextmanager
-def _daemon(socket: str | None, capacity: str, block_bytes: int,
+def _daemon(socket: str | None, name: str | None, capacity: str, block_bytes: int,
             log: Callable[[str], None]) -> Iterator[str]:
-    """Use the daemon at `socket`, or start one on a temp socket (blocks of `block_bytes`)
-    and stop it after."""
-    if socket is not None:
-        with Connection(socket, timeout_s=5) as conn:
+    """Use the running daemon at `socket` or named `name`, found as the CLI finds it
+    (`daemon_socket_paths`), or start one on a temp socket (blocks of `block_bytes`) and
+    stop it after. Yields the socket.
+
+    Raises:
+        NoDaemonError (an OSError): `socket` or `name` given and no daemon answers in any
+            place looked at (the message lists them).
+    """
+    if socket is not None or name is not None:
+        with connect_first(daemon_socket_paths(socket, name),
+                           lambda path: Connection(path, timeout_s=5)) as conn:
             conn.request(Ping())
-        yield socket
+            path = conn.socket_path
+        log(f"using the daemon on {path}")
+        yield path
         return
     log(f"starting a daemon with a {capacity} arena on a temp socket")
     with temporary_daemon("--capacity", capacity, "--block-size", str(block_bytes),
@@ -244,7 +254,8 @@ def _daemon(socket: str | None, capacity: str, block_bytes: int,
 
 
 def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None = None,
-             capacity: str = "1GiB", log: Callable[[str], None] = print) -> dict:
+             capacity: str = "1GiB", log: Callable[[str], None] = print,
+             name: str | None = None) -> dict:
     """Run the demo; print progress and results through `log`; return the summary.
 
     Args:
@@ -252,6 +263,8 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
         size_name: a key of SIZES ("demo" or "tiny").
         socket: use the daemon on this socket instead of starting one.
         capacity: arena of the daemon the demo starts (e.g. "1GiB").
+        name: use the running daemon of this name (found where the CLI looks) instead of
+            starting one.
         log: where progress lines, the table and the summary go.
 
     Returns:
@@ -260,6 +273,8 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
     Raises:
         ValueError: num_workers < 2 or an unknown size.
         RuntimeError: the daemon or a worker failed.
+        OSError: `socket` or `name` given and no daemon answers there (NoDaemonError
+            lists the places looked at).
     """
     if num_workers < 2:
         raise ValueError("the demo needs at least 2 workers to share prefixes between processes")
@@ -275,8 +290,9 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
         tokenizer_path = os.path.join(tmp, "tokenizer.json")
         train_tokenizer(size, tokenizer_path)
         prompts = build_prompts(size, tokenizer_path, num_workers)
-        block_bytes = block_bytes_for(size) if socket is None else 0
-        with _daemon(socket, capacity, block_bytes, log) as sock:
+        running = socket is not None or name is not None
+        block_bytes = 0 if running else block_bytes_for(size)
+        with _daemon(socket, name, capacity, block_bytes, log) as sock:
             log(f"starting {num_workers} worker processes; each builds a {size.num_layers}-layer "
                 f"Llama (hidden {size.hidden_size}, random weights) ...")
             for w in range(num_workers):
@@ -313,7 +329,7 @@ def run_demo(num_workers: int = 2, size_name: str = "demo", socket: str | None =
                 info = conn.request(Info()).sections
             summary = summarize(results, info, num_workers, time.perf_counter() - started)
             print_summary(summary, log)
-            log("stopping the workers" + ("" if socket else " and the daemon") + " ...")
+            log("stopping the workers" + ("" if running else " and the daemon") + " ...")
         return summary
     finally:
         for proc in workers:

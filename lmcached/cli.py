@@ -6,7 +6,7 @@
     lmcached demo [--workers 2]
 
 Every admin command takes --socket / --name; without --socket it looks where the daemon
-NAME may listen (`client_socket_paths`: /run/lmcached first, as the systemd units put
+NAME may listen (`daemon_socket_paths`: /run/lmcached first, as the systemd units put
 it). Every error, a daemon that does not start included, is one `Error: ...` line on
 stderr and exit status 1 (click's usage errors: status 2, with the usage); the daemon's
 own reason (an Error reply) is printed, not an errno.
@@ -24,10 +24,10 @@ from lmcached.wire.logger import configure_logging
 from lmcached.wire.connection import Connection, DaemonError, hello, list_clients
 from lmcached.wire.protocol import INFO_SECTIONS, Clear, ConfigGet, Evict, Info, Ping, Shutdown
 from lmcached.wire.socket_path import (
+    NoDaemonError,
     UnsafeSocketPathError,
-    check_client_socket_directory,
-    client_socket_paths,
-    no_daemon_message,
+    connect_first,
+    daemon_socket_paths,
 )
 from lmcached.info_text import blocks_note, loading_note, render_clients, render_info
 
@@ -116,8 +116,7 @@ def _session(socket_path: str | None, name: str, talk):
         click.ClickException: no daemon, an unsafe socket directory, a broken connection,
             or an Error reply (printed as one `Error: ...` line, exit status 1).
     """
-    paths = [socket_path] if socket_path else client_socket_paths(name)
-    conn = _connect(paths)
+    conn = _connect(daemon_socket_paths(socket_path, name))
     path = conn.socket_path
     answered = False
     try:
@@ -144,32 +143,31 @@ def _session(socket_path: str | None, name: str, talk):
 
 
 def _connect(paths: list[str]) -> Connection:
-    """A connection to the first of `paths` where a daemon listens (`client_socket_paths`:
-    --socket, $LMCACHED_SOCKET, or where the daemon NAME may listen, in order).
+    """A connection to the first of `paths` where a daemon listens (`connect_first` over
+    `daemon_socket_paths`: --socket, $LMCACHED_SOCKET, or where the daemon NAME may listen,
+    in order).
 
     Raises:
         click.ClickException: no daemon on any of them (the message lists them), an
             unsafe socket directory, or a socket that refuses us (e.g. permissions: said
             when no later place has a daemon either).
     """
-    denied = None
-    for path in paths:
+    def open_at(path: str) -> Connection:
         try:
-            check_client_socket_directory(path)
             return Connection(path, timeout_s=10.0)
-        except UnsafeSocketPathError as exc:
-            raise click.ClickException(str(exc)) from None
-        except (FileNotFoundError, ConnectionRefusedError):
-            continue  # no daemon there (or a stale socket): the next place
-        except PermissionError:  # another user's daemon, maybe: this user's may follow
-            denied = denied or path
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError):
+            raise  # connect_first goes on to the next place
         except OSError as exc:
             raise click.ClickException(f"cannot talk to the daemon on {path}: {exc}") from None
-    if denied is not None:
+
+    try:
+        return connect_first(paths, open_at)
+    except (UnsafeSocketPathError, NoDaemonError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except PermissionError as exc:
         raise click.ClickException(
-            f"permission denied on {denied}: connect as the daemon's user or root, or as "
-            f"a member of the group the daemon allows (--allow-group)")
-    raise click.ClickException(no_daemon_message(paths))
+            f"permission denied on {exc.filename}: connect as the daemon's user or root, or "
+            f"as a member of the group the daemon allows (--allow-group)") from None
 
 
 @main.command()
@@ -305,10 +303,12 @@ def config(as_json, socket_path, name) -> None:
               "model for tests, too small for the cache to pay off.")
 @click.option("--socket", "socket_path", help="Use the daemon on this socket instead of "
               "starting one on a temp socket.")
+@click.option("--name", default=None, help="Use the running daemon of this name (found as "
+              "`lmcached info --name` finds it) instead of starting one.")
 @click.option("--capacity", default="1GiB", show_default=True,
               help="Arena of the daemon the demo starts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON at the end.")
-def demo(workers, size, socket_path, capacity, as_json) -> None:
+def demo(workers, size, socket_path, name, capacity, as_json) -> None:
     """Worker processes running a real transformer share prompt prefixes.
 
     Builds a Llama-architecture model with random weights in each worker (nothing is
@@ -322,7 +322,7 @@ def demo(workers, size, socket_path, capacity, as_json) -> None:
         raise click.ClickException(f"the demo needs the hf extra ({install_hint('hf')}): {exc}")
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     try:
-        summary = run_demo(workers, size, socket_path, capacity, log)
+        summary = run_demo(workers, size, socket_path, capacity, log, name=name)
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

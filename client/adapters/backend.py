@@ -127,7 +127,7 @@ class DaemonBackend(StorageBackend):
 
     Args:
         socket: daemon socket path (default: that of daemon `name`).
-        name: daemon name.
+        name: daemon name (None: $LMCACHED_NAME, else "default").
         namespace: key space shared by the backends that use it.
         value_bytes_hint: typical chunk size in bytes (sizes the daemon's blocks if this
             is the first client).
@@ -137,7 +137,7 @@ class DaemonBackend(StorageBackend):
         num_dropped: chunks not stored (no space, or no daemon), background puts included.
     """
 
-    def __init__(self, socket: str | None = None, name: str = "default",
+    def __init__(self, socket: str | None = None, name: str | None = None,
                  namespace: str = "lmcached-backend", value_bytes_hint: int = 1 << 20,
                  dst_device: str = "cpu") -> None:
         self.dst_device = dst_device

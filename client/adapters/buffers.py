@@ -117,7 +117,7 @@ class KVStoreBuffer(KVStoreBufferBase):
         namespace: the key space.
     """
 
-    def __init__(self, socket: str | None = None, name: str = "default",
+    def __init__(self, socket: str | None = None, name: str | None = None,
                  namespace: str = "lmcached-kv-store") -> None:
         self._store = TensorStore(kv_namespace(namespace), socket, name)
 
@@ -152,7 +152,7 @@ class KVLookupBuffer(KVLookupBufferBase):
         namespace: the key space shared by producer and consumer.
     """
 
-    def __init__(self, socket: str | None = None, name: str = "default",
+    def __init__(self, socket: str | None = None, name: str | None = None,
                  namespace: str = "lmcached-lookup-buffer") -> None:
         self._store = TensorStore(kv_namespace(namespace), socket, name)
 

@@ -56,7 +56,7 @@ class TensorStore:
     Args:
         namespace: a `kv_namespace(...)` layout.
         socket: daemon socket path (default: that of daemon `name`).
-        name: daemon name.
+        name: daemon name (None: $LMCACHED_NAME, else "default").
         timeout_s: request timeout in seconds.
 
     Every method degrades when the daemon is unavailable: `put` returns False, `get`
@@ -68,7 +68,7 @@ class TensorStore:
     name without a hint (`kv_namespace(name, 0)`), and values that fit are stored.
     """
 
-    def __init__(self, namespace: Layout, socket: str | None = None, name: str = "default",
+    def __init__(self, namespace: Layout, socket: str | None = None, name: str | None = None,
                  timeout_s: float = 10.0) -> None:
         self.link = DaemonLink(socket, name, [namespace], timeout_s,
                                f"TensorStore({namespace.model_name})")

@@ -10,6 +10,8 @@ What lives here, after vLLM's NixlConnector split into roles:
 - `namespaces.py`: the engine's namespaces (one per TP rank) from its configuration alone.
 - `tp_group.py`: the workers' collectives over vLLM's TP group (load errors, blend scores).
 - `hook_guard.py`: an exception of a connector hook becomes a counted miss, never vLLM's.
+- `load_policy.py`: what vLLM does with a chunk that could not be loaded (recompute by
+  default; an explicit `fail` is kept).
 - CacheBlend inside vLLM (docs/cacheblend.md, "Inside vLLM"): `blend_plugin.py` (the
   `vllm.general_plugins` entry point), `blend_models.py` (the `LMCached*ForCausalLM`
   classes that hand the connector their model), `blend_params.py` (what a request asks,

@@ -13,12 +13,14 @@ client/vllm/ is the only lmcached package that imports vllm. Enable it with (the
         "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket": "/run/lmcached/lmcached.sock", "chunk_size": 256}}'
 
-Extra config keys: `socket` (default: that of daemon `name`), `name` ("default"),
+Extra config keys: `socket` (default: that of daemon `name`, found as the CLI finds it),
+`name` (default: $LMCACHED_NAME, else "default"),
 `chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
 in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
 ("tokens": loads check each record's header and token ids; "checksum": saves also seal
 a payload checksum into every record, and loads check it: README, "Trust model"),
-`blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
+`kv_load_failure_policy` ("fail": a load that fails finishes its request with an error;
+default "recompute"), `blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
 `kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
 served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
 
@@ -61,7 +63,8 @@ pins on its own daemon session and releases them when the workers report, throug
 the request finishes before its load was sent). A failed load (the worker lost its
 session, the arena was replaced, a record does not match) is reported through
 `get_block_ids_with_load_errors` and recomputed by vLLM (the connector sets
-`kv_load_failure_policy="recompute"`); TP ranks agree on failures (a MIN all-reduce on
+`kv_load_failure_policy="recompute"` unless the user chose "fail": client/vllm/load_policy.py);
+TP ranks agree on failures (a MIN all-reduce on
 the TP CPU group), and KV computed on top of a failed load is never saved. Not supported (the connector then neither loads nor
 saves): pipeline or context parallelism, hybrid/sliding-window KV cache groups; requests
 with LoRA, multimodal inputs or prompt embeddings are not cached. A request's cache salt
@@ -87,6 +90,7 @@ from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.hook_guard import HookGuard, claimed_block_ids
+from lmcached.client.vllm.load_policy import apply_load_failure_policy
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
@@ -173,12 +177,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         self.chunk_size = int(transfer.get_from_extra_config("chunk_size", DEFAULT_CHUNK_SIZE))
-        if transfer.kv_load_failure_policy != "recompute":
-            # A best-effort cache: a chunk that cannot be loaded is recomputed, never
-            # a failed request. The scheduler reads the policy after building us.
-            logger.info("lmcached: kv_load_failure_policy %r -> 'recompute'",
-                        transfer.kv_load_failure_policy)
-            transfer.kv_load_failure_policy = "recompute"
+        apply_load_failure_policy(transfer)  # "recompute" unless the user chose "fail"
         self.scheduler_side: LMCachedConnectorScheduler | None = None
         self.worker_side: LMCachedConnectorWorker | None = None
         self.blend_scheduler: BlendScheduler | None = None
@@ -200,7 +199,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             block_size=vllm_config.cache_config.block_size,
             world_size=vllm_config.parallel_config.tensor_parallel_size,
             socket=transfer.get_from_extra_config("socket", None),
-            daemon_name=transfer.get_from_extra_config("name", "default"),
+            daemon_name=transfer.get_from_extra_config("name", None),
             timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
             verify=transfer.get_from_extra_config("verify", "tokens"),
         )

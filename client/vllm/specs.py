@@ -30,7 +30,8 @@ class ConnectorSettings:
         block_size: vLLM's block size in tokens.
         world_size: TP world size.
         socket: daemon socket path (None: that of daemon `daemon_name`).
-        daemon_name: daemon name, used when socket is None.
+        daemon_name: daemon name, used when socket is None (None: $LMCACHED_NAME, else
+            "default").
         timeout_s: per-request timeout of a daemon session, seconds.
         verify: "tokens" (default): workers check each record's header and token ids
             before a load. "checksum": saves also seal a payload checksum into every
@@ -45,7 +46,7 @@ class ConnectorSettings:
     block_size: int
     world_size: int
     socket: str | None
-    daemon_name: str
+    daemon_name: str | None
     timeout_s: float
     verify: str = "tokens"
 

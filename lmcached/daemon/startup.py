@@ -293,9 +293,14 @@ def disk_free_bytes(directory) -> int:
     return free
 
 
-def disk_capacity_bytes(cfg: ServerConfig, directory) -> int:
+def disk_capacity(cfg: ServerConfig, directory) -> tuple[int, str, float | None]:
     """Bytes of the disk tier: `--disk-capacity` in bytes, or its percentage of the free
-    space of the directory's filesystem (`disk_free_bytes`).
+    space of the directory's filesystem (`disk_free_bytes`), with how it was derived (for
+    messages) and that percentage (None when given in bytes).
+
+    Args:
+        directory: the checked `DiskDirectory` (its filesystem is examined through its
+            descriptor).
 
     Raises:
         StartupError: a capacity in bytes larger than that free space (the slot file
@@ -304,14 +309,17 @@ def disk_capacity_bytes(cfg: ServerConfig, directory) -> int:
     text = cfg.disk_capacity
     free = disk_free_bytes(directory)
     if text.endswith("%"):
-        return int(free * float(text[:-1]) / 100)
+        percent = float(text[:-1])
+        return (int(free * percent / 100),
+                f"--disk-capacity {text} of the {format_bytes(free)} free in {directory.path}",
+                percent)
     capacity = int(text)
     if capacity > free:
         raise StartupError(f"--disk-capacity {format_bytes(capacity)} is more than the "
                            f"{format_bytes(free)} free in {directory.path}: lower "
                            f"--disk-capacity (bytes, or a percentage of the free space, "
                            f"e.g. 50%) or free space there")
-    return capacity
+    return capacity, f"--disk-capacity {format_bytes(capacity)}", None
 
 
 def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
@@ -331,6 +339,7 @@ def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
     """
     from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectoryError, \
         prepare_disk_directory
+    from lmcached.daemon.disk.slots import slot_bytes_for
     from lmcached.daemon.disk.tier import DiskTier
 
     try:
@@ -340,9 +349,10 @@ def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
     lock = None
     try:
         lock = DirectoryLock(directory)
-        capacity = disk_capacity_bytes(cfg, directory)
+        capacity, source, percent = disk_capacity(cfg, directory)
         tier = DiskTier(directory, lock, capacity_bytes=capacity, policy=cfg.disk_policy,
-                        fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs)
+                        fetch_wait_s=cfg.disk_fetch_wait_s, arena=arena, jobs=jobs,
+                        capacity_source=source, capacity_percent=percent)
     except BaseException as exc:
         if lock is not None:
             lock.release()
@@ -359,6 +369,11 @@ def open_disk_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
         if isinstance(exc, OSError):
             raise _disk_error(cfg, exc) from exc
         raise
+    # The block size may come later (the first layout); a capacity that holds not even a
+    # slot of the smallest block holds none of any: say so now, not at the first client.
+    smallest_slot_bytes = slot_bytes_for(arena.block_bytes or 1)
+    if tier.slots is None and tier.turn_off_unless_it_holds(smallest_slot_bytes):
+        return tier
     logger.info("disk tier in %s: %s, %s, fetch wait %g s", directory.path,
                 format_bytes(capacity), cfg.disk_policy, cfg.disk_fetch_wait_s)
     return tier

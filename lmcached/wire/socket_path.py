@@ -28,14 +28,20 @@ The daemon creates a missing directory itself (`prepare_socket_directory`): 0700
 Where the daemon listens (`default_socket_path`) depends on its environment; a client
 (the CLI in an operator's shell, a worker) does not share it, so it looks in every place
 a daemon of that name may listen, in a fixed order (`client_socket_paths`), as redis-cli
-finds a packaged server with no options.
+finds a packaged server with no options. Every client (the CLI, `CacheEngine`, the vLLM
+connector, the demo) follows one rule: `daemon_socket_paths` says where to look,
+`connect_first` connects to the first place a daemon answers, and its `NoDaemonError`
+lists every place it looked.
 """
 
+import errno
 import grp
 import os
 import pwd
 import socket
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 from lmcached.wire import envs
 from lmcached.wire.logger import init_logger
@@ -120,29 +126,100 @@ def client_socket_paths(name: str) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def find_socket_path(name: str) -> str:
-    """The first of `client_socket_paths(name)` that holds a socket (a symlink to one
-    counts), else the first of them (where a daemon started later may listen).
-
-    A socket file is not a live daemon (it may be stale); callers that can try several
-    connect to each of `client_socket_paths` in turn instead (the CLI).
-    """
-    paths = client_socket_paths(name)
-    for path in paths:
-        try:
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                return path
-        except OSError:  # missing, or a directory above it we may not enter
-            continue
-    return paths[0]
+CLI_HINT = "give --socket, or --name if the daemon has another name"
+API_HINT = ("give socket=, or name= if the daemon has another name (or set LMCACHED_SOCKET, "
+            "LMCACHED_NAME)")
 
 
-def no_daemon_message(paths: list[str]) -> str:
-    """The "no daemon" error of a client that looked in `paths` (in that order)."""
+def no_daemon_message(paths: list[str], hint: str = CLI_HINT) -> str:
+    """The "no daemon" error of a client that looked in `paths` (in that order); `hint`
+    says how to point it elsewhere, in the caller's terms (CLI options or arguments)."""
     if len(paths) == 1:
         return f"no daemon is running on {paths[0]}"
-    return (f"no daemon is running on {', '.join(paths)} (looked there in this order; "
-            f"give --socket, or --name if the daemon has another name)")
+    return f"no daemon is running on {', '.join(paths)} (looked there in this order; {hint})"
+
+
+class NoDaemonError(FileNotFoundError):
+    """No daemon answered in any place a client looked (`connect_first`).
+
+    A FileNotFoundError (callers that catch "no daemon" that way still do), whose message
+    lists every place, in order.
+
+    Attributes:
+        paths: the sockets tried, in order.
+    """
+
+    def __init__(self, paths: list[str], hint: str = CLI_HINT) -> None:
+        super().__init__(errno.ENOENT, no_daemon_message(paths, hint))
+        self.paths = list(paths)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def daemon_name(name: str | None = None) -> str:
+    """The daemon a client looks for: `name` (--name, `name=`), else $LMCACHED_NAME, else
+    "default"."""
+    return name or envs.get("LMCACHED_NAME") or DEFAULT_NAME
+
+
+def daemon_socket_paths(socket_path: str | None = None, name: str | None = None) -> list[str]:
+    """Where a client looks for its daemon, in order: the one rule of every client.
+
+    Args:
+        socket_path: an explicit socket (--socket, `socket=`): the only place, if given.
+        name: the daemon's name (`daemon_name`: else $LMCACHED_NAME, else "default").
+
+    Returns:
+        `[socket_path]`, else `client_socket_paths(daemon_name(name))` ($LMCACHED_SOCKET
+        alone when set; else /run/lmcached, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/lmcached,
+        /tmp/lmcached-<uid>).
+    """
+    if socket_path:
+        return [socket_path]
+    return client_socket_paths(daemon_name(name))
+
+
+_Conn = TypeVar("_Conn")
+
+
+def connect_first(paths: list[str], connect: Callable[[str], _Conn],
+                  hint: str = CLI_HINT) -> _Conn:
+    """`connect(path)` for the first of `paths` where a daemon answers, each socket's
+    directory checked first (`check_client_socket_directory`).
+
+    A missing socket, or one nobody listens on (a stale file), is skipped: the next place
+    may have the daemon. A socket this process may not open is remembered and skipped (a
+    daemon of another user may come first, this user's later).
+
+    Args:
+        paths: `daemon_socket_paths(...)`.
+        connect: opens a connection to one socket path; raises OSError when none.
+        hint: how to point the client elsewhere, for `NoDaemonError`'s message.
+
+    Returns:
+        What `connect` returned.
+
+    Raises:
+        UnsafeSocketPathError: a directory another user could have placed the socket in.
+        PermissionError: the first socket that refused this process, when no later one
+            answered (its `filename` is that path).
+        NoDaemonError: no daemon in any of `paths` (the message lists them).
+        Whatever else `connect` raises (another OSError: a daemon that does not answer).
+    """
+    denied: PermissionError | None = None
+    for path in paths:
+        check_client_socket_directory(path)
+        try:
+            return connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            continue  # no daemon there (or a stale socket): the next place
+        except PermissionError as exc:
+            if denied is None:
+                denied = PermissionError(exc.errno, exc.strerror or str(exc), path)
+    if denied is not None:
+        raise denied
+    raise NoDaemonError(paths, hint)
 
 
 def describe_user(uid: int) -> str:
@@ -209,6 +286,12 @@ def check_ancestors(directory: str, trusted_uids: set[int], what: str, *,
             parent = os.path.dirname(parent)
 
 
+def _is_shared(st: os.stat_result) -> bool:
+    """A directory others are meant to write (sticky, as /tmp and /dev/shm, or not ours):
+    its mode is not ours to change, a private subdirectory is the fix."""
+    return bool(st.st_mode & stat.S_ISVTX) or st.st_uid != os.geteuid()
+
+
 def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
     """The socket's own directory: a real directory, trusted owner, no group/other write."""
     st = os.lstat(directory)
@@ -226,6 +309,14 @@ def _check_directory(directory: str, trusted_uids: set[int], what: str) -> None:
             f"{what}: {directory} is owned by {describe_user(st.st_uid)}, not by "
             f"{_owners(trusted_uids)}; its owner could replace the socket (a leftover, or "
             f"made first by that user to take the socket). {_way_out(directory, st.st_uid, 'rm -r')}"
+        )
+    if mode & (stat.S_IWOTH | stat.S_IWGRP) and _is_shared(st):
+        raise UnsafeSocketPathError(
+            f"{what}: {directory} is a shared directory, writable by "
+            f"{'every user' if mode & stat.S_IWOTH else _group(st.st_gid)} (mode 0{mode:o}); "
+            f"anybody who may write it could replace the socket. Never change its mode: use a "
+            f"private subdirectory, which the daemon creates 0700 (e.g. --socket "
+            f"{os.path.join(directory, f'lmcached-{os.geteuid()}', 'NAME.sock')})"
         )
     if mode & stat.S_IWOTH:
         raise UnsafeSocketPathError(

@@ -26,6 +26,7 @@ from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
+from lmcached.wire.units import format_bytes
 from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Layout, \
     Lookup, LookupReply, Ok, Release
 
@@ -69,6 +70,38 @@ def disk_service(unique_name, tmp_path):
     service = open_disk_service(unique_name, str(tmp_path / "disk"))
     yield service
     close_disk_service(service)
+
+
+def test_a_capacity_that_holds_no_slot_of_the_first_layouts_blocks_turns_the_tier_off(
+        unique_name, tmp_path, caplog):
+    """The block size comes with the first layout: a percentage of the free space that
+    holds a small slot but not one of those blocks turns the tier off, and says how the
+    capacity was derived and what would fit (never "--disk-capacity 0 bytes")."""
+    directory = prepare_disk_directory(str(tmp_path / "disk"))
+    arena = Arena.create(unique_name, HEADER_BYTES + NUM_BLOCKS * BLOCK_BYTES, BLOCK_BYTES,
+                         prefault=False)
+    service = CacheService(ServerConfig(name=arena.name, socket="/nonexistent"), arena)
+    capacity = PAGE_BYTES + slot_bytes_for(PAGE_BYTES)
+    source = f"--disk-capacity 10% of the {capacity * 10}B free in {directory}"
+    tier = DiskTier(directory, DirectoryLock(directory), capacity_bytes=capacity,
+                    policy="on-evict", fetch_wait_s=5.0, arena=arena, jobs=service.jobs,
+                    capacity_source=source, capacity_percent=10.0)
+    try:
+        assert tier.info()["disk_enabled"] == 1  # a slot of one page would fit
+        with caplog.at_level("ERROR", logger="lmcached"):
+            tier.set_block_bytes(BLOCK_BYTES)
+        info = tier.info()
+        need = PAGE_BYTES + slot_bytes_for(BLOCK_BYTES)
+        assert info["disk_enabled"] == 0 and info["disk_slots"] == 0 and tier.index is None
+        assert info["disk_off_reason"] == (
+            f"{source} is {capacity} bytes, less than one slot of {need - PAGE_BYTES} bytes "
+            f"and the file's 4096-byte header ({need} bytes)")
+        (record,) = [r for r in caplog.records if "is off" in r.getMessage()]
+        assert f"free at least {format_bytes(need * 10)} there" in record.getMessage()
+        assert f"or give --disk-capacity in bytes (at least {need})" in record.getMessage()
+    finally:
+        tier.close()
+        arena.close()
 
 
 def settle(service: CacheService, done, timeout_s: float = 20.0):

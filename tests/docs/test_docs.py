@@ -81,7 +81,8 @@ def test_readme_has_a_docs_index_and_no_internal_jargon():
 # page quotes the new one.
 QUOTED_MESSAGES = [
     "no daemon is running on",
-    "looked there in this order; give --socket, or --name if the daemon has another name",
+    "looked there in this order; ",
+    "give --socket, or --name if the daemon has another name",
     "connect as the daemon's user or root, or as a member of the group the daemon allows",
     "cannot talk to the daemon on",
     "the daemon serves once ",
@@ -119,6 +120,10 @@ QUOTED_MESSAGES = [
     "needs redis-py",
     "next try in",
     "list several addresses only for a cluster",
+    "does not speak RESP (Redis' protocol): to PING it answered",
+    "refuses lmcached",
+    "a read-only replica",
+    "Never change its mode: use a private subdirectory",
     "is larger than a Redis value may be",
 ]
 

@@ -623,6 +623,13 @@ def test_serve_with_an_unsafe_socket_directory_is_one_error_line(unique_name, sh
         f"Error: unsafe socket directory for {path}: {shared} is writable by every user "
         f"(mode 0777); anybody could replace the socket. Fix it (chmod 0700 {shared}) or "
         "remove it")
+    in_tmp = f"/tmp/{unique_name}.sock"
+    assert serve_and_fail(unique_name, in_tmp) == (
+        f"Error: unsafe socket directory for {in_tmp}: /tmp is a shared directory, writable by "
+        f"every user (mode 01777); anybody who may write it could replace the socket. Never "
+        f"change its mode: use a private subdirectory, which the daemon creates 0700 (e.g. "
+        f"--socket /tmp/lmcached-{os.geteuid()}/NAME.sock)")
+    assert not os.path.exists(in_tmp)
     not_a_dir = os.path.join(short_tmp, "file")
     open(not_a_dir, "w").close()
     path = os.path.join(not_a_dir, "d.sock")

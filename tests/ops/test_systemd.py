@@ -210,6 +210,52 @@ def test_example_toml_commented_values_are_valid_too(monkeypatch, tmp_path):
     assert cfg.block_bytes == 33558528 and cfg.socket == "/run/lmcached/lmcached.sock"
 
 
+# (directive, the directory systemd puts it under): what ProtectSystem=strict leaves writable.
+_WRITABLE_DIRECTIVES = {"CacheDirectory": "/var/cache", "StateDirectory": "/var/lib",
+                        "RuntimeDirectory": "/run", "LogsDirectory": "/var/log"}
+
+
+def writable_paths(filename: str, instance: str) -> list[str]:
+    """The directories unit `filename` (instance `instance` of a template) may write under
+    ProtectSystem=strict: its *Directory= (below systemd's roots) and ReadWritePaths=."""
+    service = read_unit(filename)["Service"]
+    assert service["ProtectSystem"] == ["strict"]
+    paths = []
+    for key, root in _WRITABLE_DIRECTIVES.items():
+        for value in service.get(key, []):
+            paths += [os.path.join(root, d.replace("%i", instance)) for d in value.split()]
+    for value in service.get("ReadWritePaths", []):
+        paths += [p.lstrip("-+") for p in value.split()]
+    return paths
+
+
+def lies_under(path: str, directories: list[str]) -> bool:
+    return any(os.path.commonpath([path, d]) == d for d in directories)
+
+
+def test_example_disk_path_lies_where_each_unit_can_write(monkeypatch, tmp_path):
+    """The disk tier of the example TOML (and of the README's instance file) is in a
+    directory the unit may write, made the daemon user's and not writable by group or
+    others (prepare_disk_directory refuses anything else)."""
+    clean_environment(monkeypatch)
+    text = re.sub(r"^# (\w+ = )", r"\1", Path(EXAMPLE_TOML).read_text(), flags=re.MULTILINE)
+    path = tmp_path / "all.toml"
+    path.write_text(text)
+    disk_path = load_config({}, str(path)).disk_path
+    assert lies_under(disk_path, writable_paths("lmcached.service", "default")), disk_path
+    (named,) = set(re.findall(r"(/var/cache/lmcached/NAME)\b", text))
+    assert lies_under(named.replace("NAME", "llama"),
+                      writable_paths("lmcached@.service", "llama"))
+    (readme_path,) = re.findall(r'disk_path = "([^"]+)"\s+# /etc/lmcached/llama.toml',
+                                unit_text("README.md"))
+    assert lies_under(readme_path, writable_paths("lmcached@.service", "llama"))
+    assert not lies_under(readme_path, writable_paths("lmcached@.service", "qwen"))
+    for filename in UNITS:
+        service = read_unit(filename)["Service"]
+        if "CacheDirectory" in service:
+            assert int(service["CacheDirectoryMode"][0], 8) & 0o022 == 0, filename
+
+
 # ------------------------------------------------- the daemon as the template runs it
 def wait_until_serving(proc: subprocess.Popen, socket_path: str, log_path: str) -> None:
     deadline = time.monotonic() + START_DEADLINE_S

@@ -8,6 +8,8 @@ nothing outside the namespace sees it), and the test fills that tmpfs through
 - A filesystem that fills up while the daemon runs (the slot file is created at the first
   HELLO, when the arena's block size is known, and could not be preallocated): spills fail
   with ENOSPC, counted, and the daemon serves on, bit-exact, nothing pinned.
+- The default --disk-capacity 10% of a full filesystem: the daemon starts with the tier
+  off (disk_enabled:0, disk_off_reason, one ERROR line at start naming the free space).
 docs/operator.md, "The disk tier", describes the behaviour.
 """
 
@@ -88,6 +90,36 @@ def test_a_disk_capacity_larger_than_the_free_space_is_refused_with_one_error_li
                         r"\S+/disk: lower --disk-capacity \(bytes, or a percentage of the "
                         r"free space, e.g. 50%\) or free space there", errors[0]), errors
     assert list_segments(unique_name) == []
+
+
+def test_a_full_filesystem_under_a_percentage_starts_the_daemon_with_the_tier_off(
+        daemon_factory, mount_point):
+    """The default --disk-capacity 10% of a full filesystem holds no slot: the daemon
+    serves from the arena, says so at start (not at the first client) naming the free
+    space and what would fit, and INFO says disk_enabled:0 with the reason."""
+    daemon = daemon_factory("--capacity", "1MiB", "--disk-path",
+                            os.path.join(mount_point, "disk"),
+                            preexec_fn=private_tmpfs(mount_point, 4096))  # one page: full
+    log = daemon.log()
+    errors = [line for line in log.splitlines() if "disk tier" in line and "is off" in line]
+    assert len(errors) == 1, log
+    assert re.search(r"ERROR .*disk tier \S+/disk is off: --disk-capacity 10% of the \S+ free "
+                     r"in \S+/disk is \d+ bytes, less than one slot of 8192 bytes and the "
+                     r"file's 4096-byte header \(12288 bytes\); free at least 120.00K there",
+                     errors[0]), errors[0]
+    assert "--disk-capacity 0 bytes" not in log
+    info = daemon.info()
+    assert info["disk_enabled"] == 0 and info["disk_slots"] == 0
+    assert info["disk_off_reason"].startswith("--disk-capacity 10% of the ")
+    layout = small_layout()
+    tokens = list(range(100))
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True) as engine:
+        engine.store(torch.tensor(tokens), prompt_kv(layout, tokens))
+        kv, mask = engine.retrieve(torch.tensor(tokens), return_tuple=False)
+        assert int(mask.sum()) == 100 and torch.equal(kv, prompt_kv(layout, tokens))
+    assert daemon.info()["disk_enabled"] == 0
+    assert daemon.stop() == 0
+    assert list_segments(daemon.name) == []
 
 
 def test_a_disk_that_fills_up_under_the_daemon_drops_spills_and_the_daemon_serves_on(

@@ -301,6 +301,27 @@ def test_an_unsafe_socket_directory_is_a_value_error_naming_the_path_and_the_fix
     assert fix.format(dir=directory) in message, message
 
 
+@pytest.mark.parametrize("check", [check_socket_directory, check_client_socket_directory])
+@pytest.mark.parametrize("where", ["/tmp", "sticky 1777 of ours"])
+def test_a_socket_in_a_shared_directory_is_refused_with_a_private_subdirectory_as_the_fix(
+        short_tmp, check, where):
+    """/tmp itself (root's, 1777) or any sticky world-writable directory: the advice is a
+    private subdirectory, never a change to the shared directory's mode."""
+    directory = "/tmp"
+    if where != "/tmp":
+        directory = os.path.join(short_tmp, "shared")
+        os.mkdir(directory)
+        os.chmod(directory, 0o1777)
+    sock = os.path.join(directory, f"lmc-test-{os.getpid()}.sock")
+    with pytest.raises(UnsafeSocketPathError) as excinfo:
+        check(sock)
+    message = str(excinfo.value)
+    assert f"{directory} is a shared directory, writable by every user (mode 01777)" in message
+    assert "Never change its mode: use a private subdirectory" in message, message
+    assert f"--socket {directory}/lmcached-{os.geteuid()}/NAME.sock" in message, message
+    assert "chmod" not in message, message
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
@@ -334,7 +355,10 @@ def test_daemon_client_and_cli_find_the_same_default_socket(monkeypatch, short_t
     os.makedirs(os.path.dirname(expected), 0o700)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(expected)  # a daemon's socket there: a client given no path finds it
-        assert DaemonLink(None, "llama").socket_path == expected
+        listener.listen(1)  # accepts, never answers the HELLO
+        link = DaemonLink(None, "llama", timeout_s=0.3)
+        assert not link.try_connect() and link.socket_path == expected
+        link.close()
 
 
 # -------------------------------------------------- --allow-group with a real second uid

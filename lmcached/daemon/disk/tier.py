@@ -35,6 +35,14 @@ Flows (docs/operator.md, "The disk tier"):
 
 Faults (ENOSPC, EIO, EROFS, a truncated file) are counted by kind (`disk_errors_*`),
 logged at most once per interval, and are misses or dropped writes for clients.
+
+A capacity that holds no slot (a percentage of a nearly full filesystem, or a slot size
+known only when the first layout sets the block size) turns the tier off rather than
+stopping the daemon: `disk_enabled:0` and `disk_off_reason` in INFO, one ERROR line naming
+how the capacity was derived and the free space and sizes that would fit. The arena serves
+on (a full disk is often transient: logs), and a daemon that derives its block size from
+the first client could not refuse at start anyway. A capacity in bytes larger than the free
+space is still refused at start (lmcached/daemon/startup.py): that number is a mistake.
 """
 
 import threading
@@ -51,6 +59,7 @@ from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.l2.values import namespace_fingerprint
 from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.wire.logger import init_logger
+from lmcached.wire.units import format_bytes
 from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
@@ -79,6 +88,9 @@ class DiskTier(DiskWrites, DiskFetches):
         directory: the checked disk directory, held open; lock: its lock. The tier owns
             both until `close`.
         capacity_bytes: bytes the slot file may take.
+        capacity_source: how the capacity was derived, for messages (e.g. "--disk-capacity
+            10% of the 1.00M free in /var/cache/lmcached/default"); default: the bytes.
+        capacity_percent: the percentage of the free space it is, or None (bytes given).
         policy: "on-evict" or "write-through".
         fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a disk fetch, in seconds.
         arena: the daemon's arena (records are copied in and out of its blocks).
@@ -93,6 +105,7 @@ class DiskTier(DiskWrites, DiskFetches):
         needs_rebuild: the slot file holds an earlier daemon's slots, not yet indexed.
         pool: the host arena's block pool, set by the service once it exists.
         stats: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
+        off_reason: why the capacity holds no slot (the tier is off), else None.
 
     Raises:
         ValueError: unknown policy, capacity below one page, fetch_wait_s < 0.
@@ -100,7 +113,8 @@ class DiskTier(DiskWrites, DiskFetches):
 
     def __init__(self, directory: DiskDirectory, lock: DirectoryLock, *, capacity_bytes: int,
                  policy: str, fetch_wait_s: float, arena: Arena, jobs: JobRunner,
-                 layout_of: Callable[[int], Layout | None] = lambda ns: None) -> None:
+                 layout_of: Callable[[int], Layout | None] = lambda ns: None,
+                 capacity_source: str = "", capacity_percent: float | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"disk policy {policy!r}: use one of {', '.join(POLICIES)}")
         if fetch_wait_s < 0:
@@ -108,6 +122,9 @@ class DiskTier(DiskWrites, DiskFetches):
         self.directory = directory.path  # for messages and INFO
         self.disk_directory = directory
         self.capacity_bytes = capacity_bytes
+        self.capacity_source = capacity_source or f"--disk-capacity {capacity_bytes}"
+        self.capacity_percent = capacity_percent
+        self.off_reason: str | None = None
         self.policy = policy
         self.fetch_wait_s = fetch_wait_s
         self.arena = arena
@@ -138,7 +155,7 @@ class DiskTier(DiskWrites, DiskFetches):
 
     # ------------------------------------------------------------- geometry
     def _num_slots(self, slot_bytes: int) -> int:
-        return (self.capacity_bytes - 4096) // slot_bytes
+        return (self.capacity_bytes - PAGE_BYTES) // slot_bytes
 
     def open_file(self, block_bytes: int = 0) -> bool:
         """At start, before the daemon listens: open the slot file with slots for blocks
@@ -201,14 +218,39 @@ class DiskTier(DiskWrites, DiskFetches):
             slots.path, slots.slot_bytes, slots.max_record_bytes, num_chunks, block_bytes,
             slots.max_record_bytes, slots.max_record_bytes, round_up(block_bytes))
 
+    def turn_off_unless_it_holds(self, slot_bytes: int) -> bool:
+        """Turn the tier off (`off_reason`, one ERROR line) when its capacity holds no slot
+        of `slot_bytes`; the message names the capacity's source and the sizes that fit.
+
+        Returns:
+            Whether the tier is off.
+        """
+        if self._num_slots(slot_bytes) >= 1:
+            return False
+        need = PAGE_BYTES + slot_bytes
+        reason = (f"{self.capacity_source} is {self.capacity_bytes} bytes, less than one slot "
+                  f"of {slot_bytes} bytes and the file's {PAGE_BYTES}-byte header ({need} bytes)")
+        if self.capacity_percent:
+            fix = (f"free at least {format_bytes(-(-need * 100 // self.capacity_percent))} "
+                   f"there (many times that for a useful tier), or give --disk-capacity in "
+                   f"bytes (at least {need})")
+        else:
+            fix = f"give --disk-capacity at least {need} bytes (many slots for a useful tier)"
+        if reason != self.off_reason:
+            logger.error("disk tier %s is off: %s; %s. The daemon serves from the arena alone",
+                         self.directory, reason, fix)
+        self.off_reason = reason
+        return True
+
     def _open(self, slot_bytes: int) -> bool:
         num_slots = self._num_slots(slot_bytes)
-        if num_slots < 1:
-            logger.warning("disk tier %s: --disk-capacity %d bytes holds no slot of %d bytes: "
-                           "the disk tier is off", self.directory, self.capacity_bytes, slot_bytes)
-            return False
+        off = self.turn_off_unless_it_holds(slot_bytes)
         if self.slots is not None:
             self.slots.close()
+            self.slots, self.index = None, None
+        if off:
+            return False
+        self.off_reason = None
         self.slots, self.needs_rebuild = SlotFile.open(self.disk_directory, slot_bytes,
                                                        num_slots)
         self.index = DiskIndex(num_slots)
@@ -338,7 +380,8 @@ class DiskTier(DiskWrites, DiskFetches):
         """INFO section `disk` (docs/operator.md, "The disk tier")."""
         slots, index, stats = self.slots, self.index, self.stats
         out: dict[str, int | float | str] = {
-            "disk_enabled": 1,
+            "disk_enabled": int(self.off_reason is None),
+            "disk_off_reason": self.off_reason or "",
             "disk_path": self.directory,
             "disk_policy": self.policy,
             "disk_direct_io": int(bool(slots and slots.direct)),

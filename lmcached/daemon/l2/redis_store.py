@@ -24,7 +24,17 @@ How it talks to Redis (redis-py with hiredis, its C reply parser, when installed
       down: every call raises L2Unavailable at once (no network) until retry_at;
             then ONE call probes (others still fail fast): success -> up
             (num_reconnects += 1, backoff = 0.1 s), failure -> down, backoff doubled.
+
+- A server that answers, but not as an L2 can use, is `misconfigured`, with the same
+  back-off (each probe connects and checks again): one that does not speak RESP (a wrong
+  port: its first bytes are shown), one that refuses us without a password (NOAUTH,
+  NOPERM: `--l2` sends no credentials), a read-only replica (INFO role:slave at connect,
+  or READONLY to a SET after a failover). Counted by kind ("protocol", "auth", "readonly",
+  "response" for an INFO refused), logged as ONE error line per distinct answer, never a
+  traceback per call.
 """
+
+import socket
 
 import threading
 import time
@@ -33,9 +43,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
+    AuthenticationError,
     ClusterDownError,
+    InvalidResponse,
+    NoPermissionError,
     OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
+    ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -48,13 +63,17 @@ logger = init_logger(__name__)
 URL_SCHEMES = ("redis://", "valkey://")
 BACKOFF_MIN_S = 0.1  # first wait after a failure
 BACKOFF_MAX_S = 5.0  # the wait doubles after each failed probe, up to this
-ERROR_KINDS = ("connection", "timeout", "full", "response")
+ERROR_KINDS = ("connection", "timeout", "full", "response", "protocol", "auth", "readonly")
+PEEK_BYTES = 64  # of a server's answer to PING shown when it does not speak RESP
 # An L2 that cannot answer now: raised by redis-py, or (cluster pipelines) returned in the
 # place of a command it re-sent alone. ClusterDownError: a master is gone (CLUSTERDOWN);
 # RedisClusterException: no startup node answers, or slots are not covered.
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError,
                   RedisClusterException, OSError)
 _TIMEOUT_ERRORS = (RedisTimeoutError, TimeoutError)
+# A server that answers, but not as Redis answers us: before _OUTAGE_ERRORS (redis-py's
+# AuthenticationError is a ConnectionError).
+_MISCONFIG_ERRORS = (InvalidResponse, AuthenticationError, NoPermissionError, ResponseError)
 
 _now = time.monotonic  # the back-off's clock (tests replace it)
 
@@ -64,6 +83,11 @@ class L2Unavailable(Exception):
 
     Never an error to a client: the tier drops the write or answers a miss.
     """
+
+
+class L2Misconfigured(L2Unavailable):
+    """The server answers, but not as an L2 can use (module docstring): handled as an
+    outage (backed off), logged once per distinct answer."""
 
 
 def parse_l2_url(url: str) -> list[tuple[str, int]]:
@@ -126,11 +150,12 @@ class RedisL2:
 
     Attributes:
         mode: "unknown" (before the first call), "standalone" or "cluster".
-        state: "unknown" (before the first answer), "up" or "down".
+        state: "unknown" (before the first answer), "up", "down" or "misconfigured".
         errors: failed calls and refused commands by kind: "connection" (refused,
             reset, cluster down), "timeout", "full" (a SET refused with OOM: maxmemory
-            reached under `noeviction`), "response" (any other error reply, e.g.
-            READONLY). Calls refused during back-off are not counted.
+            reached under `noeviction`), "response" (any other error reply), and the
+            misconfigurations "protocol" (not RESP), "auth" (NOAUTH, NOPERM), "readonly"
+            (a replica). Calls refused during back-off are not counted.
         num_reconnects: successes after a failure.
 
     Raises:
@@ -160,6 +185,7 @@ class RedisL2:
         self._retry_at = 0.0
         self._probing = False
         self._config_error: str | None = None
+        self._misconfig_logged: str | None = None  # the answer last logged
         self._closed = False
 
     # ---------------------------------------------------------------- the API
@@ -264,12 +290,20 @@ class RedisL2:
                 pipe = client.pipeline(transaction=False)
                 queue(pipe)
                 results = pipe.execute(raise_on_error=False)
+            except L2Misconfigured:
+                raise
+            except _MISCONFIG_ERRORS as exc:
+                raise self._misconfigured(*self._describe(exc), probing) from None
             except _OUTAGE_ERRORS as exc:
                 raise self._down(exc, probing) from exc
             refused = {"full": 0, "response": 0}
             for result in results:
                 if isinstance(result, _OUTAGE_ERRORS):  # a cluster command re-sent alone
                     raise self._down(result, probing) from result
+                if isinstance(result, ReadOnlyError):  # a failover made it a replica
+                    self._misconfigured("readonly", f"refused a write: READONLY {result}; "
+                                        f"give the primary's address", probing)
+                    return results
                 if isinstance(result, Exception):
                     refused["full" if isinstance(result, OutOfMemoryError) else "response"] += 1
             self._up(refused)
@@ -286,11 +320,12 @@ class RedisL2:
                 raise L2Unavailable(f"L2 {self.url}: the store is closed")
             if self._config_error is not None:
                 raise ValueError(self._config_error)
-            if self.state != "down":
+            if self.state not in ("down", "misconfigured"):
                 return False
             wait_s = self._retry_at - _now()
             if wait_s > 0 or self._probing:
-                raise L2Unavailable(f"L2 {self.url} is down; next try in {max(wait_s, 0):.2f} s")
+                raise L2Unavailable(f"L2 {self.url} is {self.state}; next try in "
+                                    f"{max(wait_s, 0):.2f} s")
             self._probing = True
             return True
 
@@ -308,10 +343,21 @@ class RedisL2:
                 probe = redis.Redis(host=host, port=port, retry=no_retry, **self._conn_kwargs)
                 try:
                     cluster = probe.info("cluster").get("cluster_enabled") == 1
+                    replication = {} if cluster else probe.info("replication")
+                except _MISCONFIG_ERRORS as exc:
+                    probe.close()
+                    raise self._misconfigured(*self._describe(exc, (host, port)),
+                                              self._probing) from None
                 except _OUTAGE_ERRORS as exc:
                     probe.close()
                     last_exc = exc
                     continue
+                if replication.get("role") == "slave":
+                    probe.close()
+                    raise self._misconfigured(
+                        "readonly", f"{host}:{port} is a read-only replica (INFO role:slave, "
+                        f"of {replication.get('master_host')}:{replication.get('master_port')})"
+                        f"; give the primary's address", self._probing)
                 if cluster:
                     probe.close()
                     client, mode = self._cluster_client(no_retry), "cluster"
@@ -339,6 +385,42 @@ class RedisL2:
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.addresses],
                             retry=no_retry, cluster_error_retry_attempts=0, **self._conn_kwargs)
 
+    def _describe(self, exc: Exception, address: tuple[str, int] | None = None) -> tuple[str, str]:
+        """(error kind, what the server answered and the fix) of a misconfiguration."""
+        if address is None and len(self.addresses) == 1:
+            address = self.addresses[0]
+        where = f"{address[0]}:{address[1]}" if address else "a server"
+        if isinstance(exc, (AuthenticationError, NoPermissionError)):
+            return "auth", (f"{where} refuses lmcached: {type(exc).__name__}: {exc}; --l2 sends "
+                            f"no credentials: give a server that needs none (on a trusted "
+                            f"network) or let its default user in")
+        if isinstance(exc, InvalidResponse):
+            answer = _peek(address, self._conn_kwargs["socket_timeout"]) if address else str(exc)
+            return "protocol", (f"{where} does not speak RESP (Redis' protocol): to PING it "
+                                f"answered {answer}; give the address of a Redis or Valkey "
+                                f"server (port 6379 by default)")
+        return "response", f"{where} refused INFO: {exc}; is it a Redis or Valkey server?"
+
+    def _misconfigured(self, kind: str, what: str, probing: bool) -> L2Misconfigured:
+        """Count a misconfiguration, back off as for an outage, drop the client (the next
+        probe connects and checks again), log it once per distinct answer. Returns what
+        to raise."""
+        message = f"L2 {what}" if len(self.addresses) == 1 else f"L2 {self.url}: {what}"
+        with self._lock:
+            self.errors[kind] += 1
+            self._client = None  # in-flight calls of other threads keep their reference
+            if self.state not in ("down", "misconfigured") or probing:
+                wait_s = self._backoff_s
+                self._retry_at = _now() + wait_s
+                self._backoff_s = min(2 * wait_s, BACKOFF_MAX_S)
+            self.state = "misconfigured"
+            log, self._misconfig_logged = message != self._misconfig_logged, message
+        if log:
+            logger.error("%s. Chunks stay in the arena; lmcached tries again, backing off up "
+                         "to %g s (INFO l2_state:misconfigured, l2_errors_%s)", message,
+                         BACKOFF_MAX_S, kind)
+        return L2Misconfigured(message)
+
     def _down(self, exc: BaseException, probing: bool) -> L2Unavailable:
         """Count a failed call; start or lengthen the back-off. Returns what to raise."""
         kind = "timeout" if isinstance(exc, _TIMEOUT_ERRORS) else "connection"
@@ -358,8 +440,20 @@ class RedisL2:
         with self._lock:
             for kind, count in refused.items():
                 self.errors[kind] += count
-            if self.state == "down":
+            if self.state in ("down", "misconfigured"):
                 self.num_reconnects += 1
                 logger.info("L2 %s back (reconnect %d)", self.url, self.num_reconnects)
             self.state = "up"
+            self._misconfig_logged = None
             self._backoff_s = BACKOFF_MIN_S
+
+
+def _peek(address: tuple[str, int], timeout_s: float) -> str:
+    """The first PEEK_BYTES a server sends back to an inline PING, as a Python literal
+    (what a misconfiguration's message shows), or why none came."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return repr(sock.recv(PEEK_BYTES))
+    except OSError as exc:
+        return f"nothing readable ({exc.strerror or exc})"
