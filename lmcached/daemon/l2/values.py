@@ -60,12 +60,19 @@ class L2VerifyError(Exception):
             changed since they were written), "tokens" (not the record of that chunk:
             another record magic or chunk hash in its header, no token ids, or token ids
             that do not hash to the chunk hash from its parent).
+        slot_sound: the value passed every check of its own (envelope, checksum, its
+            record's header) and failed only the one that depends on the request: its
+            token ids do not hash to the chunk hash from the parent the request gave.
+            The request is wrong or the value is, and nothing tells which: a store (the
+            disk tier's index) keeps such a value, so one client's wrong `parent`
+            never deletes what others read.
     """
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, slot_sound: bool = False) -> None:
         assert reason in VERIFY_REASONS, f"unknown verify reason {reason!r} (a bug)"
         super().__init__(f"L2 value refused ({reason}): {detail}")
         self.reason = reason
+        self.slot_sound = slot_sound
 
 
 def _check_hash(name: str, value: bytes) -> None:
@@ -241,7 +248,8 @@ def verify_parts(envelope, record_pieces: list, ns_fp: bytes, chunk_hash: bytes,
                                       f"{header.num_tokens} tokens in {record_bytes} bytes")
     token_ids = _prefix(pieces, tokens_end)[RECORD_HEADER_BYTES:tokens_end]
     if hash_block_tokens(parent_hash, token_ids) != chunk_hash:
-        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash")
+        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash from the "
+                                      "request's parent", slot_sound=True)
 
 
 def _prefix(pieces: list[memoryview], num_bytes: int):
