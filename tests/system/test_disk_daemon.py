@@ -30,7 +30,7 @@ from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
 from lmcached.daemon.l2.values import ENVELOPE, namespace_fingerprint
 from lmcached.wire.connection import Connection, DaemonError, hello
-from lmcached.wire.protocol import Info
+from lmcached.wire.protocol import Clear, Info
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +121,49 @@ def test_a_restarted_daemon_serves_what_its_disk_holds(daemon_factory, disk_dir,
         for start in prompts[3:]:  # in flight at the kill: a prefix at most, never torn
             assert retrieve(restarted, start)["mismatches"] == 0
         assert restarted.info()["pinned_blocks"] == 0
+    finally:
+        restarted.stop()
+
+
+def test_clear_holds_across_a_restart_after_write_aheads_were_cancelled(daemon_factory,
+                                                                          disk_dir):
+    """Chunks of 4 MiB, 14 slots: once they are full, every write ahead takes the slot of
+    the disk's least recently used chunk, and a burst of stores from one process (a copy
+    into the arena is faster than a write to disk) overtakes the writers, so writes ahead
+    are cancelled in those slots. After CLEAR and a graceful restart, none of those
+    chunks (nor any other) is served."""
+    from lmcached.client import CacheEngine
+
+    layout = KVLayout("clear-llama", num_layers=4, num_kv_heads=8, head_size=128,
+                      chunk_size=256)
+    args = ("--capacity", "70MiB", "--block-size", "4200KiB", "--disk-path", disk_dir,
+            "--disk-capacity", "60MiB", "--disk-fetch-wait", "5")
+    daemon = daemon_factory(*args)
+    kv = torch.ones(layout.chunk_shape(512), dtype=layout.torch_dtype)  # 2 chunks
+    prompts = [list(range(start, start + 512)) for start in range(0, 40_000, 1000)]
+    with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                             data_timeout_s=10) as engine:
+        for tokens in prompts[:16]:
+            engine.store(tokens, kv)
+            drained(daemon)
+        info = daemon.info()
+        assert info["disk_used_slots"] == info["disk_slots"] == 14
+        with Connection(daemon.socket) as admin:
+            hello(admin, "admin")
+            for tokens in prompts[16:]:  # the burst
+                engine.store(tokens, kv)
+            assert admin.request(Clear()).count > 0  # writes ahead still queued
+        drained(daemon)
+        assert daemon.info()["disk_write_drops_late"] >= 1
+    assert daemon.info()["disk_used_slots"] == 0
+    daemon.stop()  # graceful: the erasures queued by CLEAR reach the disk first
+    restarted = start_daemon(daemon.name, daemon.socket, daemon.log_path + ".2", *args)
+    try:
+        assert restarted.info()["disk_restored_chunks"] == 0, "a restart undid CLEAR"
+        with CacheEngine.connect(layout, socket=restarted.socket, strict=True,
+                                 data_timeout_s=10) as engine:
+            assert sum(engine.lookup(tokens) for tokens in prompts) == 0
+        assert restarted.info()["disk_fetch_hit_chunks"] == 0
     finally:
         restarted.stop()
 
