@@ -168,6 +168,45 @@ def test_clear_holds_across_a_restart_after_write_aheads_were_cancelled(daemon_f
         restarted.stop()
 
 
+def test_a_wrong_parent_from_another_client_never_costs_the_victim_its_disk_chunks(
+        daemon_factory, disk_dir):
+    """A LOOKUP / ACQUIRE whose `parent` is wrong fails the chain check of the chunks it
+    fetches: a miss for that request, never a slot forgotten (no EVICT right needed)."""
+    from raw_frames import connect, recv_reply
+    from lmcached.wire.frames import encode_frame
+    from lmcached.wire.protocol import PROTOCOL_VERSION, Acquire, Hello, Lookup, Release
+
+    daemon = daemon_factory(*disk_args(disk_dir))
+    layout = small_layout()
+    # 112 tokens, 7 chunks: as much as one session may hold of this 15-block arena
+    assert run_worker("store", daemon.socket, 0, 112, 0, 1, env=WORKER_ENV) == {"stored": 7}
+    drained(daemon)
+    for start in (1000, 2000):  # the victim's chunks go to disk
+        store(daemon, start)
+        drained(daemon)
+    used = daemon.info()["disk_used_slots"]
+    hashes = b"".join(hash_request_tokens(layout.chunk_size, list(range(112))))
+    sock = connect(daemon.socket)
+    try:
+        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "attacker",
+                                        [layout.to_wire()])))
+        (ns,) = recv_reply(sock).namespaces
+        for offset in range(6, -1, -1):  # every run of the chain, each after a wrong parent
+            # (the arena's chunks are counted: a reader verifies their token ids itself)
+            sock.sendall(encode_frame(Lookup([ns], hashes[16 * offset:], parent=b"\7" * 16)))
+            recv_reply(sock)
+            sock.sendall(encode_frame(Acquire([ns], hashes[16 * offset:], parent=b"\7" * 16)))
+            sock.sendall(encode_frame(Release([recv_reply(sock).lease])))
+    finally:
+        sock.close()
+    info = daemon.info()
+    assert info.get("disk_fetch_verify_tokens", 0) >= 1, "the attack never reached the disk"
+    assert info["disk_used_slots"] >= used, "a request's wrong parent forgot a slot"
+    assert run_worker("retrieve", daemon.socket, 0, 112, 0, 1, env=WORKER_ENV) == {
+        "hit": 112, "mismatches": 0}
+    assert daemon.info()["pinned_blocks"] == 0
+
+
 def test_a_corrupted_slot_and_a_truncated_file_are_counted_misses(daemon_factory, disk_dir):
     daemon = daemon_factory(*disk_args(disk_dir, "--disk-policy", "write-through"))
     store(daemon, 0)
