@@ -26,8 +26,8 @@ from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
-from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Layout, \
-    Lookup, LookupReply, Ok, Release
+from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Invalidate, \
+    Layout, Lookup, LookupReply, Ok, Release
 
 NUM_BLOCKS = 6
 KV_BYTES = 5000
@@ -572,3 +572,27 @@ def test_a_cancelled_write_ahead_erases_the_slot_of_the_chunk_it_evicted(disk_se
     restarted.close()
     indexed = {e.slot: key for key, e in index.entries.items()}
     assert found == indexed, "a slot the index forgot keeps a chunk a restart would serve"
+
+
+def test_invalidate_forgets_and_erases_the_disk_copy_so_that_a_restart_does_not_serve_it(
+        disk_service):
+    service = disk_service
+    session = greeted(service, LAYOUT)
+    store_both(service, session)  # the arena is full: chunks next in line written ahead
+    tier = service.disk
+    fp = tier._ns_fp(1)
+    pool_prefix = b"c" + (1).to_bytes(4, "little")
+    both = [h for _, h, _ in PROMPT_A + PROMPT_B
+            if (fp, h) in tier.index.entries and pool_prefix + h in service.pool.cached]
+    assert both, "no chunk is in the arena and on disk at once"
+    chunk_hash = both[0]
+    block_ref = service.pool.cached[pool_prefix + chunk_hash][0].ref
+    assert service.handle(session, Invalidate(1, chunk_hash, [block_ref])) is None
+    assert (fp, chunk_hash) not in tier.index.entries, "the disk would serve it back"
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
+    service.jobs.process_completions()
+    restarted, _ = SlotFile.open(tier.directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    found = {h.chunk_hash for h in restarted.scan()}
+    restarted.close()
+    assert chunk_hash not in found, "a restart would serve an invalidated chunk"
+    assert_nothing_held(service)
