@@ -34,6 +34,7 @@ from lmcached.info_text import blocks_note, loading_note, render_clients, render
 
 STOP_WAIT_S = 60.0  # how long `stop` waits for the daemon to exit, by default
 _EXIT_POLL_S = 0.05
+CLEAR_L2_WAIT_S = 2.0  # how long `clear` waits for L2's clear generation to advance
 
 
 def wait_for_exit(pid: int, timeout_s: float) -> bool:
@@ -244,14 +245,35 @@ def evict(lru, key, socket_path, name) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @_admin_options
 def clear(yes, socket_path, name) -> None:
-    """Evict every cached value that nobody is reading (asks first on a terminal)."""
+    """Evict every cached value from the arena, the disk tier and L2 (asks first on a
+    terminal). A value being read stays with its reader until released."""
     if not yes:
         if not _stdin_is_terminal():
             raise click.UsageError("clear asks for confirmation on a terminal, and stdin is "
                                    "not one: pass --yes to clear without asking")
-        click.confirm("Evict every unpinned value from the cache?", abort=True)
-    reply = _request(socket_path, name, Clear())
-    click.echo(f"evicted {reply.count}")
+        click.confirm("Evict every value from the cache (arena, disk and L2)?", abort=True)
+
+    def talk(conn):
+        count = conn.request(Clear()).count
+        l2 = conn.request(Info("l2")).sections["l2"]
+        deadline = time.monotonic() + CLEAR_L2_WAIT_S
+        while l2.get("l2_clear_pending") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            l2 = conn.request(Info("l2")).sections["l2"]
+        return count, l2
+    count, l2 = _session(socket_path, name, talk)
+    click.echo(f"evicted {count}")
+    if not l2.get("l2_enabled"):
+        return
+    if l2.get("l2_clear_pending"):
+        click.echo("l2: not cleared yet (the L2 is down or refused the INCR: INFO "
+                   "l2_clear_failures); this daemon fetches nothing from L2 until it is, "
+                   "other daemons on it still serve the old chunks")
+    else:
+        click.echo(f"l2: cleared for every daemon on {l2['l2_url']}: chunks written before "
+                   f"are never read again (l2_generation {l2['l2_generation']}; Redis drops "
+                   "them when their TTL ends); other daemons' arenas and disks keep theirs: "
+                   "run clear on each node")
 
 
 def _stdin_is_terminal() -> bool:

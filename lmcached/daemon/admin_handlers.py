@@ -107,9 +107,22 @@ class AdminHandlers:
         return CountReply(self.pool.evict_lru(req.lru))
 
     def _clear(self, session: Session, req: Clear) -> CountReply:
-        num_values = self.tiers.clear() if self.pool is not None else 0
-        if self.disk is not None:
-            num_values += self.disk.clear()
+        """Remove every value from every tier (docs/operator.md, "CLEAR"): the disk
+        tier's index and slots, L2 by its clear generation (lmcached/daemon/l2/tier.py,
+        `L2Tier.clear`; in the background), then every block pool, pinned values too
+        (their readers keep their bytes). The pool's clear advances its
+        `clear_generation`, so that no fetch started before installs after; the tiers
+        go first, so that the chains their fetches pin are unpinned by then.
+
+        Returns:
+            The values removed from the arena and device tiers plus the chunks the disk
+            tier forgot (L2's are not counted: INFO l2_generation, l2_clear_pending).
+        """
+        num_values = self.disk.clear() if self.disk is not None else 0
+        if self.l2 is not None:
+            self.l2.clear()
+        if self.pool is not None:
+            num_values += self.tiers.clear()
         return CountReply(num_values)
 
     def _open_tier(self, session: Session, req: OpenTier) -> TierHandle:

@@ -56,6 +56,10 @@ class BlockPool:
             value, before its blocks are handed out, while their bytes and `num_bytes`
             are intact (the daemon's L2 tier copies them, lmcached/daemon/l2/tier.py); None = no
             hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
+        clear_generation: how many `clear`s this pool has seen. A tier that installs
+            values fetched in the background (disk, L2) notes it when a fetch starts and
+            commits nothing once it changed: a fetch started before a CLEAR never
+            installs after it.
         group_of: maps a key to its group (the daemon: its namespace,
             `keys.namespace_tag_of`), so that the pool counts the indexed values of
             each group in `num_values_by_group`; None = no counting.
@@ -84,6 +88,7 @@ class BlockPool:
         self.group_of: Callable[[BlockHash], Hashable] | None = None
         self.num_values_by_group: dict[Hashable, int] = {}
         self.on_group_empty: Callable[[Hashable], None] | None = None
+        self.clear_generation = 0
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -469,12 +474,11 @@ class BlockPool:
         return len(victims)
 
     def clear(self) -> int:
-        """Evict every cached value that nobody pins. Returns how many values."""
-        victims = [
-            block_hash
-            for block_hash, span in self.cached.items()
-            if all(block.ref_cnt == 0 for block in span)
-        ]
+        """Evict every cached value, pinned or not (as `evict`: a pinned value keeps its
+        bytes for its current readers, is found by no one, and becomes empty when freed),
+        and advance `clear_generation`. Returns how many values."""
+        self.clear_generation += 1
+        victims = list(self.cached)
         for block_hash in victims:
             self.evict(block_hash)
         return len(victims)

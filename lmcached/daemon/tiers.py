@@ -212,7 +212,7 @@ class TierSet:
         return sum(pool.evict(key) for pool in self.pools if pool is not None) > 0
 
     def clear(self) -> int:
-        """Evict every unpinned value of every tier; how many values."""
+        """Evict every value of every tier (`BlockPool.clear`: pinned ones too); how many."""
         return sum(pool.clear() for pool in self.pools if pool is not None)
 
     def check_invariants(self) -> None:

@@ -294,7 +294,9 @@ class ValueHandlers:
         """Drop the chunks a reader found corrupt, each only while the index still maps
         it to the block the reader read (counted: INFO invalidated_chunks). Any session
         may: any session can already overwrite those bytes. Pinned blocks keep their
-        bytes for their readers (detached) until released."""
+        bytes for their readers (detached) until released. The disk tier forgets and
+        erases its copy too (it was written from the same bytes), so that neither a
+        later fetch nor a restart brings the chunk back."""
         chunk_keys = self._chunk_keys(session, req.ns, req.hashes)
         if len(req.block_ids) != len(chunk_keys):
             raise RequestError("bad_request", f"INVALIDATE of {len(chunk_keys)} hashes needs "
@@ -307,6 +309,8 @@ class ValueHandlers:
             span = pool.cached.get(key) if pool is not None else None
             if span is not None and span[0].ref == ref and pool.evict(key):
                 self.stats.invalidated += 1
+                if self.disk is not None:
+                    self.disk.evict(key)
         return None
 
     def _delete(self, session: Session, req: Delete) -> CountReply:

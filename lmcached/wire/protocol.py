@@ -269,7 +269,7 @@ class Evict(msgspec.Struct, tag="evict", array_like=True):
 
 
 class Clear(msgspec.Struct, tag="clear", array_like=True):
-    """Evict every value nobody pins."""
+    """Evict every value from every tier (a pinned one stays with its readers)."""
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):

@@ -268,16 +268,18 @@ def test_evict_key_removes_a_string_key_or_a_chunk_in_every_namespace(service):
     assert_everything_returned(service)
 
 
-def test_clear_evicts_every_value_nobody_pins(service):
+def test_clear_evicts_every_value_and_a_pinned_one_stays_with_its_reader(service):
     session = greeted(service, LAYOUT)
     store(service, session, 1, range(3))
     put(service, session, 1, "key")
     lease = service.handle(session, Acquire([1], chunk_hashes([1]))).lease
-    assert service.handle(session, Clear()) == CountReply(3)
-    assert service.pool.num_cached_blocks == 1 and lookup(service, session, [1], [0]) == 0
+    assert service.handle(session, Clear()) == CountReply(4)
+    pool = service.pool
+    assert pool.num_cached_blocks == 0 and lookup(service, session, [1], [1]) == 0
+    assert pool.num_detached_blocks == 1  # its reader keeps its bytes until it releases
     service.handle(session, Release([lease]))
-    assert service.handle(session, Clear()) == CountReply(1)
-    assert service.pool.num_cached_blocks == 0 and service.pool.num_empty_blocks == NUM_BLOCKS
+    assert service.handle(session, Clear()) == CountReply(0)
+    assert pool.num_cached_blocks == 0 and pool.num_empty_blocks == NUM_BLOCKS
     assert_everything_returned(service)
 
 

@@ -201,16 +201,21 @@ def test_values_are_counted_by_group_and_an_emptied_group_is_reported():
     pool.check_invariants()
 
 
-def test_evict_lru_and_clear_spare_pinned_values():
+def test_evict_lru_spares_pinned_values_and_clear_detaches_them():
     pool = BlockPool(4)
     for key in "abcd":
         store(pool, key)
-    pool.touch(pool.get_cached("a"))
+    reader = pool.get_cached("a")
+    pool.touch(reader)
     assert pool.evict_lru(2) == 2
     assert pool.get_cached("b") is None and pool.get_cached("c") is None
-    assert pool.clear() == 1  # "d"; "a" is pinned
-    assert pool.get_cached("a") is not None
-    assert pool.stats.evictions == 3
+    assert pool.clear_generation == 0
+    assert pool.clear() == 2  # "d", and "a" although pinned: found by no one from now on
+    assert pool.get_cached("a") is None and pool.clear_generation == 1
+    assert pool.num_detached_blocks == 1 and reader[0].state == BlockState.READY
+    pool.free(reader)  # its reader is done: the block becomes empty
+    assert pool.num_free_blocks == 4 and pool.num_detached_blocks == 0
+    assert pool.stats.evictions == 4
     pool.check_invariants()
 
 
@@ -381,7 +386,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @rule()
     def clear(self):
-        victims = [k for k, span in self.index.items() if all(self.ref[b] == 0 for b in span)]
+        victims = list(self.index)
         assert self.pool.clear() == len(victims)
         for key in victims:
             self._model_unindex(key)

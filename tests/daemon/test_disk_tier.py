@@ -27,8 +27,8 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.wire.units import format_bytes
-from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Layout, \
-    Lookup, LookupReply, Ok, Release
+from lmcached.wire.protocol import Acquire, Alloc, BlocksReply, Clear, Commit, Evict, Invalidate, \
+    Layout, Lookup, LookupReply, Ok, Release
 
 NUM_BLOCKS = 6
 KV_BYTES = 5000
@@ -326,7 +326,8 @@ def test_a_failing_write_is_a_counted_drop(disk_service, monkeypatch, code, kind
     assert info[f"disk_errors_{kind}"] >= 1
     assert info["disk_write_failures"] == info[f"disk_errors_{kind}"]
     assert info["disk_writes"] == 0 and info["disk_used_slots"] == 0
-    assert len(service.disk.index.free_slots) == service.disk.index.num_slots  # all given back
+    index = service.disk.index  # every slot given back once erased (it may have held a chunk)
+    settle(service, lambda: len(index.free_slots) == index.num_slots)
     assert lookup(service, session) == arena_prefix(service) < 4  # a miss, not an error
     assert info["disk_fetches"] == 0
     assert_nothing_held(service)
@@ -652,3 +653,101 @@ def test_spanned_records_go_to_disk_and_come_back_bit_exact_when_they_fit_a_slot
         assert_nothing_held(service)
     finally:
         close_disk_service(service)
+
+
+def test_a_fetch_held_between_read_and_commit_installs_nothing_after_a_clear(
+        disk_service, monkeypatch):
+    service = disk_service
+    session = stored_and_settled(service)
+    store_chunk(service, session, PROMPT_A[0][1], PROMPT_A[0][2])  # the chain's arena part
+    settle(service, lambda: not service.disk._writing)
+    assert 1 <= arena_prefix(service) < 4
+    read_done, go_on = threading.Event(), threading.Event()
+    read_item = DiskTier._read_item
+
+    def read_then_wait(self, item, page):  # reader thread: read and verified, not committed
+        read_item(self, item, page)
+        read_done.set()
+        assert go_on.wait(10)
+    monkeypatch.setattr(DiskTier, "_read_item", read_then_wait)
+    reply = service.handle(session, Lookup([1], HASHES_A))
+    assert isinstance(reply, Deferred)
+    assert read_done.wait(10)
+    assert service.pool.num_pinned_blocks > 0  # the fetch pins the chain's arena part
+    assert service.handle(session, Clear()).count > 0
+    pool = service.pool
+    assert not pool.cached and pool.num_pinned_blocks == 0, \
+        "CLEAR leaves nothing indexed and nothing pinned by a fetch"
+    go_on.set()
+    settle(service, lambda: reply.job.done)
+    assert isinstance(service.resume(session, reply), LookupReply)
+    assert not pool.cached, "a fetch started before CLEAR installed a chunk after it"
+    reply = service.handle(session, Acquire([1], HASHES_A))
+    assert isinstance(reply, BlocksReply) and reply.block_ids == []
+    assert disk_info(service)["disk_fetch_hit_chunks"] == 0
+    assert_nothing_held(service)
+
+
+def test_a_wrong_parent_is_the_requests_miss_and_never_forgets_the_slot(disk_service):
+    service = disk_service
+    session = stored_and_settled(service)
+    tier = service.disk
+    assert service.handle(session, Evict(key=PROMPT_A[0][1].hex())).count >= 1
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
+    store_chunk(service, session, PROMPT_A[0][1], PROMPT_A[0][2])  # back in the arena only
+    service.pool.evict(b"c" + (1).to_bytes(4, "little") + PROMPT_A[1][1])
+    fp = tier._ns_fp(1)
+    assert arena_prefix(service) == 1 and (fp, PROMPT_A[1][1]) in tier.index.entries
+    wrong = Lookup([1], HASHES_A[16:], parent=b"\x07" * 16)  # chunk 1 after a wrong parent
+    reply = service.handle(session, wrong)
+    if isinstance(reply, Deferred):
+        settle(service, lambda: reply.job.done)
+        reply = service.resume(session, reply)
+    assert reply.num_chunks == 0, "a chunk verified from a wrong parent was served"
+    assert disk_info(service)["disk_fetch_verify_tokens"] == 1
+    assert (fp, PROMPT_A[1][1]) in tier.index.entries, "a request's wrong parent forgot a slot"
+    assert lookup(service, session) == 4  # the right chain still hits every chunk
+    assert_nothing_held(service)
+
+
+def test_a_cancelled_write_ahead_erases_the_slot_of_the_chunk_it_evicted(disk_service):
+    service = disk_service
+    session = stored_and_settled(service)
+    tier = service.disk
+    index = tier.index
+    index.free_slots.clear()  # every later write takes the slot of the disk LRU's chunk
+    victims = {e.slot: key for key, e in index.entries.items()}
+    store_both(service, session, settled=False)  # write-aheads overtaken by evictions
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
+    service.jobs.process_completions()
+    forgotten = set(victims) - {e.slot for e in index.entries.values()}
+    assert forgotten, "no chunk was evicted from the disk"
+    restarted, _ = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    found = {h.slot: (h.ns_fp, h.chunk_hash) for h in restarted.scan()}
+    restarted.close()
+    indexed = {e.slot: key for key, e in index.entries.items()}
+    assert found == indexed, "a slot the index forgot keeps a chunk a restart would serve"
+
+
+def test_invalidate_forgets_and_erases_the_disk_copy_so_that_a_restart_does_not_serve_it(
+        disk_service):
+    service = disk_service
+    session = greeted(service, LAYOUT)
+    store_both(service, session)  # the arena is full: chunks next in line written ahead
+    tier = service.disk
+    fp = tier._ns_fp(1)
+    pool_prefix = b"c" + (1).to_bytes(4, "little")
+    both = [h for _, h, _ in PROMPT_A + PROMPT_B
+            if (fp, h) in tier.index.entries and pool_prefix + h in service.pool.cached]
+    assert both, "no chunk is in the arena and on disk at once"
+    chunk_hash = both[0]
+    block_ref = service.pool.cached[pool_prefix + chunk_hash][0].ref
+    assert service.handle(session, Invalidate(1, chunk_hash, [block_ref])) is None
+    assert (fp, chunk_hash) not in tier.index.entries, "the disk would serve it back"
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
+    service.jobs.process_completions()
+    restarted, _ = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
+    found = {h.chunk_hash for h in restarted.scan()}
+    restarted.close()
+    assert chunk_hash not in found, "a restart would serve an invalidated chunk"
+    assert_nothing_held(service)

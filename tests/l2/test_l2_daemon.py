@@ -18,6 +18,7 @@ import torch
 from engine_worker import prompt_kv, small_layout
 from raw_frames import connect, recv_reply
 from test_engine_multiprocess import run_worker
+from test_cli import run_cli
 from test_limits import wait_for
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 from lmcached.daemon.l2.values import encode_value, l2_key, namespace_fingerprint
@@ -305,3 +306,30 @@ def test_a_client_that_shuts_down_its_side_while_parked_still_gets_its_reply(
         assert recv_reply(sock) == LookupReply(0)
         assert sock.recv(1) == b"", "then the daemon closes"
     assert daemon.info()["pinned_blocks"] == 0
+
+
+def test_clear_makes_every_daemon_on_the_l2_stop_serving_the_cleared_chunks(
+        redis_server, daemon_factory):
+    node_a = daemon_factory(*ARENA, "--l2", redis_server.url, *FETCH_WAIT)
+    node_b = daemon_factory(*ARENA, "--l2", redis_server.url, *FETCH_WAIT)
+    store(node_a)
+    wait_written(node_a, NUM_CHUNKS)
+    assert retrieve(node_b) == {"hit": 100, "mismatches": 0}  # from L2, before the CLEAR
+    node_c = daemon_factory(*ARENA, "--l2", redis_server.url, *FETCH_WAIT)  # an empty arena
+    result = run_cli("clear", "--yes", "--socket", node_a.socket)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"evicted {NUM_CHUNKS}" and lines[1].startswith(
+        f"l2: cleared for every daemon on {redis_server.url}"), result.stdout
+    info = l2_info(node_a)
+    assert info["l2_generation"] == 1 and info["l2_clear_pending"] == 0
+    assert all(redis_server.client().exists(key) for key in chunk_keys()), \
+        "old keys stay until their TTL: nothing is deleted one by one"
+    for daemon in (node_a, node_c):
+        assert retrieve(daemon) == {"hit": 0, "mismatches": 0}, "a cleared chunk was served"
+        info = l2_info(daemon)
+        assert info["l2_fetch_hit_chunks"] == 0 and info["l2_generation"] == 1
+    # Chunks stored after the CLEAR are shared again, under the new generation.
+    store(node_a, 5000)
+    wait_for(lambda: retrieve(node_c, 5000) == {"hit": 100, "mismatches": 0},
+             what="node C to fetch what node A stored after the CLEAR", timeout_s=30)

@@ -15,8 +15,9 @@ import pytest
 from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
-from lmcached.daemon.l2.tier import L2Tier
+from lmcached.daemon.l2.tier import DOWN_HOLD_S, L2Tier
 from lmcached.daemon.l2.values import (
+    GENERATION_KEY,
     VERIFY_REASONS,
     l2_key,
     namespace_fingerprint,
@@ -31,6 +32,7 @@ from lmcached.wire.protocol import (
     Alloc,
     AllocReply,
     BlocksReply,
+    Clear,
     Commit,
     Error,
     Hello,
@@ -75,6 +77,19 @@ class FakeStore:
             for key, value in items:
                 self.data[key] = bytes(value)
         return len(items)
+
+    def set_many_reading_generation(self, items) -> tuple[int, int]:
+        return self.set_many(items), self.generation()
+
+    def generation(self) -> int:
+        self._check()
+        return int(self.data.get(GENERATION_KEY, b"0"))
+
+    def bump_generation(self) -> int:
+        self._check()
+        with self.lock:
+            self.data[GENERATION_KEY] = b"%d" % (int(self.data.get(GENERATION_KEY, b"0")) + 1)
+            return int(self.data[GENERATION_KEY])
 
     def exists_prefix(self, keys) -> int:
         self._check()
@@ -477,3 +492,67 @@ def test_a_prefix_on_a_device_tier_is_served_and_only_the_rest_is_fetched(nodes,
         device.gate.set()
         reader.service.close()  # its demotion thread reads the device tier
         device.close()
+
+
+def test_a_fetch_held_before_its_install_installs_nothing_after_a_clear(nodes):
+    store = FakeStore()
+    writer, reader, other = nodes(store), nodes(store), nodes(store)
+    prompt = make_prompt(0, 6)
+    writer.store(prompt)
+    writer.settle(lambda: writer.tier.info()["l2_writes"] == 6)
+    reader.store(prompt[:1])  # the chain's arena part, pinned by the fetch
+    reader.settle(lambda: reader.tier.info()["l2_queue_values"] == 0)
+    hashes = b"".join(h for h, _ in prompt)
+    reply = reader.service.handle(reader.session, Lookup([reader.ns], hashes))
+    assert isinstance(reply, Deferred)
+    fetches = reader.tier._fetches
+    for _ in range(200):  # the fetch thread read and verified a batch; the loop holds it
+        if any(m[0] == "batch" for m in list(fetches.done)):
+            break
+        threading.Event().wait(0.01)
+    else:
+        raise AssertionError("the fetch thread posted no batch")
+    pool = reader.service.pool
+    assert pool.num_pinned_blocks == 1
+    assert reader.service.handle(reader.session, Clear()).count == 1
+    assert not pool.cached and pool.num_pinned_blocks == 0
+    assert reader.tier.info()["l2_clear_pending"] == 1
+    reader.settle(lambda: reply.job.done and not reader.tier.info()["l2_clear_pending"])
+    assert reader.service.resume(reader.session, reply) == LookupReply(0)
+    assert not pool.cached, "a fetch started before CLEAR installed a chunk after it"
+    info = reader.tier.info()
+    assert info["l2_fetch_hit_chunks"] == 0 and info["l2_generation"] == 1
+    assert info["l2_clears"] == 1 and info["l2_clear_failures"] == 0
+    # The L2 keeps the old keys (their TTL removes them) but no daemon reads them again.
+    assert l2_key(FP, prompt[0][0]) in store.data
+    for node in (reader, other):
+        assert _answer(node, Lookup([node.ns], hashes)) == LookupReply(0)
+        assert node.tier.info()["l2_fetch_hit_chunks"] == 0
+    assert other.tier.info()["l2_generation"] == 1, "another daemon learned the generation"
+    assert pool.num_pinned_blocks == 0 and pool.num_writing_blocks == 0
+    pool.check_invariants()
+
+
+def test_a_clear_while_l2_is_down_fetches_nothing_until_its_generation_advanced(nodes):
+    store = FakeStore()
+    writer, reader = nodes(store), nodes(store)
+    prompt = make_prompt(0, 3)
+    writer.store(prompt)
+    writer.settle(lambda: writer.tier.info()["l2_writes"] == 3)
+    hashes = b"".join(h for h, _ in prompt)
+    store.down = True
+    reader.service.handle(reader.session, Clear())
+    reader.settle(lambda: reader.tier.info()["l2_clear_failures"] == 1)
+    store.down, store.state = False, "up"
+    threading.Event().wait(DOWN_HOLD_S)  # after an outage the tier waits this long
+    assert _answer(reader, Lookup([reader.ns], hashes)) == LookupReply(0)  # retried, not read
+    reader.settle(lambda: not reader.tier.info()["l2_clear_pending"])
+    assert reader.tier.info()["l2_generation"] == 1
+    assert _answer(reader, Lookup([reader.ns], hashes)) == LookupReply(0)
+    writer.store(make_prompt(1000, 2))  # the writer learns the generation from its writes
+    writer.settle(lambda: writer.tier.info()["l2_generation"] == 1)
+    fresh = make_prompt(2000, 2)
+    writer.store(fresh)
+    writer.settle(lambda: writer.tier.info()["l2_queue_values"] == 0)
+    fresh_hashes = b"".join(h for h, _ in fresh)
+    assert _answer(reader, Lookup([reader.ns], fresh_hashes)) == LookupReply(2)

@@ -199,7 +199,7 @@ def test_evict_needs_exactly_one_of_lru_or_key(daemon, args):
     assert info_json(daemon)["blocks"]["cached_values"] == 1  # nothing evicted
 
 
-def test_clear_yes_evicts_everything_unpinned(daemon):
+def test_clear_yes_evicts_everything(daemon):
     store_chunks(daemon, [1, 2, 3]).close()
     result = run_cli("clear", "--yes", "--socket", daemon.socket)
     assert (result.exit_code, result.stdout) == (0, "evicted 3\n")

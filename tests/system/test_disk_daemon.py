@@ -30,7 +30,7 @@ from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
 from lmcached.daemon.l2.values import ENVELOPE, namespace_fingerprint
 from lmcached.wire.connection import Connection, DaemonError, hello
-from lmcached.wire.protocol import Info
+from lmcached.wire.protocol import Clear, Info
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +123,92 @@ def test_a_restarted_daemon_serves_what_its_disk_holds(daemon_factory, disk_dir,
         assert restarted.info()["pinned_blocks"] == 0
     finally:
         restarted.stop()
+
+
+def test_clear_holds_across_a_restart_after_write_aheads_were_cancelled(daemon_factory,
+                                                                          disk_dir):
+    """Chunks of 4 MiB, 14 slots: once they are full, every write ahead takes the slot of
+    the disk's least recently used chunk, and a burst of stores from one process (a copy
+    into the arena is faster than a write to disk) overtakes the writers, so writes ahead
+    are cancelled in those slots. After CLEAR and a graceful restart, none of those
+    chunks (nor any other) is served."""
+    from lmcached.client import CacheEngine
+
+    layout = KVLayout("clear-llama", num_layers=4, num_kv_heads=8, head_size=128,
+                      chunk_size=256)
+    args = ("--capacity", "70MiB", "--block-size", "4200KiB", "--disk-path", disk_dir,
+            "--disk-capacity", "60MiB", "--disk-fetch-wait", "5")
+    kv = torch.ones(layout.chunk_shape(512), dtype=layout.torch_dtype)  # 2 chunks
+    prompts = [list(range(start, start + 512)) for start in range(0, 40_000, 1000)]
+    for _ in range(3):  # the burst races the writers: a loaded machine may not overtake them
+        daemon = daemon_factory(*args)
+        with CacheEngine.connect(layout, socket=daemon.socket, strict=True,
+                                 data_timeout_s=10) as engine:
+            for tokens in prompts[:16]:
+                engine.store(tokens, kv)
+                drained(daemon)
+            info = daemon.info()
+            assert info["disk_used_slots"] == info["disk_slots"] == 14
+            with Connection(daemon.socket) as admin:
+                hello(admin, "admin")
+                for tokens in prompts[16:]:  # the burst
+                    engine.store(tokens, kv)
+                assert admin.request(Clear()).count > 0  # writes ahead still queued
+            drained(daemon)
+        if daemon.info()["disk_write_drops_late"] >= 1:
+            break
+        daemon.stop()
+    assert daemon.info()["disk_write_drops_late"] >= 1, "no write ahead was overtaken in 3 tries"
+    assert daemon.info()["disk_used_slots"] == 0
+    daemon.stop()  # graceful: the erasures queued by CLEAR reach the disk first
+    restarted = start_daemon(daemon.name, daemon.socket, daemon.log_path + ".2", *args)
+    try:
+        assert restarted.info()["disk_restored_chunks"] == 0, "a restart undid CLEAR"
+        with CacheEngine.connect(layout, socket=restarted.socket, strict=True,
+                                 data_timeout_s=10) as engine:
+            assert sum(engine.lookup(tokens) for tokens in prompts) == 0
+        assert restarted.info()["disk_fetch_hit_chunks"] == 0
+    finally:
+        restarted.stop()
+
+
+def test_a_wrong_parent_from_another_client_never_costs_the_victim_its_disk_chunks(
+        daemon_factory, disk_dir):
+    """A LOOKUP / ACQUIRE whose `parent` is wrong fails the chain check of the chunks it
+    fetches: a miss for that request, never a slot forgotten (no EVICT right needed)."""
+    from raw_frames import connect, recv_reply
+    from lmcached.wire.frames import encode_frame
+    from lmcached.wire.protocol import PROTOCOL_VERSION, Acquire, Hello, Lookup, Release
+
+    daemon = daemon_factory(*disk_args(disk_dir))
+    layout = small_layout()
+    # 112 tokens, 7 chunks: as much as one session may hold of this 15-block arena
+    assert run_worker("store", daemon.socket, 0, 112, 0, 1, env=WORKER_ENV) == {"stored": 7}
+    drained(daemon)
+    for start in (1000, 2000):  # the victim's chunks go to disk
+        store(daemon, start)
+        drained(daemon)
+    used = daemon.info()["disk_used_slots"]
+    hashes = b"".join(hash_request_tokens(layout.chunk_size, list(range(112))))
+    sock = connect(daemon.socket)
+    try:
+        sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, os.getpid(), "attacker",
+                                        [layout.to_wire()])))
+        (ns,) = recv_reply(sock).namespaces
+        for offset in range(6, -1, -1):  # every run of the chain, each after a wrong parent
+            # (the arena's chunks are counted: a reader verifies their token ids itself)
+            sock.sendall(encode_frame(Lookup([ns], hashes[16 * offset:], parent=b"\7" * 16)))
+            recv_reply(sock)
+            sock.sendall(encode_frame(Acquire([ns], hashes[16 * offset:], parent=b"\7" * 16)))
+            sock.sendall(encode_frame(Release([recv_reply(sock).lease])))
+    finally:
+        sock.close()
+    info = daemon.info()
+    assert info.get("disk_fetch_verify_tokens", 0) >= 1, "the attack never reached the disk"
+    assert info["disk_used_slots"] >= used, "a request's wrong parent forgot a slot"
+    assert run_worker("retrieve", daemon.socket, 0, 112, 0, 1, env=WORKER_ENV) == {
+        "hit": 112, "mismatches": 0}
+    assert daemon.info()["pinned_blocks"] == 0
 
 
 def test_a_corrupted_slot_and_a_truncated_file_are_counted_misses(daemon_factory, disk_dir):

@@ -33,9 +33,13 @@ class ReadItem:
         blocks: WRITING arena blocks for the record.
         failure: None when read and verified; else a counter suffix ("verify_checksum",
             "errors_io", ...) or "skipped" (an earlier chunk of the chain failed).
+        slot_sound: the slot passed its own checks (envelope, checksum, its record's
+            header) and failed only the request's chain (its token ids do not hash from
+            the request's parent to the chunk hash): the request's miss, the slot stays.
     """
 
-    __slots__ = ("key", "pool_key", "slot", "record_bytes", "parent", "blocks", "failure")
+    __slots__ = ("key", "pool_key", "slot", "record_bytes", "parent", "blocks", "failure",
+                 "slot_sound")
 
     def __init__(self, key: DiskKey, pool_key: bytes, slot: int, record_bytes: int,
                  parent: bytes) -> None:
@@ -46,6 +50,7 @@ class ReadItem:
         self.parent = parent
         self.blocks: list[KVCacheBlock] = []
         self.failure: str | None = None
+        self.slot_sound = False
 
 
 class DiskFetchJob:
@@ -59,9 +64,12 @@ class DiskFetchJob:
             the chunks installed).
         num_batches: its ReadBatches not applied by the loop yet.
         done: set by the loop once the job's chunks are installed or dropped.
+        generation: the pool's `clear_generation` when the job started: once a CLEAR
+            changed it, the job installs nothing (`DiskFetches._finish_reads`).
     """
 
-    __slots__ = ("key", "namespaces", "fps", "items", "held", "num_batches", "done")
+    __slots__ = ("key", "namespaces", "fps", "items", "held", "num_batches", "done",
+                 "generation")
 
     def __init__(self, key: tuple, namespaces: list[int], fps: list[bytes]) -> None:
         self.key = key
@@ -71,6 +79,7 @@ class DiskFetchJob:
         self.held: list[KVCacheBlock] = []
         self.num_batches = 0
         self.done = False
+        self.generation = 0
 
 
 class ReadBatch:
@@ -121,6 +130,7 @@ class DiskFetches:
             self.stats["fetches_skipped"] += 1
             return None
         job = DiskFetchJob(key, list(namespaces), fps)
+        job.generation = pool.clear_generation
         total = num_run = 0
         for chunk_hash in chunk_hashes:
             entries = [index.get((fp, chunk_hash)) for fp in fps]
@@ -201,6 +211,7 @@ class DiskFetches:
                     self._read_item(item, page)
                 except L2VerifyError as exc:
                     item.failure = f"verify_{exc.reason}"
+                    item.slot_sound = exc.slot_sound
                 except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
                     item.failure = f"errors_{error_kind(exc)}: {exc}"
                 failed = item.failure is not None
@@ -238,13 +249,17 @@ class DiskFetches:
             pos += n
 
     def _finish_reads(self, batches: list[ReadBatch]) -> None:
-        """Commit what was read and verified, drop the slots that failed; after a fetch's
-        last batch, unpin its chain (loop thread)."""
+        """Commit what was read and verified, drop the slots that failed their own checks;
+        after a fetch's last batch, unpin its chain (loop thread). A job started before
+        a CLEAR (the pool's `clear_generation` changed since) commits nothing and drops
+        nothing: its reads may have raced the erasure of its slots."""
         pool, index, stats = self.pool, self.index, self.stats
         for batch in batches:
             job = batch.job
             stats["read_busy_us"] += batch.busy_us
-            current = all(self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
+            cleared = job.generation != pool.clear_generation
+            current = not cleared and all(
+                self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
             for item in batch.items:
                 index.end_read(item.slot)
                 if item.failure is None and current and pool.commit(item.blocks, item.pool_key):
@@ -255,7 +270,7 @@ class DiskFetches:
                     stats["fetch_bytes"] += item.record_bytes
                     continue
                 pool.abort(item.blocks)
-                if item.failure in (None, "skipped"):
+                if item.failure in (None, "skipped") or cleared:
                     continue
                 stats["fetch_failures"] += 1
                 if item.failure.startswith("errors_"):
@@ -267,9 +282,12 @@ class DiskFetches:
                 else:
                     name = f"fetch_{item.failure}"
                     stats[name] = stats.get(name, 0) + 1
+                if item.slot_sound:
+                    continue  # the request's parent is wrong, not the slot
                 entry = index.get(item.key)
                 if entry is not None and entry.slot == item.slot:
-                    index.drop(item.key)  # a slot that failed once is never read again
+                    index.forget(item.key)  # a slot that failed once is never read again
+                    self._erase([entry])
             job.num_batches -= 1
             if job.num_batches:
                 continue

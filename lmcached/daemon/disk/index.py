@@ -99,14 +99,15 @@ class DiskIndex:
             self.entries.move_to_end(key, last=False)
         return slot
 
-    def insert(self, key: DiskKey, slot: int, record_bytes: int) -> None:
+    def insert(self, key: DiskKey, slot: int, record_bytes: int) -> bool:
         """Index a slot whose write completed, most recently used. A key indexed
-        meanwhile in another slot keeps it: this slot goes back to the empty ones."""
+        meanwhile in another slot keeps it: False, and the caller erases this slot and
+        then `release`s it (its envelope names the key too)."""
         if key in self.entries:
-            self.free_slots.append(slot)
-            return
+            return False
         self.entries[key] = DiskEntry(slot, record_bytes)
         self.num_stored_bytes += record_bytes
+        return True
 
     def forget(self, key: DiskKey) -> DiskEntry | None:
         """Remove `key` from the index and return its entry (None when absent); its slot
@@ -124,15 +125,10 @@ class DiskIndex:
         return entries
 
     def release(self, slot: int) -> None:
-        """Give back a reserved slot whose write failed."""
+        """Give back a reserved or forgotten slot once its envelope holds no chunk
+        (erased, or never written): a restart must not find in an empty slot a chunk
+        the index forgot."""
         self.free_slots.append(slot)
-
-    def drop(self, key: DiskKey) -> None:
-        """Forget `key` (its slot failed a read or its checksum); its slot is empty."""
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.free_slots.append(entry.slot)
-            self.num_stored_bytes -= entry.record_bytes
 
     def start_read(self, slot: int) -> None:
         """Mark a slot as being read: `reserve` never hands it out meanwhile."""

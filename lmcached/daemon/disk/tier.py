@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
-from lmcached.daemon.disk.index import DiskIndex, DiskKey
+from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
 from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
@@ -423,6 +423,9 @@ class DiskTier(DiskWrites, DiskFetches):
             if job.mode == "pinned" and self.pool is not None:
                 self._pinned_bytes -= job.record_bytes
                 self.pool.free(job.blocks)
+        # Every slot a dropped job held may keep an envelope the index forgot (an erase
+        # not done, the chunk a write evicted): erased here, or a restart serves it.
+        self._erase([DiskEntry(job.slot, job.record_bytes) for job in dropped])
         if dropped:
             logger.warning("stopping: %d chunk writes to the disk tier were still queued: "
                            "dropped", len(dropped))

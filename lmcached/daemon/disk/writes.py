@@ -219,18 +219,45 @@ class DiskWrites:
 
     def clear(self) -> int:
         """Forget every chunk (an admin's CLEAR) and erase their slots' envelopes in the
-        background; writes in flight are not indexed when they end. Returns how many
-        chunks were forgotten."""
+        background; writes in flight are not indexed when they end (`_epoch`), and
+        fetches in flight install nothing (the pool's `clear_generation`, which the
+        caller's `BlockPool.clear` advances) and unpin their chains now, so that the
+        pool's clear finds them unpinned. Returns how many chunks were forgotten.
+
+        Why a restart cannot bring a cleared chunk back: a slot's envelope is erased
+        before its slot number is given out again whenever it may hold a chunk that is
+        not indexed: an indexed chunk forgotten (CLEAR, EVICT, INVALIDATE, a slot that
+        failed a read), a chunk written again into another slot (`DiskIndex.insert`), a
+        write queued before a CLEAR, a write ahead cancelled or failed in the slot of
+        the chunk it evicted (`_write`, `_finish_writes`), and, at a graceful stop, every
+        write still queued (`DiskTier.close`). Rejected: a clear generation in the
+        superblock that the warm-restart scan compares with each slot's: one page
+        write per CLEAR instead of one per slot, but it needs a field in every slot's
+        envelope, which is the L2 value's envelope (lmcached/daemon/l2/values.py)."""
         if self.index is None:
             return 0
         self._epoch += 1
+        if self.pool is not None:
+            for job in self._fetch_jobs.values():
+                if job.held:
+                    self.pool.free(job.held)
+                job.held = []
         entries = self.index.forget_all()
         self._erase(entries)
         return len(entries)
 
     def _erase(self, entries) -> None:
-        for entry in entries:  # the slots come back to the empty ones once erased
-            self._writes.submit(WriteJob(None, b"", entry.slot, "erase", 0, None))
+        """Zero the envelopes of `entries`' slots (forgotten by the index, not released)
+        in the background; they come back to the empty slots once erased. Once the
+        writers stop (a graceful stop), on this thread at once."""
+        for entry in entries:
+            if self._writes.submit(WriteJob(None, b"", entry.slot, "erase", 0, None)):
+                continue
+            try:
+                self.slots.erase(entry.slot, self._thread_page())
+            except OSError as exc:
+                self._count_error("erase", exc)
+            self.index.release(entry.slot)
 
     def _copy_out(self, blocks: list[KVCacheBlock]) -> tuple[list, list]:
         """Copy a value's bytes from its arena blocks into this thread's buffer, for the
@@ -269,6 +296,7 @@ class DiskWrites:
                     self.slots.erase(job.slot, page)
                 elif job.mode == "ahead" and not self._still_cached(job):
                     job.cancelled = True  # evicted before the writer reached it
+                    self.slots.erase(job.slot, page)  # it may hold the chunk it evicted
                 else:
                     self._write_value(job, page)
             except Exception as exc:  # noqa: BLE001 - counted and logged by the loop
@@ -294,6 +322,7 @@ class DiskWrites:
         self.slots.write_record(job.slot, page, pieces)
         if job.mode == "ahead" and not self._still_cached(job):
             job.cancelled = True  # evicted during the write: its bytes may be another's
+            self.slots.erase(job.slot, page)  # the envelope of the chunk it evicted
             return
         self.slots.commit(job.slot, page, envelope)
 
@@ -315,10 +344,12 @@ class DiskWrites:
                     self.pool.free(job.blocks)
             else:
                 del self._ahead[job.pool_key]
-                if job.cancelled:
+                if job.cancelled:  # the writer erased its slot
                     index.release(job.slot)
                     if job.evicted:  # under pressure, before the writer copied it
                         stats["write_drops_late"] += 1
+                    if job.error is not None:
+                        self._count_error("erase", job.error)
                     continue
                 if job.error is None and not job.evicted and (
                         self.pool is None or not self._still_cached(job)):
@@ -328,14 +359,17 @@ class DiskWrites:
                     continue
             if job.error is not None:
                 self._ahead_held_until = time.monotonic() + ERROR_HOLD_S
-                index.release(job.slot)
                 stats["write_failures"] += 1
                 self._count_error("write", job.error)
-                continue
-            if job.epoch != self._epoch:  # queued before a CLEAR: erased, not indexed
+                # Its slot may keep the envelope of the chunk it evicted: erased.
                 self._erase([DiskEntry(job.slot, job.record_bytes)])
                 continue
-            index.insert(job.key, job.slot, job.record_bytes)
+            if job.epoch != self._epoch or not index.insert(job.key, job.slot,
+                                                            job.record_bytes):
+                # Queued before a CLEAR, or the chunk is on disk in another slot
+                # meanwhile: erased, not indexed.
+                self._erase([DiskEntry(job.slot, job.record_bytes)])
+                continue
             stats["writes"] += 1
             stats["write_bytes"] += job.record_bytes
             if job.evicted:

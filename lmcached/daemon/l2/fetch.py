@@ -44,10 +44,15 @@ class FetchJob:
         num_installed: chunks (per namespace) installed so far.
         held: the blocks of the chain's arena part and of the chunks installed so far,
             pinned until the job ends (its installs never evict its own chain).
+        clear_generation: the pool's `clear_generation` when the job started: once a
+            CLEAR changed it, the job installs nothing (`L2Tier._apply`).
+        generation: the L2's clear generation as the daemon knew it at the start; the
+            fetch reads keys under this or the newer one it reads from L2.
     """
 
     __slots__ = ("key", "namespaces", "fps", "prefixes", "hashes", "parent", "record_bytes",
-                 "done", "stop", "num_installed", "credits", "started_at", "held")
+                 "done", "stop", "num_installed", "credits", "started_at", "held",
+                 "clear_generation", "generation")
 
     def __init__(self, key, namespaces, fps, prefixes, hashes, parent, record_bytes) -> None:
         self.key = key
@@ -63,11 +68,15 @@ class FetchJob:
         self.credits = threading.Semaphore(FETCH_BATCHES_AHEAD)
         self.started_at = time.monotonic()
         self.held: list[KVCacheBlock] = []  # the arena's part of the chain, pinned
+        self.clear_generation = 0
+        self.generation = 0
 
 
 def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
                 stopping: Callable[[], bool]) -> None:
-    """A fetch thread's work for one job: the run of the chain that L2 holds in every
+    """A fetch thread's work for one job: the L2's clear generation (GET; keys of an
+    older one are never read, and a newer one is posted to the loop), the run of the
+    chain that L2 holds in every
     namespace (STRLEN in windows, to the first gap or oversized value), GET in batches
     (from FIRST_FETCH_BATCH_BYTES, doubling up to FETCH_BATCH_BYTES), each value verified
     (`values.verify_value`); each batch is posted to the loop, at most
@@ -84,11 +93,16 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
     """
     fps, hashes = job.fps, job.hashes
     max_value = job.record_bytes + ENVELOPE_BYTES
+    generation = store.generation()
+    if generation > job.generation:
+        post(("generation", generation))
+    generation = max(generation, job.generation)  # an evicted generation key reads as 0
     sizes = []  # bytes of each chunk of the run, over its namespaces
     gap = False
     while not gap and len(sizes) < len(hashes):  # STRLEN in windows, to the first gap
         window = hashes[len(sizes) : len(sizes) + LENGTHS_WINDOW]
-        lengths = store.value_lengths([l2_key(fp, h) for h in window for fp in fps])
+        lengths = store.value_lengths([l2_key(fp, h, generation=generation)
+                                       for h in window for fp in fps])
         for i in range(len(window)):
             per_ns = lengths[i * len(fps) : (i + 1) * len(fps)]
             if not all(0 < n <= max_value for n in per_ns):
@@ -106,7 +120,8 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
         while stop < num_chunks and batch_bytes + sizes[stop] <= budget:
             batch_bytes += sizes[stop]
             stop += 1
-        keys = [l2_key(fp, hashes[i]) for i in range(start, stop) for fp in fps]
+        keys = [l2_key(fp, hashes[i], generation=generation)
+                for i in range(start, stop) for fp in fps]
         values = store.get_many(keys)
         batch, failure = [], None
         for offset, i in enumerate(range(start, stop)):

@@ -23,6 +23,15 @@ Flows (docs/l2.md):
 The queue is bounded in bytes (`queue_bytes`): a write that does not fit is dropped and
 counted, so a slow or dead L2 never slows a store. While the L2 is down, writes are
 dropped and fetches answer "miss" at once; `redis_store.RedisL2` backs off and reconnects.
+
+CLEAR (`clear`; docs/l2.md, "CLEAR and the L2"): the L2 is shared by every node, so a
+CLEAR cannot delete its chunks one by one (a SCAN of a cluster, racing other nodes'
+writes). Chunks are keyed under the L2's clear generation instead (`values.l2_key`,
+`values.GENERATION_KEY`), which CLEAR increments: keys of older generations are never
+read again by any daemon (each fetch reads the generation first; each write batch learns
+it in its pipeline), and their TTL removes them. Until the INCR succeeded, this daemon
+fetches nothing from L2; a fetch started before the CLEAR installs nothing after it (the
+pool's `clear_generation`), and a write queued before it is keyed under the old one.
 """
 
 import collections
@@ -53,6 +62,7 @@ DOWN_HOLD_S = 0.1  # after an outage, fetches answer "miss" at once for this lon
 CLOSE_DRAIN_S = 5.0  # graceful stop: writes still queued get this long to reach L2
 MAX_VALUE_BYTES = 512 << 20  # Redis' proto-max-bulk-len default ("512mb": MiB)
 _CHUNK_KEY = b"c"[0]
+_BUMP = "bump"  # a fetch queue job: the INCR of a CLEAR (`L2Tier.clear`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,6 +152,9 @@ class L2Tier:
         self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
         self.num_writes_in_flight = 0
         self.stats = collections.Counter()
+        self.generation = 0  # the L2's clear generation as this daemon knows it (never lower)
+        self._clear_pending = False  # a CLEAR whose INCR has not succeeded yet
+        self._bump_in_flight = False
         self._runner = jobs
         self._writes = jobs.add_queue("l2-writer", self._write, self._apply_all,
                                       num_threads=num_threads, take=_take_write_batch)
@@ -240,7 +253,8 @@ class L2Tier:
         if self.queued_bytes + num_bytes > limit_bytes:
             self.stats["write_drops_queue_full"] += 1
             return None
-        return WriteJob(pool_key, l2_key(*chunk), chunk[0], chunk[1], [], num_bytes, None)
+        key = l2_key(*chunk, generation=self.generation)
+        return WriteJob(pool_key, key, chunk[0], chunk[1], [], num_bytes, None)
 
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         """`BlockPool.on_evict` hook (on-evict policy; loop thread): copy an evicted
@@ -264,17 +278,17 @@ class L2Tier:
     def _write(self, batch: list[WriteJob]) -> None:
         """Writer thread: pipelines a batch of SETs, then posts them back to the loop."""
         outcome = "written"
-        stored = 0
+        stored = generation = 0
         try:
             items = [(job.key, encode_value(job.ns_fp, job.chunk_hash, job.pieces))
                      for job in batch]
-            stored = self.store.set_many(items)
+            stored, generation = self.store.set_many_reading_generation(items)
         except L2Unavailable:
             outcome = "down"
         except Exception as exc:  # noqa: BLE001 - a writer never dies: count, log, go on
             self._log_failure("write", exc)
             outcome = "error"
-        self._writes.post(("written", batch, outcome, stored))
+        self._writes.post(("written", batch, outcome, stored, generation))
 
     def _log_failure(self, what: str, exc: Exception) -> None:
         """Log a failure that is not an outage: a configuration error (ValueError, e.g.
@@ -313,6 +327,10 @@ class L2Tier:
         entries = [self._ns.get(ns) for ns in namespaces]
         if any(entry is None for entry in entries):
             return None
+        if self._clear_pending:  # the L2 still serves what CLEAR removed: not from here
+            self._bump()
+            self.stats["fetches_skipped"] += 1
+            return None
         chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
         key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])  # same chain, same end
         job = self._jobs.get(key)
@@ -325,6 +343,7 @@ class L2Tier:
         parent = hashes[(first - 1) * 16 : first * 16] if first else root
         job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
                        parent, max(e[1].record_bytes for e in entries))
+        job.clear_generation, job.generation = pool.clear_generation, self.generation
         job.held = prefix_blocks()
         pool.touch(job.held)
         self._jobs[key] = job
@@ -332,10 +351,50 @@ class L2Tier:
         self._fetches.submit(job)  # never full: at most max_fetch_jobs are in flight
         return job
 
-    def _fetch(self, jobs: list[FetchJob]) -> None:
-        """Fetch thread: runs a queued FetchJob."""
+    def clear(self) -> None:
+        """An admin's CLEAR (loop thread): advance the L2's clear generation in the
+        background (`_bump`; no fetch from L2 until it succeeded), stop the fetches in
+        flight and unpin their chains now, so that the pool's clear (which the caller
+        runs next) finds them unpinned; they install nothing after it (the pool's
+        `clear_generation`, `_apply`)."""
+        self._clear_pending = True
+        self.stats["clears"] += 1
+        for job in self._jobs.values():
+            job.stop = True
+            if job.held and self.pool is not None:
+                self.pool.free(job.held)
+            job.held = []
+        self._bump()
+
+    def _bump(self) -> None:
+        """Queue the INCR of the L2's clear generation for a fetch thread, unless one is
+        in flight or the L2 failed within DOWN_HOLD_S (then a later fetch or write
+        completion tries again)."""
+        if (not self._clear_pending or self._bump_in_flight
+                or time.monotonic() < self._down_until):
+            return
+        self._bump_in_flight = self._fetches.submit(_BUMP)
+
+    def _learn_generation(self, generation: int) -> None:
+        """A generation read from L2: from now on keys are written under it (a CLEAR
+        on another node made older keys unreachable)."""
+        if generation > self.generation:
+            self.generation = generation
+
+    def _fetch(self, jobs: list) -> None:
+        """Fetch thread: runs a queued FetchJob, or the INCR of a CLEAR (`_BUMP`)."""
         post = self._fetches.post
         for job in jobs:
+            if job is _BUMP:
+                try:
+                    post(("bumped", self.store.bump_generation()))
+                except L2Unavailable:
+                    post(("bump_failed", "down"))
+                except Exception as exc:  # noqa: BLE001 - a fetch thread never dies
+                    logger.error("L2 CLEAR could not advance the L2's clear generation: %s; "
+                                 "this daemon fetches nothing from L2 until it can", exc)
+                    post(("bump_failed", "error"))
+                continue
             try:
                 fetch_chain(self.store, job, post, lambda: self._fetches.stopping)
             except L2Unavailable:
@@ -364,7 +423,8 @@ class L2Tier:
         stats = self.stats
         kind = message[0]
         if kind == "written":
-            _, batch, outcome, stored = message
+            _, batch, outcome, stored, generation = message
+            self._learn_generation(generation)
             for job in batch:
                 self.queued_bytes -= job.num_bytes
             self.num_writes_in_flight -= len(batch)
@@ -380,12 +440,15 @@ class L2Tier:
             pinned = [b for job in batch if job.blocks for b in job.blocks]
             if pinned and pool is not None:
                 pool.free(pinned)
+            self._bump()  # a CLEAR whose INCR failed tries again
         elif kind == "batch":
             _, job, start, records, failure = message
             if failure:
                 stats[f"fetch_{failure}"] += 1
             if pool is not None and not job.done and not job.stop:
-                if self._fetching_for_current_namespaces(job):
+                if job.clear_generation != pool.clear_generation:
+                    job.stop = True  # started before a CLEAR: installs nothing after it
+                elif self._fetching_for_current_namespaces(job):
                     install(pool, self.arena, job, start, records, stats)
                 else:  # a namespace was freed meanwhile: its id may name another layout
                     job.stop = True
@@ -393,6 +456,19 @@ class L2Tier:
             stats["fetch_oversize"] += 1
         elif kind == "misses":
             stats["fetch_miss_chunks"] += message[1]
+        elif kind == "generation":
+            self._learn_generation(message[1])
+        elif kind == "bumped":
+            self._learn_generation(message[1])
+            self._bump_in_flight = self._clear_pending = False
+            logger.info("L2 %s: CLEAR advanced its clear generation to %d: chunks written "
+                        "before are unreachable for every daemon on it", self.url,
+                        message[1])
+        elif kind == "bump_failed":
+            self._bump_in_flight = False
+            stats["clear_failures"] += 1
+            if message[1] == "down":
+                self._down_until = time.monotonic() + DOWN_HOLD_S
         elif kind == "down":
             self._down_until = time.monotonic() + DOWN_HOLD_S
             stats["fetch_down"] += 1
@@ -422,6 +498,10 @@ class L2Tier:
             "l2_queue_limit_bytes": self.queue_bytes,
             "l2_fetches_in_flight": len(self._jobs),
             "l2_reconnects": self.store.num_reconnects,
+            "l2_generation": self.generation,
+            "l2_clear_pending": int(self._clear_pending),
+            "l2_clears": stats["clears"],
+            "l2_clear_failures": stats["clear_failures"],
         }
         for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
                      "write_drops_oversize", "write_failures", "fetches", "fetches_joined",

@@ -9,9 +9,11 @@ a colliding key or a record of another prompt is a miss, never served). Pure fun
 no I/O: `redis_store.py` moves the bytes, `tier.py` decides when.
 
 Key (no hash tag, so a Redis cluster spreads the chunks of one prompt over every
-master)::
+master), under the L2's clear generation G (`GENERATION_KEY`, an integer that each
+CLEAR increments: docs/l2.md, "CLEAR and the L2")::
 
-    lmcached:v1:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>
+    lmcached:v1:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>          (G = 0)
+    lmcached:v1:g<G>:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>     (G > 0)
 
 Value::
 
@@ -39,6 +41,7 @@ from lmcached.wire.record_format import (
 )
 
 KEY_PREFIX = "lmcached:v1"
+GENERATION_KEY = b"lmcached:v1:generation"  # the L2's clear generation (INCR by CLEAR)
 L2_MAGIC = b"LML2"
 ENVELOPE_VERSION = 1
 # magic, version, flags, record length, xxh3_64 of the record, namespace fp, chunk hash.
@@ -60,12 +63,19 @@ class L2VerifyError(Exception):
             changed since they were written), "tokens" (not the record of that chunk:
             another record magic or chunk hash in its header, no token ids, or token ids
             that do not hash to the chunk hash from its parent).
+        slot_sound: the value passed every check of its own (envelope, checksum, its
+            record's header) and failed only the one that depends on the request: its
+            token ids do not hash to the chunk hash from the parent the request gave.
+            The request is wrong or the value is, and nothing tells which: a store (the
+            disk tier's index) keeps such a value, so one client's wrong `parent`
+            never deletes what others read.
     """
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, slot_sound: bool = False) -> None:
         assert reason in VERIFY_REASONS, f"unknown verify reason {reason!r} (a bug)"
         super().__init__(f"L2 value refused ({reason}): {detail}")
         self.reason = reason
+        self.slot_sound = slot_sound
 
 
 def _check_hash(name: str, value: bytes) -> None:
@@ -97,23 +107,30 @@ def namespace_fingerprint(layout: Layout) -> bytes:
     return xxhash.xxh3_128_digest(msgspec.msgpack.encode(layout), seed=FIXED_SEED)
 
 
-def l2_key(ns_fp: bytes, chunk_hash: bytes, prefix: str = KEY_PREFIX) -> bytes:
-    """The Redis key of one chunk: `<prefix>:<ns_fp hex>:<chunk_hash hex>`.
+def l2_key(ns_fp: bytes, chunk_hash: bytes, prefix: str = KEY_PREFIX,
+           generation: int = 0) -> bytes:
+    """The Redis key of one chunk: `<prefix>:<ns_fp hex>:<chunk_hash hex>`, or with
+    `g<generation>:` after the prefix when `generation` > 0.
 
     Args:
         ns_fp: the namespace fingerprint (`namespace_fingerprint`), 16 bytes.
         chunk_hash: the chunk's prefix hash (`record_format.hash_block_tokens`), 16 bytes.
         prefix: the key space; the default names this value format (v1).
+        generation: the L2's clear generation (`GENERATION_KEY`) the key belongs to:
+            a CLEAR increments it, and keys of an older generation are never read again.
 
     Returns:
-        The key, ASCII bytes (the prefix and 66 bytes).
+        The key, ASCII bytes.
 
     Raises:
-        ValueError: a hash that is not 16 bytes.
+        ValueError: a hash that is not 16 bytes, or a negative generation.
     """
     _check_hash("ns_fp", ns_fp)
     _check_hash("chunk_hash", chunk_hash)
-    return b"%s:%s:%s" % (prefix.encode(), ns_fp.hex().encode(), chunk_hash.hex().encode())
+    if generation < 0:
+        raise ValueError(f"L2 generation must be >= 0, got {generation}")
+    space = prefix.encode() if not generation else b"%s:g%d" % (prefix.encode(), generation)
+    return b"%s:%s:%s" % (space, ns_fp.hex().encode(), chunk_hash.hex().encode())
 
 
 def encode_value(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> bytes:
@@ -241,7 +258,8 @@ def verify_parts(envelope, record_pieces: list, ns_fp: bytes, chunk_hash: bytes,
                                       f"{header.num_tokens} tokens in {record_bytes} bytes")
     token_ids = _prefix(pieces, tokens_end)[RECORD_HEADER_BYTES:tokens_end]
     if hash_block_tokens(parent_hash, token_ids) != chunk_hash:
-        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash")
+        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash from the "
+                                      "request's parent", slot_sound=True)
 
 
 def _prefix(pieces: list[memoryview], num_bytes: int):
