@@ -8,7 +8,8 @@ goes on serving. What the keys of the block pool are is `keys.py`; the fields of
 and CLIENTS are built in `info.py`.
 
 `CacheService` is written in parts, one responsibility each (after Redis's `t_*.c`):
-this file holds the state, the dispatch, the sessions and the housekeeping;
+this file holds the state, the dispatch (one row per request type in `commands.py`,
+the command table), the sessions and the housekeeping;
 `namespaces.py` HELLO and the namespace registry, `request_checks.py` validation and a
 session's room, `value_handlers.py` the value requests, `admin_handlers.py` the admin
 requests; `replies.py` the refusal (`RequestError`) and the waiting reply (`Deferred`).
@@ -22,39 +23,14 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.stats import DaemonStats, RequestLatency
-from lmcached.wire.protocol import (
-    NO_REPLY_REQUESTS,
-    Abort,
-    Acquire,
-    Alloc,
-    AllocReply,
-    BlocksReply,
-    Clear,
-    Clients,
-    Commit,
-    ConfigGet,
-    Delete,
-    Error,
-    Evict,
-    Get,
-    Hello,
-    Info,
-    Invalidate,
-    Layout,
-    Lookup,
-    OpenTier,
-    Ping,
-    Put,
-    Release,
-    Scan,
-    Shutdown,
-)
+from lmcached.wire.protocol import AllocReply, BlocksReply, Error, Layout
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
+from lmcached.daemon.commands import COMMANDS, Command
 from lmcached.daemon.namespaces import NamespaceRegistry
 from lmcached.daemon.replies import Deferred, RequestError
 from lmcached.daemon.request_checks import RequestChecks
@@ -67,15 +43,6 @@ if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.progress import Loading
 
 logger = init_logger(__name__)
-
-_ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
-
-# Requests that change or stop the cache for everyone: the daemon's uid and root only.
-PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
-# Requests answered while the daemon loads (`loading`: the disk tier's index rebuilt, the
-# arena prefaulted); the others, PING and HELLO included (as Redis answers -LOADING), are
-# refused with `loading` and its progress.
-LOADING_REQUESTS = frozenset({Info, Clients, ConfigGet, Shutdown})
 
 
 class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandlers):
@@ -109,16 +76,16 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             pools count their hits, misses and evictions (`stats.PoolStats`).
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
-        work_units: what the last request cost in the server's per-pass budget, when
-            its handler priced it by its work (SCAN, CLIENTS); 0 for a request of fixed
-            price (connection.py, REQUEST_COST).
+        work_units: what the last request costs in the server's per-pass budget: its
+            command's `cost` (commands.py), or what its handler priced it by its work
+            (SCAN, CLIENTS).
         l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
             before it serves.
         load_progress: the start-up's phases (`progress.Loading`: the disk tier's index
             rebuild, the arena's prefault; INFO's loading_* fields), or None when there
             was nothing to load.
-        loading: the same while they run (requests but LOADING_REQUESTS are refused
-            with `loading`), None once the daemon serves.
+        loading: the same while they run (requests whose command is not
+            `while_loading` are refused with `loading`), None once the daemon serves.
         disk: the disk tier (`lmcached/daemon/disk/tier.py`), or None without --disk-path;
             set by the server before it serves.
     """
@@ -149,29 +116,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.stop_requested = False
         self.stats = DaemonStats()
         self.work_units = 0
-        self._handlers = {
-            Hello: self._hello,
-            Lookup: self._lookup,
-            Acquire: self._acquire,
-            Release: self._release,
-            Alloc: self._alloc,
-            Commit: self._commit,
-            Abort: self._abort,
-            Put: self._put,
-            Get: self._get,
-            Delete: self._delete,
-            Scan: self._scan,
-            Info: self._info,
-            Clients: self._clients,
-            Evict: self._evict,
-            Clear: self._clear,
-            Ping: self._ping,
-            Shutdown: self._shutdown,
-            ConfigGet: self._config_get,
-            OpenTier: self._open_tier,
-            Invalidate: self._invalidate,
-        }
-        self.latency = RequestLatency(self._handlers) if config.metrics_port else None
+        self.latency = RequestLatency(COMMANDS) if config.metrics_port else None
         if arena.block_bytes:
             self._make_pool()
 
@@ -330,21 +275,26 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
     def handle(self, session: Session, request) -> object:
         """Answer one decoded request. Never raises for a client's mistake.
 
-        PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
-        root are refused with `forbidden`. With metrics on, the time from here to the
-        reply Struct is observed in `latency` (decoding, encoding and sending are not).
-        A handler that prices the request by its work sets `work_units`.
+        The request's row of the command table (commands.py) says how: a `privileged`
+        request from a peer (SO_PEERCRED uid) other than the daemon's uid or root is
+        refused with `forbidden`, one not `while_loading` with `loading` while the
+        daemon loads, one not `before_hello` with `no_session` before HELLO.
+        `work_units` is set to the command's cost, or by a handler that prices the
+        request by its work. With metrics on, the time from here to the reply Struct is
+        observed in `latency` (decoding, encoding and sending are not).
 
         Returns:
-            The reply Struct (an `Error` for a refused request), or None for a request
-            of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
+            The reply Struct (an `Error` for a refused request), or None for a command
+            whose `replies` is False (RELEASE, INVALIDATE): its refusal is counted and
+            logged only.
         """
-        self.work_units = 0
+        command = COMMANDS[type(request)]
+        self.work_units = command.cost
         if self.latency is None:
-            return self._answer(session, request)
+            return self._answer(session, request, command)
         started = time.perf_counter()
-        reply = self._answer(session, request)
-        self.latency.observe(type(request), time.perf_counter() - started)
+        reply = self._answer(session, request, command)
+        self.latency.observe(command.request_type, time.perf_counter() - started)
         return reply
 
     def resume(self, session: Session, deferred: Deferred) -> object:
@@ -354,32 +304,34 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             deferred.stats["fetch_waits_timed_out"] += 1
         self._resuming = True
         try:
-            return self._answer(session, deferred.request, count=False)
+            return self._answer(session, deferred.request, COMMANDS[type(deferred.request)],
+                                count=False)
         finally:
             self._resuming = False
 
-    def _answer(self, session: Session, request, count: bool = True) -> object:
+    def _answer(self, session: Session, request, command: Command,
+                count: bool = True) -> object:
         if count:
             self.stats.requests += 1
             session.num_requests += 1
         session.last_request_at = time.monotonic()
         try:
-            if type(request) in PRIVILEGED_REQUESTS and session.uid not in (0, os.geteuid()):
+            if command.privileged and session.uid not in (0, os.geteuid()):
                 raise RequestError(
                     "forbidden", f"{type(request).__name__.upper()} is allowed to the daemon's "
                     f"user (uid {os.geteuid()}) and root only, not to uid {session.uid}"
                 )
-            if self.loading is not None and type(request) not in LOADING_REQUESTS:
+            if self.loading is not None and not command.while_loading:
                 raise RequestError("loading", f"{self.loading.describe()} (INFO: loading_*)")
-            if not session.greeted and not isinstance(request, (Hello, *_ADMIN_REQUESTS)):
+            if not session.greeted and not command.before_hello:
                 raise RequestError("no_session", "send HELLO before any other request")
-            return self._handlers[type(request)](session, request)
+            return command.handler(self, session, request)
         except RequestError as exc:
             reply = self.error(exc.code, str(exc))
         except Exception:  # a bug in a handler: log it, answer, keep serving the others
             logger.exception("internal error handling %r", request)
             reply = self.error("internal", "internal error in the daemon (see its log)")
-        return None if type(request) in NO_REPLY_REQUESTS else reply
+        return reply if command.replies else None
 
     def withdraw(self, session: Session, reply) -> None:
         """Undo what `reply` handed out when it cannot be sent (e.g. over the frame limit):
