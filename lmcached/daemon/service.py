@@ -100,7 +100,6 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.pool: BlockPool | None = None
         self.l2: "L2Tier | None" = None
         self.disk: "DiskTier | None" = None
-        self._resuming = False  # answering a Deferred: do not start another fetch
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
@@ -302,16 +301,16 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         passed (a fetch still running goes on installing for later lookups)."""
         if not deferred.job.done:
             deferred.stats["fetch_waits_timed_out"] += 1
-        self._resuming = True
-        try:
-            return self._answer(session, deferred.request, COMMANDS[type(deferred.request)],
-                                count=False)
-        finally:
-            self._resuming = False
+        command = COMMANDS[type(deferred.request)]
+        assert command.waits_for_fetch, f"a {command.name} cannot wait for a fetch: a bug"
+        return self._answer(session, deferred.request, command, resumed=True)
 
     def _answer(self, session: Session, request, command: Command,
-                count: bool = True) -> object:
-        if count:
+                resumed: bool = False) -> object:
+        """The reply to `request` by its `command`'s handler, after the command's checks.
+        `resumed`: the answer to a Deferred (`resume`), not counted again, its handler
+        called with `resumed=True`."""
+        if not resumed:
             self.stats.requests += 1
             session.num_requests += 1
         session.last_request_at = time.monotonic()
@@ -325,6 +324,8 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                 raise RequestError("loading", f"{self.loading.describe()} (INFO: loading_*)")
             if not session.greeted and not command.before_hello:
                 raise RequestError("no_session", "send HELLO before any other request")
+            if resumed:
+                return command.handler(self, session, request, resumed=True)
             return command.handler(self, session, request)
         except RequestError as exc:
             reply = self.error(exc.code, str(exc))

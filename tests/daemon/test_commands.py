@@ -12,6 +12,7 @@ import pytest
 from lmcached.daemon.commands import COMMAND_TABLE, COMMANDS
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.progress import Loading, PrefaultProgress
+from lmcached.daemon.replies import Deferred
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
@@ -37,6 +38,13 @@ from lmcached.wire.protocol import (
     Request,
     Scan,
     Shutdown,
+)
+from test_disk_tier import (  # noqa: F401 (disk_service is a fixture)
+    HASHES_A,
+    assert_nothing_held,
+    disk_service,
+    settle,
+    stored_and_settled,
 )
 from test_service import (  # noqa: F401 (make_service and service are fixtures)
     LAYOUT,
@@ -210,3 +218,26 @@ def test_the_rows_keep_the_daemons_rules():
                                       ConfigGet}
     assert having("waits_for_fetch") == {Lookup, Acquire}
     assert {c.request_type: c.cost for c in COMMAND_TABLE if c.cost != 1} == {Info: 8}
+
+
+@pytest.mark.parametrize("request_type", [Lookup, Acquire], ids=lambda t: t.__name__)
+def test_a_resumed_request_is_answered_from_the_arena_without_a_second_fetch(
+        disk_service, request_type):
+    """A LOOKUP or ACQUIRE that waits for a disk fetch is answered by `resume` from the
+    arena as it is then, even while the fetch still runs: it neither joins nor starts a
+    fetch (no second Deferred) and is counted once; the next request fetches again."""
+    service = disk_service
+    session = stored_and_settled(service)
+    parked = service.handle(session, request_type([1], HASHES_A))
+    assert isinstance(parked, Deferred) and not parked.job.done
+    requests, lookups = service.stats.requests, service.stats.lookups
+    reply = service.resume(session, parked)  # the wait ran out: the fetch goes on
+    assert not isinstance(reply, Deferred), reply
+    assert (service.stats.requests, service.stats.lookups) == (requests, lookups)
+    assert parked.stats["fetch_waits_timed_out"] == 1
+    if request_type is Acquire:
+        service.handle(session, Release([reply.lease]))
+    settle(service, lambda: parked.job.done)
+    assert service.handle(session, Lookup([1], HASHES_A)).num_chunks == 4
+    assert service.stats.lookups == lookups + 1
+    assert_nothing_held(service)
