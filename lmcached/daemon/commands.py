@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 
 from lmcached.daemon.admin_handlers import AdminHandlers
-from lmcached.daemon.namespaces import NamespaceRegistry
+from lmcached.daemon.namespaces import hello
 from lmcached.daemon.value_handlers import ValueHandlers
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
@@ -94,7 +94,7 @@ def _command(request_type: type, handler: Callable, *, privileged: bool = False,
 
 COMMAND_TABLE: tuple[Command, ...] = (
     # Sessions and the data path (namespaces.py, value_handlers.py).
-    _command(Hello, NamespaceRegistry._hello, before_hello=True),
+    _command(Hello, hello, before_hello=True),
     _command(Lookup, ValueHandlers._lookup, waits_for_fetch=True),
     _command(Acquire, ValueHandlers._acquire, waits_for_fetch=True),
     _command(Release, ValueHandlers._release),

@@ -10,11 +10,13 @@ and CLIENTS are built in `info.py`.
 `CacheService` is written in parts, one responsibility each (after Redis's `t_*.c`):
 this file holds the state, the dispatch (one row per request type in `commands.py`,
 the command table), the sessions and the housekeeping;
-`namespaces.py` HELLO and the namespace registry, `request_checks.py` validation and a
+`namespaces.py` HELLO and the namespace registry (functions over the service and
+a registry object, not a part of it), `request_checks.py` validation and a
 session's room, `value_handlers.py` the value requests, `admin_handlers.py` the admin
 requests; `replies.py` the refusal (`RequestError`) and the waiting reply (`Deferred`).
 """
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING
@@ -31,7 +33,7 @@ from lmcached.daemon.tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.commands import COMMANDS, Command
-from lmcached.daemon.namespaces import NamespaceRegistry
+from lmcached.daemon.namespaces import NamespaceRegistry, end_namespaces, namespace_emptied
 from lmcached.daemon.replies import Deferred, RequestError
 from lmcached.daemon.request_checks import RequestChecks
 from lmcached.daemon.value_handlers import ValueHandlers
@@ -45,7 +47,7 @@ if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
 logger = init_logger(__name__)
 
 
-class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandlers):
+class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
     """The daemon's state and request handlers (single-threaded: no locks).
 
     Args:
@@ -68,9 +70,11 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             tier's threads; the server applies their completions
             (`JobRunner.process_completions`).
         sessions: session id -> Session.
-        namespaces: layout -> namespace id, of every namespace alive: used by an open
-            session or by a value cached in some tier. A freed id is given again, the
-            smallest first, once no value and no session uses it.
+        ns_registry: the namespaces alive and their ids (`namespaces.NamespaceRegistry`):
+            used by an open session or by a value cached in some tier. A freed id is
+            given again, the smallest first, once no value and no session uses it.
+        namespaces: layout -> namespace id, of every namespace alive (the registry's
+            `ids`; `_ns_layout` and `_ns_prefix` are its `layouts` and `prefixes`).
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
         stats: every counter of the request semantics (`stats.DaemonStats`); the
             pools count their hits, misses and evictions (`stats.PoolStats`).
@@ -103,12 +107,10 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
-        self.namespaces: dict[Layout, int] = {}
-        self._ns_layout: dict[int, Layout] = {}
-        self._ns_prefix: dict[int, bytes] = {}
-        self._ns_sessions: dict[int, int] = {}  # ns -> open sessions that registered it
-        self._free_ns_ids: list[int] = []  # a heap: the smallest freed id is given first
-        self._next_ns = 1
+        self.ns_registry = NamespaceRegistry()
+        self.namespaces: dict[Layout, int] = self.ns_registry.ids
+        self._ns_layout: dict[int, Layout] = self.ns_registry.layouts
+        self._ns_prefix: dict[int, bytes] = self.ns_registry.prefixes
         self.started_at = time.time()
         self.load_progress: "Loading | None" = None
         self.loading: "Loading | None" = None
@@ -171,7 +173,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
                 pool.group_of = keys.namespace_tag_of
-                pool.on_group_empty = self._namespace_emptied
+                pool.on_group_empty = functools.partial(namespace_emptied, self)
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
@@ -268,7 +270,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                 session.session_id, session.pid, len(pinned), len(pending),
             )
         session.clear()
-        self._end_namespaces(session)
+        end_namespaces(self, session)
 
     # ---------------------------------------------------------------- dispatch
     def handle(self, session: Session, request) -> object:
