@@ -10,6 +10,8 @@ What lives here:
     service.py, session.py     request semantics (no sockets) and what each session holds;
                                the handlers in namespaces.py, request_checks.py,
                                value_handlers.py, admin_handlers.py (replies.py: refusals)
+    commands.py                the command table: one row per request type (handler,
+                               privilege, cost, reply kind, loading and HELLO rules)
     keys.py                    the block pool's keys for chunks and string keys
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)

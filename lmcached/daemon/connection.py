@@ -16,7 +16,8 @@ import msgspec
 
 from lmcached.wire.logger import init_logger
 from lmcached.wire.frames import encode_frame, request_decoder
-from lmcached.wire.protocol import MAX_FRAME_BYTES, NO_REPLY_REQUESTS, PROTOCOL_VERSION, Info
+from lmcached.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from lmcached.daemon.commands import COMMAND_TABLE
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.service import CacheService
 from lmcached.daemon.session import Session
@@ -29,11 +30,10 @@ logger = init_logger(__name__)
 READ_AHEAD_BYTES = 64 * 1024  # stop reading while this much of complete frames waits
 OUTBUF_PAUSE_BYTES = 1 << 20  # stop serving a client while this much of replies is unsent
 MAX_OUTBUF_BYTES = 16 << 20  # a client that stops reading its replies is dropped
-# Bounded work per client per loop pass (round robin): a request costs 1, except those
-# cheap to send and costly to serve: INFO, and the requests whose handler prices them by
-# the work they did (`CacheService.work_units`: SCAN, CLIENTS).
+# Bounded work per client per loop pass (round robin): a request costs its command's
+# `cost` (commands.py: 1, more for those cheap to send and costly to serve, INFO), or
+# what its handler priced it by the work it did (`CacheService.work_units`: SCAN, CLIENTS).
 PASS_BUDGET = 32
-REQUEST_COST = {Info: 8}
 PARTIAL_FRAME_TIMEOUT_S = 5.0  # an unfinished frame older than this closes its connection
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that sent no complete frame by then is closed
 SILENT_GRACE_S = 1.0  # at max_clients, a connection silent this long may make room
@@ -97,8 +97,8 @@ def answer_frame(service: CacheService, session: Session,
         payload: the frame's msgpack bytes (any buffer; not kept).
 
     Returns:
-        (reply frame, cost of the request in PASS_BUDGET units: its handler's
-        `work_units`, else REQUEST_COST or 1). The reply is the handler's, None for a
+        (reply frame, cost of the request in PASS_BUDGET units: the service's
+        `work_units`, 1 for an undecodable payload). The reply is the handler's, None for a
         request that has no reply (RELEASE, INVALIDATE), `version` for a
         HELLO of another protocol version, `bad_request` for a payload that does not
         decode to a valid request (any exception of the decoder: msgspec's errors, but
@@ -116,7 +116,7 @@ def answer_frame(service: CacheService, session: Session,
             return None, cost
     else:
         reply = service.handle(session, request)
-        cost = service.work_units or REQUEST_COST.get(type(request), 1)
+        cost = service.work_units
         if reply is None or type(reply) is Deferred:
             return reply, cost
     return encode_reply(service, session, reply), cost
@@ -136,7 +136,7 @@ def encode_reply(service: CacheService, session: Session, reply) -> bytes:
 
 
 # Tags of the requests that get no reply (RELEASE, INVALIDATE), even when malformed.
-_NO_REPLY_TAGS = frozenset(request.__struct_config__.tag for request in NO_REPLY_REQUESTS)
+_NO_REPLY_TAGS = frozenset(command.name for command in COMMAND_TABLE if not command.replies)
 
 
 def _undecodable(service: CacheService, payload, exc: Exception):

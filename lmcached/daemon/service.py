@@ -8,12 +8,15 @@ goes on serving. What the keys of the block pool are is `keys.py`; the fields of
 and CLIENTS are built in `info.py`.
 
 `CacheService` is written in parts, one responsibility each (after Redis's `t_*.c`):
-this file holds the state, the dispatch, the sessions and the housekeeping;
-`namespaces.py` HELLO and the namespace registry, `request_checks.py` validation and a
+this file holds the state, the dispatch (one row per request type in `commands.py`,
+the command table), the sessions and the housekeeping;
+`namespaces.py` HELLO and the namespace registry (functions over the service and
+a registry object, not a part of it), `request_checks.py` validation and a
 session's room, `value_handlers.py` the value requests, `admin_handlers.py` the admin
 requests; `replies.py` the refusal (`RequestError`) and the waiting reply (`Deferred`).
 """
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING
@@ -22,40 +25,15 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.stats import DaemonStats, RequestLatency
-from lmcached.wire.protocol import (
-    NO_REPLY_REQUESTS,
-    Abort,
-    Acquire,
-    Alloc,
-    AllocReply,
-    BlocksReply,
-    Clear,
-    Clients,
-    Commit,
-    ConfigGet,
-    Delete,
-    Error,
-    Evict,
-    Get,
-    Hello,
-    Info,
-    Invalidate,
-    Layout,
-    Lookup,
-    OpenTier,
-    Ping,
-    Put,
-    Release,
-    Scan,
-    Shutdown,
-)
+from lmcached.wire.protocol import AllocReply, BlocksReply, Error, Layout
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
-from lmcached.daemon.namespaces import NamespaceRegistry
+from lmcached.daemon.commands import COMMANDS, Command
+from lmcached.daemon.namespaces import NamespaceRegistry, end_namespaces, namespace_emptied
 from lmcached.daemon.replies import Deferred, RequestError
 from lmcached.daemon.request_checks import RequestChecks
 from lmcached.daemon.value_handlers import ValueHandlers
@@ -68,17 +46,8 @@ if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
 
 logger = init_logger(__name__)
 
-_ADMIN_REQUESTS = (Info, Clients, Evict, Clear, Ping, Shutdown, ConfigGet)
 
-# Requests that change or stop the cache for everyone: the daemon's uid and root only.
-PRIVILEGED_REQUESTS = frozenset({Evict, Clear, Shutdown})
-# Requests answered while the daemon loads (`loading`: the disk tier's index rebuilt, the
-# arena prefaulted); the others, PING and HELLO included (as Redis answers -LOADING), are
-# refused with `loading` and its progress.
-LOADING_REQUESTS = frozenset({Info, Clients, ConfigGet, Shutdown})
-
-
-class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandlers):
+class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
     """The daemon's state and request handlers (single-threaded: no locks).
 
     Args:
@@ -101,24 +70,26 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
             tier's threads; the server applies their completions
             (`JobRunner.process_completions`).
         sessions: session id -> Session.
-        namespaces: layout -> namespace id, of every namespace alive: used by an open
-            session or by a value cached in some tier. A freed id is given again, the
-            smallest first, once no value and no session uses it.
+        ns_registry: the namespaces alive and their ids (`namespaces.NamespaceRegistry`):
+            used by an open session or by a value cached in some tier. A freed id is
+            given again, the smallest first, once no value and no session uses it.
+        namespaces: layout -> namespace id, of every namespace alive (the registry's
+            `ids`; `_ns_layout` and `_ns_prefix` are its `layouts` and `prefixes`).
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
         stats: every counter of the request semantics (`stats.DaemonStats`); the
             pools count their hits, misses and evictions (`stats.PoolStats`).
         latency: time per request type, observed when metrics are on (`metrics.py`),
             else None.
-        work_units: what the last request cost in the server's per-pass budget, when
-            its handler priced it by its work (SCAN, CLIENTS); 0 for a request of fixed
-            price (connection.py, REQUEST_COST).
+        work_units: what the last request costs in the server's per-pass budget: its
+            command's `cost` (commands.py), or what its handler priced it by its work
+            (SCAN, CLIENTS).
         l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
             before it serves.
         load_progress: the start-up's phases (`progress.Loading`: the disk tier's index
             rebuild, the arena's prefault; INFO's loading_* fields), or None when there
             was nothing to load.
-        loading: the same while they run (requests but LOADING_REQUESTS are refused
-            with `loading`), None once the daemon serves.
+        loading: the same while they run (requests whose command is not
+            `while_loading` are refused with `loading`), None once the daemon serves.
         disk: the disk tier (`lmcached/daemon/disk/tier.py`), or None without --disk-path;
             set by the server before it serves.
     """
@@ -133,45 +104,20 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         self.pool: BlockPool | None = None
         self.l2: "L2Tier | None" = None
         self.disk: "DiskTier | None" = None
-        self._resuming = False  # answering a Deferred: do not start another fetch
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
-        self.namespaces: dict[Layout, int] = {}
-        self._ns_layout: dict[int, Layout] = {}
-        self._ns_prefix: dict[int, bytes] = {}
-        self._ns_sessions: dict[int, int] = {}  # ns -> open sessions that registered it
-        self._free_ns_ids: list[int] = []  # a heap: the smallest freed id is given first
-        self._next_ns = 1
+        self.ns_registry = NamespaceRegistry()
+        self.namespaces: dict[Layout, int] = self.ns_registry.ids
+        self._ns_layout: dict[int, Layout] = self.ns_registry.layouts
+        self._ns_prefix: dict[int, bytes] = self.ns_registry.prefixes
         self.started_at = time.time()
         self.load_progress: "Loading | None" = None
         self.loading: "Loading | None" = None
         self.stop_requested = False
         self.stats = DaemonStats()
         self.work_units = 0
-        self._handlers = {
-            Hello: self._hello,
-            Lookup: self._lookup,
-            Acquire: self._acquire,
-            Release: self._release,
-            Alloc: self._alloc,
-            Commit: self._commit,
-            Abort: self._abort,
-            Put: self._put,
-            Get: self._get,
-            Delete: self._delete,
-            Scan: self._scan,
-            Info: self._info,
-            Clients: self._clients,
-            Evict: self._evict,
-            Clear: self._clear,
-            Ping: self._ping,
-            Shutdown: self._shutdown,
-            ConfigGet: self._config_get,
-            OpenTier: self._open_tier,
-            Invalidate: self._invalidate,
-        }
-        self.latency = RequestLatency(self._handlers) if config.metrics_port else None
+        self.latency = RequestLatency(COMMANDS) if config.metrics_port else None
         if arena.block_bytes:
             self._make_pool()
 
@@ -227,7 +173,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
                 pool.group_of = keys.namespace_tag_of
-                pool.on_group_empty = self._namespace_emptied
+                pool.on_group_empty = functools.partial(namespace_emptied, self)
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
@@ -324,27 +270,32 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
                 session.session_id, session.pid, len(pinned), len(pending),
             )
         session.clear()
-        self._end_namespaces(session)
+        end_namespaces(self, session)
 
     # ---------------------------------------------------------------- dispatch
     def handle(self, session: Session, request) -> object:
         """Answer one decoded request. Never raises for a client's mistake.
 
-        PRIVILEGED_REQUESTS from a peer (SO_PEERCRED uid) other than the daemon's uid or
-        root are refused with `forbidden`. With metrics on, the time from here to the
-        reply Struct is observed in `latency` (decoding, encoding and sending are not).
-        A handler that prices the request by its work sets `work_units`.
+        The request's row of the command table (commands.py) says how: a `privileged`
+        request from a peer (SO_PEERCRED uid) other than the daemon's uid or root is
+        refused with `forbidden`, one not `while_loading` with `loading` while the
+        daemon loads, one not `before_hello` with `no_session` before HELLO.
+        `work_units` is set to the command's cost, or by a handler that prices the
+        request by its work. With metrics on, the time from here to the reply Struct is
+        observed in `latency` (decoding, encoding and sending are not).
 
         Returns:
-            The reply Struct (an `Error` for a refused request), or None for a request
-            of NO_REPLY_REQUESTS (RELEASE): its refusal is counted and logged only.
+            The reply Struct (an `Error` for a refused request), or None for a command
+            whose `replies` is False (RELEASE, INVALIDATE): its refusal is counted and
+            logged only.
         """
-        self.work_units = 0
+        command = COMMANDS[type(request)]
+        self.work_units = command.cost
         if self.latency is None:
-            return self._answer(session, request)
+            return self._answer(session, request, command)
         started = time.perf_counter()
-        reply = self._answer(session, request)
-        self.latency.observe(type(request), time.perf_counter() - started)
+        reply = self._answer(session, request, command)
+        self.latency.observe(command.request_type, time.perf_counter() - started)
         return reply
 
     def resume(self, session: Session, deferred: Deferred) -> object:
@@ -352,34 +303,38 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         passed (a fetch still running goes on installing for later lookups)."""
         if not deferred.job.done:
             deferred.stats["fetch_waits_timed_out"] += 1
-        self._resuming = True
-        try:
-            return self._answer(session, deferred.request, count=False)
-        finally:
-            self._resuming = False
+        command = COMMANDS[type(deferred.request)]
+        assert command.waits_for_fetch, f"a {command.name} cannot wait for a fetch: a bug"
+        return self._answer(session, deferred.request, command, resumed=True)
 
-    def _answer(self, session: Session, request, count: bool = True) -> object:
-        if count:
+    def _answer(self, session: Session, request, command: Command,
+                resumed: bool = False) -> object:
+        """The reply to `request` by its `command`'s handler, after the command's checks.
+        `resumed`: the answer to a Deferred (`resume`), not counted again, its handler
+        called with `resumed=True`."""
+        if not resumed:
             self.stats.requests += 1
             session.num_requests += 1
         session.last_request_at = time.monotonic()
         try:
-            if type(request) in PRIVILEGED_REQUESTS and session.uid not in (0, os.geteuid()):
+            if command.privileged and session.uid not in (0, os.geteuid()):
                 raise RequestError(
                     "forbidden", f"{type(request).__name__.upper()} is allowed to the daemon's "
                     f"user (uid {os.geteuid()}) and root only, not to uid {session.uid}"
                 )
-            if self.loading is not None and type(request) not in LOADING_REQUESTS:
+            if self.loading is not None and not command.while_loading:
                 raise RequestError("loading", f"{self.loading.describe()} (INFO: loading_*)")
-            if not session.greeted and not isinstance(request, (Hello, *_ADMIN_REQUESTS)):
+            if not session.greeted and not command.before_hello:
                 raise RequestError("no_session", "send HELLO before any other request")
-            return self._handlers[type(request)](session, request)
+            if resumed:
+                return command.handler(self, session, request, resumed=True)
+            return command.handler(self, session, request)
         except RequestError as exc:
             reply = self.error(exc.code, str(exc))
         except Exception:  # a bug in a handler: log it, answer, keep serving the others
             logger.exception("internal error handling %r", request)
             reply = self.error("internal", "internal error in the daemon (see its log)")
-        return None if type(request) in NO_REPLY_REQUESTS else reply
+        return reply if command.replies else None
 
     def withdraw(self, session: Session, reply) -> None:
         """Undo what `reply` handed out when it cannot be sent (e.g. over the frame limit):

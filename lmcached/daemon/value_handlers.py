@@ -50,8 +50,7 @@ class ValueHandlers:
         disk tier when it holds the next one, else from L2; a Deferred when the request
         is to wait for it (docs/l2.md). A new fetch pins the arena's part of the chain
         until it ends, so that installing the rest never evicts it."""
-        if (self.l2 is None and self.disk is None) or self._resuming \
-                or num_chunks * HASH_BYTES >= len(req.hashes):
+        if (self.l2 is None and self.disk is None) or num_chunks * HASH_BYTES >= len(req.hashes):
             return None
         cached = self.pool.cached
         # The host arena's part of the prefix is pinned while the rest is installed; a
@@ -72,12 +71,17 @@ class ValueHandlers:
                 return Deferred(req, job, time.monotonic() + tier.fetch_wait_s, tier.stats)
         return None
 
-    def _lookup(self, session: Session, req: Lookup) -> LookupReply | Deferred:
+    def _lookup(self, session: Session, req: Lookup,
+                resumed: bool = False) -> LookupReply | Deferred:
+        """LOOKUP: the length of the READY prefix in every namespace; a Deferred when the
+        rest is to be fetched from the disk tier or L2 first. `resumed`: the answer to
+        that Deferred (`CacheService.resume`): from the arena as it is now, counted once
+        (when first asked), no fetch started."""
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
         tenant = self._tenant_row(session, req.tenant)
         self._require_pool()
-        if not self._resuming:
+        if not resumed:
             self.stats.lookups += 1
             tenant[2] += 1
         num_chunks = len(per_namespace[0])
@@ -86,9 +90,15 @@ class ValueHandlers:
             num_chunks = self.tiers.ready_prefix(chunk_keys[:num_chunks], readable)
             if num_chunks == 0:
                 break
+        if resumed:
+            return LookupReply(num_chunks)
         return self._fetch_rest(req, per_namespace, num_chunks) or LookupReply(num_chunks)
 
-    def _acquire(self, session: Session, req: Acquire) -> BlocksReply | Deferred:
+    def _acquire(self, session: Session, req: Acquire,
+                 resumed: bool = False) -> BlocksReply | Deferred:
+        """ACQUIRE: pin the READY prefix in every namespace; a Deferred when the rest is
+        to be fetched from the disk tier or L2 first. `resumed`: the answer to that
+        Deferred (`CacheService.resume`): from the arena as it is now, no fetch started."""
         per_namespace = self._chunk_keys_per_namespace(session, req.namespaces, req.hashes,
                                                        req.parent)
         tenant = self._tenant_row(session, req.tenant, req.salted)
@@ -99,7 +109,7 @@ class ValueHandlers:
             # the prefix READY everywhere
             for chunk_keys in per_namespace:
                 num_chunks = tiers.ready_prefix(chunk_keys[:num_chunks], readable)
-            deferred = self._fetch_rest(req, per_namespace, num_chunks)
+            deferred = None if resumed else self._fetch_rest(req, per_namespace, num_chunks)
             if deferred is not None:
                 return deferred
         num_chunks = self._pinnable_prefix(session, req.namespaces, per_namespace, num_chunks)

@@ -11,6 +11,7 @@ pinned or being written. A last test pipelines RELEASEs of random leases through
 daemon: no reply to any of them, and the replies of the other requests stay in step.
 """
 
+import dataclasses
 import random
 import socket
 
@@ -43,6 +44,7 @@ from lmcached.wire.protocol import (
     Ping,
     Release,
 )
+from lmcached.daemon.commands import COMMANDS
 from lmcached.daemon.connection import answer_frame
 from lmcached.daemon.service import CacheService
 from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION
@@ -242,10 +244,10 @@ def test_invalid_utf8_str_is_a_bad_request_not_a_crash(service):
 def test_handler_bug_answers_internal_and_service_serves_on(service, monkeypatch, caplog):
     session = greet(service, "w")
 
-    def broken(session, req):
+    def broken(service, session, req):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setitem(service._handlers, Lookup, broken)
+    monkeypatch.setitem(COMMANDS, Lookup, dataclasses.replace(COMMANDS[Lookup], handler=broken))
     reply = request(service, session, Lookup([1], chunk_hashes([1])))
     assert isinstance(reply, Error) and reply.code == "internal"
     assert "ZeroDivisionError" in caplog.text  # logged with its traceback
@@ -254,8 +256,8 @@ def test_handler_bug_answers_internal_and_service_serves_on(service, monkeypatch
 
 def test_unencodable_reply_answers_internal(service, monkeypatch, caplog):
     session = service.open_session(1, 0, 0)
-    monkeypatch.setitem(service._handlers, Ping,
-                        lambda s, r: InfoReply({"x": {"y": object()}}))
+    monkeypatch.setitem(COMMANDS, Ping, dataclasses.replace(
+        COMMANDS[Ping], handler=lambda service, s, r: InfoReply({"x": {"y": object()}})))
     frame, _ = answer_frame(service, session, _MSGPACK.encode(["ping"]))
     reply = reply_decoder.decode(frame[4:])
     assert isinstance(reply, Error) and reply.code == "internal"

@@ -13,6 +13,7 @@ from lmcached.daemon.namespaces import (
     MAX_LAYOUTS_PER_SESSION,
     MAX_NAMESPACES,
     MIN_DERIVED_BLOCKS,
+    NamespaceRegistry,
 )
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.protocol import (
@@ -52,6 +53,24 @@ from test_service import (  # noqa: F401 (make_service and service are fixtures)
 
 
 # ------------------------------------------------------------------------ HELLO
+def test_the_registry_gives_freed_ids_again_smallest_first_once_no_session_uses_them():
+    """The registry alone, no service: ids, prefixes and session counts."""
+    registry = NamespaceRegistry()
+    a, b, c = layout(model_name="a"), layout(model_name="b"), layout(model_name="c")
+    assert [registry.add(x) for x in (a, b, c)] == [1, 2, 3]
+    assert registry.ids == {a: 1, b: 2, c: 3} and registry.layouts[2] == b
+    assert registry.prefixes[3] == b"c" + (3).to_bytes(4, "little")
+    registry.open_session([1, 2])
+    registry.open_session([2])
+    assert registry.close_session([1, 2]) == [1]  # 2 is still another session's
+    assert registry.close_session([2]) == [2] and registry.num_sessions == {}
+    assert registry.remove(2) == b and registry.remove(1) == a
+    assert registry.ids == {c: 3} and list(registry.prefixes) == [3]
+    assert registry.add(layout(model_name="d")) == 1  # the smallest freed id first
+    assert registry.add(layout(model_name="e")) == 2
+    assert registry.add(layout(model_name="f")) == 4
+
+
 def test_hello_without_layouts_opens_an_admin_session(make_service):
     service = make_service(capacity_bytes=8 << 20, block_bytes=0)
     session, reply = greet(service)

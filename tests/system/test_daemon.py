@@ -176,7 +176,9 @@ def test_misuse_gets_error_replies_and_daemon_serves_on(daemon):
     conn.send(Release([1]))  # no such lease: counted, no reply
     assert isinstance(conn.request(Ping()), Ok)
     with pytest.raises(DaemonError, match="not_owner"):
-        conn.request(Commit([10**12]))
+        conn.request(Commit([3]))  # a block this session never allocated
+    with pytest.raises(DaemonError, match="bad_request"):
+        conn.request(Commit([10**12]))  # beyond every tier's block refs: refused by the schema
     with pytest.raises(DaemonError, match="bad_namespace"):
         conn.request(Lookup([ns + 5], hashes(1)))
     with pytest.raises(DaemonError, match="multiple of 16"):
@@ -192,7 +194,7 @@ def test_misuse_gets_error_replies_and_daemon_serves_on(daemon):
         with pytest.raises(DaemonError, match="version"):
             fresh.request(Hello(999, os.getpid(), "future"))
     fields = daemon.info()
-    assert fields["errors_not_owner"] == 2 and fields["errors_bad_request"] == 3
+    assert fields["errors_not_owner"] == 2 and fields["errors_bad_request"] == 4
     assert fields["errors_bad_namespace"] == 1 and fields["errors_version"] == 1
     conn.close()
 
