@@ -47,7 +47,7 @@ class FetchJob:
     """
 
     __slots__ = ("key", "namespaces", "fps", "prefixes", "hashes", "parent", "record_bytes",
-                 "done", "stop", "num_installed", "credits", "started_at", "held")
+                 "done", "stop", "num_installed", "credits", "started_at", "held", "chained")
 
     def __init__(self, key, namespaces, fps, prefixes, hashes, parent, record_bytes) -> None:
         self.key = key
@@ -63,6 +63,7 @@ class FetchJob:
         self.credits = threading.Semaphore(FETCH_BATCHES_AHEAD)
         self.started_at = time.monotonic()
         self.held: list[KVCacheBlock] = []  # the arena's part of the chain, pinned
+        self.chained = True  # False: each chunk is verified from `parent` (UNCHAINED_FORMATS)
 
 
 def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
@@ -110,7 +111,7 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
         values = store.get_many(keys)
         batch, failure = [], None
         for offset, i in enumerate(range(start, stop)):
-            parent = hashes[i - 1] if i else job.parent
+            parent = hashes[i - 1] if i and job.chained else job.parent
             records = []
             for j, fp in enumerate(fps):
                 value = values[offset * len(fps) + j]
