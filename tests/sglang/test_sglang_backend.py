@@ -248,3 +248,31 @@ def test_a_restarted_daemon_serves_the_pages_from_its_disk(daemon_factory, short
         assert info["pinned_blocks"] == 0
     finally:
         restarted.stop()
+
+
+# ----------------------------------------------------------------------- L2
+@pytest.mark.slow
+def test_a_second_node_reads_the_pages_from_l2(redis_server, daemon_factory):
+    args = ("--capacity", "2MiB", "--block-size", "16KiB", "--l2", redis_server.url,
+            "--l2-fetch-wait", "5")
+    node_a, node_b = daemon_factory(*args), daemon_factory(*args)
+    a, pool_a = build(node_a.socket, "mla", "page_first", 0, 2)
+    b, pool_b = build(node_b.socket, "mla", "page_first", 1, 2)
+    try:
+        keys = page_keys(NUM_PAGES, "salt")
+        src = page_indices(list(range(NUM_PAGES)), pool_a.page_size)
+        fill_pages(pool_a, src, 17)
+        assert all(a.batch_set_v1(keys, src))
+        wait_for(lambda: (lambda i: i["l2_writes"] >= NUM_PAGES and not i["l2_queue_values"])(
+            node_a.info()), what="the L2 writes", timeout_s=30)
+        assert node_b.info()["cached_values"] == 0
+        assert b.batch_exists(keys) == NUM_PAGES
+        dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool_b.page_size)
+        assert b.batch_get_v1(keys, dst) == [True] * NUM_PAGES
+        assert read_runs(pool_b, dst) == read_runs(pool_a, src)
+        info = node_b.info()
+        assert info["l2_fetch_hit_chunks"] == NUM_PAGES and info["pinned_blocks"] == 0
+        assert not [k for k, v in info.items() if k.startswith("l2_fetch_verify_") and v]
+    finally:
+        a.close()
+        b.close()
