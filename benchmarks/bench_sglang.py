@@ -113,7 +113,7 @@ def main() -> None:
     try:
         ours = StorageBackendFactory.create_backend("dynamic", config(
             {"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
-             "class_name": "LmcachedStorage", "socket": socket}), pool)
+             "class_name": "LmcachedStorage", "interface_v1": 1, "socket": socket}), pool)
         ours.register_mem_pool_host(pool)
         keys = [[f"{i:04d}-{p:060d}" for p in range(n)] for i in range(args.repeat + 1)]
         ours.batch_get_v1(keys[-1], dst)  # warm: the session, the arena mapping

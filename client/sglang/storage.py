@@ -8,7 +8,7 @@ path (docs/sglang.md)::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
     '{"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
-      "class_name": "LmcachedStorage"}'
+      "class_name": "LmcachedStorage", "interface_v1": 1}'
 
 and constructs it as `LmcachedStorage(storage_config, kwargs)`. It is glue only: the
 pages are chunk records of the client's chunk-chain core (`lmcached.client.chain`:
@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from lmcached.client.chain import Chain, fill_and_commit
+from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.sglang.pages import (
     copy_runs,
@@ -56,8 +56,8 @@ from lmcached.wire.record_format import write_header
 
 logger = init_logger(__name__)
 
-EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "socket", "daemon_name",
-                     "verify", "allow_clear")
+EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
+                     "daemon_name", "verify", "allow_clear")
 
 
 class LmcachedStorage(HiCacheStorage):
@@ -65,8 +65,9 @@ class LmcachedStorage(HiCacheStorage):
 
     Args:
         storage_config: SGLang's `HiCacheStorageConfig`. Its `extra_config` (the
-            `--hicache-storage-backend-extra-config` JSON) may hold, besides the dynamic
-            factory's fields: "socket" (the daemon's socket path; default: that of
+            `--hicache-storage-backend-extra-config` JSON) holds the dynamic factory's
+            fields and "interface_v1": 1 (SGLang then calls `batch_get_v1` /
+            `batch_set_v1`), and may hold "socket" (the daemon's socket path; default: that of
             "daemon_name"), "daemon_name" (default "default"), "verify" ("tokens", the
             default, or "checksum": also a payload checksum per page), "allow_clear"
             (true: `clear()` sends the daemon's CLEAR, which empties the whole daemon,
@@ -74,7 +75,8 @@ class LmcachedStorage(HiCacheStorage):
         kwargs: the factory's extra arguments (unused).
 
     Raises:
-        ValueError: an unknown extra_config key or "verify" value (the message names it).
+        ValueError: an unknown extra_config key or "verify" value, or no "interface_v1"
+            (the message names it).
 
     Attributes:
         num_exists_pages / num_hit_pages / num_miss_pages / num_stored_pages /
@@ -87,6 +89,12 @@ class LmcachedStorage(HiCacheStorage):
         if unknown:
             raise ValueError(f"lmcached: unknown extra_config keys {unknown}; known: "
                              f"{list(EXTRA_CONFIG_KEYS)}")
+        if not extra.get("interface_v1"):
+            raise ValueError(
+                "lmcached: add \"interface_v1\": 1 to --hicache-storage-backend-extra-config: "
+                "without it SGLang moves each page through get_data_page and batch_set, a "
+                "copy more per page, in another byte order than batch_set_v1 writes "
+                "(docs/sglang.md)")
         self.verify = extra.get("verify", "tokens")
         if self.verify not in ("tokens", "checksum"):
             raise ValueError(f"lmcached: extra_config verify={self.verify!r}: use "
@@ -254,8 +262,6 @@ class LmcachedStorage(HiCacheStorage):
         return results
 
     def _pages_per_request(self) -> int:
-        from lmcached.client.chain import chunks_per_request
-
         reply = self.link.hello_reply
         block_bytes = reply.block_bytes if reply is not None else self.page_bytes
         return chunks_per_request(self.chain.layout, block_bytes)

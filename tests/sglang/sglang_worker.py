@@ -35,7 +35,8 @@ def build(socket: str, kind: str, layout: str, tp_rank: int, tp_size: int):
         attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=False,
         is_page_first_layout=layout == "page_first", model_name="test/model",
         extra_config={"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
-                      "class_name": "LmcachedStorage", "socket": socket})
+                      "class_name": "LmcachedStorage", "interface_v1": 1,
+                      "socket": socket})
     pool = make_pool(kind, layout)
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)

@@ -91,8 +91,19 @@ def test_an_unknown_extra_config_key_is_refused_with_its_name():
     from sglang_worker import HiCacheStorageConfig
 
     config = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, False, "m",
-                                  extra_config={"sockt": "/x"})
+                                  extra_config={"sockt": "/x", "interface_v1": 1})
     with pytest.raises(ValueError, match="unknown extra_config keys \\['sockt'\\]"):
+        LmcachedStorage(config, {})
+
+
+def test_an_extra_config_without_interface_v1_is_refused_with_the_fix():
+    """Without it SGLang's controller calls batch_get / batch_set with flat pages."""
+    from sglang_worker import HiCacheStorageConfig
+
+    config = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, False, "m", extra_config={
+        "backend_name": "lmcached", "module_path": "lmcached.client.sglang",
+        "class_name": "LmcachedStorage"})
+    with pytest.raises(ValueError, match='add "interface_v1": 1 to --hicache-storage-backend'):
         LmcachedStorage(config, {})
 
 
