@@ -287,3 +287,38 @@ def test_a_second_node_reads_the_pages_from_l2(redis_server, daemon_factory):
     finally:
         a.close()
         b.close()
+
+
+def test_a_daemon_not_up_yet_is_misses_then_the_backend_attaches(daemon_factory, short_tmp):
+    socket = os.path.join(short_tmp, "0.sock")  # where daemon_factory's first daemon listens
+    backend, pool = build(socket, "mha", "page_first", 0, 1)
+    try:
+        keys = page_keys(NUM_PAGES, "")
+        src = page_indices(list(range(NUM_PAGES)), pool.page_size)
+        fill_pages(pool, src, 19)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys, src) == [False] * NUM_PAGES
+        assert backend.batch_get_v1(keys, src) == [False] * NUM_PAGES
+        daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
+        assert daemon.socket == socket
+        wait_for(lambda: all(backend.batch_set_v1(keys, src)), what="a store after the start",
+                 timeout_s=30)
+        assert backend.batch_exists(keys) == NUM_PAGES
+        assert backend.get_stats()["failures"] == 0
+    finally:
+        backend.close()
+
+
+def test_clear_drops_nothing_unless_the_extra_config_allows_it(daemon):
+    backend, pool = build(daemon.socket, "mha", "page_first", 0, 1)
+    try:
+        keys = page_keys(NUM_PAGES, "")
+        src = page_indices(list(range(NUM_PAGES)), pool.page_size)
+        assert all(backend.batch_set_v1(keys, src))
+        assert backend.clear() is False
+        assert backend.batch_exists(keys) == NUM_PAGES
+        backend.allow_clear = True  # extra_config {"allow_clear": true}
+        assert backend.clear() is True
+        assert backend.batch_exists(keys) == 0 and daemon.info()["cached_values"] == 0
+    finally:
+        backend.close()
