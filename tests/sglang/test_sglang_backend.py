@@ -322,3 +322,23 @@ def test_clear_drops_nothing_unless_the_extra_config_allows_it(daemon):
         assert backend.batch_exists(keys) == 0 and daemon.info()["cached_values"] == 0
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_mla_pages_are_one_copy_for_every_tp_rank(daemon, layout):
+    ranks = [build(daemon.socket, "mla", layout, rank, 4) for rank in range(4)]
+    try:
+        (writer, pool), readers = ranks[0], ranks[1:]
+        keys = page_keys(NUM_PAGES, "")
+        src = page_indices(list(range(NUM_PAGES)), pool.page_size)
+        dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
+        fill_pages(pool, src, 23)
+        assert all(writer.batch_set_v1(keys, src))
+        for reader, reader_pool in readers:
+            assert reader.namespace == writer.namespace
+            assert reader.batch_get_v1(keys, dst) == [True] * NUM_PAGES
+            assert read_runs(reader_pool, dst) == read_runs(pool, src)
+        assert daemon.info()["cached_values"] == NUM_PAGES  # one copy
+    finally:
+        for backend, _ in ranks:
+            backend.close()
