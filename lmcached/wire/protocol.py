@@ -61,14 +61,6 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-# Chunk formats whose chunks are not a prefix chain: each chunk's hash is its own
-# (`hash_block_tokens(parent, token ids)` from the request's parent, ROOT_HASH, never from
-# the chunk before it). SGLang names its pages by keys that already hold their prefix, and
-# asks for any run of them (client/sglang/): the disk and L2 tiers verify such a chunk from
-# the request's parent.
-UNCHAINED_FORMATS = frozenset({"sglang"})
-
-
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a KV chunk is: the namespace of its hashes (docs/architecture.md, "Namespaces").
 
@@ -107,6 +99,14 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"worker_id {self.worker_id} must be < world_size {self.world_size}"
             )
+
+
+# Chunk formats whose chunks are not a prefix chain: each chunk's hash is its own
+# (`hash_block_tokens(parent, token ids)` from the request's parent, ROOT_HASH, never from
+# the chunk before it). SGLang names its pages by keys that already hold their prefix, and
+# asks for any run of them (client/sglang/): the disk and L2 tiers verify such a chunk from
+# the request's parent.
+UNCHAINED_FORMATS = frozenset({"sglang"})
 
 
 # ------------------------------------------------------------------------ requests
