@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on these machines' disk; a plain `torch` pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: gpu-wheels test test-fast test-hf-latest test-vllm test-vllm-033 bench-vllm demo bench bench-quick clean install-test install-hf
+.PHONY: gpu-wheels test test-fast test-hf-latest test-vllm test-sglang test-vllm-033 bench-vllm demo bench bench-quick clean install-test install-hf
 
 # Each install step says what it does, then lets pip report its progress (no --quiet).
 # pip prints nothing while it unpacks a large wheel (torch: the longest step), so the
@@ -98,6 +98,35 @@ test-vllm: $(VLLM_VENV)/.installed-vllm
 		tests/vllm_connector/test_vllm_blend.py \
 		tests/vllm_connector/test_vllm_conformance.py tests/vllm_connector/test_vllm_salts.py \
 		tests/vllm_connector/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
+
+## make test-sglang: create .venv-sglang (torch==2.13.0, then sglang==0.5.23 without its
+## dependencies and the few pure-Python packages its HiCache storage modules import, then
+## .[test,l2]) and run the SGLang backend's tests (pytest -m sglang, ~1 minute; ~2.5 with
+## the install).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_PIP_INSTALL := $(SGLANG_PY) -m pip install --progress-bar on
+# What `import sglang.srt.mem_cache.hicache_storage` and its storage backend factory need
+# (sglang's full dependency list pulls CUDA builds and ~100 packages).
+SGLANG_NEEDS := triton orjson pybase64 pydantic packaging tqdm requests pillow starlette \
+	pyzmq aiohttp ipython
+
+$(SGLANG_VENV)/.installed-sglang: pyproject.toml
+	@echo "==> creating $(SGLANG_VENV) ($(PYTHON) -m venv) and upgrading pip"
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	@echo "==> installing $(TORCH_PIN) first (the CPU build)"
+	@$(WITH_TICKS) $(SGLANG_PIP_INSTALL) $(TORCH_PIN)
+	@echo "==> installing sglang==0.5.23 without its dependencies, then what its storage modules import"
+	@$(WITH_TICKS) $(SGLANG_PIP_INSTALL) --no-deps sglang==0.5.23
+	@$(WITH_TICKS) $(SGLANG_PIP_INSTALL) $(SGLANG_NEEDS)
+	@echo "==> installing lmcached in editable mode with the test and l2 extras"
+	@$(WITH_TICKS) $(SGLANG_PIP_INSTALL) -e '.[test,l2]'
+	$(SGLANG_PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+test-sglang: $(SGLANG_VENV)/.installed-sglang
+	$(SGLANG_PY) -m pytest -m sglang tests/sglang
 
 ## make test-vllm-033: the connector against vLLM 0.33.0's KV connector base class, read from
 ## its wheel's base.py (pip download vllm==0.33.0 --no-deps: ~340 MB, kept in

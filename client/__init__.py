@@ -29,6 +29,7 @@ What lives here:
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
     vllm/                      the vLLM KV connector (the only code importing vllm)
+    sglang/                    SGLang HiCache's storage backend (the only code importing sglang)
     adapters/                  key-value storage backend and KV buffers (LMCache's API) over
                                the daemon
     vllm_connector.py          the connector's stable module path (re-exports vllm/)

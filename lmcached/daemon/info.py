@@ -186,6 +186,7 @@ def info_sections(service: DaemonState,
         "clients": {
             "connected_clients": len(service.sessions),
             "namespaces": len(service.namespaces),
+            "namespaces_sglang": sum(layout.fmt == "sglang" for layout in service.namespaces),
             "namespaces_freed": service.stats.freed_namespaces["namespaces"],
         },
         "stats": stats,

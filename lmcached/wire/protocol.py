@@ -80,7 +80,9 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         world_size: tensor parallel world size, >= 1.
         worker_id: the tensor parallel rank, 0 <= worker_id < world_size.
         fmt: "vllm" or "huggingface" (order of the token and head dimensions of a KV
-            chunk), or "kv" (values of the key-value adapters, under string keys).
+            chunk), "sglang" (SGLang HiCache pages: chunk records whose chunks are
+            independent, see UNCHAINED_FORMATS), or "kv" (values of the key-value
+            adapters, under string keys).
         dtype: KV dtype name (e.g. "bfloat16").
         num_layers, num_kv_heads, head_size: KV geometry of this rank, each >= 1.
         chunk_size: tokens per chunk, >= 1.
@@ -91,7 +93,7 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_name: ShortName
     world_size: PositiveInt
     worker_id: Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
-    fmt: Literal["vllm", "huggingface", "kv"]
+    fmt: Literal["vllm", "huggingface", "sglang", "kv"]
     dtype: ShortName
     num_layers: PositiveInt
     num_kv_heads: PositiveInt
@@ -104,6 +106,14 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"worker_id {self.worker_id} must be < world_size {self.world_size}"
             )
+
+
+# Chunk formats whose chunks are not a prefix chain: each chunk's hash is its own
+# (`hash_block_tokens(parent, token ids)` from the request's parent, ROOT_HASH, never from
+# the chunk before it). SGLang names its pages by keys that already hold their prefix, and
+# asks for any run of them (client/sglang/): the disk and L2 tiers verify such a chunk from
+# the request's parent.
+UNCHAINED_FORMATS = frozenset({"sglang"})
 
 
 # ------------------------------------------------------------------------ requests

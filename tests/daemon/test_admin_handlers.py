@@ -173,7 +173,8 @@ def test_info_reports_every_section_from_the_service_state(service):
     assert blocks == {"num_blocks": NUM_BLOCKS, "free_blocks": 13, "cached_blocks": 2,
                       "pinned_blocks": 1, "writing_blocks": 1, "detached_blocks": 0,
                       "evictable_blocks": 1, "cached_values": 2}
-    assert clients == {"connected_clients": 1, "namespaces": 1, "namespaces_freed": 0}
+    assert clients == {"connected_clients": 1, "namespaces": 1, "namespaces_sglang": 0,
+                       "namespaces_freed": 0}
     assert stats["requests"] == service.stats.requests == 8  # HELLO .. this INFO
     assert (stats["lookups"], stats["stores"], stats["hits"], stats["misses"]) == (1, 2, 1, 1)
     assert (stats["errors"], stats["errors_bad_request"]) == (1, 1)

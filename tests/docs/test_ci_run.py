@@ -32,6 +32,7 @@ def test_ci_runs_every_command_as_a_timed_step():
         if re.match(r"(step \"[^\"]*\" )?(make|apt_install) ", line):
             commands.append(line)
     assert any("make test-vllm" in c for c in commands) , commands
+    assert any("make test-sglang" in c for c in commands), commands
     untimed = [c for c in commands if not c.startswith("step ")]
     assert not untimed, f".ci/run runs these without `step` (no elapsed time): {untimed}"
     assert 'echo "ci: all steps done in $(elapsed "$SECONDS")"' in _ci_script()

