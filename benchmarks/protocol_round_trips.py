@@ -177,8 +177,8 @@ class RoundTripBench:
         import torch
 
         from lmcached.client.engine import CacheEngine
-        from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
-        from lmcached.client.vllm.specs import ConnectorSettings
+        from lmcached.client.serving.scheduler import LMCachedConnectorScheduler
+        from lmcached.client.serving.specs import ConnectorSettings
 
         self.echo = EchoClient(echo_sock)
         payload = bytes(NUM_PROMPT_CHUNKS * HASH_BYTES + 32)  # as large as an ACQUIRE of it

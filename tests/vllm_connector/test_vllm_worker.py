@@ -17,8 +17,8 @@ import torch
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.worker import LMCachedConnectorWorker, PagedBlocks
 from lmcached.wire.protocol import Acquire, Lookup
 from lmcached.wire.record_format import RECORD_HEADER_BYTES
 

@@ -19,7 +19,7 @@ from lmcached.client.cuda import register_arena, synchronize_if_cuda, unregister
 from lmcached.client.chain import Chain, chunk_ranges
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.records import RecordIO
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)

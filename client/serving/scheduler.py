@@ -20,7 +20,7 @@ import numpy as np
 
 from lmcached.client.chain import Pins, acquire_chain
 from lmcached.client.hashing import ChunkHash, hash_request_tokens, root_hash
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
