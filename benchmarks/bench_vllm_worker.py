@@ -29,7 +29,7 @@ from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
 from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
-from lmcached.client.serving.worker import LMCachedConnectorWorker
+from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.protocol import Clear, Ping
 

@@ -177,7 +177,7 @@ class RoundTripBench:
         import torch
 
         from lmcached.client.engine import CacheEngine
-        from lmcached.client.serving.scheduler import LMCachedConnectorScheduler
+        from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
         from lmcached.client.serving.specs import ConnectorSettings
 
         self.echo = EchoClient(echo_sock)

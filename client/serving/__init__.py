@@ -12,6 +12,7 @@ failed, and stores new full chunks after the forward pass. An engine's glue
   (`ConnectorSettings`, `LoadSpec`, `SaveSpec`).
 - `scheduler.py`: the scheduler side (pinned lookups, step pins, epochs, worker reports).
 - `worker.py`: the worker side (load: check, copy, re-check, TP agreement; save).
+- `mover.py`: `KVMover`, how an engine's blocks are copied (gather, scatter, wait).
 - `hook_guard.py`: the boundary that turns an exception of a hook into a counted miss.
 
 It imports no engine (no vllm, no transformers) and nothing of an engine's glue: an

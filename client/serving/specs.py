@@ -1,9 +1,9 @@
-"""What the vLLM connector's scheduler side sends its workers, and their shared settings.
+"""What the serving core's scheduler side sends its workers, and their shared settings.
 
-Why this file exists: the scheduler side (client/vllm/scheduler.py) and the worker side
-(client/vllm/worker.py) of the connector run in different processes and share only the
-pickled step metadata, the daemon and its arena. Both are vllm-free (only
-client/vllm/connector.py imports vllm); what they exchange is defined here.
+Why this file exists: the scheduler side (client/serving/scheduler.py) and the worker side
+(client/serving/worker.py) of an engine's connector run in different processes and share
+only the pickled step metadata, the daemon and its arena; what they exchange is defined
+here. Block ids and the block size are the engine's (vLLM's paged blocks).
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ class ConnectorSettings:
     Attributes:
         layouts: one KVLayout (namespace) per TP rank, index = rank.
         chunk_size: tokens per chunk, a multiple of block_size.
-        block_size: vLLM's block size in tokens.
+        block_size: the engine's block size in tokens.
         world_size: TP world size.
         socket: daemon socket path (None: that of daemon `daemon_name`).
         daemon_name: daemon name, used when socket is None.
@@ -54,7 +54,7 @@ class ConnectorSettings:
 
     @property
     def blocks_per_chunk(self) -> int:
-        """vLLM blocks in one chunk."""
+        """Engine blocks in one chunk."""
         return self.chunk_size // self.block_size
 
     def open_link(self, ranks: list[int], client_name: str,
@@ -81,7 +81,7 @@ class LoadSpec:
     """Chunks one request loads from the arena in this step (scheduler -> workers).
 
     Attributes:
-        req_id: vLLM request id.
+        req_id: the engine's request id.
         epoch: the request's save epoch (see SaveSpec) when the load was planned.
         first_chunk: index of the first loaded chunk in the request.
         tokens: int64 `[num_chunks * chunk_size]` token ids of the chunks, checked
@@ -90,8 +90,8 @@ class LoadSpec:
         spans: `[rank][chunk]` arena block ids of each record pinned for that rank;
             shorter than `hashes` when a chunk could not be pinned.
         generations: `[rank]` arena generation the spans belong to.
-        block_offsets: `[chunk]` positions (within the chunk) of the vLLM blocks to fill.
-        block_ids: `[chunk]` vLLM block ids to fill, aligned with block_offsets.
+        block_offsets: `[chunk]` positions (within the chunk) of the engine blocks to fill.
+        block_ids: `[chunk]` engine block ids to fill, aligned with block_offsets.
     """
 
     req_id: str
@@ -110,12 +110,12 @@ class SaveSpec:
     """New full chunks of one request to store after this step's forward pass.
 
     Attributes:
-        req_id: vLLM request id.
+        req_id: the engine's request id.
         epoch: bumped by the scheduler when a load of the request failed; a worker
             skips saves of an epoch whose load failed (their KV attended to bad blocks).
         tokens: int64 `[num_chunks * chunk_size]` token ids of the chunks.
         hashes: the chunks' 16-byte prefix hashes.
-        block_ids: `[num_chunks * blocks_per_chunk]` vLLM block ids holding them.
+        block_ids: `[num_chunks * blocks_per_chunk]` engine block ids holding them.
     """
 
     req_id: str

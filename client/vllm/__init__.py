@@ -4,9 +4,12 @@ What lives here, after vLLM's NixlConnector split into roles:
 
 - `connector.py`: `LMCachedConnector`, the KV connector V1 class vLLM instantiates
   (users name it by the stable path `lmcached.client.vllm_connector`).
-- `scheduler.py`: the scheduler role (LOOKUP / ACQUIRE / RELEASE per request).
-- `worker.py`: the worker role (copies vLLM's paged blocks to and from arena records).
-- `specs.py`: what the scheduler sends its workers, and their shared settings.
+- `scheduler.py`: the scheduler role: vLLM's hooks as calls into the serving core
+  (`lmcached.client.serving`: pinned lookups, step pins, epochs, worker reports).
+- `worker.py`: the worker role: vLLM's paged blocks (`PagedBlocks`) as the serving core's
+  `KVMover` (loads with their checks and TP agreement, saves: the serving core).
+- `specs.py`: the serving core's settings and step specs, re-exported for the CacheBlend side.
+- `namespaces.py`, `tp_group.py`: the namespaces of a vLLM configuration; the TP collectives.
 - CacheBlend inside vLLM (docs/cacheblend.md, "Inside vLLM"): `blend_plugin.py` (the
   `vllm.general_plugins` entry point), `blend_models.py` (the `LMCached*ForCausalLM`
   classes that hand the connector their model), `blend_params.py` (what a request asks,
@@ -15,7 +18,8 @@ What lives here, after vLLM's NixlConnector split into roles:
   and `blend_layers.py` (the blend in `start_load_kv`, the document stores).
 
 What it may import: the engine core of `lmcached.client` (chain, daemon_link, records, layout,
-hashing, cuda), `lmcached.client.blend`, `lmcached.wire.protocol`, `lmcached.shm`, and vllm.
+hashing, cuda), `lmcached.client.serving`, `lmcached.client.blend`, `lmcached.wire.protocol`,
+`lmcached.shm`, and vllm.
 Only `connector.py`, `blend_config.py`, `blend_models.py` and `blend_plugin.py` (inside
 `register`) import vllm (absolute imports: `import vllm` here is the real vLLM, never this
 package), so the scheduler and worker roles import and test without vllm installed. This `__init__`

@@ -88,11 +88,11 @@ from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, 
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.serving.hook_guard import HookGuard, claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
-from lmcached.client.serving.scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
 from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.tp_group import all_ranks_first_failure, blend_tp_group, tensor_parallel_rank
-from lmcached.client.serving.worker import LMCachedConnectorWorker
+from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)

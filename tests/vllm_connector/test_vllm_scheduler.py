@@ -16,7 +16,7 @@ import torch
 
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import tenant_fingerprint
-from lmcached.client.serving.scheduler import LMCachedConnectorScheduler
+from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.serving.specs import ConnectorSettings
 
 BLOCK_SIZE = 4
