@@ -23,6 +23,9 @@ What lives here:
                                only modules here importing transformers)
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
+    serving/                   the engine-neutral serving core every engine's connector
+                               uses: pinned lookups, step pins, epochs, loads and saves
+                               over a KVMover (imports no engine and no engine's glue)
     vllm/                      the vLLM KV connector (the only code importing vllm)
     adapters/                  key-value storage backend and KV buffers (LMCache's API) over
                                the daemon
