@@ -1,4 +1,5 @@
-"""The engine-neutral serving core (import name `lmcached.client.serving`, folder `client/serving/`).
+"""The engine-neutral serving core (import name `lmcached.client.serving`, folder
+`client/serving/`).
 
 Why this package exists: what a serving engine's KV connector does against the daemon is
 the same whatever the engine: the scheduler side pins a request's hit at lookup, plans its

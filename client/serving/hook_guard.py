@@ -60,8 +60,8 @@ class HookGuard:
             return
         self._logged_at[hook] = now
         unlogged = self._unlogged.pop(hook, 0)
-        logger.error("lmcached connector: %s failed (%s: %s); %s. lmcached is a cache: vLLM "
-                     "serves on (%d such failures in this hook, %d not logged since the "
+        logger.error("lmcached connector: %s failed (%s: %s); %s. lmcached is a cache: the "
+                     "engine serves on (%d such failures in this hook, %d not logged since the "
                      "last line)", hook, type(exc).__name__, exc, fallback,
                      self.failures[hook], unlogged, exc_info=exc)
 

@@ -244,7 +244,8 @@ class ServingContract:
                 assert worker.take_failed_chunks() == {}
                 assert worker.num_loaded_tokens == num_chunks * CHUNK
                 for i in range(2 * num_chunks):
-                    assert block_bytes(targets[rank], dst_blocks[i]) == block_bytes(sources[rank], i)
+                    assert (block_bytes(targets[rank], dst_blocks[i])
+                            == block_bytes(sources[rank], i))
                 assert block_bytes(targets[rank], dst_blocks[-1]) == block_bytes(zero_caches(), 0)
             assert daemon.pins_held() == num_chunks * tp  # no rank has reported yet
             h.report(scheduler, {step: 1}, {})
