@@ -28,7 +28,7 @@ from common import GB, median, record_block_size, running_daemon, synced, time_i
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.protocol import Clear, Ping

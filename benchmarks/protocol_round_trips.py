@@ -178,7 +178,7 @@ class RoundTripBench:
 
         from lmcached.client.engine import CacheEngine
         from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
-        from lmcached.client.vllm.specs import ConnectorSettings
+        from lmcached.client.serving.specs import ConnectorSettings
 
         self.echo = EchoClient(echo_sock)
         payload = bytes(NUM_PROMPT_CHUNKS * HASH_BYTES + 32)  # as large as an ACQUIRE of it

@@ -28,6 +28,9 @@ What lives here:
                                modules here importing transformers)
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
+    serving/                   the engine-neutral serving core every engine's connector
+                               uses: pinned lookups, step pins, epochs, loads and saves
+                               over a KVMover (imports no engine and no engine's glue)
     vllm/                      the vLLM KV connector (the only code importing vllm)
     sglang/                    SGLang HiCache's storage backend (the only code importing sglang)
     adapters/                  key-value storage backend and KV buffers (LMCache's API) over

@@ -192,7 +192,7 @@ def fuzz_blend_params(path: str, num_requests: int, rng: random.Random) -> dict:
     the daemon; none may raise. Returns the scheduler's counters."""
     from lmcached.client.layout import KVLayout
     from lmcached.client.vllm.blend_scheduler import BlendScheduler
-    from lmcached.client.vllm.specs import ConnectorSettings
+    from lmcached.client.serving.specs import ConnectorSettings
 
     layout = KVLayout("fuzz-blend", num_layers=2, num_kv_heads=1, head_size=8,
                       dtype="float32", chunk_size=8, fmt="vllm")

@@ -4,12 +4,13 @@ What lives here, after vLLM's NixlConnector split into roles:
 
 - `connector.py`: `LMCachedConnector`, the KV connector V1 class vLLM instantiates
   (users name it by the stable path `lmcached.client.vllm_connector`).
-- `scheduler.py`: the scheduler role (one pinning ACQUIRE per lookup, RELEASE once loaded).
-- `worker.py`: the worker role (copies vLLM's paged blocks to and from arena records).
-- `specs.py`: what the scheduler sends its workers, and their shared settings.
+- `scheduler.py`: the scheduler role: vLLM's hooks as calls into the serving core
+  (`lmcached.client.serving`: pinned lookups, step pins, epochs, worker reports).
+- `worker.py`: the worker role: vLLM's paged blocks (`PagedBlocks`) as the serving core's
+  `KVMover` (loads with their checks and TP agreement, saves: the serving core).
+- `specs.py`: the serving core's settings and step specs, re-exported for the CacheBlend side.
 - `namespaces.py`: the engine's namespaces (one per TP rank) from its configuration alone.
 - `tp_group.py`: the workers' collectives over vLLM's TP group (load errors, blend scores).
-- `hook_guard.py`: an exception of a connector hook becomes a counted miss, never vLLM's.
 - `load_policy.py`: what vLLM does with a chunk that could not be loaded (recompute by
   default; an explicit `fail` is kept).
 - CacheBlend inside vLLM (docs/cacheblend.md, "Inside vLLM"): `blend_plugin.py` (the
@@ -21,7 +22,7 @@ What lives here, after vLLM's NixlConnector split into roles:
   `blend_flash.py` (FlashAttention over the paged cache for the selected rows, CUDA).
 
 What it may import: the engine and its core in `lmcached.client` (engine, chain, daemon_link,
-records, layout, hashing, cuda, attention), `lmcached.client.blend`, `lmcached.wire`,
+records, layout, hashing, cuda, attention), `lmcached.client.serving`, `lmcached.client.blend`, `lmcached.wire`,
 `lmcached.shm`, and vllm. Only `connector.py`, `namespaces.py`, `blend_models.py`,
 `blend_plugin.py` (inside `register`), and lazily `tp_group.py` and `blend_flash.py`,
 import vllm (absolute imports: `import vllm` here is the real vLLM, never this

@@ -89,12 +89,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
 from lmcached.client.vllm.blend_worker import BlendWorker
-from lmcached.client.vllm.hook_guard import HookGuard, claimed_block_ids
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
+from lmcached.client.serving.hook_guard import HookGuard, claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.tp_group import all_ranks_first_failure, blend_tp_group, tensor_parallel_rank
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger

@@ -63,6 +63,18 @@ def test_a_wrong_import_breaks_the_layers_contract(tmp_path):
     assert "lmcached.wire.protocol -> lmcached.client" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("wrong_import", ["lmcached.client.vllm.worker", "transformers"])
+def test_a_wrong_import_breaks_the_serving_contract(tmp_path, wrong_import):
+    """The serving core importing an engine's glue or an engine is caught."""
+    tree = installed_tree(str(tmp_path))
+    with open(os.path.join(tree, "lmcached", "client", "serving", "worker.py"), "a") as f:
+        f.write(f"\nimport {wrong_import}  # noqa: E402,F401 (the wrong import)\n")
+    result = lint_imports(tree)
+    assert result.returncode != 0, result.stdout
+    assert "The serving core imports no engine" in result.stdout, result.stdout
+    assert f"lmcached.client.serving.worker -> {wrong_import}" in result.stdout, result.stdout
+
+
 def modules_loaded_with_semantics(names: tuple[str, ...]) -> list[str]:
     """Which of `names` a fresh interpreter has loaded after `import lmcached.daemon.service`."""
     code = ("import sys, lmcached.daemon.service; "

@@ -269,7 +269,7 @@ def test_vllm_connector_records_come_back_bit_exact_from_disk(daemon_factory, di
     from test_vllm_worker import CHUNK, LAYERS, cpu_layout_cache, page_bytes_of, raw_block, \
         registered_worker, worker_settings
     from lmcached.client.daemon_link import DaemonLink
-    from lmcached.client.vllm.specs import LoadSpec, SaveSpec
+    from lmcached.client.serving.specs import LoadSpec, SaveSpec
     from lmcached.wire.protocol import Acquire
 
     # 7 blocks of 32 KiB; a record (3 layers x 2 pages of 4 KiB, header) fits one block.

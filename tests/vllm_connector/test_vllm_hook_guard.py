@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from lmcached.client.vllm.hook_guard import HookGuard, claimed_block_ids
+from lmcached.client.serving.hook_guard import HookGuard, claimed_block_ids
 
 from test_vllm_connector import (  # noqa: F401 (engine_factory, model_dir are fixtures)
     engine_factory,

@@ -17,7 +17,7 @@ import torch
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import tenant_fingerprint
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
-from lmcached.client.vllm.specs import ConnectorSettings
+from lmcached.client.serving.specs import ConnectorSettings
 
 BLOCK_SIZE = 4
 CHUNK = 2 * BLOCK_SIZE

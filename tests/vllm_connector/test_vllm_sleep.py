@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
-from lmcached.client.vllm.specs import LoadSpec, SaveSpec
+from lmcached.client.serving.specs import LoadSpec, SaveSpec
 from lmcached.wire.protocol import Acquire
 
 from test_vllm_worker import (

@@ -17,7 +17,7 @@ import torch
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.hashing import hash_request_tokens
 from lmcached.client.layout import KVLayout
-from lmcached.client.vllm.specs import ConnectorSettings, LoadSpec, SaveSpec
+from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.worker import LMCachedConnectorWorker, PagedBlocks
 from lmcached.wire.protocol import Acquire, Lookup
 from lmcached.wire.record_format import RECORD_HEADER_BYTES
@@ -234,7 +234,7 @@ def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_facto
     # errors, so vLLM recomputes blocks that may hold another prompt's KV.
     daemon = daemon_factory("--capacity", "64MiB", "--block-size", "1MiB")
     with a_saved_prompt_pinned(daemon.socket) as (second, load, spans, _, _):
-        scatter = second._paged.scatter
+        scatter = second._mover.scatter
 
         def scatter_then_a_writer_takes_the_first_block(*args):
             scatter(*args)
@@ -242,7 +242,7 @@ def test_a_record_rewritten_while_it_is_loaded_becomes_a_load_error(daemon_facto
             header = records._u8[records.arena.block_offset(spans[0][0]):]
             header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8] = 0xFF  # another token
 
-        second._paged.scatter = scatter_then_a_writer_takes_the_first_block
+        second._mover.scatter = scatter_then_a_writer_takes_the_first_block
         second.load([load])
         assert second.take_load_errors() == {1, 2, 4, 6}
         assert second.take_failed_chunks() == {"b": 0} and second.num_recheck_failures == 1

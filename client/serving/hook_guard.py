@@ -1,14 +1,14 @@
-"""The vLLM connector's boundary: an exception of a hook becomes a counted miss.
+"""A serving engine connector's boundary: an exception of a hook becomes a counted miss.
 
-Why this file exists: vLLM calls the connector's hooks inside its scheduler loop
-(EngineCore) and inside every worker's forward step; an exception there kills the engine.
-lmcached is a cache: whatever goes wrong in it (a bug, a daemon answer out of protocol, a
-request it did not foresee) must cost a miss, never a request or the engine. The
-connector (client/vllm/connector.py) wraps each hook it implements and hands what it
-caught to `HookGuard`, which counts it per hook and logs it with its traceback at most
+Why this file exists: an engine calls its connector's hooks inside its scheduler loop
+(vLLM's EngineCore) and inside every worker's forward step; an exception there kills the
+engine. lmcached is a cache: whatever goes wrong in it (a bug, a daemon answer out of
+protocol, a request it did not foresee) must cost a miss, never a request or the engine.
+A connector (e.g. client/vllm/connector.py) wraps each hook it implements and hands what
+it caught to `HookGuard`, which counts it per hook and logs it with its traceback at most
 once per `log_interval_s` per hook. What a failed hook falls back to (0 tokens matched,
-its claimed blocks reported as load errors so that vLLM recomputes them, a save skipped)
-is written at each hook. vllm-free.
+its claimed blocks reported as load errors so that the engine recomputes them, a save
+skipped) is written at each hook. Engine-neutral.
 """
 
 import collections
@@ -60,17 +60,17 @@ class HookGuard:
             return
         self._logged_at[hook] = now
         unlogged = self._unlogged.pop(hook, 0)
-        logger.error("lmcached connector: %s failed (%s: %s); %s. lmcached is a cache: vLLM "
-                     "serves on (%d such failures in this hook, %d not logged since the "
+        logger.error("lmcached connector: %s failed (%s: %s); %s. lmcached is a cache: the "
+                     "engine serves on (%d such failures in this hook, %d not logged since the "
                      "last line)", hook, type(exc).__name__, exc, fallback,
                      self.failures[hook], unlogged, exc_info=exc)
 
 
 def claimed_block_ids(block_ids: list[int], num_local_tokens: int, num_external_tokens: int,
                       block_size: int) -> list[int]:
-    """The vLLM block ids that hold the claimed tokens `[num_local_tokens, num_local_tokens
+    """The engine block ids that hold the claimed tokens `[num_local_tokens, num_local_tokens
     + num_external_tokens)` of a request whose blocks are `block_ids` (the blocks a
-    failed hook reports as load errors, so that vLLM recomputes them)."""
+    failed hook reports as load errors, so that the engine recomputes them)."""
     first = num_local_tokens // block_size
     end = -(-(num_local_tokens + num_external_tokens) // block_size)
     return list(block_ids[first:end])
