@@ -57,7 +57,7 @@ test-fast: $(VENV)/.installed-test
 HF_LATEST_VENV ?= .venv-hf-latest
 HF_LATEST_PY := $(HF_LATEST_VENV)/bin/python
 HF_TESTS := tests/client/test_hf.py tests/client/test_hf_warnings.py \
-	tests/client/test_blend_hf.py tests/client/test_blend_rope.py tests/system/test_demo.py
+	tests/client/blend/test_blend_hf.py tests/client/blend/test_blend_rope.py tests/system/test_demo.py
 
 $(HF_LATEST_PY):
 	@echo "==> creating $(HF_LATEST_VENV) ($(PYTHON) -m venv), installing $(TORCH_PIN) first"
