@@ -56,7 +56,7 @@ test-fast: $(VENV)/.installed-test
 ## upper bound hold? Raise the bound only once this passes with the new release.
 HF_LATEST_VENV ?= .venv-hf-latest
 HF_LATEST_PY := $(HF_LATEST_VENV)/bin/python
-HF_TESTS := tests/client/test_hf.py tests/client/test_hf_warnings.py \
+HF_TESTS := tests/client/hf/test_hf.py tests/client/hf/test_hf_warnings.py \
 	tests/client/blend/test_blend_hf.py tests/client/blend/test_blend_rope.py tests/system/test_demo.py
 
 $(HF_LATEST_PY):
