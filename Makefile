@@ -94,10 +94,10 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py \
-		tests/vllm_connector/test_vllm_blend.py \
-		tests/vllm_connector/test_vllm_conformance.py tests/vllm_connector/test_vllm_salts.py \
-		tests/vllm_connector/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
+	$(VLLM_PY) -m pytest -m vllm tests/client/vllm/test_vllm_connector.py \
+		tests/client/vllm/test_vllm_blend.py \
+		tests/client/vllm/test_vllm_conformance.py tests/client/vllm/test_vllm_salts.py \
+		tests/client/vllm/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
 
 ## make test-sglang: create .venv-sglang (torch==2.13.0, then sglang==0.5.23 without its
 ## dependencies and the few pure-Python packages its HiCache storage modules import, then
@@ -138,7 +138,7 @@ test-vllm-033: $(VLLM_VENV)/.installed-vllm
 	unzip -p $(VLLM_033_DIR)/vllm-0.33.0-*.whl \
 		vllm/distributed/kv_transfer/kv_connector/v1/base.py > $(VLLM_033_DIR)/base.py
 	LMCACHED_VLLM_BASE_PY=$(VLLM_033_DIR)/base.py $(VLLM_PY) -m pytest -m vllm \
-		tests/vllm_connector/test_vllm_conformance.py
+		tests/client/vllm/test_vllm_conformance.py
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm

@@ -616,7 +616,7 @@ def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after
 
 
 # ------------------------------------------------------------------ end to end
-E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "vllm_e2e.py")
+E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "vllm_e2e.py")
 E2E_TIMEOUT_S = 300
 VLLM_SEGMENT_PREFIX = "vllm_dist_"
 PREFIX_TOKENS, SUFFIX_TOKENS, NUM_PROMPTS = 520, 40, 3  # 2 full 256-token chunks shared
