@@ -126,7 +126,7 @@ $(SGLANG_VENV)/.installed-sglang: pyproject.toml
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed-sglang
-	$(SGLANG_PY) -m pytest -m sglang tests/sglang
+	$(SGLANG_PY) -m pytest -m sglang tests/client/sglang
 
 ## make test-vllm-033: the connector against vLLM 0.33.0's KV connector base class, read from
 ## its wheel's base.py (pip download vllm==0.33.0 --no-deps: ~340 MB, kept in
