@@ -56,8 +56,8 @@ test-fast: $(VENV)/.installed-test
 ## upper bound hold? Raise the bound only once this passes with the new release.
 HF_LATEST_VENV ?= .venv-hf-latest
 HF_LATEST_PY := $(HF_LATEST_VENV)/bin/python
-HF_TESTS := tests/client/test_hf.py tests/client/test_hf_warnings.py \
-	tests/client/test_blend_hf.py tests/client/test_blend_rope.py tests/system/test_demo.py
+HF_TESTS := tests/client/hf/test_hf.py tests/client/hf/test_hf_warnings.py \
+	tests/client/blend/test_blend_hf.py tests/client/blend/test_blend_rope.py tests/system/test_demo.py
 
 $(HF_LATEST_PY):
 	@echo "==> creating $(HF_LATEST_VENV) ($(PYTHON) -m venv), installing $(TORCH_PIN) first"
@@ -94,10 +94,10 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_PY) -m pytest -m vllm tests/vllm_connector/test_vllm_connector.py \
-		tests/vllm_connector/test_vllm_blend.py \
-		tests/vllm_connector/test_vllm_conformance.py tests/vllm_connector/test_vllm_salts.py \
-		tests/vllm_connector/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
+	$(VLLM_PY) -m pytest -m vllm tests/client/vllm/test_vllm_connector.py \
+		tests/client/vllm/test_vllm_blend.py \
+		tests/client/vllm/test_vllm_conformance.py tests/client/vllm/test_vllm_salts.py \
+		tests/client/vllm/test_vllm_hook_guard.py tests/docs/test_doc_blocks.py
 
 ## make test-sglang: create .venv-sglang (torch==2.13.0, then sglang==0.5.23 without its
 ## dependencies and the few pure-Python packages its HiCache storage modules import, then
@@ -126,7 +126,7 @@ $(SGLANG_VENV)/.installed-sglang: pyproject.toml
 	touch $@
 
 test-sglang: $(SGLANG_VENV)/.installed-sglang
-	$(SGLANG_PY) -m pytest -m sglang tests/sglang
+	$(SGLANG_PY) -m pytest -m sglang tests/client/sglang
 
 ## make test-vllm-033: the connector against vLLM 0.33.0's KV connector base class, read from
 ## its wheel's base.py (pip download vllm==0.33.0 --no-deps: ~340 MB, kept in
@@ -138,7 +138,7 @@ test-vllm-033: $(VLLM_VENV)/.installed-vllm
 	unzip -p $(VLLM_033_DIR)/vllm-0.33.0-*.whl \
 		vllm/distributed/kv_transfer/kv_connector/v1/base.py > $(VLLM_033_DIR)/base.py
 	LMCACHED_VLLM_BASE_PY=$(VLLM_033_DIR)/base.py $(VLLM_PY) -m pytest -m vllm \
-		tests/vllm_connector/test_vllm_conformance.py
+		tests/client/vllm/test_vllm_conformance.py
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm

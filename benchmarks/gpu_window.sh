@@ -110,8 +110,10 @@ if grep -q '^ERROR ' /tmp/gpu-window-collect.txt; then
   cat /tmp/gpu-window-collect.txt >> "$out/tests.log"
   failed=1
 fi
-# tests/vllm_connector, tests/system, tests/client
-files="$(grep '::' /tmp/gpu-window-collect.txt | cut -d: -f1 | sort -ru)"
+# tests/client/vllm first, then tests/system, ..., the rest of tests/client
+collected="$(grep '::' /tmp/gpu-window-collect.txt | cut -d: -f1 | sort -ru)"
+files="$(grep '^tests/client/vllm/' <<<"$collected" || true)
+$(grep -v '^tests/client/vllm/' <<<"$collected" || true)"
 junit=/tmp/gpu-window-junit
 rm -rf "$junit" && mkdir -p "$junit"
 for file in $files; do

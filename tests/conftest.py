@@ -27,7 +27,7 @@ SEGMENT_LEAK_DEADLINE_S = 10.0
 TEST_NAME_PREFIX = f"t{os.getpid()}-"
 
 
-VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/vllm_connector/test_vllm_connector.py)
+VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/client/vllm/)
 
 
 def our_segments() -> set[str]:

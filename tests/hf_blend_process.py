@@ -1,5 +1,5 @@
 """A Hugging Face process that stores and blends CacheBlend documents, for the tests that
-share documents with vLLM (tests/vllm_connector/test_vllm_blend.py).
+share documents with vLLM (tests/client/vllm/test_vllm_blend.py).
 
 Runs in its own process, on the model directory a vLLM instance loads::
 

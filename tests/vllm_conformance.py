@@ -1,7 +1,7 @@
 """Compare a KV connector class with vLLM's `KVConnectorBase_V1` as written in a release's
 `vllm/distributed/kv_transfer/kv_connector/v1/base.py`, read as source (ast), so that a
 release that is not installed (0.33's wheel, `make test-vllm-033`) is checked as the
-installed one is (tests/vllm_connector/test_vllm_conformance.py).
+installed one is (tests/client/vllm/test_vllm_conformance.py).
 
 What is a problem: an abstract method of the base class the connector lacks; a method the
 connector defines that the base class has with other parameters (names, order, kinds; the

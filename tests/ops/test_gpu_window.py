@@ -29,8 +29,8 @@ def test_collect_lists_every_cuda_marked_test_and_imports_the_gpu_benchmarks():
     assert len(ids) == int(count.group(1))
     # Tests that skip without a GPU are listed too (a module-level skip would hide them).
     files = {i.split("::")[0] for i in ids}
-    assert {"tests/system/test_gpu_tier.py", "tests/client/test_attention.py",
-            "tests/client/test_blend_hf.py", "tests/client/test_cuda.py"} <= files, files
+    assert {"tests/system/test_gpu_tier.py", "tests/client/hf/test_attention.py",
+            "tests/client/blend/test_blend_hf.py", "tests/client/cuda/test_cuda.py"} <= files, files
     assert "benchmarks imported: bench_cuda bench_vllm_worker" in proc.stdout
 
 

@@ -56,7 +56,7 @@ def store(daemon, start: int) -> None:
 def drained(daemon) -> None:
     """Wait until no disk write is queued: the writes ahead of eviction keep up, as
     between the prefills of a serving process (a burst faster than the disk drops
-    chunks, tests/daemon/test_disk_tier.py)."""
+    chunks, tests/daemon/disk/test_disk_tier.py)."""
     wait_for(lambda: not daemon.info()["disk_queue_values"], what="the disk writes",
              timeout_s=30)
 

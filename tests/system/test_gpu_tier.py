@@ -3,7 +3,7 @@ the daemon's CUDA VMM allocation is imported by other processes, stores from GPU
 tensors land there, reads are views of it, a full tier demotes to the host arena by the
 daemon's CUDA copies, a killed client's pins come back, and a process that cannot map
 the tier falls back to the host arena. Skipped without a CUDA device and cuda-bindings.
-The same logic runs in CI on fake tiers (tests/client/test_tiered_engine.py)."""
+The same logic runs in CI on fake tiers (tests/client/engine/test_tiered_engine.py)."""
 
 import json
 import os

@@ -8,8 +8,8 @@ never saved; tensor parallel ranks report the same failures; full chunks are sav
 they are computed, and another process loads them bit-exact.
 
 An engine runs the contract by subclassing `ServingContract` with a harness that drives
-its glue (`EngineHarness`: the fake engine here drives the core directly, tests/client/
-test_serving_core.py; vLLM's glue: tests/vllm_connector/test_vllm_serving_contract.py).
+its glue (`EngineHarness`: the fake engine here drives the core directly, tests/client/serving/
+test_serving_core.py; vLLM's glue: tests/client/vllm/test_vllm_serving_contract.py).
 Every harness works on the same engine memory: per layer, a uint8 tensor `[NUM_BLOCKS,
 PAGE_BYTES]` of blocks, so that tests compare bytes the same way. No vllm needed.
 """

@@ -1,5 +1,5 @@
 """The serving core (`lmcached.client.serving`) against a real daemon, driven by a fake
-engine: the contract every engine's glue is held to (tests/client/serving_contract.py),
+engine: the contract every engine's glue is held to (tests/client/serving/serving_contract.py),
 and the core importing no engine. Runs without vllm installed.
 """
 

@@ -38,7 +38,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 NUM_PAGES = 8
 ENV = {**os.environ, "LMCACHED_DATA_TIMEOUT_MS": "10000",
        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                      os.path.dirname(os.path.dirname(__file__))])}
+                                      os.path.join(os.path.dirname(__file__), os.pardir,
+                                                   os.pardir)])}
 
 
 def run_worker(socket: str, *args) -> dict:

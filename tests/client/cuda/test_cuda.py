@@ -1,6 +1,6 @@
 """GPU paths: store from CUDA tensors, retrieve into CUDA buffers (run on a GPU machine).
 
-Skipped without CUDA. On a GPU machine: `pytest -m cuda` or `pytest tests/client/test_cuda.py`.
+Skipped without CUDA. On a GPU machine: `pytest -m cuda` or `pytest tests/client/cuda/test_cuda.py`.
 """
 
 import pytest

@@ -27,7 +27,7 @@ from lmcached.client.hf import (  # noqa: E402
 )
 
 # fp32 prefill of a subset of rows is not bit-identical to a full prefill (different
-# matmul shapes); 1e-4 bounds the difference for these model sizes (as tests/client/test_hf.py).
+# matmul shapes); 1e-4 bounds the difference for these model sizes (as tests/client/hf/test_hf.py).
 LOGITS_ATOL = 1e-4
 VOCAB = 500
 SPT = VOCAB - 1  # the separator: text tokens are drawn below it

@@ -31,7 +31,7 @@ VOCAB = 1000
 SALT = "tenant-a"
 BLEND_ARGS = ("--blend-model", "--dtype", "float32", "--logprobs", str(VOCAB))
 RATIOS = (0.0, 0.15, 0.3, 1.0)
-HF_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+HF_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
                          "hf_blend_process.py")
 
 

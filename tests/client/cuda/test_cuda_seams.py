@@ -1,7 +1,7 @@
 """The CUDA paths' ordering and error handling, on CPU through seams: the GPU tier's
 header gather (client/tier_map.py), the unmap of an imported tier, the arena's
 page-locking (client/cuda.py) and `RetrievedViews.copy_to` (client/views.py). What the
-seams stand for runs on a GPU in tests/client/test_cuda_paths.py and
+seams stand for runs on a GPU in tests/client/cuda/test_cuda_paths.py and
 tests/system/test_gpu_window_tier.py (benchmarks/gpu_window.sh tests)."""
 
 import gc

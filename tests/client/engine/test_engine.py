@@ -390,7 +390,7 @@ def test_records_spanning_several_blocks(daemon_factory):
         assert eng.store(torch.arange(100), kv) == 2
         got, _ = eng.retrieve(torch.arange(100), return_tuple=False)
         assert torch.equal(got, kv)
-        with eng.retrieve_views(torch.arange(100)) as views:  # tests/client/test_spanned_views.py
+        with eng.retrieve_views(torch.arange(100)) as views:  # test_spanned_views.py
             assert torch.equal(torch.cat(views.chunks, dim=layout.token_dim), kv)
 
 

@@ -2,7 +2,7 @@
 tests): a store of KV written on the caller's non-default stream, a page-locking that
 fails and the process goes on, FlashAttention varlen's call over the paged cache, and
 transformers' attention with several queries after a cached prefix. Skipped without CUDA;
-their CPU halves are in tests/client/test_cuda_seams.py."""
+their CPU halves are in tests/client/cuda/test_cuda_seams.py."""
 
 import json
 import os

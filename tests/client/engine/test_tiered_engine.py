@@ -28,7 +28,7 @@ from lmcached.client.records import RecordIO, TieredRecords
 from lmcached.wire.protocol import block_ref, tier_of
 from lmcached.shm.arena import Arena
 
-WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "engine_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "engine_worker.py")
 DEVICE = "fake-0"
 CHUNK = 16
 

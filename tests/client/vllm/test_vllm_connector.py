@@ -616,7 +616,7 @@ def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after
 
 
 # ------------------------------------------------------------------ end to end
-E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "vllm_e2e.py")
+E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "vllm_e2e.py")
 E2E_TIMEOUT_S = 300
 VLLM_SEGMENT_PREFIX = "vllm_dist_"
 PREFIX_TOKENS, SUFFIX_TOKENS, NUM_PROMPTS = 520, 40, 3  # 2 full 256-token chunks shared
@@ -637,7 +637,7 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
         json.dump(prompts, f)
     # On 2 cores shared by the daemon, the EngineCore and TP workers busy with the forward,
     # a daemon answer can take longer than the 200 ms serving-path default; a timeout
-    # would turn sharing into misses. Timeouts are tested in tests/client/test_degrade.py.
+    # would turn sharing into misses. Timeouts are tested in tests/client/engine/test_degrade.py.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", LMCACHED_DATA_TIMEOUT_MS="5000")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not multiprocessing:

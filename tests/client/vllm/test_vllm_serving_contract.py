@@ -1,4 +1,4 @@
-"""The serving core's contract (tests/client/serving_contract.py) through the vLLM glue:
+"""The serving core's contract (tests/client/serving/serving_contract.py) through the vLLM glue:
 the scheduler driven by vLLM's hook names with stand-ins for Request, KVCacheBlocks and
 SchedulerOutput, the workers copying through `PagedBlocks`. Runs without vllm installed.
 """
