@@ -129,6 +129,8 @@ class NamespaceRegistry:
             self.stats.ns_misses[ns] = 0
             if self.l2 is not None:
                 self.l2.register_namespace(ns, layout)
+            if self.disk is not None:
+                self.disk.prewarm_namespace(ns)
         return ns
 
     def _check_namespace_room(self, layouts: list[Layout]) -> None:
