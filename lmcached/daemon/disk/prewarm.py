@@ -121,9 +121,13 @@ class DiskPrewarm:
         """Start the next prewarm batch when none is in flight and no request's fetch is
         (loop thread). Returns whether a batch was started."""
         state, index, pool = self._prewarm, self.index, self.pool
-        if (state.in_flight is not None or not state.pending or index is None
-                or pool is None or self._fetch_jobs or len(self._reads)
+        if (state.in_flight is not None or index is None or pool is None
                 or self._prewarm_reads.stopping):
+            return False
+        if not state.pending:
+            self._prewarm_ended()
+            return False
+        if self._fetch_jobs or len(self._reads):
             return False
         block_bytes = self.arena.block_bytes
         batch: list[ReadItem] = []

@@ -61,21 +61,29 @@ class DiskSave:
         """
         result = dict.fromkeys(("candidates", "written", "written_bytes", "unwritten",
                                 "failed", "elapsed_ms"), 0)
+        try:
+            self._save(budget_s, status, result)
+        except Exception:  # noqa: BLE001 - the stop goes on: the arena must be unlinked
+            logger.exception("stopping: the save of the arena to the disk tier failed")
+        return result
+
+    def _save(self, budget_s: float, status: Callable[[str], None],
+              result: dict[str, int]) -> None:
         index, pool = self.index, self.pool
         if budget_s <= 0 or index is None or pool is None or self.slots is None:
-            return result
+            return
         started = time.monotonic()
         deadline = started + budget_s
         slow_s = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
         order = self._arena_order()  # least recently used first
-        arena_keys = {key for key, _ in order}
+        arena_keys = {key for key, _, _ in order}
         todo = [(key, pool_key, blocks) for key, pool_key, blocks in reversed(order)
                 if key not in index.entries and key not in self._writing
                 and self._fits(blocks)]
         result["candidates"] = len(todo)
         if not todo:
             self._keep_arena_order(order)
-            return result
+            return
         logger.info("stopping: saving %d chunks of the arena to the disk tier %s, most "
                     "recently used first, for at most %g s (--disk-save-on-stop)",
                     len(todo), self.directory, budget_s)
@@ -137,7 +145,6 @@ class DiskSave:
             logger.info("stopping: saved %d chunks of the arena (%d bytes) to the disk tier "
                         "in %.2f s", result["written"], result["written_bytes"], elapsed)
         status(f"STATUS=saved {result['written']} of {len(todo)} chunks to disk")
-        return result
 
     def _arena_order(self) -> list[tuple]:
         """The arena's chunks that may go to disk, least recently used first, as
