@@ -17,8 +17,8 @@ moment.
 Bounds, so that it never delays READY, a request or a store:
 
 - it starts after READY (a HELLO is answered only then) and never evicts: each chunk is
-  read into empty blocks (`BlockPool.allocate_empty`); when a store took them meanwhile,
-  the prewarm stops (`disk_prewarm_state:stopped`);
+  read into empty blocks (`BlockPool.allocate_empty`); when stores took some meanwhile,
+  the coldest planned chunks are dropped (counted in `disk_prewarm_skipped`);
 - low priority: one small batch (PREWARM_BATCH_CHUNKS chunks) at a time on its own
   reader thread, started only while no fetch of a request is in flight (`prewarm_pump`:
   by the housekeeping, so that a client's first requests after its HELLO, and the
@@ -28,8 +28,9 @@ Bounds, so that it never delays READY, a request or a store:
 Each chunk is verified as a request's fetch is (envelope, checksum, its record's header
 and chunk hash) except the chain check, which needs the request's parent hash: the
 readers verify token ids against their request before use, as for any arena chunk.
-Prewarmed chunks enter the arena's LRU as used now, one batch after the other (hottest
-batch first); within a batch, hottest last.
+Batches are read coldest first (of the planned set: the hottest that fit), so that the
+arena's LRU order after the prewarm is the disk's, the hottest the most recent; what
+stores take from the room is taken from the coldest planned chunks.
 """
 
 import collections
@@ -46,7 +47,7 @@ from lmcached.wire.logger import init_logger
 logger = init_logger(__name__)
 
 PREWARM_BATCH_CHUNKS = 8  # chunks one prewarm read takes (one batch in flight at a time)
-STATES = ("idle", "running", "done", "stopped", "off")
+STATES = ("idle", "running", "done", "off")
 
 
 class Prewarm:
@@ -54,9 +55,10 @@ class Prewarm:
 
     Attributes:
         state: "idle" (nothing to prewarm yet), "running", "done" (every planned chunk
-            read or skipped), "stopped" (the arena's empty blocks ran out), "off" (no
-            disk tier index).
-        pending: (namespace id, disk key) still to read, hottest first.
+            read, skipped or dropped), "off" (no disk tier index).
+        pending: (namespace id, disk key, blocks it needs) still to read, hottest first.
+        pending_blocks: the blocks `pending` needs together.
+        trimmed: planned chunks were dropped because stores took the empty blocks.
         planned_fps: fingerprints whose namespace was prewarmed (once each).
         in_flight: the batch being read, or None.
         generation: the pool's `clear_generation` when it started (after a CLEAR, it
@@ -69,7 +71,9 @@ class Prewarm:
 
     def __init__(self) -> None:
         self.state = "idle"
-        self.pending: collections.deque[tuple[int, DiskKey]] = collections.deque()
+        self.pending: collections.deque[tuple[int, DiskKey, int]] = collections.deque()
+        self.pending_blocks = 0
+        self.trimmed = False
         self.planned_fps: set[bytes] = set()
         self.in_flight: list[ReadItem] | None = None
         self.generation = 0
@@ -94,9 +98,7 @@ class DiskPrewarm:
             return 0
         state.planned_fps.add(fp)
         block_bytes = self.arena.block_bytes
-        room = pool.num_empty_blocks - sum(
-            -(-index.entries[key].record_bytes // block_bytes)
-            for _, key in state.pending if key in index.entries)
+        room = pool.num_empty_blocks - state.pending_blocks
         prefix = chunk_prefix(ns)
         planned = 0
         for key in reversed(index.entries):  # most recently used first
@@ -108,7 +110,8 @@ class DiskPrewarm:
             if need > room:
                 break
             room -= need
-            state.pending.append((ns, key))
+            state.pending.append((ns, key, need))
+            state.pending_blocks += need
             planned += 1
         if planned:
             if state.state != "running":
@@ -119,32 +122,36 @@ class DiskPrewarm:
 
     def prewarm_pump(self) -> bool:
         """Start the next prewarm batch when none is in flight and no request's fetch is
-        (loop thread). Returns whether a batch was started."""
+        (loop thread): first the coldest planned chunks beyond what the arena's empty
+        blocks hold now are dropped (stores took the room: never evict for a prewarm),
+        then the batch is the coldest of the rest, so that the hottest chunk enters the
+        arena's LRU last (the most recent), as it was before the stop. Returns whether
+        a batch was started."""
         state, index, pool = self._prewarm, self.index, self.pool
         if (state.in_flight is not None or index is None or pool is None
                 or self._prewarm_reads.stopping):
             return False
-        if not state.pending:
+        pending = state.pending
+        while state.pending_blocks > pool.num_empty_blocks:
+            state.pending_blocks -= pending.pop()[2]
+            state.skipped += 1
+            state.trimmed = True
+        if not pending:
             self._prewarm_ended()
             return False
         if self._fetch_jobs or len(self._reads):
             return False
         block_bytes = self.arena.block_bytes
         batch: list[ReadItem] = []
-        while state.pending and len(batch) < PREWARM_BATCH_CHUNKS:
-            ns, key = state.pending.popleft()
+        while pending and len(batch) < PREWARM_BATCH_CHUNKS:
+            ns, key, need = pending.pop()  # the coldest first
+            state.pending_blocks -= need
             entry = index.get(key)
             pool_key = chunk_prefix(ns) + key[1]
             if entry is None or self._ns_fp(ns) != key[0] or pool_key in pool.cached:
                 state.skipped += 1
                 continue
-            need = -(-entry.record_bytes // block_bytes)
-            if pool.num_empty_blocks < need:  # stores took the room: never evict for it
-                state.skipped += 1 + len(state.pending)
-                state.pending.clear()
-                state.state = "stopped"
-                break
-            blocks = pool.allocate_empty(need)
+            blocks = pool.allocate_empty(-(-entry.record_bytes // block_bytes))
             for i, block in enumerate(blocks):
                 block.num_bytes = min(block_bytes, entry.record_bytes - i * block_bytes)
             item = ReadItem(key, pool_key, entry.slot, entry.record_bytes, ROOT_HASH)
@@ -179,12 +186,12 @@ class DiskPrewarm:
             self._prewarm_reads.post(batch)
 
     def _finish_prewarm(self, batches: list[list[ReadItem]]) -> None:
-        """Commit the chunks read and verified, hottest of a batch last (loop thread);
+        """Commit the chunks read and verified, the batch's coldest first (loop thread);
         abort the others (a slot that failed its own checks is forgotten and erased, as
         a request's fetch does); then the next batch."""
         state, index, pool = self._prewarm, self.index, self.pool
         for batch in batches:
-            for item in reversed(batch):
+            for item in batch:  # the coldest first: the hottest is the most recent
                 index.end_read(item.slot)
                 current = (state.generation == pool.clear_generation
                            and self._ns_fp(int.from_bytes(item.pool_key[1:5], "little"))
@@ -215,11 +222,9 @@ class DiskPrewarm:
             self.prewarm_pump()
 
     def _prewarm_ended(self) -> None:
+        """Every planned chunk was read, skipped or dropped: `done` (logged once)."""
         state = self._prewarm
         if state.in_flight is not None or state.pending or state.state != "running":
-            if state.state == "stopped" and state.in_flight is None and not state.elapsed_s:
-                state.elapsed_s = time.monotonic() - state.started
-                self._log_prewarm()
             return
         state.state = "done"
         state.elapsed_s = time.monotonic() - state.started
@@ -227,10 +232,11 @@ class DiskPrewarm:
 
     def _log_prewarm(self) -> None:
         state = self._prewarm
-        logger.info("disk tier %s: prewarm %s: %d chunks (%d bytes) read into the arena in "
-                    "%.2f s, %d skipped, %d failed", self.directory, state.state,
-                    state.chunks, state.bytes, state.elapsed_s, state.skipped,
-                    state.failures)
+        logger.info("disk tier %s: prewarm done: %d chunks (%d bytes) read into the arena "
+                    "in %.2f s, %d skipped (in the arena already, gone from disk%s), %d "
+                    "failed", self.directory, state.chunks, state.bytes, state.elapsed_s,
+                    state.skipped, ", or no room left: stores took the empty blocks"
+                    if state.trimmed else "", state.failures)
 
     def prewarm_info(self) -> dict[str, int | float | str]:
         """INFO section `disk`'s prewarm fields (docs/operator.md, "What a restart
@@ -251,6 +257,7 @@ class DiskPrewarm:
         aborted, nothing more is read."""
         state = self._prewarm
         state.pending.clear()
+        state.pending_blocks = 0
         self._prewarm_reads.stop()
         left = self._prewarm_reads.join(deadline)
         self._prewarm_reads.finish_done()
