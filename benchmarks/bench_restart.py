@@ -48,6 +48,10 @@ PROMPT_TOKENS = 2 * LAYOUT.chunk_size
 PROBES = 8
 
 
+def disk_info(socket: str) -> dict:
+    return daemon_info(socket, "disk")["disk"]
+
+
 def prompt(i: int) -> list[int]:
     return list(range(i * 100_000, i * 100_000 + PROMPT_TOKENS))
 
@@ -101,7 +105,7 @@ def run_scenario(root: str, scenario: str, num_prompts: int, arena_share: float)
             for i in range(num_prompts):
                 tokens = prompt(i)
                 engine.store(tokens, kv_of(tokens))
-        wait_until(lambda: not daemon_info(socket, "disk")["disk_queue_values"])
+        wait_until(lambda: not disk_info(socket)["disk_queue_values"])
         started = time.monotonic()
         if scenario == "kill -9":
             proc.send_signal(signal.SIGKILL)
@@ -120,11 +124,11 @@ def run_scenario(root: str, scenario: str, num_prompts: int, arena_share: float)
             for tokens in probes:
                 engine.store(tokens, kv_of(tokens))
             during = []
-            while daemon_info(socket, "disk")["disk_prewarm_state"] in ("idle", "running"):
+            while disk_info(socket)["disk_prewarm_state"] in ("idle", "running"):
                 during.append(probe_ms(engine, probes))
                 if len(during) > 10_000:
                     break
-            info = daemon_info(socket, "disk")
+            info = disk_info(socket)
             out["prewarm_state"] = info["disk_prewarm_state"]
             out["prewarm_s"] = info["disk_prewarm_s"]
             out["prewarm_chunks"] = info["disk_prewarm_chunks"]
@@ -136,14 +140,14 @@ def run_scenario(root: str, scenario: str, num_prompts: int, arena_share: float)
             recent = [prompt(i) for i in range(num_prompts - 1, num_prompts - 1 - fit, -1)]
             arena_hits = 0
             for tokens in recent:
-                before = daemon_info(socket, "disk")["disk_fetch_hit_chunks"]
+                before = disk_info(socket)["disk_fetch_hit_chunks"]
                 hit = engine.lookup(tokens) == PROMPT_TOKENS
-                arena_hits += hit and daemon_info(socket, "disk")[
+                arena_hits += hit and disk_info(socket)[
                     "disk_fetch_hit_chunks"] == before
             out["arena_hits_of_fit"] = arena_hits
             out["hits"] = sum(engine.lookup(prompt(i)) == PROMPT_TOKENS
                               for i in range(num_prompts - 1, -1, -1))
-            out["disk_fetched_chunks"] = daemon_info(socket, "disk")[
+            out["disk_fetched_chunks"] = disk_info(socket)[
                 "disk_fetch_hit_chunks"] - fetched
         launcher.stop_daemon(proc, 60)
     finally:
