@@ -14,6 +14,7 @@ import torch
 from conftest import start_daemon
 from engine_worker import prompt_kv, small_layout
 from test_limits import wait_for
+from test_notify import daemon_env, notify_socket, receive  # noqa: F401 - a fixture
 from lmcached.client import CacheEngine
 from lmcached.daemon.disk.save import SLOW_WRITE_ENV
 from lmcached.shm.janitor import list_segments
@@ -87,14 +88,17 @@ def test_a_restart_after_sigterm_serves_the_most_recent_prompts_from_the_arena(
 
 
 def test_a_stop_whose_budget_runs_out_writes_the_hottest_chunks_first(daemon_factory,
-                                                                       short_tmp):
+                                                                       short_tmp,
+                                                                       notify_socket):
     """Each save write takes 20 ms (a slow disk, by a test seam), the budget 0.5 s: the
     stop writes about 25 of the arena's ~70 unsaved chunks, the most recently used, says
-    how many it did not write, and exits within the budget plus 1 s."""
+    how many it did not write (the log, systemd's STATUS=), and exits within the budget
+    plus 1 s."""
+    sock, notify_path = notify_socket
     layout = small_layout()
     disk_dir = os.path.join(short_tmp, "disk")
     budget_s = 0.5
-    env = {**os.environ, SLOW_WRITE_ENV: "0.02"}
+    env = daemon_env(NOTIFY_SOCKET=notify_path, **{SLOW_WRITE_ENV: "0.02"})
     daemon = daemon_factory(*disk_args(disk_dir, "--disk-save-on-stop", str(budget_s)),
                             env=env)
     store_all(daemon, layout)
@@ -108,6 +112,11 @@ def test_a_stop_whose_budget_runs_out_writes_the_hottest_chunks_first(daemon_fac
     written, candidates, unwritten = map(int, found.groups())
     assert 0 < written < candidates and written + unwritten == candidates
     assert stop_s < budget_s + 1.0, f"the stop took {stop_s:.2f} s"
+    statuses = []
+    while (lines := receive(sock, 0.2)) is not None:
+        statuses += [line for line in lines if line.startswith("STATUS=")]
+    assert f"STATUS=saving {candidates} chunks to disk" in statuses, statuses
+    assert f"STATUS=saved {written} of {candidates} chunks to disk" in statuses, statuses
     restarted = start_daemon(daemon.name, daemon.socket, daemon.log_path + ".2",
                              *disk_args(disk_dir, "--disk-save-on-stop", "0"))
     try:
