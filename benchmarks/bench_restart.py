@@ -9,9 +9,10 @@ daemon, starts another on the same directory and name, and measures:
     stop_s        SIGTERM until the process exited (kill -9: the SIGKILL's wait)
     saved         chunks the stop wrote (the save on stop, from the log)
     prewarm_s     the restarted daemon's prewarm (INFO disk_prewarm_s), and its chunks
-    arena_hits    prompts of the last `fit` (the arena holds `fit` prompts and the probes) whose every chunk
-                  is in the arena once the prewarm ended: looked up newest first, no
-                  disk fetch for them (INFO disk_fetch_hit_chunks unchanged)
+    arena_hits    prompts of the last `fit` (the arena holds `fit` prompts and the
+                  probes) whose every chunk is in the arena once the prewarm ended:
+                  looked up newest first, no disk fetch for them (INFO
+                  disk_fetch_hit_chunks unchanged)
     hits          prompts hit whole, from the arena or the disk (lookups newest first,
                   --disk-fetch-wait 5), of --prompts
     lookup_ms     median LOOKUP + retrieve of 8 probe prompts stored after the restart

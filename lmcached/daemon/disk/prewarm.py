@@ -207,11 +207,10 @@ class DiskPrewarm:
                     state.skipped += 1
                     continue
                 state.failures += 1
-                name = item.failure
+                # disk_errors_<kind>, or disk_fetch_verify_<reason> as a fetch counts it
+                name = item.failure if item.failure.startswith("errors_") else \
+                    f"fetch_{item.failure}"
                 self.stats[name] = self.stats.get(name, 0) + 1
-                if name.startswith("verify_"):
-                    fetch_name = f"fetch_{name}"
-                    self.stats[fetch_name] = self.stats.get(fetch_name, 0) + 1
                 entry = index.get(item.key)
                 if entry is not None and entry.slot == item.slot:
                     index.forget(item.key)  # a slot that failed once is never read again
