@@ -83,3 +83,37 @@ def test_the_prewarm_fills_empty_blocks_only_hottest_last(unique_name, tmp_path)
         assert_nothing_held(service)
     finally:
         close_disk_service(service)
+
+
+def test_a_prewarmed_slot_that_fails_its_checks_is_counted_forgotten_and_given_back(
+        unique_name, tmp_path):
+    import os
+
+    layout, chunks = full_blocks(BLOCK_BYTES)
+    service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
+                                     layout)
+    try:
+        tier = service.disk
+        key = (namespace_fingerprint(layout), chunks[3][1])
+        entry = tier.index.get(key)
+        with open(tier.slots.path, "r+b") as f:  # a KV byte of chunk 3's record
+            f.seek(tier.slots.slot_offset(entry.slot) + 4096 + BLOCK_BYTES - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        greeted(service, layout)
+
+        def done() -> bool:
+            tier.prewarm_pump()
+            return tier.prewarm_info()["disk_prewarm_state"] == "done"
+        settle(service, done)
+        info = tier.info()
+        assert info["disk_prewarm_chunks"] == len(chunks) - 1
+        assert info["disk_prewarm_failures"] == 1 and info["disk_fetch_verify_checksum"] == 1
+        assert tier.index.get(key) is None  # never read again
+        prefix = chunk_prefix(1)
+        assert prefix + chunks[3][1] not in service.pool.cached
+        assert service.pool.num_empty_blocks == 1  # its block given back
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)
