@@ -6,7 +6,8 @@ file (`slots.py`, worker threads), a sibling of the L2 tier (lmcached/daemon/l2/
 with the same shape: job queues of the daemon's runner (`jobs.py`), completions applied
 on the loop, a fetch that a LOOKUP / ACQUIRE waits for with a bound (`replies.Deferred`).
 `DiskTier` holds the state; its write methods are in `writes.py`, its fetch methods in
-`fetch.py`.
+`fetch.py`, the save on stop in `save.py`, the prewarm after a restart in `prewarm.py`,
+and the LRU order kept across a restart in `recency.py`.
 
 Flows (docs/operator.md, "The disk tier"):
 
