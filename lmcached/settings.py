@@ -325,6 +325,13 @@ SETTINGS: dict[str, Setting] = {
         "How long a lookup that misses in the arena waits for the disk tier to read the "
         "rest of its prefix; keep it below the clients' LMCACHED_DATA_TIMEOUT_MS.",
         0.1, field="disk_fetch_wait_s"),
+    "disk_save_on_stop": Setting(
+        Annotated[float, msgspec.Meta(ge=0, le=3600)],  # seconds
+        float, "seconds, e.g. 20; 0 = off", "SECONDS",
+        "On a graceful stop, write the arena's chunks that are not on disk yet, most "
+        "recently used first, for at most this long (keep it below the unit's "
+        "TimeoutStopSec); a restart reads the hottest back into the arena.",
+        20.0, field="disk_save_on_stop_s"),
     "gpu_capacity": Setting(
         Size,
         _parse_gpu_capacity, 'a size such as "8GiB"', "SIZE",

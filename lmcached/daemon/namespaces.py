@@ -31,6 +31,7 @@ from lmcached.wire.units import format_bytes
 
 if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.l2.tier import L2Tier
+    from lmcached.daemon.disk.tier import DiskTier
     from lmcached.daemon.block_pool import BlockPool
     from lmcached.daemon.server_config import ServerConfig
     from lmcached.daemon.stats import DaemonStats
@@ -128,6 +129,7 @@ class HelloState(Protocol):
     tiers: "TierSet"
     pool: "BlockPool | None"
     l2: "L2Tier | None"
+    disk: "DiskTier | None"
     stats: "DaemonStats"
     ns_registry: NamespaceRegistry
 
@@ -224,6 +226,8 @@ def register_layout(service: HelloState, layout: Layout) -> int:
         service.stats.ns_misses[ns] = 0
         if service.l2 is not None:
             service.l2.register_namespace(ns, layout)
+        if service.disk is not None:
+            service.disk.prewarm_namespace(ns)
     return ns
 
 

@@ -361,6 +361,10 @@ class Server(ClientIO, ClientAccounting):
             self._metrics = None
         for conn in list(self._connections.values()):
             self._close(conn)
+        if self.service is not None and self.service.disk is not None:
+            # No client can change the arena now: its hot chunks go to disk first.
+            self.service.disk.save_on_stop(self.config.disk_save_on_stop_s,
+                                           self.notifier.notify)
         if self.service is not None and self.service.l2 is not None:
             self.service.l2.close()  # its threads read the arena
         if self.service is not None and self.service.disk is not None:

@@ -63,6 +63,8 @@ class ServerConfig:
             directory's free space ("10%"), as text; resolved at start.
         disk_policy: "on-evict" or "write-through".
         disk_fetch_wait_s: how long a LOOKUP / ACQUIRE waits for a disk fetch, in seconds.
+        disk_save_on_stop_s: how long a graceful stop may write the arena's chunks to
+            the disk tier, in seconds; 0 = off.
         gpu_capacity_bytes: bytes of each GPU tier; 0 = no GPU tier.
         gpu_devices: the CUDA devices with a GPU tier, in tier order (tier 1, 2, ...).
         gpu_backend: "cuda", or "fake" (memfd tiers, devices "fake-<i>": tests).
@@ -104,6 +106,7 @@ class ServerConfig:
     disk_capacity: str = DEFAULT_DISK_CAPACITY
     disk_policy: str = "on-evict"
     disk_fetch_wait_s: float = 0.1
+    disk_save_on_stop_s: float = 20.0
     gpu_capacity_bytes: int = 0
     gpu_devices: tuple[int, ...] = ()
     gpu_backend: str = "cuda"

@@ -200,6 +200,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         if self.disk is not None:
             self.disk.write_ahead()
             self.disk.check_file()
+            self.disk.prewarm_pump()
         if self.config.writing_timeout_s and self.pool is not None:
             self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
 

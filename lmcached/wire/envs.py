@@ -40,6 +40,8 @@ ENV_VARS: dict[str, str] = {
     "space (default 10%)",
     "LMCACHED_DISK_POLICY": "which chunks go to disk: on-evict (default) or write-through",
     "LMCACHED_DISK_FETCH_WAIT": "seconds a lookup waits for a disk fetch (default 0.1)",
+    "LMCACHED_DISK_SAVE_ON_STOP": "seconds a graceful stop may write the arena's chunks to "
+    "the disk tier (default 20; 0 = off)",
     "LMCACHED_GPU_CAPACITY": "GPU tier size per device, e.g. 8GiB (default: no GPU tier)",
     "LMCACHED_GPU_DEVICE": "CUDA devices with a GPU tier, e.g. 0 or 0,1 (default 0)",
     "LMCACHED_GPU_BACKEND": "cuda, or fake: memfd tiers standing in for GPUs (tests)",

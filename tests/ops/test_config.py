@@ -570,6 +570,7 @@ ENV_SETTINGS = {
     "disk_capacity": ("2GiB", "disk_capacity", str(2 << 30)),
     "disk_policy": ("write-through", "disk_policy", "write-through"),
     "disk_fetch_wait": ("0.5", "disk_fetch_wait_s", 0.5),
+    "disk_save_on_stop": ("2.5", "disk_save_on_stop_s", 2.5),
     "gpu_capacity": ("2GiB", "gpu_capacity_bytes", 2 << 30),
     "gpu_device": ("1,2", "gpu_devices", (1, 2)),
     "gpu_backend": ("fake", "gpu_backend", "fake"),

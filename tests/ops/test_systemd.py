@@ -131,6 +131,18 @@ def test_unit_has_the_required_service_settings(filename):
 
 
 @pytest.mark.parametrize("filename", sorted(UNITS))
+def test_unit_stop_timeout_leaves_room_for_the_save_on_stop(filename):
+    """systemd kills a stop after TimeoutStopSec: the default --disk-save-on-stop and the
+    queued writes' drain (DiskTier.close) must end before it."""
+    from lmcached.daemon.disk.tier import CLOSE_DRAIN_S
+
+    (timeout,) = read_unit(filename)["Service"]["TimeoutStopSec"]
+    assert timeout.endswith("s"), timeout
+    budget_s = config.SETTINGS["disk_save_on_stop"].default
+    assert float(timeout[:-1]) > budget_s + CLOSE_DRAIN_S, filename
+
+
+@pytest.mark.parametrize("filename", sorted(UNITS))
 def test_unit_keeps_dev_shm_and_the_users_ipc(filename):
     """Nothing may hide /dev/shm (the arena) or delete the shared user's segments."""
     service = read_unit(filename)["Service"]

@@ -140,7 +140,9 @@ def test_a_disk_that_fills_up_under_the_daemon_drops_spills_and_the_daemon_serve
         info = wait_for(lambda: (lambda i: i if i["disk_errors_nospace"] >= 1
                                  and not i["disk_queue_values"] else None)(daemon.info()),
                         what="a write that finds the disk full", timeout_s=30)
-        assert info["disk_write_failures"] >= info["disk_errors_nospace"] >= 1
+        # A failed write's slot is erased after it (it may hold the chunk it evicted), and
+        # on a full disk that erase may fail too: each failure is counted by kind.
+        assert info["disk_write_failures"] >= 1 and info["disk_errors_nospace"] >= 1
         assert info["disk_used_slots"] == info["disk_writes"] < len(prompts) * 7
         # The daemon serves on: the last prompt is still in the arena, bit-exact.
         kv, mask = engine.retrieve(torch.tensor(prompts[-1]), return_tuple=False)

@@ -10,7 +10,12 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
 - `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).
 - `tier`: the daemon's side. The file's geometry, the writer and reader threads (the
   daemon's job runner), INFO `disk`; its parts `writes` (writes ahead of eviction from the
-  arena's blocks, what an eviction finds or drops, write-through, erasures) and `fetch` (reads into arena blocks).
+  arena's blocks, what an eviction finds or drops, write-through, erasures), `fetch` (reads
+  into arena blocks), `save` (the arena's chunks written at a graceful stop, hottest first,
+  within --disk-save-on-stop) and `prewarm` (after a restart, the hottest disk chunks read
+  back into the arena's empty blocks in the background).
+- `recency`: the index's LRU order written at a graceful stop and applied at the next
+  start (a small file next to the slot file).
 
 What it may import: the daemon's modules (the L2 tier's envelope and checks in
 `lmcached.daemon.l2.values`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,

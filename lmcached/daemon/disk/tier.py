@@ -6,7 +6,8 @@ file (`slots.py`, worker threads), a sibling of the L2 tier (lmcached/daemon/l2/
 with the same shape: job queues of the daemon's runner (`jobs.py`), completions applied
 on the loop, a fetch that a LOOKUP / ACQUIRE waits for with a bound (`replies.Deferred`).
 `DiskTier` holds the state; its write methods are in `writes.py`, its fetch methods in
-`fetch.py`.
+`fetch.py`, the save on stop in `save.py`, the prewarm after a restart in `prewarm.py`,
+and the LRU order kept across a restart in `recency.py`.
 
 Flows (docs/operator.md, "The disk tier"):
 
@@ -49,9 +50,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory
+from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory, DiskDirectoryError
 from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
 from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
+from lmcached.daemon.disk.prewarm import DiskPrewarm, Prewarm
+from lmcached.daemon.disk.recency import restore_recency, write_recency
+from lmcached.daemon.disk.save import DiskSave
 from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
@@ -81,7 +85,7 @@ COUNTERS = (
 )
 
 
-class DiskTier(DiskWrites, DiskFetches):
+class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
     """Spills chunks to a slot file and fetches misses back (module docstring).
 
     Args:
@@ -152,6 +156,10 @@ class DiskTier(DiskWrites, DiskFetches):
                                       num_threads=NUM_THREADS)
         self._reads = jobs.add_queue("disk-reader", self._read, self._finish_reads,
                                      num_threads=NUM_THREADS)
+        self._prewarm = Prewarm()
+        self._prewarm_reads = jobs.add_queue("disk-prewarm", self._prewarm_read,
+                                             self._finish_prewarm)
+        self.num_recency_restored = 0
 
     # ------------------------------------------------------------- geometry
     def _num_slots(self, slot_bytes: int) -> int:
@@ -279,6 +287,8 @@ class DiskTier(DiskWrites, DiskFetches):
         started = time.monotonic()
         index = DiskIndex(self.slots.num_slots)
         num_restored = index.rebuild(self.slots.scan(progress))
+        self.num_recency_restored = restore_recency(self.disk_directory, index,
+                                                    self.slots.slot_bytes)
         self.index, self.num_restored = index, num_restored
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False
@@ -393,6 +403,8 @@ class DiskTier(DiskWrites, DiskFetches):
             "disk_stored_bytes": index.num_stored_bytes if index else 0,
             "disk_restored_chunks": self.num_restored,
             "disk_scan_s": round(self.scan_s, 3),
+            "disk_recency_restored_chunks": self.num_recency_restored,
+            **self.prewarm_info(),
             "disk_queue_values": len(self._writing),
             "disk_fetches_in_flight": len(self._fetch_jobs),
             "disk_evictions": index.num_evictions if index else 0,
@@ -407,11 +419,27 @@ class DiskTier(DiskWrites, DiskFetches):
         return out
 
     # --------------------------------------------------------------- teardown
+    def _save_recency(self) -> None:
+        """Write the index's LRU order to the recency file (`recency.py`), so that the
+        next start evicts in the order this daemon had. A failure is logged, never
+        raised: the chunks stay, only their order is lost."""
+        if self.slots is None or self.index is None:
+            return
+        try:
+            count = write_recency(self.disk_directory, self.index, self.slots.slot_bytes)
+        except (OSError, DiskDirectoryError) as exc:
+            logger.warning("disk tier %s: the recency file cannot be written (%s): the next "
+                           "start evicts the disk chunks in slot order", self.directory, exc)
+            return
+        logger.info("disk tier %s: the LRU order of its %d chunks saved", self.directory,
+                    count)
+
     def close(self) -> None:
         """Stop the threads (queued writes get CLOSE_DRAIN_S to reach the disk), close
         the file, drop the directory's lock and close the directory. Loop thread, before
         the arena is unmapped."""
         deadline = time.monotonic() + CLOSE_DRAIN_S
+        self.stop_prewarm(deadline)
         self._writes.stop(drain=True)
         self._reads.stop()
         dropped = self._writes.join(deadline)
@@ -434,6 +462,7 @@ class DiskTier(DiskWrites, DiskFetches):
                 item.failure = "skipped"
         if left and self.pool is not None:
             self._finish_reads(left)
+        self._save_recency()
         if self.slots is not None:
             self.slots.close()
         self._lock.release()
