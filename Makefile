@@ -142,18 +142,18 @@ test-vllm-033: $(VLLM_VENV)/.installed-vllm
 
 ## make bench-vllm: the connector's figures on CPU (tokens served, TTFT, no-hit overhead).
 bench-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_PY) benchmarks/bench_vllm.py --out-dir /tmp/lmcached-bench-vllm
+	$(VLLM_PY) -m benchmarks.vllm.bench_vllm --out-dir /tmp/lmcached-bench-vllm
 
 ## make demo: two worker processes running a real transformer share prefixes.
 demo: $(VENV)/.installed-hf
 	$(VENV)/bin/lmcached demo
 
-## make bench-quick / bench: the benchmark suite (benchmarks/run.py).
+## make bench-quick / bench: the benchmark suite (python -m benchmarks.run).
 bench-quick: $(VENV)/.installed-bench
-	$(PY) benchmarks/run.py --quick
+	$(PY) -m benchmarks.run --quick
 
 bench: $(VENV)/.installed-bench
-	$(PY) benchmarks/run.py
+	$(PY) -m benchmarks.run
 
 ## make gpu-wheels: what the GPU machine (device tool: Python 3.12, torch and cuda-bindings
 ## installed, no network) lacks, as wheels in .whl/ for `run(carry=[".whl"])`:

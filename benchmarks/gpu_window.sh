@@ -16,7 +16,9 @@
 #   crash hides nothing; no -x. Results: $OUT/gpu-tests.xml (every file's JUnit XML in
 #   one <testsuites>: the device tool brings back at most 8 files), $OUT/tests.log,
 #   $OUT/tests-summary.txt (one line per file: rc, seconds).
-# bench: bench_cuda.py and bench_vllm_worker.py --device cuda, sized to a minute or two.
+# bench: benchmarks.engine.bench_cuda and benchmarks.vllm.bench_vllm_worker --device cuda,
+#   sized to a minute or two, run as modules (`python -m`) with the repository on PYTHONPATH
+#   after /tmp/site.
 # collect: the cuda-marked tests collected and the GPU benchmarks imported on this
 #   machine's CPU, with whatever python $PYTHON names; fails on a stale path, a collection
 #   error or an import error, and prints "cuda tests: N in F files".
@@ -28,8 +30,9 @@ what="${1:?usage: gpu_window.sh collect|tests|bench}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-/tmp/gpu-out}"
 py="${PYTHON:-python3}"
-# The GPU benchmarks the bench mode runs (collect imports each; tests name others).
-read -r -a benches <<< "${GPU_WINDOW_BENCHES:-bench_cuda bench_vllm_worker}"
+# The GPU benchmarks the bench mode runs, as modules under benchmarks/ (collect imports
+# each; tests name others).
+read -r -a benches <<< "${GPU_WINDOW_BENCHES:-engine.bench_cuda vllm.bench_vllm_worker}"
 # Seconds: one test file at most, and every file of a tests run together (the call's
 # limit is 6 minutes, the install and environment report included).
 file_timeout_s="${GPU_WINDOW_FILE_TIMEOUT_S:-150}"
@@ -51,9 +54,10 @@ case "$what" in
   collect)
     cd "$repo"
     for bench in "${benches[@]}"; do
-      [ -f "$repo/benchmarks/$bench.py" ] || { echo "gpu_window.sh: benchmarks/$bench.py is gone" >&2; exit 1; }
-      PYTHONPATH="$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import $bench" \
-        || { echo "gpu_window.sh: benchmarks/$bench.py does not import" >&2; exit 1; }
+      file="benchmarks/${bench//.//}.py"
+      [ -f "$repo/$file" ] || { echo "gpu_window.sh: $file is gone" >&2; exit 1; }
+      PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "import benchmarks.$bench" \
+        || { echo "gpu_window.sh: $file does not import" >&2; exit 1; }
     done
     ids="$(cuda_test_ids)"
     count="$(printf '%s\n' "$ids" | grep -c '::' || true)"
@@ -88,11 +92,13 @@ cat "$out/env.txt"
 
 if [ "$what" = bench ]; then
   # A minute or two each: the shortest prompt lengths that still show the copy rates.
-  timeout -k 5 "$bench_timeout_s" "$py" "$repo/benchmarks/bench_cuda.py" --tokens 4096 16384 \
-    --repeat 3 2>&1 | tee "$out/bench_cuda.txt" || echo "bench_cuda.py: rc ${PIPESTATUS[0]}"
-  timeout -k 5 "$bench_timeout_s" "$py" "$repo/benchmarks/bench_vllm_worker.py" --device cuda \
+  # lmcached from /tmp/site (listed first), the benchmarks package from the repository.
+  export PYTHONPATH="/tmp/site:$repo"
+  timeout -k 5 "$bench_timeout_s" "$py" -m benchmarks.engine.bench_cuda --tokens 4096 16384 \
+    --repeat 3 2>&1 | tee "$out/bench_cuda.txt" || echo "bench_cuda: rc ${PIPESTATUS[0]}"
+  timeout -k 5 "$bench_timeout_s" "$py" -m benchmarks.vllm.bench_vllm_worker --device cuda \
     --tokens 4096 16384 --repeat 3 2>&1 | tee "$out/bench_vllm_worker.txt" \
-    || echo "bench_vllm_worker.py: rc ${PIPESTATUS[0]}"
+    || echo "bench_vllm_worker: rc ${PIPESTATUS[0]}"
   exit 0
 fi
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import daemon_info, record_block_size, running_daemon
+from benchmarks.common import daemon_info, record_block_size, running_daemon
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.kv_io import new_kv_buffer
 

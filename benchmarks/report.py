@@ -6,7 +6,7 @@ ratio to the memcpy limit measured in the same run (scenario 1) and to each peer
 suite's targets with met / NOT met, and two plots (bandwidth vs prompt length, latency
 vs concurrent clients). It reads only the results dict, so an old JSON can be re-rendered:
 
-    python benchmarks/report.py benchmarks/results/2026-11-23.json
+    python -m benchmarks.report benchmarks/results/2026-11-23.json
 """
 
 import json
@@ -501,7 +501,7 @@ def json_default(value):
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print("usage: python benchmarks/report.py RESULTS.json", file=sys.stderr)
+        print("usage: python -m benchmarks.report RESULTS.json", file=sys.stderr)
         return 2
     with open(sys.argv[1]) as f:
         results = json.load(f)

@@ -1,6 +1,6 @@
 """The benchmark suite: lmcached beside the memcpy limit, Redis and LMCache.
 
-    python benchmarks/run.py [--quick] [--peers lmcache]      (make bench / make bench-quick)
+    python -m benchmarks.run [--quick] [--peers lmcache]      (make bench / make bench-quick)
 
 One command, one run, every figure as a ratio to what was measured next to it (these
 machines are shared and noisy: absolute times drift, ratios taken together hold). It
@@ -40,9 +40,9 @@ import traceback
 import psutil
 import torch
 
-import report
-from bench_engine import bench_length, filled_blob
-from common import (
+from benchmarks import RESULTS, module_env, report
+from benchmarks.engine.bench_engine import bench_length, filled_blob
+from benchmarks.common import (
     LLAMA_1B,
     LLAMA_8B,
     machine_info,
@@ -55,7 +55,6 @@ from lmcached.client import CacheEngine
 from lmcached.wire.connection import Connection, hello
 from lmcached.wire.protocol import Clear
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("engine", "redis", "scaling", "memory")
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NON_TEMPORAL_NOTE = (
@@ -99,7 +98,7 @@ def run_engine_and_redis(results: dict, plan: list, repeat: int, use_redis: bool
 
 def _start_redis(stack: contextlib.ExitStack, redis_info: dict):
     """Start redis-server on `stack` (stopped when it closes); None if it cannot run."""
-    from peers import redis_peer
+    from benchmarks.peers import redis_peer
 
     try:
         client = stack.enter_context(redis_peer.running_redis())
@@ -166,7 +165,7 @@ def _run_lmcached(results: dict, plan: list, repeat: int) -> None:
 
 def _run_redis(results: dict, plan: list, repeat: int, client, redis_info: dict) -> None:
     """Scenario 3: Redis store / lookup / retrieve for every length lmcached measured."""
-    from peers import redis_peer
+    from benchmarks.peers import redis_peer
 
     for layout, lengths in plan:
         shape = layout.model_name
@@ -197,7 +196,7 @@ def _run_redis(results: dict, plan: list, repeat: int, client, redis_info: dict)
 
 def run_lmcache(results: dict, plan: list, repeat: int, venv: str) -> None:
     """Scenario 4: LMCache's in-process engine and multi-process server (own venv)."""
-    from peers import lmcache_peer
+    from benchmarks.peers import lmcache_peer
 
     inproc = results["peers"]["lmcache_inproc"]
     server = results["peers"]["lmcache_server"]
@@ -292,7 +291,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", help="prompt lengths (overrides the mode)")
     parser.add_argument("--skip", nargs="*", default=[], choices=SCENARIOS,
                         help="scenarios to leave out (for development runs)")
-    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out-dir", default=RESULTS)
     parser.add_argument("--lmcache-venv", default=os.environ.get("LMCACHE_VENV", "/tmp/lmcache-venv"))
     parser.add_argument("--stem", help="output file name stem [<date> or <date>-quick]")
     parser.add_argument("--glibc-nt-threshold", metavar="BYTES",
@@ -305,7 +304,8 @@ def main() -> int:
         tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
         tunables.append(f"{NT_TUNABLE}={args.glibc_nt_threshold}")
         os.environ["GLIBC_TUNABLES"] = ":".join(tunables)
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:])
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run"] + sys.argv[1:],
+                  module_env())
     if args.repeat < 5:
         print("note: issue 6 asks for >= 5 repetitions", file=sys.stderr)
     torch.set_num_threads(2)
@@ -320,7 +320,7 @@ def main() -> int:
     results = {
         "meta": {
             "date": now.strftime("%Y-%m-%d"), "time": now.strftime("%H:%M:%S"), "mode": mode,
-            "command": "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": machine, "repeat": args.repeat,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
             "notes": [NON_TEMPORAL_NOTE.format(
@@ -350,7 +350,7 @@ def main() -> int:
     if "lmcache" in args.peers:
         run_lmcache(results, plan, args.repeat, args.lmcache_venv)
     if "scaling" not in args.skip:
-        import scaling
+        from benchmarks import scaling
 
         log("scaling: 1, 2, 4, 8 client processes ...")
         try:
@@ -361,7 +361,7 @@ def main() -> int:
             results["scaling"] = {"error": traceback.format_exc()}
             log(results["scaling"]["error"])
     if "memory" not in args.skip:
-        import memory
+        from benchmarks import memory
 
         log("memory: 10,000 store/evict cycles ...")
         try:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import psutil
 
-from common import GB, daemon_info, percentile, record_block_size, running_daemon
+from benchmarks.common import GB, daemon_info, percentile, record_block_size, running_daemon
 
 SHARED_PREFIX_OFFSET = 50_000_000
 NEW_PROMPT_OFFSET = 1_000_000_000

@@ -34,7 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 # Rows per group for scattered positions: each group pays a masked square of the keys
 # its rows span, so fewer rows per group means less masked work but more kernel calls.
 # 64 measured fastest of 32 / 64 / 128 / 256 for CacheBlend's selections at 4k tokens
-# on the 2-core CPU VM (benchmarks/bench_attention.py).
+# on the 2-core CPU VM (benchmarks/blend/bench_attention.py).
 SCATTERED_GROUP_ROWS = 64
 
 # A group of scattered rows ends before its keys span more than this many per row of

@@ -130,7 +130,7 @@ class CacheEngine(EngineRetrieve):
                 checksum (xxh3-64 of token ids and KV), and this engine writes one into
                 every record it stores; a record without one, or with a wrong one, is a
                 miss counted in `num_checksum_failures` (README, "Trust model"; the
-                cost is measured by benchmarks/bench_engine.py).
+                cost is measured by benchmarks/engine/bench_engine.py).
             tier_device: the UUID of a device whose tier the daemon has (`lmcached serve
                 --gpu-capacity`; "fake-0" with `--gpu-backend fake`): its memory is
                 mapped once, new chunks are stored there while it has empty blocks (else

@@ -67,7 +67,7 @@ def model_cache(out) -> DynamicCache:
 # With "lmcached_sdpa" a short prefix costs no attention time (the queries are padded to
 # the causal square), so a hit pays once its tokens' projections outweigh one retrieve
 # (a fraction of a millisecond): a few tokens on any real model. 32 is a conservative
-# floor; `benchmarks/bench_hf.py --crossover` measures it (not yet on a quiet machine).
+# floor; `python -m benchmarks.hf.bench_hf --crossover` measures it (not yet on a quiet machine).
 DEFAULT_MIN_CACHED_TOKENS = 32
 
 

@@ -36,7 +36,7 @@ class RequestLatency:
 
     Observed on the loop thread only (no lock); copied by `take_snapshot` on that thread.
     prometheus_client's own `Histogram` would take a lock per observation and per label
-    lookup; `benchmarks/bench_engine.py --metrics-cost` times both.
+    lookup; `python -m benchmarks.engine.bench_engine --metrics-cost` times both.
 
     Args:
         request_types: the request Structs; each is labelled by its wire tag

@@ -17,7 +17,7 @@ _CHILD = """
 import json, sys
 sys.modules["matplotlib"] = None
 sys.path.insert(0, sys.argv[1])
-import report
+from benchmarks import report
 with open(sys.argv[2]) as f:
     results = json.load(f)
 print(json.dumps(report.write_outputs(results, sys.argv[3], "run")))
@@ -26,7 +26,7 @@ print(json.dumps(report.write_outputs(results, sys.argv[3], "run")))
 
 def test_results_written_without_matplotlib(tmp_path):
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, os.path.join(REPO, "benchmarks"), RESULTS, str(tmp_path)],
+        [sys.executable, "-c", _CHILD, REPO, RESULTS, str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )
     assert child.returncode == 0, child.stderr

@@ -15,8 +15,9 @@ Every fenced block is one of these, and the test does what its kind asks:
   `lmcached ...` is parsed by the CLI's own click commands (an unknown command or option,
   or a bad value, fails) and a `serve` line is resolved into the daemon's configuration;
   `make T`: T is a target of the Makefile; `pip install SPEC`: SPEC's extras are extras
-  of pyproject.toml; `python FILE`: FILE is in the repository. Any other command fails:
-  mark its block as a fragment.
+  of pyproject.toml; `python FILE`: FILE is in the repository; `python -m benchmarks.G.M`:
+  benchmarks/G/M.py is in the repository, each folder above it a package (with its
+  `__init__.py`). Any other command fails: mark its block as a fragment.
 - **toml**: resolved by the daemon's configuration loader (unknown keys, bad values fail);
   **yaml**: parsed; **promql**: every `lmcached_*` series it reads is a metric of
   docs/metrics.md's table (which tests/daemon/test_metrics.py checks against the code).
@@ -165,6 +166,21 @@ def check_lmcached(args: list[str]) -> None:
             config_from_context(ctx, check_shm_free=False)
 
 
+def repository_module_problem(name: str) -> str | None:
+    """Why `python -m NAME` would not find NAME in the repository from its root (None: it
+    would): NAME's file (`a/b/c.py`) must exist and every folder above it (`a`, `a/b`) must
+    be a package with its `__init__.py`."""
+    parts = name.split(".")
+    path = os.path.join(*parts) + ".py"
+    if not os.path.isfile(os.path.join(REPO, path)):
+        return f"no module {name} (no file {path})"
+    for depth in range(1, len(parts)):
+        init = os.path.join(*parts[:depth], "__init__.py")
+        if not os.path.isfile(os.path.join(REPO, init)):
+            return f"{'.'.join(parts[:depth])} is not a package (no file {init})"
+    return None
+
+
 def shell_problems(block: Block) -> list[str]:
     """What is wrong with the commands of a shell block (empty: every one checked)."""
     problems = []
@@ -193,6 +209,11 @@ def shell_problems(block: Block) -> list[str]:
         elif program in ("python", "python3") and args and args[0].endswith(".py"):
             if not os.path.isfile(os.path.join(REPO, args[0])):
                 problems.append(f"{line}: no file {args[0]}")
+        elif (program in ("python", "python3") and args[:1] == ["-m"] and len(args) > 1
+              and args[1].split(".")[0] == "benchmarks"):
+            missing = repository_module_problem(args[1])
+            if missing:
+                problems.append(f"{line}: {missing}")
         else:
             problems.append(f"{line}: the test cannot check {program!r}; run it in a test, "
                             f"or mark the block <!-- fragment: REASON -->")
@@ -366,6 +387,7 @@ lmcached serve --no-such-option 1
 lmcached frobnicate
 make no-such-target
 pip install '.[no-such-extra]'
+python -m benchmarks.engine.no_such_bench --tokens 256
 rm -rf /tmp/nothing-here
 ```
 
@@ -400,8 +422,19 @@ def test_planted_broken_python_block_fails_naming_its_line(planted, daemon, tmp_
 
 def test_planted_broken_shell_commands_each_fail(planted):
     problems = shell_problems(planted[3])
-    assert len(problems) == 6, problems
+    assert len(problems) == 7, problems
     assert "cannot parse size 'lots'" in problems[0], problems[0]
     assert "No such option" in problems[1] and "no command 'frobnicate'" in problems[2]
     assert "no Makefile target ['no-such-target']" in problems[3]
-    assert "no extra ['no-such-extra']" in problems[4] and "fragment" in problems[5]
+    assert "no extra ['no-such-extra']" in problems[4]
+    assert "no module benchmarks.engine.no_such_bench" in problems[5] and "fragment" in problems[6]
+
+
+def test_benchmark_modules_resolve_from_the_repository_root():
+    assert repository_module_problem("benchmarks.engine.bench_engine") is None
+    assert repository_module_problem("benchmarks.run") is None
+    moved = repository_module_problem("benchmarks.bench_engine")
+    assert moved == "no module benchmarks.bench_engine (no file benchmarks/bench_engine.py)"
+    # A folder without __init__.py: `-m` would not import it as part of the package.
+    assert repository_module_problem("tests.docs.test_doc_blocks") == (
+        "tests is not a package (no file tests/__init__.py)")

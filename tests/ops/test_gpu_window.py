@@ -31,11 +31,11 @@ def test_collect_lists_every_cuda_marked_test_and_imports_the_gpu_benchmarks():
     files = {i.split("::")[0] for i in ids}
     assert {"tests/system/test_gpu_tier.py", "tests/client/hf/test_attention.py",
             "tests/client/blend/test_blend_hf.py", "tests/client/cuda/test_cuda.py"} <= files, files
-    assert "benchmarks imported: bench_cuda bench_vllm_worker" in proc.stdout
+    assert "benchmarks imported: engine.bench_cuda vllm.bench_vllm_worker" in proc.stdout
 
 
 def test_collect_fails_on_a_benchmark_that_is_gone():
-    proc = collect({"GPU_WINDOW_BENCHES": "bench_cuda bench_moved_away"})
+    proc = collect({"GPU_WINDOW_BENCHES": "engine.bench_cuda engine.bench_moved_away"})
     assert proc.returncode != 0
-    assert "benchmarks/bench_moved_away.py is gone" in proc.stderr, proc.stderr
+    assert "benchmarks/engine/bench_moved_away.py is gone" in proc.stderr, proc.stderr
     assert "cuda tests:" not in proc.stdout

@@ -24,7 +24,7 @@ a zeroed envelope and goes back to the free ones.
 
 Rejected: copying an evicted chunk in the loop into a spill buffer (the first version:
 ~1 ms of the loop per 8 MiB chunk, and stores ran at 0.3x of no disk tier in
-benchmarks/bench_disk.py); handing the evicted block to a writer and delaying its reuse
+benchmarks/tiers/bench_disk.py); handing the evicted block to a writer and delaying its reuse
 (ALLOC would have to take other blocks than LRU order gives, or wait for the disk, and
 a burst faster than the disk would still have to drop).
 """

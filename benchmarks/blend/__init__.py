@@ -1,0 +1,1 @@
+"""CacheBlend on Hugging Face models, measured: quality, TTFT, attention kernels; its trained model."""

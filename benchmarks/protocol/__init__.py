@@ -1,0 +1,1 @@
+"""The wire protocol's round trips against a raw Unix-socket echo, and the harness they share."""

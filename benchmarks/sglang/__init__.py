@@ -1,0 +1,1 @@
+"""The SGLang HiCache storage backend, measured against SGLang's own file backend."""

@@ -1,0 +1,165 @@
+"""SGLang HiCache storage: lmcached's `batch_get_v1` / `batch_set_v1` against memcpy of the
+same pages, and against SGLang's own file backend (HiCacheFile) on /dev/shm and on disk.
+
+One process, one host pool (page_first, SGLang's MHA pointer layout), one daemon started
+here. Each figure is GB/s of page bytes moved between the host pool and the store, best of
+`--repeat` runs of a batch of `--pages` pages:
+
+- memcpy: one `np.copyto` of the batch's K runs and one of its V runs into a buffer
+  (the fastest copy of the same bytes);
+- lmcached set/get: `batch_set_v1` (fresh keys each run) / `batch_get_v1`;
+- file set/get: what SGLang's generic page path does with HiCacheFile: per page,
+  `get_data_page` + `set` / `get` into a flat page + `set_from_flat_data_page`.
+
+    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4   # 1 MiB pages: 64 MiB a batch
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from lmcached import launcher
+from lmcached.launcher import stop_daemon
+
+
+class PageFirstPool:
+    """A host pool with SGLang's MHA page_first layout: KV `[2, size, layers, heads, dim]`,
+    flat, cpu; the methods the backends use, with SGLang's pointer arithmetic."""
+
+    layout = "page_first"
+
+    def __init__(self, num_pages: int, page_size: int, layers: int, heads: int, dim: int):
+        self.page_size, self.size = page_size, num_pages * page_size
+        self.layer_num, self.head_num, self.head_dim = layers, heads, dim
+        self.dtype = torch.bfloat16
+        self.kv = torch.randn(2, self.size, layers, heads, dim).to(torch.bfloat16)
+        self.kv_buffer = self.kv.view(-1)
+        self.token_bytes = layers * heads * dim * 2  # one of K or V
+
+    def get_page_buffer_meta(self, indices):
+        base, v_offset = self.kv_buffer.data_ptr(), self.size * self.token_bytes
+        ptrs = []
+        for index in indices.tolist()[:: self.page_size]:
+            ptrs += [base + index * self.token_bytes, base + v_offset + index * self.token_bytes]
+        return ptrs, [self.page_size * self.token_bytes] * len(ptrs)
+
+    def get_data_page(self, index, flat=True):
+        return self.kv[:, index : index + self.page_size].flatten()
+
+    def get_dummy_flat_data_page(self):
+        return torch.empty(2 * self.page_size * self.token_bytes // 2, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index, data_page):
+        self.kv[:, index : index + self.page_size] = data_page.view(
+            2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+
+
+def config(extra=None) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, True, "bench/model",
+                                extra_config=extra)
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for i in range(repeat):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--disk-dir", default=None, help="file backend on disk (default: a temp dir under /tmp)")
+    args = parser.parse_args()
+    n, ps = args.pages, args.page_size
+    pool = PageFirstPool(2 * n, ps, args.layers, args.heads, args.dim)
+    page_bytes = 2 * ps * pool.token_bytes
+    batch_bytes = n * page_bytes
+    src = torch.arange(n * ps, dtype=torch.int64)
+    dst = torch.arange(n * ps, 2 * n * ps, dtype=torch.int64)
+    gb = batch_bytes / 1e9
+    results = {"pages": n, "page_bytes": page_bytes, "batch_bytes": batch_bytes}
+
+    # memcpy of the same bytes: the batch's K runs and V runs are contiguous in page_first.
+    out = np.empty(batch_bytes, dtype=np.uint8)
+    flat = pool.kv_buffer.view(torch.uint8).numpy()
+    half, v_offset = batch_bytes // 2, pool.size * pool.token_bytes
+
+    def memcpy(i):
+        np.copyto(out[:half], flat[:half])
+        np.copyto(out[half:], flat[v_offset:v_offset + half])
+
+    tmp = tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp")
+    socket = os.path.join(tmp, "d.sock")
+    capacity = max(4 * batch_bytes + (64 << 20), 256 << 20)
+    proc = launcher.start_daemon(f"bench-sglang-{os.getpid()}", socket,
+                                 "--capacity", str(capacity), log_path=os.path.join(tmp, "d.log"),
+                                 timeout_s=60)
+    try:
+        ours = StorageBackendFactory.create_backend("dynamic", config(
+            {"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
+             "class_name": "LmcachedStorage", "interface_v1": 1, "socket": socket}), pool)
+        ours.register_mem_pool_host(pool)
+        keys = [[f"{i:04d}-{p:060d}" for p in range(n)] for i in range(args.repeat + 1)]
+        ours.batch_get_v1(keys[-1], dst)  # warm: the session, the arena mapping
+        assert all(ours.batch_set_v1(keys[-1], src))
+        assert all(ours.batch_get_v1(keys[-1], dst))
+        assert torch.equal(pool.kv[:, n * ps:], pool.kv[:, : n * ps])
+        # The machine is shared: memcpy, get and set take turns, best of each.
+        # Fresh keys for each set (a key already held is not copied again); the arena
+        # evicts the least recently used batches to make room.
+        times = {"memcpy": [], "lmcached_get": [], "lmcached_set": []}
+        for i in range(args.repeat):
+            times["memcpy"].append(best(memcpy, 1))
+            times["lmcached_get"].append(best(lambda _: ours.batch_get_v1(keys[-1], dst), 1))
+            times["lmcached_set"].append(best(lambda _: ours.batch_set_v1(keys[i], src), 1))
+        for name, runs in times.items():
+            results[f"{name}_gbps"] = gb / min(runs)
+        ours.close()
+
+        for where, path in (("shm", tempfile.mkdtemp(prefix="lmc-bench-", dir="/dev/shm")),
+                            ("disk", args.disk_dir or tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp"))):
+            try:
+                store = HiCacheFile(config({"file_storage_path": path}))
+                pages = list(range(0, n * ps, ps))
+
+                def file_set(i):
+                    for key, index in zip(keys[i], pages):
+                        store.set(key, pool.get_data_page(index))
+
+                def file_get(i):
+                    for key, index in zip(keys[-1], pages):
+                        page = store.get(key, pool.get_dummy_flat_data_page())
+                        pool.set_from_flat_data_page(n * ps + index, page)
+
+                file_set(len(keys) - 1)
+                results[f"file_{where}_set_gbps"] = gb / best(file_set, args.repeat)
+                results[f"file_{where}_get_gbps"] = gb / best(file_get, args.repeat)
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        stop_daemon(proc, 15)
+        shutil.rmtree(tmp, ignore_errors=True)
+    for name in ("lmcached_set", "lmcached_get"):
+        results[f"{name}_vs_memcpy"] = results[f"{name}_gbps"] / results["memcpy_gbps"]
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
