@@ -189,9 +189,9 @@ class EventRelay:
 
     def _connect(self, out: list[BlockEvent]) -> bool:
         """Connect, HELLO with the followed layout, SUBSCRIBE to its namespace. A daemon
-        of another generation than the last one lost its arena: everything announced
-        on "cpu" is removed (the disk tier's chunks come back with it, announced as
-        they are stored again)."""
+        of another generation than the last one lost its arena, and its feed began
+        again: everything announced is removed, on every medium (what a warm restart
+        brought back to the disk tier is not announced again until it is stored)."""
         now = time.monotonic()
         if now < self._next_connect_at:
             return False
