@@ -41,7 +41,7 @@ from lmcached.client.hashing import root_hash
 from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import ChunkEvent, Events, Layout, Subscribe
 from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens
-from lmcached.wire.socket_path import connect_first, daemon_socket_paths
+from lmcached.wire.socket_path import UnsafeSocketPathError, connect_first, daemon_socket_paths
 
 # Engine block hash of (parent engine block hash or None, the block's token ids, extra
 # keys or None) -> bytes: the engine's prefix-cache hash (vLLM: `hash_block_tokens`).
@@ -163,7 +163,7 @@ class EventRelay:
                 return out
             reply = self._conn.request(Events(self._cursor, self.max_events, True),
                                        timeout_s=self.timeout_s)
-        except (OSError, ConnectionError, TimeoutError, DaemonError):
+        except (OSError, ConnectionError, TimeoutError, DaemonError, UnsafeSocketPathError):
             self.stats["errors"] += 1
             self._drop_connection()
             return out

@@ -112,3 +112,10 @@ def test_a_restarted_daemon_means_every_announced_block_is_removed(unique_name, 
     finally:
         relay.close()
         daemon.stop()
+
+
+def test_a_relay_without_a_daemon_returns_nothing_and_retries_later(short_tmp):
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash,
+                       socket=os.path.join(short_tmp, "none.sock"))
+    assert relay.poll() == [] and relay.stats["errors"] == 1
+    assert relay.poll() == [] and relay.stats["errors"] == 1  # no retry within a second
