@@ -31,7 +31,6 @@ from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.l2.values import namespace_fingerprint
 from lmcached.daemon.replies import RequestError
 from lmcached.wire.protocol import (
-    HASH_BYTES,
     ChunkEvent,
     Events,
     EventsReply,
@@ -207,11 +206,6 @@ def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
     view = arena.numpy_view(arena.block_offset(block_id) + RECORD_HEADER_BYTES,
                             parsed.tokens_end - RECORD_HEADER_BYTES)
     return view.tobytes()
-
-
-def chunk_hash_of(key: bytes) -> bytes:
-    """The chunk hash of a block-pool chunk key."""
-    return key[5:5 + HASH_BYTES]
 
 
 # ---------------------------------------------------------------- request handlers
