@@ -22,7 +22,17 @@ from lmcached.config import config_from_context, serve_params
 from lmcached.wire.extras import install_hint
 from lmcached.wire.logger import configure_logging
 from lmcached.wire.connection import Connection, DaemonError, hello, list_clients
-from lmcached.wire.protocol import INFO_SECTIONS, Clear, ConfigGet, Evict, Info, Ping, Shutdown
+from lmcached.wire.protocol import (
+    INFO_SECTIONS,
+    Clear,
+    ConfigGet,
+    Events,
+    Evict,
+    Info,
+    Ping,
+    Shutdown,
+    Subscribe,
+)
 from lmcached.wire.socket_path import (
     NoDaemonError,
     UnsafeSocketPathError,
@@ -203,6 +213,60 @@ def clients(as_json, socket_path, name) -> None:
         click.echo(json.dumps(rows, indent=2))
     elif rows:
         click.echo(render_clients(rows))
+
+
+@main.command()
+@click.option("--namespace", "namespaces", type=click.IntRange(min=0), multiple=True,
+              metavar="N", help="Only the events of namespace id N (repeatable; "
+              "`lmcached clients` shows each client's).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line (hashes in hex, token ids as a list).")
+@click.option("--tokens", is_flag=True, help="Also the token ids of stored chunks.")
+@click.option("--count", type=click.IntRange(min=1), help="Exit after N events.")
+@click.option("--interval", type=click.FloatRange(min=0.001), default=0.1, show_default=True,
+              help="Seconds between polls while nothing happens.")
+@_admin_options
+def events(namespaces, as_json, tokens, count, interval, socket_path, name) -> None:
+    """Tail the daemon's chunk event feed: one line per chunk stored in or removed from
+    the arena (medium cpu) or the disk tier (medium disk), as redis-cli's psubscribe does
+    for keyspace notifications. Events this tail lost (it lagged more than the feed's
+    --events-capacity behind) are said on stderr. Stops on Ctrl-C."""
+    def tail(conn: Connection) -> None:
+        cursor = conn.request(Subscribe(list(namespaces))).cursor
+        seen = 0
+        while count is None or seen < count:
+            reply = conn.request(Events(cursor, 0, tokens))
+            if reply.lost:
+                click.echo(f"lost {reply.lost} events (this tail lagged)", err=True)
+            for event in reply.events[:None if count is None else count - seen]:
+                click.echo(_event_line(event, as_json))
+                seen += 1
+            cursor = reply.cursor
+            if not reply.events:
+                time.sleep(interval)
+
+    try:
+        _session(socket_path, name, tail)
+    except KeyboardInterrupt:
+        pass
+
+
+def _event_line(event, as_json: bool) -> str:
+    """One event as a line of `lmcached events`."""
+    token_ids = [int.from_bytes(event.token_ids[i:i + 8], "little", signed=True)
+                 for i in range(0, len(event.token_ids), 8)]
+    if as_json:
+        return json.dumps({"seq": event.seq, "kind": event.kind, "medium": event.medium,
+                           "ns": event.ns, "ns_fp": event.ns_fp.hex(),
+                           "chunk_hash": event.chunk_hash.hex(),
+                           "parent": event.parent.hex(), "token_ids": token_ids})
+    line = (f"seq={event.seq} {event.kind} medium={event.medium} ns={event.ns} "
+            f"hash={event.chunk_hash.hex()}")
+    if event.parent:
+        line += f" parent={event.parent.hex()}"
+    if token_ids:
+        line += " tokens=" + ",".join(map(str, token_ids))
+    return line
 
 
 @main.command()

@@ -225,6 +225,12 @@ SETTINGS: dict[str, Setting] = {
         "Most clients connected at once; more get a max_clients error. The daemon raises "
         "its fd limit to fit, or lowers N to what the hard limit allows (LimitNOFILE).",
         DEFAULT_MAX_CLIENTS),
+    "events_capacity": Setting(
+        Annotated[int, msgspec.Meta(ge=1)],
+        int, "a whole number of events, at least 1", "N",
+        "Chunk events (stored, removed) the event feed keeps for its subscribers "
+        "(docs/kv-events.md); a subscriber further behind loses the oldest, counted.",
+        65536),
     "idle_timeout": Setting(
         _Seconds,
         float, "seconds, e.g. 300 or 0.5; 0 = off", "SECONDS",

@@ -15,6 +15,8 @@ failed, and stores new full chunks after the forward pass. An engine's glue
 - `worker.py`: the worker side (load: check, copy, re-check, TP agreement; save).
 - `mover.py`: `KVMover`, how an engine's blocks are copied (gather, scatter, wait).
 - `hook_guard.py`: the boundary that turns an exception of a hook into a counted miss.
+- `events.py`: `EventRelay`, the daemon's chunk events as the engine's block events (its
+  block size and block hashes), for routers (docs/kv-events.md).
 
 It imports no engine (no vllm, no transformers) and nothing of an engine's glue: an
 import-linter contract (pyproject.toml, tests/docs/test_layers.py) says so. This `__init__`

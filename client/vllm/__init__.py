@@ -11,6 +11,8 @@ What lives here, after vLLM's NixlConnector split into roles:
 - `specs.py`: the serving core's settings and step specs, re-exported for the CacheBlend side.
 - `namespaces.py`: the engine's namespaces (one per TP rank) from its configuration alone.
 - `tp_group.py`: the workers' collectives over vLLM's TP group (load errors, blend scores).
+- `kv_events.py`: the relay's block events as vLLM's `BlockStored` / `BlockRemoved`
+  (`take_events()`), vLLM's block hash, media "CPU" and "STORAGE".
 - `load_policy.py`: what vLLM does with a chunk that could not be loaded (recompute by
   default; an explicit `fail` is kept).
 - CacheBlend inside vLLM (docs/cacheblend.md, "Inside vLLM"): `blend_plugin.py` (the
@@ -23,7 +25,7 @@ What lives here, after vLLM's NixlConnector split into roles:
 
 What it may import: the engine and its core in `lmcached.client` (engine, chain, daemon_link,
 records, layout, hashing, cuda, attention), `lmcached.client.serving`, `lmcached.client.blend`, `lmcached.wire`,
-`lmcached.shm`, and vllm. Only `connector.py`, `namespaces.py`, `blend_models.py`,
+`lmcached.shm`, and vllm. Only `connector.py`, `kv_events.py`, `namespaces.py`, `blend_models.py`,
 `blend_plugin.py` (inside `register`), and lazily `tp_group.py` and `blend_flash.py`,
 import vllm (absolute imports: `import vllm` here is the real vLLM, never this
 package), so the scheduler and worker roles import and test without vllm installed. This `__init__`

@@ -89,6 +89,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
 from lmcached.client.vllm.blend_worker import BlendWorker
+from lmcached.client.vllm.kv_events import make_relay, to_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
 from lmcached.client.serving.hook_guard import HookGuard, claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
@@ -182,6 +183,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         self.worker_side: LMCachedConnectorWorker | None = None
         self.blend_scheduler: BlendScheduler | None = None
         self.blend_worker: BlendWorker | None = None
+        self.event_relay = None  # scheduler: the daemon's events for `take_events`
         self.hook_guard = HookGuard()
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's own hit at the last lookup
         self._claims: dict[str, list[int]] = {}  # req_id -> blocks promised in this step
@@ -208,6 +210,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         refusal = blend_refusal(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = LMCachedConnectorScheduler(self.settings)
+            self.event_relay = make_relay(vllm_config, self.settings)
             self.blend_scheduler = BlendScheduler(
                 self.settings, blend_layouts[0], refusal,
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
@@ -265,6 +268,8 @@ class LMCachedConnector(KVConnectorBase_V1):
         if self.scheduler_side is None:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
+        if self.event_relay is not None and request.cache_salt:
+            self.event_relay.note_salt(request.cache_salt)
         try:
             if self.blend_scheduler is not None:
                 handled, num_tokens = self.blend_scheduler.get_num_new_matched_tokens(
@@ -354,6 +359,16 @@ class LMCachedConnector(KVConnectorBase_V1):
             self._guarded("request_finished", self.scheduler_side.request_finished, request)
         if self.blend_scheduler is not None:
             self._guarded("request_finished", self.blend_scheduler.request_finished, request)
+
+    def take_events(self) -> list:
+        """vLLM's KV events for the chunks the daemon holds for this instance's
+        namespace, whichever process stored them (docs/kv-events.md): `BlockStored` /
+        `BlockRemoved` with medium "CPU" (arena) or "STORAGE" (disk tier), this
+        instance's block size and block hashes. Empty without `--kv-events-config`."""
+        if self.event_relay is None:
+            return []
+        return self._guarded("take_events",
+                             lambda: to_vllm_events(self.event_relay.poll())) or []
 
     def _guarded(self, hook: str, call, *args) -> Any:
         """`call(*args)`, or None (counted, logged) when it raises."""
@@ -505,6 +520,8 @@ class LMCachedConnector(KVConnectorBase_V1):
                      self.blend_worker):
             if side is not None:
                 self._guarded("shutdown", side.shutdown)
+        if self.event_relay is not None:
+            self._guarded("shutdown", self.event_relay.close)
 
 
 @dataclasses.dataclass(frozen=True)

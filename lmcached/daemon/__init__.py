@@ -24,6 +24,8 @@ What lives here:
     stats.py                   every counter of the request semantics and the block pools,
                                one typed snapshot (INFO and the metrics read it); latency
     info.py                    INFO / CLIENTS fields
+    events.py                  the chunk event feed for routers (SUBSCRIBE / EVENTS): a
+                               bounded ring of chunks entering and leaving arena and disk
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against
                                hostile local processes
     notify.py, progress.py     systemd's notify protocol, start-up progress

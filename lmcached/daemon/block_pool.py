@@ -68,6 +68,10 @@ class BlockPool:
         on_group_empty: called as `on_group_empty(group)` when the last indexed value
             of a group leaves the index (an eviction of any kind; a replacement keeps
             its key's group counted); None = no hook.
+        events: the daemon's event feed (lmcached/daemon/events.py), told of every
+            value that leaves the index (`EventFeed.removed`, O(1)); None = not told.
+            Values entering it are published by the COMMIT handler, which knows their
+            chain.
     """
 
     def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
@@ -89,6 +93,7 @@ class BlockPool:
         self.num_values_by_group: dict[Hashable, int] = {}
         self.on_group_empty: Callable[[Hashable], None] | None = None
         self.clear_generation = 0
+        self.events = None  # an EventFeed (events.py, a layer above: not imported)
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -208,6 +213,8 @@ class BlockPool:
         """Evict the value of `block`, just popped from the free queue."""
         if self.on_evict is not None:
             self.on_evict(block.block_hash, self.cached[block.block_hash])
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         span = self.cached.pop(block.block_hash)
         self._uncount(block.block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
@@ -437,6 +444,8 @@ class BlockPool:
             return False
         if not replacing:  # a replacement puts a value of the same key back at once
             self._uncount(block_hash)
+            if self.events is not None:
+                self.events.removed(block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         for block in span:
             if block.ref_cnt == 0:

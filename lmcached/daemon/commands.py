@@ -16,6 +16,7 @@ reads it from there rather than writing it a second time.
 import dataclasses
 from collections.abc import Callable
 
+from lmcached.daemon import events
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.namespaces import hello
 from lmcached.daemon.value_handlers import ValueHandlers
@@ -29,6 +30,7 @@ from lmcached.wire.protocol import (
     Commit,
     ConfigGet,
     Delete,
+    Events,
     Evict,
     Get,
     Hello,
@@ -41,6 +43,7 @@ from lmcached.wire.protocol import (
     Release,
     Scan,
     Shutdown,
+    Subscribe,
 )
 
 
@@ -112,6 +115,9 @@ COMMAND_TABLE: tuple[Command, ...] = (
     _command(Clients, AdminHandlers._clients, while_loading=True, before_hello=True),
     _command(ConfigGet, AdminHandlers._config_get, while_loading=True, before_hello=True),
     _command(Ping, AdminHandlers._ping, before_hello=True),
+    # The chunk event feed (events.py), read by engines and `lmcached events`.
+    _command(Subscribe, events.subscribe, before_hello=True),
+    _command(Events, events.events, before_hello=True),
     _command(Evict, AdminHandlers._evict, privileged=True, before_hello=True),
     _command(Clear, AdminHandlers._clear, privileged=True, before_hello=True),
     _command(Shutdown, AdminHandlers._shutdown, privileged=True, while_loading=True,

@@ -104,7 +104,7 @@ class RequestChecks:
         return self.pool
 
     def _allocate_value(self, session: Session, key: bytes, num_bytes: int, replace: bool,
-                        device_pool: BlockPool | None = None):
+                        device_pool: BlockPool | None = None, parent: bytes = b""):
         """Allocate WRITING blocks for one value of `num_bytes`: in `device_pool` when it
         has an empty block for a one-block value, else in the host arena (which may
         evict); None when nothing is evictable, or when the session would then hold
@@ -123,7 +123,7 @@ class RequestChecks:
         for block in blocks:
             block.num_bytes = block_bytes
         blocks[-1].num_bytes = num_bytes - (num_blocks - 1) * block_bytes
-        session.add_pending(PendingValue(key, blocks, replace, session.last_request_at))
+        session.add_pending(PendingValue(key, blocks, replace, session.last_request_at, parent))
         return blocks
 
     def _session_cap_blocks(self) -> int:

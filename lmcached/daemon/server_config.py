@@ -43,6 +43,7 @@ class ServerConfig:
         prefault: populate the arena at start (always on outside tests).
         max_clients: most connections at once (Redis `maxclients`); the daemon lowers it
             at start when its file descriptor limit cannot hold that many.
+        events_capacity: chunk events the event feed keeps (lmcached/daemon/events.py).
         idle_timeout_s: a client without a request for this long is disconnected, in
             seconds; 0 = never (Redis `timeout`).
         max_session_share: percent of the host arena's blocks one session may hold,
@@ -91,6 +92,7 @@ class ServerConfig:
     prefault: bool = True
     max_clients: int = DEFAULT_MAX_CLIENTS
     idle_timeout_s: float = 0.0
+    events_capacity: int = 65536
     max_session_share: float = DEFAULT_MAX_SESSION_SHARE
     writing_timeout_s: float = DEFAULT_WRITING_TIMEOUT_S
     buffer_budget_bytes: int = DEFAULT_BUFFER_BUDGET_BYTES

@@ -33,6 +33,7 @@ from lmcached.daemon.tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.commands import COMMANDS, Command
+from lmcached.daemon.events import EventFeed
 from lmcached.daemon.namespaces import NamespaceRegistry, end_namespaces, namespace_emptied
 from lmcached.daemon.replies import Deferred, RequestError
 from lmcached.daemon.request_checks import RequestChecks
@@ -116,6 +117,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.loading: "Loading | None" = None
         self.stop_requested = False
         self.stats = DaemonStats()
+        self.events = EventFeed(config.events_capacity)
         self.work_units = 0
         self.latency = RequestLatency(COMMANDS) if config.metrics_port else None
         if arena.block_bytes:
@@ -140,6 +142,9 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         the arena read from it before L2, and chunks evicted from the arena spill to it."""
         self.disk = tier
         tier.layout_of = self._ns_layout.get
+        tier.events = self.events
+        if tier.index is not None:
+            tier.index.events = self.events
         if self.pool is not None:
             self.pool.on_evict = self._evict_hook()
             tier.pool = self.pool
@@ -159,6 +164,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         tiers = self.tiers
         tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
+        self.pool.events = self.events
         if self.l2 is not None:
             self.l2.pool = self.pool
         if self.disk is not None:
@@ -256,6 +262,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         free the namespaces that nothing uses any more."""
         if self.sessions.pop(session.session_id, None) is None:
             return
+        self.events.unsubscribe(session.session_id)
         if self.pool is None:
             return
         tiers = self.tiers

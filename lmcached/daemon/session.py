@@ -13,13 +13,15 @@ from lmcached.wire.protocol import tier_of
 
 class PendingValue:
     """A value this session is writing: its key, its WRITING blocks (all in one tier),
-    PUT or chunk, and when it was allocated (time.monotonic() seconds)."""
+    PUT or chunk, when it was allocated (time.monotonic() seconds), and the hash of the
+    chunk before it in the ALLOC's chain (b"": none or not known; the event feed's)."""
 
-    __slots__ = ("key", "blocks", "replace", "allocated_at", "tier_id")
+    __slots__ = ("key", "blocks", "replace", "allocated_at", "tier_id", "parent")
 
     def __init__(self, key: BlockHash, blocks: list[KVCacheBlock], replace: bool,
-                 allocated_at: float) -> None:
+                 allocated_at: float, parent: bytes = b"") -> None:
         self.key = key
+        self.parent = parent
         self.blocks = blocks
         self.replace = replace  # PUT replaces an existing key; a chunk never needs to
         self.allocated_at = allocated_at

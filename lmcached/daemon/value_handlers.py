@@ -149,15 +149,18 @@ class ValueHandlers:
         status, block_ids, span_lengths = [], [], []
         held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
         no_space = False
+        parent = b""  # the chunk hash before `key` in this ALLOC's chain
         for key, num_bytes in zip(keys, req.num_bytes):
             span = find(key)
             if span is not None:
                 touch(span)
                 held.extend(span)
                 status.append(EXISTS)
+                parent = key[5:]
                 continue
             blocks = None if no_space else self._allocate_value(
-                session, key, num_bytes, False, device_pool)
+                session, key, num_bytes, False, device_pool, parent)
+            parent = key[5:]
             if blocks is None:
                 no_space = True
                 status.append(NOSPACE)
@@ -221,8 +224,10 @@ class ValueHandlers:
                 continue
             indexed = pool.commit_many([v.blocks for v in group], [v.key for v in group], replace)
             committed = []
+            publish = self.events.stored
             for value, ok in zip(group, indexed):
                 if ok:
+                    publish(value.key, value.parent, value.blocks[0].block_id)
                     committed.extend(value.blocks)
                     self.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
                 else:  # another session committed the same chunk first

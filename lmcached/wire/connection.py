@@ -85,6 +85,7 @@ class Connection:
         protocol.Evict: protocol.CountReply, protocol.Clear: protocol.CountReply,
         protocol.Ping: protocol.Ok, protocol.Shutdown: protocol.Ok,
         protocol.ConfigGet: protocol.InfoReply, protocol.OpenTier: protocol.TierHandle,
+        protocol.Subscribe: protocol.SubscribeReply, protocol.Events: protocol.EventsReply,
     }
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:

@@ -19,6 +19,7 @@ ENV_VARS: dict[str, str] = {
     "LMCACHED_LOG_LEVEL": "DEBUG, INFO, WARNING or ERROR",
     "LMCACHED_ALLOW_GROUP": "also accept clients of this group (socket and arena 0660)",
     "LMCACHED_MAX_CLIENTS": "most clients connected at once (default 1024)",
+    "LMCACHED_EVENTS_CAPACITY": "chunk events the event feed keeps for its subscribers",
     "LMCACHED_IDLE_TIMEOUT": "seconds without a request before a client is disconnected "
     "(default 0 = never)",
     "LMCACHED_MAX_SESSION_SHARE": "percent of the arena one client session may hold, blocks "

@@ -310,10 +310,34 @@ class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
     block_ids: list[BlockRef]
 
 
+class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
+    """Subscribe this session to the daemon's chunk event feed (docs/kv-events.md).
+
+    `namespaces`: namespace ids whose events it wants (empty: every namespace).
+    `cursor`: sequence number of the first event wanted (0: from now on). Replaces an
+    earlier subscription of the session. Reply: `SubscribeReply`.
+    """
+
+    namespaces: list[NamespaceId] = []
+    cursor: Count = 0
+
+
+class Events(msgspec.Struct, tag="events", array_like=True):
+    """The subscribed events from sequence number `cursor` on, at most `max_events` (0:
+    the daemon's page size, which also caps larger counts); `token_ids`: read the token
+    ids of each chunk stored in the arena from its record (empty when gone). Polled by
+    the subscriber: the daemon never sends a frame unasked. Reply: `EventsReply`;
+    error `no_subscription` before SUBSCRIBE."""
+
+    cursor: Count
+    max_events: Count = 0
+    token_ids: bool = False
+
+
 Request = (
     Hello | Lookup | Acquire | Release | Alloc | Commit | Abort | Put | Get | Delete
     | Scan | Info | Clients | Evict | Clear | Ping | Shutdown | ConfigGet | OpenTier
-    | Invalidate
+    | Invalidate | Subscribe | Events
 )
 
 
@@ -459,9 +483,54 @@ class ClientsReply(msgspec.Struct, tag="clients_reply", array_like=True):
     cursor: int = 0
 
 
+class SubscribeReply(msgspec.Struct, tag="subscribe_reply", array_like=True):
+    """The cursor the subscription starts at, the daemon's arena generation (a new one:
+    the daemon restarted, its sequence numbers began again and its chunks are gone) and
+    how many events the feed keeps (a subscriber further behind loses the oldest)."""
+
+    cursor: int
+    generation: int
+    capacity: int
+
+
+class ChunkEvent(msgspec.Struct, array_like=True):
+    """One chunk entering or leaving a tier of the daemon. Never the chunk's bytes.
+
+    Attributes:
+        seq: its sequence number in the feed (consecutive; a gap is a filtered event).
+        kind: "stored" or "removed".
+        medium: "cpu" (the shared-memory arena) or "disk" (the disk tier).
+        ns: namespace id (0: no namespace of this daemon has that fingerprint now).
+        ns_fp: the namespace's 16-byte layout fingerprint (the same on every node).
+        chunk_hash: the chunk's 16-byte prefix hash (a salt, if any, is folded in).
+        parent: the hash of the chunk before it in its chain (b"": not known; a first
+            chunk's parent is the root or a salted root).
+        token_ids: int64 little-endian token ids of a stored chunk when asked and the
+            arena still holds its record, else b"".
+    """
+
+    seq: int
+    kind: str
+    medium: str
+    ns: int
+    ns_fp: bytes
+    chunk_hash: bytes
+    parent: bytes = b""
+    token_ids: bytes = b""
+
+
+class EventsReply(msgspec.Struct, tag="events_reply", array_like=True):
+    """Events of an EVENTS poll, the cursor to poll from next, and how many events fell
+    off the feed before they could be read (the subscriber lagged)."""
+
+    events: list[ChunkEvent]
+    cursor: int
+    lost: int
+
+
 Reply = (
     HelloReply | Ok | Error | LookupReply | BlocksReply | AllocReply | CountReply
-    | KeysReply | InfoReply | ClientsReply | TierHandle
+    | KeysReply | InfoReply | ClientsReply | TierHandle | SubscribeReply | EventsReply
 )
 
 # Requests the daemon never answers (the client does not wait): see `Connection.send`.

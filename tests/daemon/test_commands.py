@@ -38,6 +38,8 @@ from lmcached.wire.protocol import (
     Request,
     Scan,
     Shutdown,
+    Subscribe,
+    Events,
 )
 from test_disk_tier import (  # noqa: F401 (disk_service is a fixture)
     HASHES_A,
@@ -64,7 +66,7 @@ SAMPLES = [
     Acquire([1], chunk_hashes([0])), Release([123]), Alloc(1, chunk_hashes([0]), [1]),
     Commit([0]), Abort([0]), Invalidate(1, chunk_hashes([0]), [0]), Put(1, "k", 1),
     Get(1, "k"), Delete(1, "k"), Scan(1, "", 10), OpenTier(1), Info(), Clients(),
-    ConfigGet(), Ping(), Evict(lru=0), Clear(), Shutdown(),
+    ConfigGet(), Ping(), Evict(lru=0), Clear(), Shutdown(), Subscribe(), Events(1),
 ]
 # Lists of request types the wire contract and the client keep for facts of their own
 # (not the daemon's): the reply type the client expects, and which requests the serving
@@ -215,7 +217,7 @@ def test_the_rows_keep_the_daemons_rules():
     assert having("privileged") == {Evict, Clear, Shutdown}
     assert having("while_loading") == {Info, Clients, ConfigGet, Shutdown}
     assert having("before_hello") == {Hello, Info, Clients, Evict, Clear, Ping, Shutdown,
-                                      ConfigGet}
+                                      ConfigGet, Subscribe, Events}
     assert having("waits_for_fetch") == {Lookup, Acquire}
     assert {c.request_type: c.cost for c in COMMAND_TABLE if c.cost != 1} == {Info: 8}
 

@@ -554,6 +554,7 @@ ENV_SETTINGS = {
     "log_level": ("error", "log_level", "ERROR"),
     "allow_group": ("staff", "allow_group", "staff"),
     "max_clients": ("9", "max_clients", 9),
+    "events_capacity": ("128", "events_capacity", 128),
     "idle_timeout": ("2.5", "idle_timeout_s", 2.5),
     "max_session_share": ("25", "max_session_share", 25.0),
     "writing_timeout": ("5.5", "writing_timeout_s", 5.5),

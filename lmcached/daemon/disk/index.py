@@ -54,6 +54,7 @@ class DiskIndex:
         self.reading: dict[int, int] = {}
         self.num_evictions = 0
         self.num_stored_bytes = 0
+        self.events = None  # the daemon's EventFeed: told of chunks entering and leaving
 
     def rebuild(self, headers) -> int:
         """Index the committed slots the scan found (`SlotFile.scan`), in slot order; a
@@ -93,6 +94,8 @@ class DiskIndex:
             slot = entry.slot
             self.num_evictions += 1
             self.num_stored_bytes -= entry.record_bytes
+            if self.events is not None:
+                self.events.disk_removed(key)
             break
         for key, entry in reversed(skipped):  # back at the front, in their order
             self.entries[key] = entry
@@ -107,6 +110,8 @@ class DiskIndex:
             return False
         self.entries[key] = DiskEntry(slot, record_bytes)
         self.num_stored_bytes += record_bytes
+        if self.events is not None:
+            self.events.disk_stored(key)
         return True
 
     def forget(self, key: DiskKey) -> DiskEntry | None:
@@ -115,11 +120,16 @@ class DiskIndex:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.num_stored_bytes -= entry.record_bytes
+            if self.events is not None:
+                self.events.disk_removed(key)
         return entry
 
     def forget_all(self) -> list[DiskEntry]:
         """`forget` every chunk; returns their entries."""
         entries = list(self.entries.values())
+        if self.events is not None:
+            for key in self.entries:
+                self.events.disk_removed(key)
         self.entries.clear()
         self.num_stored_bytes = 0
         return entries

@@ -125,6 +125,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
             raise ValueError(f"disk fetch wait {fetch_wait_s} s: must be >= 0")
         self.directory = directory.path  # for messages and INFO
         self.disk_directory = directory
+        self.events = None  # the daemon's EventFeed, given to each index (`attach_disk`)
         self.capacity_bytes = capacity_bytes
         self.capacity_source = capacity_source or f"--disk-capacity {capacity_bytes}"
         self.capacity_percent = capacity_percent
@@ -262,6 +263,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         self.slots, self.needs_rebuild = SlotFile.open(self.disk_directory, slot_bytes,
                                                        num_slots)
         self.index = DiskIndex(num_slots)
+        self.index.events = self.events
         self.num_restored, self.scan_s = 0, 0.0
         if not self.needs_rebuild:
             self._log_opened()
@@ -289,6 +291,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         num_restored = index.rebuild(self.slots.scan(progress))
         self.num_recency_restored = restore_recency(self.disk_directory, index,
                                                     self.slots.slot_bytes)
+        index.events = self.events
         self.index, self.num_restored = index, num_restored
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False

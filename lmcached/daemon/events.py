@@ -1,0 +1,271 @@
+"""The daemon's KV event feed: chunks entering and leaving the arena and the disk tier.
+
+Why this file exists: a cluster's router sends a request to the node that holds most of
+its prefix, and learns what each node holds from KV events (vLLM's `BlockStored` /
+`BlockRemoved`, docs/kv-events.md). The daemon knows every chunk on the node whichever
+process stored it; this feed says so, and every engine attached to the daemon polls it
+and republishes it in its own terms (client/serving/events.py).
+
+One ring of the last `capacity` events, shared by every subscriber, after Redis's
+replication backlog: publishing is one tuple written into a list slot (O(1), no
+allocation beyond the tuple, whatever the number of subscribers), on the loop thread,
+from the points where a chunk enters or leaves a tier (`stored`, `removed`,
+`disk_stored`, `disk_removed`). A subscriber reads with a cursor (the sequence number of
+the next event it wants, SUBSCRIBE / EVENTS on the socket); the daemon never pushes a
+frame. A subscriber that lags more than `capacity` events behind loses the oldest: its
+next EVENTS reply says how many (`lost`), counted in INFO. Nothing a subscriber does or
+fails to do costs a store anything.
+
+    seq:   1 ........ head-capacity ....................... head
+    ring:  [ overwritten |  the last `capacity` events, readable  ]
+                           ^ a cursor below here has lost events
+
+Events never carry a chunk's bytes. The token ids of a stored chunk are read from its
+record header in the arena when a subscriber asks for them, at EVENTS time (lazy: the
+store pays nothing), while the arena still holds it; otherwise they are empty.
+"""
+
+import dataclasses
+
+from lmcached.daemon.keys import CHUNK_TAG
+from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.replies import RequestError
+from lmcached.wire.protocol import (
+    ChunkEvent,
+    Events,
+    EventsReply,
+    Subscribe,
+    SubscribeReply,
+)
+from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
+
+DEFAULT_CAPACITY = 1 << 16  # events kept (~ 64k chunks = 16M tokens at chunk size 256)
+MAX_REPLY_EVENTS = 4096  # events in one EVENTS reply at most
+MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most (frame: 1 MiB)
+
+STORED, REMOVED = "stored", "removed"
+MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
+_CHUNK_TAG = CHUNK_TAG[0]
+
+
+@dataclasses.dataclass(slots=True)
+class Subscriber:
+    """One session's subscription.
+
+    Attributes:
+        namespaces: namespace ids it wants (empty: all).
+        fingerprints: their 16-byte fingerprints (disk events are keyed by them).
+        cursor: the sequence number of the next event it asked for.
+        delivered: events it was sent.
+        lost: events that fell off the ring before it read them.
+    """
+
+    namespaces: frozenset[int]
+    fingerprints: frozenset[bytes]
+    cursor: int
+    delivered: int = 0
+    lost: int = 0
+
+
+class EventFeed:
+    """The ring of the last `capacity` chunk events and its subscribers.
+
+    Args:
+        capacity: events kept, >= 1.
+
+    Raises:
+        ValueError: capacity < 1.
+
+    Attributes:
+        head: sequence number of the next event published (the first is 1).
+        subscribers: session id -> `Subscriber`.
+        num_published: events published since start.
+        num_lost: events subscribers lost, summed over them.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"event feed capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ring: list[tuple | None] = [None] * capacity
+        self.head = 1
+        self.subscribers: dict[int, Subscriber] = {}
+        self.num_published = 0
+        self.num_lost = 0
+        self.fingerprints: dict = {}  # layout -> namespace fingerprint (`_fingerprints`)
+
+    # ------------------------------------------------------------- publishing
+    def _publish(self, event: tuple) -> None:
+        seq = self.head
+        self._ring[seq % self.capacity] = event
+        self.head = seq + 1
+        self.num_published += 1
+
+    def stored(self, key: bytes, parent: bytes, block_id: int) -> None:
+        """A chunk entered the arena (COMMIT). O(1).
+
+        Args:
+            key: its block-pool key (`keys.chunk_prefix(ns) + chunk hash`); a string key
+                (key-value adapters) is not published.
+            parent: the chunk hash before it in its chain (b"": not known, or the root).
+            block_id: its first arena block, where its record header is.
+        """
+        if key[0] == _CHUNK_TAG:
+            self._publish((self.head, STORED, MEDIUM_ARENA, key, parent, block_id))
+
+    def removed(self, key: bytes) -> None:
+        """A chunk left the arena's index (eviction, EVICT, CLEAR, INVALIDATE). O(1)."""
+        if key[0] == _CHUNK_TAG:
+            self._publish((self.head, REMOVED, MEDIUM_ARENA, key, b"", -1))
+
+    def disk_stored(self, key: tuple[bytes, bytes]) -> None:
+        """A chunk's disk slot was committed; `key` is (namespace fingerprint, hash)."""
+        self._publish((self.head, STORED, MEDIUM_DISK, key, b"", -1))
+
+    def disk_removed(self, key: tuple[bytes, bytes]) -> None:
+        """The disk tier forgot a chunk (its LRU, EVICT, CLEAR, INVALIDATE, a bad slot)."""
+        self._publish((self.head, REMOVED, MEDIUM_DISK, key, b"", -1))
+
+    # ------------------------------------------------------------ subscribers
+    def subscribe(self, session_id: int, namespaces: list[int], fingerprints: list[bytes],
+                  cursor: int) -> int:
+        """(Re)subscribe a session; returns the cursor it starts at: `cursor` when it
+        is still readable or lost (the next EVENTS says how many), `head` for 0."""
+        start = self.head if cursor == 0 else min(cursor, self.head)
+        self.subscribers[session_id] = Subscriber(frozenset(namespaces),
+                                                  frozenset(fingerprints), start)
+        return start
+
+    def unsubscribe(self, session_id: int) -> None:
+        """Forget a session's subscription (it ended); nothing if it had none."""
+        self.subscribers.pop(session_id, None)
+
+    def read(self, sub: Subscriber, cursor: int, max_events: int, with_tokens: bool,
+             resolve) -> tuple[list[ChunkEvent], int, int]:
+        """The events from `cursor` on that `sub` wants, at most `max_events`.
+
+        Args:
+            sub: the session's subscription.
+            cursor: sequence number of the first event wanted (a previous reply's).
+            max_events: at most this many (0: MAX_REPLY_EVENTS, which also caps it).
+            with_tokens: read each stored arena chunk's token ids (`resolve`).
+            resolve: `resolve(event_tuple, with_tokens) -> ChunkEvent | None`: the
+                event on the wire, or None when the subscriber's filter drops it.
+
+        Returns:
+            (events, next cursor, events lost before `cursor` could be read).
+        """
+        head, capacity, ring = self.head, self.capacity, self._ring
+        cursor = min(max(cursor, 1), head)
+        oldest = max(1, head - capacity)
+        lost = 0
+        if cursor < oldest:
+            lost = oldest - cursor
+            cursor = oldest
+        limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
+        out: list[ChunkEvent] = []
+        token_bytes = 0
+        while cursor < head and len(out) < limit and token_bytes < MAX_REPLY_TOKEN_BYTES:
+            event = resolve(ring[cursor % capacity], with_tokens, sub)
+            cursor += 1
+            if event is not None:
+                out.append(event)
+                token_bytes += len(event.token_ids)
+        sub.cursor = cursor
+        sub.delivered += len(out)
+        sub.lost += lost
+        self.num_lost += lost
+        return out, cursor, lost
+
+    def info(self) -> dict[str, int]:
+        """INFO fields (section `stats`): published, subscribers, those lagging now (a
+        cursor the ring has overwritten), and events lost."""
+        oldest = max(1, self.head - self.capacity)
+        return {
+            "events_published": self.num_published,
+            "events_subscribers": len(self.subscribers),
+            "events_subscribers_lagging": sum(s.cursor < oldest
+                                              for s in self.subscribers.values()),
+            "events_lost": self.num_lost,
+        }
+
+
+def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
+    """The token ids (int64 little-endian bytes) of the record in arena block `block_id`
+    when its header names `chunk_hash`, else b"" (replaced since, or not a record).
+
+    Reads the header (64 bytes) and the token ids only: ~1 us for 256 tokens."""
+    block_bytes = arena.block_bytes
+    header = arena.numpy_view(arena.block_offset(block_id), RECORD_HEADER_BYTES)
+    try:
+        parsed = read_header(header)
+    except ValueError:
+        return b""
+    if parsed.chunk_hash != chunk_hash or parsed.tokens_end > block_bytes:
+        return b""
+    view = arena.numpy_view(arena.block_offset(block_id) + RECORD_HEADER_BYTES,
+                            parsed.tokens_end - RECORD_HEADER_BYTES)
+    return view.tobytes()
+
+
+# ---------------------------------------------------------------- request handlers
+def _fingerprints(service) -> dict[int, bytes]:
+    """Namespace id -> its fingerprint, of every namespace alive (cached per layout)."""
+    cache = service.events.fingerprints
+    out = {}
+    for ns, layout in service.ns_registry.layouts.items():
+        fp = cache.get(layout)
+        if fp is None:
+            fp = cache[layout] = namespace_fingerprint(layout)
+        out[ns] = fp
+    return out
+
+
+def subscribe(service, session, req: Subscribe) -> SubscribeReply:
+    """SUBSCRIBE: (re)subscribe the session to the feed, for `req.namespaces`."""
+    fps = _fingerprints(service)
+    unknown = [ns for ns in req.namespaces if ns not in fps]
+    if unknown:
+        raise RequestError("bad_namespace", f"SUBSCRIBE to namespace(s) {unknown}, which "
+                           "this daemon does not have (see `lmcached info clients`)")
+    feed = service.events
+    cursor = feed.subscribe(session.session_id, req.namespaces,
+                            [fps[ns] for ns in req.namespaces], req.cursor)
+    return SubscribeReply(cursor, service.arena.generation, feed.capacity)
+
+
+def events(service, session, req: Events) -> EventsReply:
+    """EVENTS: a page of the session's subscribed events from `req.cursor` on."""
+    feed = service.events
+    sub = feed.subscribers.get(session.session_id)
+    if sub is None:
+        raise RequestError("no_subscription", "EVENTS before SUBSCRIBE: send SUBSCRIBE "
+                           "first (a new connection, or a restarted daemon, needs it again)")
+    fps = _fingerprints(service)
+    ns_of_fp = {fp: ns for ns, fp in fps.items()}
+    pool, arena = service.pool, service.arena
+
+    def resolve(event, with_tokens, sub):
+        seq, kind, medium, key, parent, block_id = event
+        if medium == MEDIUM_ARENA:
+            ns = int.from_bytes(key[1:5], "little")
+            if sub.namespaces and ns not in sub.namespaces:
+                return None
+            chunk_hash = key[5:]
+            fp = fps.get(ns, b"")
+        else:
+            fp, chunk_hash = key
+            if sub.fingerprints and fp not in sub.fingerprints:
+                return None
+            ns = ns_of_fp.get(fp, 0)
+        tokens = b""
+        if with_tokens and kind == STORED and pool is not None:
+            if medium == MEDIUM_DISK:  # still in the arena: read it there
+                span = pool.cached.get(CHUNK_TAG + ns.to_bytes(4, "little") + chunk_hash)
+                block_id = span[0].block_id if span is not None else -1
+            if block_id >= 0:
+                tokens = read_token_ids(arena, block_id, chunk_hash)
+        return ChunkEvent(seq, kind, medium, ns, fp, chunk_hash, parent, tokens)
+
+    out, cursor, lost = feed.read(sub, req.cursor, req.max_events, req.token_ids, resolve)
+    return EventsReply(out, cursor, lost)

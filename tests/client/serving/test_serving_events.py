@@ -1,0 +1,121 @@
+"""`EventRelay` (client/serving/events.py) against a real daemon, without any engine: chunks
+another client stores are announced as block events in the relay's block size and block
+hash (a stand-in hasher here; vLLM's in tests/vllm_connector/test_vllm_kv_events.py), per
+medium, removed on EVICT / CLEAR, and everything announced is removed when the daemon
+restarts."""
+
+import hashlib
+import os
+import time
+
+import torch
+
+from conftest import start_daemon
+from lmcached.client import CacheEngine, KVLayout
+from lmcached.client.serving.events import EventRelay
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Clear
+
+CHUNK, BLOCK = 16, 4
+
+
+def layout() -> KVLayout:
+    return KVLayout("tiny-llama", num_layers=2, num_kv_heads=2, head_size=8,
+                    dtype="bfloat16", chunk_size=CHUNK, fmt="vllm")
+
+
+def block_hash(parent, token_ids, extra) -> bytes:
+    """A stand-in engine hash: chained, over the tokens and extra keys."""
+    return hashlib.sha256(repr((parent, list(token_ids), extra)).encode()).digest()
+
+
+def own_hashes(tokens: list[int]) -> list[bytes]:
+    out, parent = [], None
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        parent = block_hash(parent, tokens[start:start + BLOCK], None)
+        out.append(parent)
+    return out
+
+
+def store(socket: str, tokens: list[int]) -> None:
+    engine = CacheEngine.connect(layout(), socket=socket, strict=True)
+    try:
+        kv = torch.zeros(layout().chunk_shape(len(tokens)), dtype=torch.bfloat16)
+        engine.store(torch.tensor(tokens), kv)
+    finally:
+        engine.close()
+
+
+def poll_until(relay: EventRelay, count: int, timeout_s: float = 10.0) -> list:
+    events, deadline = [], time.monotonic() + timeout_s
+    while len(events) < count:
+        assert time.monotonic() < deadline, (events, relay.stats)
+        events.extend(relay.poll())
+        time.sleep(0.01)
+    return events
+
+
+def test_stored_chunks_become_block_events_in_the_relays_terms(daemon):
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket)
+    try:
+        assert relay.poll() == []  # subscribes from now on
+        tokens = list(range(100, 140))  # 2 full chunks and a partial one of 8 tokens
+        store(daemon.socket, tokens)
+        events = poll_until(relay, 3)
+        assert [(e.kind, e.medium, len(e.block_hashes)) for e in events] == [
+            ("stored", "cpu", 4), ("stored", "cpu", 4), ("stored", "cpu", 2)]
+        assert [h for e in events for h in e.block_hashes] == own_hashes(tokens)
+        assert [t for e in events for t in e.token_ids] == tokens
+        assert events[1].parent_block_hash == events[0].block_hashes[-1]
+        with Connection(daemon.socket) as admin:
+            admin.request(Clear())
+        removed = poll_until(relay, 3)
+        assert {(e.kind, e.medium) for e in removed} == {("removed", "cpu")}
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(own_hashes(tokens))
+        assert relay.num_announced_chunks == 0 and relay.stats["unresolved_parent"] == 0
+    finally:
+        relay.close()
+
+
+def test_a_chunk_whose_parent_was_never_seen_is_counted_not_guessed(daemon):
+    store(daemon.socket, list(range(16)))  # before the relay subscribed
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket)
+    try:
+        relay.poll()
+        store(daemon.socket, list(range(32)))  # chunk 0 exists: chunk 1 is new
+        deadline = time.monotonic() + 10
+        while relay.stats["unresolved_parent"] < 1:
+            assert relay.poll() == [] and time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        relay.close()
+
+
+def test_a_restarted_daemon_means_every_announced_block_is_removed(unique_name, short_tmp):
+    """The daemon on the same socket restarts (a new arena generation): what the relay
+    announced is gone, and removed; never a wholesale clear."""
+    socket = os.path.join(short_tmp, "d.sock")
+    args = ("--capacity", "64MiB", "--block-size", "1MiB")
+    daemon = start_daemon(unique_name, socket, os.path.join(short_tmp, "1.log"), *args)
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=socket)
+    try:
+        relay.poll()
+        tokens = list(range(500, 532))
+        store(socket, tokens)
+        poll_until(relay, 2)
+        daemon.stop()
+        daemon = start_daemon(unique_name, socket, os.path.join(short_tmp, "2.log"), *args)
+        events = poll_until(relay, 2, timeout_s=20)
+        assert {(e.kind, e.medium) for e in events} == {("removed", "cpu")}
+        assert sorted(h for e in events for h in e.block_hashes) == sorted(own_hashes(tokens))
+        assert relay.stats["restarts"] == 1 and relay.num_announced_chunks == 0
+    finally:
+        relay.close()
+        daemon.stop()
+
+
+def test_a_relay_without_a_daemon_returns_nothing_and_retries_later(short_tmp):
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash,
+                       socket=os.path.join(short_tmp, "none.sock"))
+    assert relay.poll() == [] and relay.stats["errors"] == 1
+    assert relay.poll() == [] and relay.stats["errors"] == 1  # no retry within a second
