@@ -293,3 +293,33 @@ def test_the_disk_tier_announces_chunks_it_commits_and_forgets(disk_service):
     assert {e.chunk_hash for e in removed if e.medium == "disk"} == {
         e.chunk_hash for e in disk_stored}
     assert all(e.kind == "removed" for e in removed)
+
+
+def test_a_snapshot_pages_the_cached_chunks_before_the_live_events(service):
+    """SUBSCRIBE with a snapshot: the namespace's cached chunks come first as stored
+    events of sequence number 0, with their parents, `max_events` a page; one evicted
+    before its page is skipped (its removal is live), one stored after the SUBSCRIBE
+    is live; the parents the feed keeps go with the chunks."""
+    other = layout(model_name="other-llama")
+    session = greeted(service, LAYOUT, other)
+    store(service, session, 1, [1, 2, 3, 4])
+    store(service, session, 2, [9])
+    reply = service.handle(session, Subscribe([1], 0, True))
+    cursor = reply.cursor
+    service.handle(session, Evict(key=(3).to_bytes(16, "little").hex()))
+    store(service, session, 1, [5])  # its parent: chunk 4
+    first = service.handle(session, Events(cursor, 2, True))
+    assert [(e.seq, e.kind, e.chunk_hash[0], e.parent[:1]) for e in first.events] == [
+        (0, "stored", 1, b""), (0, "stored", 2, bytes([1]))]
+    assert first.cursor == cursor and first.lost == 0 and first.snapshot_left == 3
+    second = service.handle(session, Events(cursor, 2, True))
+    assert [(e.seq, e.chunk_hash[0], e.parent[:1]) for e in second.events] == [
+        (0, 4, bytes([3]))]  # 3 left before its page; 9 is another namespace's
+    assert second.snapshot_left == 0
+    live = _poll(service, session, cursor)
+    assert [(e.kind, e.chunk_hash[0]) for e in live.events] == [("removed", 3), ("stored", 5)]
+    assert live.events[0].seq == cursor
+    assert service.events.num_snapshot_events == 3
+    assert service.handle(session, Info("stats")).sections["stats"]["events_snapshot_sent"] == 3
+    service.handle(session, Clear())
+    assert service.events.parents == {}
