@@ -297,7 +297,7 @@ class EventRelay:
     def _parent_of(self, event: ChunkEvent, tokens: np.ndarray):
         """(engine parent block hash or None, salt or None) of a new chunk; (False,
         None) when it cannot be resolved (counted)."""
-        if event.parent:
+        if event.parent and event.parent not in self._salts:
             parent = self._chunks.get(event.parent)
             if parent is None and event.seq == 0:
                 self._waiting.setdefault(event.parent, []).append(event)
