@@ -370,6 +370,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
     yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
                  "cached value (INFO namespaces).", clients["namespaces"])
+    yield _gauge("lmcached_namespaces_sglang", "Namespaces alive of SGLang HiCache pages "
+                 "(INFO namespaces_sglang).", clients["namespaces_sglang"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
     for i, (name, doc) in enumerate((("hit_chunks", "Chunks found by ACQUIRE"),
                                      ("miss_chunks", "Chunks ACQUIRE did not find"),
