@@ -14,7 +14,7 @@ What lives here:
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)
     pool_invariants.py         `check_pool_invariants`: every invariant of a block pool
-    tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
+    memory_tiers.py, demotion.py  device memory tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the
                                loop applies): demotion, L2 and the disk tier are its queues
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads

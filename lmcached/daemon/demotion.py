@@ -36,7 +36,7 @@ from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
-from lmcached.daemon.tiers import Tier, TierSet
+from lmcached.daemon.memory_tiers import Tier, TierSet
 
 logger = init_logger(__name__)
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
     from lmcached.daemon.l2.tier import L2Tier
     from lmcached.daemon.progress import Loading
     from lmcached.daemon.server_config import ServerConfig
-    from lmcached.daemon.tiers import TierSet
+    from lmcached.daemon.memory_tiers import TierSet
     from lmcached.shm.arena import Arena
     from lmcached.wire.protocol import Layout
 

@@ -52,7 +52,7 @@ from lmcached.wire.protocol import (
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
-from lmcached.daemon.tiers import TierSet
+from lmcached.daemon.memory_tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.namespaces import NamespaceRegistry
@@ -94,7 +94,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
     Attributes:
         pool: the host arena's block pool (tier 0), or None until the block size is
             known.
-        tiers: every tier and its pool (lmcached/daemon/tiers.py).
+        tiers: every tier and its pool (lmcached/daemon/memory_tiers.py).
         demoter: moves device-tier chunks to the host arena (lmcached/daemon/demotion.py);
             None without device tiers or before the block size is known.
         jobs: the daemon's background job runner (`jobs.py`): demotions and the L2

@@ -1,5 +1,5 @@
 """Device tiers in the daemon, in one process: block references, placement, read
-preference, demotion to the host arena, and what a session may see (lmcached/daemon/tiers.py,
+preference, demotion to the host arena, and what a session may see (lmcached/daemon/memory_tiers.py,
 lmcached/daemon/demotion.py, lmcached/daemon/service.py).
 
 The device tier here is host memory behind the device-tier interface (a "fake" tier,
