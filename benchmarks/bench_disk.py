@@ -49,7 +49,7 @@ from common import GB, LLAMA_1B, daemon_info, machine_info, median, record_block
 from lmcached.client import CacheEngine  # noqa: E402
 from lmcached.daemon.disk.directory import prepare_disk_directory  # noqa: E402
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
-from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
+from lmcached.daemon.spill.envelope import encode_envelope  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Info  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import median  # noqa: E402
 from lmcached.daemon.disk.directory import prepare_disk_directory  # noqa: E402
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer  # noqa: E402
-from lmcached.daemon.l2.values import encode_envelope  # noqa: E402
+from lmcached.daemon.spill.envelope import encode_envelope  # noqa: E402
 from lmcached.shm.arena import Arena  # noqa: E402
 
 RECORD_BYTES = 1000

@@ -20,7 +20,7 @@ from lmcached.daemon.disk.directory import LOCK_NAME, DirectoryLock, DiskDirecto
     prepare_disk_directory
 from lmcached.daemon.disk.index import DiskIndex
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer, round_up
-from lmcached.daemon.l2.values import L2VerifyError, encode_envelope, verify_parts
+from lmcached.daemon.spill.envelope import L2VerifyError, encode_envelope, verify_parts
 from lmcached.wire.record_format import ROOT_HASH
 
 SLOT_BYTES = 3 * PAGE_BYTES

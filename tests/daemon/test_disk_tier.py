@@ -21,7 +21,7 @@ from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, round_up, slot_bytes_for
 from lmcached.daemon.disk.tier import DiskTier
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService

@@ -16,7 +16,7 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import DOWN_HOLD_S, L2Tier
-from lmcached.daemon.l2.values import (
+from lmcached.daemon.spill.envelope import (
     GENERATION_KEY,
     VERIFY_REASONS,
     l2_key,

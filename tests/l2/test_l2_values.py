@@ -1,4 +1,4 @@
-"""L2 keys and values (lmcached/daemon/l2/values.py): pure, no Redis.
+"""L2 keys and values (lmcached/daemon/spill/envelope.py): pure, no Redis.
 
 A value fetched from L2 is served only when it is the record that was written for that
 chunk of that namespace. Each way a value can be wrong is built here by hand and must
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcached.daemon.l2.values import (
+from lmcached.daemon.spill.envelope import (
     ENVELOPE,
     ENVELOPE_BYTES,
     L2VerifyError,
@@ -201,7 +201,7 @@ def test_fingerprint_golden_value_and_equal_for_equal_layouts():
 
 def test_fingerprint_is_the_same_in_another_process():
     code = ("from lmcached.wire.protocol import Layout; "
-            "from lmcached.daemon.l2.values import namespace_fingerprint; "
+            "from lmcached.daemon.spill.envelope import namespace_fingerprint; "
             f"print(namespace_fingerprint(Layout{msgspec.structs.astuple(LAYOUT)!r}).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "12345"})

@@ -12,7 +12,7 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
   daemon's job runner), INFO `disk`; its parts `writes` (writes ahead of eviction from the
   arena's blocks, what an eviction finds or drops, write-through, erasures) and `fetch` (reads into arena blocks).
 
-What it may import: the daemon's modules (the L2 tier's envelope and checks in
-`lmcached.daemon.l2.values`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,
+What it may import: the daemon's modules (the spill tiers' envelope and checks in
+`lmcached.daemon.spill.envelope`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,
 numpy and xxhash. Never torch and never `lmcached.client`.
 """

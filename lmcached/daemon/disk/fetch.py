@@ -14,7 +14,7 @@ import numpy as np
 
 from lmcached.daemon.disk.index import DiskKey
 from lmcached.daemon.disk.slots import error_kind, round_up
-from lmcached.daemon.l2.values import L2VerifyError, verify_parts
+from lmcached.daemon.spill.envelope import L2VerifyError, verify_parts
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
@@ -222,7 +222,7 @@ class DiskFetches:
         """Read one slot (reader thread): its envelope page into `page` and its record
         straight into the item's WRITING blocks (O_DIRECT: whole pages; through this
         thread's buffer where the blocks are not whole pages, `DiskTier._in_place`),
-        one `preadv`, then verify it there (`values.verify_parts`: envelope, checksum,
+        one `preadv`, then verify it there (`envelope.verify_parts`: envelope, checksum,
         token ids). The blocks are visible to no one until the loop commits them; a
         chunk that fails is aborted by the loop (`_finish_reads`).
 

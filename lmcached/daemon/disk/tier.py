@@ -23,7 +23,7 @@ Flows (docs/operator.md, "The disk tier"):
   chunk i (of every namespace asked), starts a `DiskFetchJob`: the loop pins the arena's
   part of the chain, allocates WRITING blocks for the run the disk holds, a reader thread
   reads each slot's envelope page and record straight into those blocks and verifies
-  them there (`values.verify_parts`: envelope, checksum, token ids); the loop commits
+  them there (`envelope.verify_parts`: envelope, checksum, token ids); the loop commits
   what verified and aborts the rest, forgetting their slots (counted,
   `disk_fetch_verify_*`). A fetch of the same chain in flight is joined.
 - records move between the arena's blocks and the slot file with no copy (slots.py's
@@ -56,7 +56,7 @@ from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligne
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
 from lmcached.daemon.keys import CHUNK_TAG
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.wire.logger import init_logger
 from lmcached.wire.units import format_bytes

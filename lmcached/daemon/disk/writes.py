@@ -35,7 +35,7 @@ import numpy as np
 
 from lmcached.daemon.disk.index import DiskEntry, DiskKey
 from lmcached.daemon.disk.slots import error_kind, round_up
-from lmcached.daemon.l2.values import encode_envelope
+from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -233,7 +233,7 @@ class DiskWrites:
         write still queued (`DiskTier.close`). Rejected: a clear generation in the
         superblock that the warm-restart scan compares with each slot's: one page
         write per CLEAR instead of one per slot, but it needs a field in every slot's
-        envelope, which is the L2 value's envelope (lmcached/daemon/l2/values.py)."""
+        envelope, which is the L2 value's envelope (lmcached/daemon/spill/envelope.py)."""
         if self.index is None:
             return 0
         self._epoch += 1

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lmcached.daemon.l2.redis_store import RedisL2
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, L2VerifyError, l2_key, verify_value
+from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, L2VerifyError, l2_key, verify_value
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
