@@ -37,7 +37,8 @@ from common import GB, machine_info, median, record_block_size  # noqa: E402
 from peers.redis_peer import running_redis  # noqa: E402
 from lmcached.client import CacheEngine, KVLayout  # noqa: E402
 from lmcached.client.hashing import hash_request_tokens  # noqa: E402
-from lmcached.daemon.spill.envelope import l2_key, namespace_fingerprint  # noqa: E402
+from lmcached.daemon.l2.values import l2_key  # noqa: E402
+from lmcached.daemon.spill.envelope import namespace_fingerprint  # noqa: E402
 from lmcached.launcher import temporary_daemon  # noqa: E402
 from lmcached.wire.connection import Connection
 from lmcached.wire.protocol import Info  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 
 from lmcached.daemon.l2 import redis_store
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2, parse_l2_url
-from lmcached.daemon.spill.envelope import l2_key
+from lmcached.daemon.l2.values import l2_key
 from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens
 from redis_servers import command, running_redis
 

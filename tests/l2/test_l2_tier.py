@@ -16,10 +16,9 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import DOWN_HOLD_S, L2Tier
+from lmcached.daemon.l2.values import GENERATION_KEY, l2_key
 from lmcached.daemon.spill.envelope import (
-    GENERATION_KEY,
     VERIFY_REASONS,
-    l2_key,
     namespace_fingerprint,
     verify_value,
 )

@@ -14,7 +14,7 @@ import numpy as np
 
 from lmcached.daemon.disk.index import DiskKey
 from lmcached.daemon.disk.slots import error_kind, round_up
-from lmcached.daemon.spill.envelope import L2VerifyError, verify_parts
+from lmcached.daemon.spill.envelope import VerifyError, verify_parts
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
@@ -209,7 +209,7 @@ class DiskFetches:
                     continue
                 try:
                     self._read_item(item, page)
-                except L2VerifyError as exc:
+                except VerifyError as exc:
                     item.failure = f"verify_{exc.reason}"
                     item.slot_sound = exc.slot_sound
                 except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
@@ -227,7 +227,7 @@ class DiskFetches:
         chunk that fails is aborted by the loop (`_finish_reads`).
 
         Raises:
-            L2VerifyError: the slot must not be served.
+            VerifyError: the slot must not be served.
             OSError: the read failed or came back short.
         """
         ns_fp, chunk_hash = item.key

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from lmcached.daemon.l2.redis_store import RedisL2
-from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, L2VerifyError, l2_key, verify_value
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, VerifyError, verify_value
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -137,7 +138,7 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
                     break
                 try:
                     records.append(verify_value(value, fp, hashes[i], parent))
-                except L2VerifyError as exc:
+                except VerifyError as exc:
                     failure = f"verify_{exc.reason}"
                     break
             if failure:

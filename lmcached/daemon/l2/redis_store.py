@@ -56,7 +56,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmcached.daemon.spill.envelope import GENERATION_KEY
+from lmcached.daemon.l2.values import GENERATION_KEY
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)

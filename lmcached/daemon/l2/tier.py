@@ -41,8 +41,9 @@ from collections.abc import Callable
 
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
-from lmcached.daemon.spill.envelope import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value, l2_key,
-                                      namespace_fingerprint)
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value,
+                                            namespace_fingerprint)
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena

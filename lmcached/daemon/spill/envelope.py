@@ -1,21 +1,16 @@
-"""Keys and values of chunks in L2: what one node writes and any other node can trust.
+"""The envelope of a chunk that leaves the arena: what one writer writes and any reader can trust.
 
-Why this file exists: an L2 is shared by nodes that may serve other models, other tensor
-parallel ranks or other versions of lmcached, and anyone who can reach Redis can write
-to it. A value fetched from L2 is therefore checked before the daemon installs it in its
-arena: that it is a value of this namespace and this chunk, that its bytes are the bytes
-that were written, and that its token ids hash to the chunk hash that was asked for (so
-a colliding key or a record of another prompt is a miss, never served). Pure functions,
-no I/O: `redis_store.py` moves the bytes, `tier.py` decides when.
+Why this file exists: a chunk spilled below the arena (an L2 value in Redis, a disk tier
+slot) is read back by another daemon, a restarted one, or a node that serves another
+model, and anyone who can reach Redis or the file can write to it. A value read back is
+therefore checked before the daemon installs it in its arena: that it is a value of this
+namespace and this chunk, that its bytes are the bytes that were written, and that its
+token ids hash to the chunk hash that was asked for (so a colliding key or a record of
+another prompt is a miss, never served). Every spill tier writes, parses and verifies the
+envelope here, once. Pure functions, no I/O.
 
-Key (no hash tag, so a Redis cluster spreads the chunks of one prompt over every
-master), under the L2's clear generation G (`GENERATION_KEY`, an integer that each
-CLEAR increments: docs/l2.md, "CLEAR and the L2")::
-
-    lmcached:v1:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>          (G = 0)
-    lmcached:v1:g<G>:<namespace fingerprint, 32 hex>:<chunk hash, 32 hex>     (G > 0)
-
-Value::
+Value (an L2 value is both parts in one string; a disk slot has the envelope in its first
+page and the record page-aligned after it, lmcached/daemon/disk/slots.py)::
 
     offset 0                                                        64
     | envelope <4sHHQQ16s16s, zero pad to 64 bytes:                 | record, as in the
@@ -23,11 +18,13 @@ Value::
     |   record bytes u64, xxh3_64 (seed 0) of the record u64,        |   token ids (int64
     |   namespace fingerprint 16, chunk hash 16                      |   LE at 64), KV
 
-All integers little-endian. A writer that can SET a key can write a consistent value:
-the checks catch corruption, collisions and mix-ups, not an attacker with write access.
+All integers little-endian; the hashes are HASH_BYTES (16) long. A writer that can write a
+value can write a consistent one: the checks catch corruption, collisions and mix-ups, not
+an attacker with write access.
 """
 
 import struct
+from typing import NamedTuple
 
 import msgspec
 import xxhash
@@ -40,9 +37,7 @@ from lmcached.wire.record_format import (
     read_header,
 )
 
-KEY_PREFIX = "lmcached:v1"
-GENERATION_KEY = b"lmcached:v1:generation"  # the L2's clear generation (INCR by CLEAR)
-L2_MAGIC = b"LML2"
+MAGIC = b"LML2"  # the envelope's first bytes, in L2 values and disk slots alike
 ENVELOPE_VERSION = 1
 # magic, version, flags, record length, xxh3_64 of the record, namespace fp, chunk hash.
 ENVELOPE = struct.Struct("<4sHHQQ16s16s")
@@ -52,8 +47,8 @@ _PAD = bytes(ENVELOPE_BYTES - ENVELOPE.size)
 VERIFY_REASONS = ("envelope", "foreign", "checksum", "tokens")
 
 
-class L2VerifyError(Exception):
-    """A value fetched from L2 that must not be served (a counted miss).
+class VerifyError(Exception):
+    """A value read back from a spill tier that must not be served (a counted miss).
 
     Attributes:
         reason: one of VERIFY_REASONS: "envelope" (too short, another magic, envelope
@@ -78,7 +73,44 @@ class L2VerifyError(Exception):
         self.slot_sound = slot_sound
 
 
-def _check_hash(name: str, value: bytes) -> None:
+class Envelope(NamedTuple):
+    """An envelope's fields (`parse_envelope`).
+
+    Attributes:
+        record_bytes: the length of the record it covers, in bytes.
+        checksum: xxh3_64 (seed 0) of the record's bytes.
+        ns_fp: the namespace fingerprint, HASH_BYTES.
+        chunk_hash: the chunk hash, HASH_BYTES.
+    """
+
+    record_bytes: int
+    checksum: int
+    ns_fp: bytes
+    chunk_hash: bytes
+
+
+def parse_envelope(data) -> Envelope | None:
+    """The fields of an envelope, or None when `data` is not one this version wrote.
+
+    Checks the envelope alone, nothing it covers: ENVELOPE_BYTES long at least (longer is
+    cut), MAGIC, ENVELOPE_VERSION, flags 0 and a zero pad.
+    The record, its checksum and its token ids are `verify_parts`'.
+
+    Args:
+        data: bytes-like, the envelope first.
+    """
+    view = memoryview(data).cast("B")[:ENVELOPE_BYTES]
+    if view.nbytes < ENVELOPE_BYTES:
+        return None
+    magic, version, flags, record_bytes, checksum, ns_fp, chunk_hash = ENVELOPE.unpack_from(view)
+    if (magic != MAGIC or version != ENVELOPE_VERSION or flags
+            or view[ENVELOPE.size:ENVELOPE_BYTES] != _PAD):
+        return None
+    return Envelope(record_bytes, checksum, ns_fp, chunk_hash)
+
+
+def check_hash(name: str, value: bytes) -> None:
+    """Raise ValueError naming `name` unless `value` is bytes of HASH_BYTES."""
     if not isinstance(value, bytes | bytearray) or len(value) != HASH_BYTES:
         raise ValueError(f"{name} must be {HASH_BYTES} bytes, got {value!r:.60}")
 
@@ -107,34 +139,9 @@ def namespace_fingerprint(layout: Layout) -> bytes:
     return xxhash.xxh3_128_digest(msgspec.msgpack.encode(layout), seed=FIXED_SEED)
 
 
-def l2_key(ns_fp: bytes, chunk_hash: bytes, prefix: str = KEY_PREFIX,
-           generation: int = 0) -> bytes:
-    """The Redis key of one chunk: `<prefix>:<ns_fp hex>:<chunk_hash hex>`, or with
-    `g<generation>:` after the prefix when `generation` > 0.
-
-    Args:
-        ns_fp: the namespace fingerprint (`namespace_fingerprint`), 16 bytes.
-        chunk_hash: the chunk's prefix hash (`record_format.hash_block_tokens`), 16 bytes.
-        prefix: the key space; the default names this value format (v1).
-        generation: the L2's clear generation (`GENERATION_KEY`) the key belongs to:
-            a CLEAR increments it, and keys of an older generation are never read again.
-
-    Returns:
-        The key, ASCII bytes.
-
-    Raises:
-        ValueError: a hash that is not 16 bytes, or a negative generation.
-    """
-    _check_hash("ns_fp", ns_fp)
-    _check_hash("chunk_hash", chunk_hash)
-    if generation < 0:
-        raise ValueError(f"L2 generation must be >= 0, got {generation}")
-    space = prefix.encode() if not generation else b"%s:g%d" % (prefix.encode(), generation)
-    return b"%s:%s:%s" % (space, ns_fp.hex().encode(), chunk_hash.hex().encode())
-
-
 def encode_value(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> bytes:
-    """The L2 value of a record: the envelope, then the record's bytes (one join).
+    """The value of a record: the envelope, then the record's bytes (one join), as L2
+    stores it.
 
     Args:
         ns_fp: namespace fingerprint, 16 bytes.
@@ -169,20 +176,20 @@ def encode_envelope(ns_fp: bytes, chunk_hash: bytes, record_pieces: list) -> byt
     Raises:
         ValueError: a hash that is not 16 bytes.
     """
-    _check_hash("ns_fp", ns_fp)
-    _check_hash("chunk_hash", chunk_hash)
+    check_hash("ns_fp", ns_fp)
+    check_hash("chunk_hash", chunk_hash)
     hasher = xxhash.xxh3_64()
     record_bytes = 0
     for piece in record_pieces:
         view = memoryview(piece).cast("B")
         hasher.update(view)
         record_bytes += view.nbytes
-    return ENVELOPE.pack(L2_MAGIC, ENVELOPE_VERSION, 0, record_bytes, hasher.intdigest(),
+    return ENVELOPE.pack(MAGIC, ENVELOPE_VERSION, 0, record_bytes, hasher.intdigest(),
                          bytes(ns_fp), bytes(chunk_hash)) + _PAD
 
 
 def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> memoryview:
-    """Check a value fetched from L2 and return its record.
+    """Check a value read back whole (an L2 value) and return its record.
 
     The checks are `verify_parts`', on the envelope and the record of one value.
 
@@ -196,11 +203,11 @@ def verify_value(value, ns_fp: bytes, chunk_hash: bytes, parent_hash: bytes) -> 
         A memoryview of the record inside `value` (no copy): header, token ids, KV.
 
     Raises:
-        L2VerifyError: the value must not be served; its `reason` says why.
+        VerifyError: the value must not be served; its `reason` says why.
     """
     view = memoryview(value).cast("B")
     if view.nbytes < ENVELOPE_BYTES:
-        raise L2VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
+        raise VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
     record = view[ENVELOPE_BYTES:]
     verify_parts(view[:ENVELOPE_BYTES], [record], ns_fp, chunk_hash, parent_hash)
     return record
@@ -225,40 +232,40 @@ def verify_parts(envelope, record_pieces: list, ns_fp: bytes, chunk_hash: bytes,
         parent_hash: the hash of the chunk before it (ROOT_HASH for the first chunk).
 
     Raises:
-        L2VerifyError: the value must not be served; its `reason` says why.
+        VerifyError: the value must not be served; its `reason` says why.
     """
     view = memoryview(envelope).cast("B")[:ENVELOPE_BYTES]
     if view.nbytes < ENVELOPE_BYTES:
-        raise L2VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
+        raise VerifyError("envelope", f"{view.nbytes} bytes, shorter than the envelope")
     pieces = [memoryview(piece).cast("B") for piece in record_pieces]
     total = sum(piece.nbytes for piece in pieces)
-    magic, version, flags, record_bytes, checksum, value_fp, value_hash = \
-        ENVELOPE.unpack_from(view)
-    if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags
-            or view[ENVELOPE.size:ENVELOPE_BYTES] != _PAD):
-        raise L2VerifyError("envelope", f"magic {magic!r}, version {version}, flags {flags:#x}")
+    fields = parse_envelope(view)
+    if fields is None:
+        magic, version, flags = ENVELOPE.unpack_from(view)[:3]
+        raise VerifyError("envelope", f"magic {magic!r}, version {version}, flags {flags:#x}")
+    record_bytes, checksum, value_fp, value_hash = fields
     if record_bytes != total:
-        raise L2VerifyError("envelope", f"record of {record_bytes} bytes in a value of "
-                                        f"{ENVELOPE_BYTES + total}")
+        raise VerifyError("envelope", f"record of {record_bytes} bytes in a value of "
+                                      f"{ENVELOPE_BYTES + total}")
     if value_fp != ns_fp or value_hash != chunk_hash:
-        raise L2VerifyError("foreign", f"value of namespace {value_fp.hex()}, chunk "
-                                       f"{value_hash.hex()}")
+        raise VerifyError("foreign", f"value of namespace {value_fp.hex()}, chunk "
+                                     f"{value_hash.hex()}")
     hasher = xxhash.xxh3_64()
     for piece in pieces:
         hasher.update(piece)
     if hasher.intdigest() != checksum:
-        raise L2VerifyError("checksum", "record bytes differ from the bytes written")
+        raise VerifyError("checksum", "record bytes differ from the bytes written")
     try:
         header = read_header(_prefix(pieces, RECORD_HEADER_BYTES))
     except ValueError as exc:
-        raise L2VerifyError("tokens", str(exc)) from None
+        raise VerifyError("tokens", str(exc)) from None
     tokens_end = header.tokens_end
     if header.chunk_hash != chunk_hash or header.num_tokens == 0 or tokens_end > record_bytes:
-        raise L2VerifyError("tokens", f"record of chunk {header.chunk_hash.hex()}, "
+        raise VerifyError("tokens", f"record of chunk {header.chunk_hash.hex()}, "
                                       f"{header.num_tokens} tokens in {record_bytes} bytes")
     token_ids = _prefix(pieces, tokens_end)[RECORD_HEADER_BYTES:tokens_end]
     if hash_block_tokens(parent_hash, token_ids) != chunk_hash:
-        raise L2VerifyError("tokens", "token ids do not hash to the chunk hash from the "
+        raise VerifyError("tokens", "token ids do not hash to the chunk hash from the "
                                       "request's parent", slot_sound=True)
 
 
