@@ -127,8 +127,8 @@ class NamespaceRegistry:
             self._ns_prefix[ns] = keys.chunk_prefix(ns)
             self.stats.ns_hits[ns] = 0
             self.stats.ns_misses[ns] = 0
-            if self.l2 is not None:
-                self.l2.register_namespace(ns, layout)
+            for tier in self.spill_tiers:
+                tier.register_namespace(ns, layout)
         return ns
 
     def _check_namespace_room(self, layouts: list[Layout]) -> None:
@@ -181,8 +181,8 @@ class NamespaceRegistry:
         freed["miss_chunks"] += misses
         freed["hit_tokens"] += hits * layout.chunk_size
         freed["miss_tokens"] += misses * layout.chunk_size
-        if self.l2 is not None:
-            self.l2.unregister_namespace(ns)
+        for tier in self.spill_tiers:
+            tier.unregister_namespace(ns)
         heapq.heappush(self._free_ns_ids, ns)
         logger.debug("namespace %d (%s) freed: no session and no cached value uses it", ns,
                      layout.model_name)

@@ -55,7 +55,7 @@ def open_disk_service(name: str, path: str, block_bytes: int = BLOCK_BYTES,
     tier = DiskTier(directory, DirectoryLock(directory), capacity_bytes=(16 << 20),
                     policy=policy, fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
     tier.set_block_bytes(arena.block_bytes)
-    service.attach_disk(tier)
+    service.attach_tier(tier)
     return service
 
 
@@ -555,7 +555,7 @@ def open_derived_service(name: str, path: str) -> CacheService:
                     policy="write-through", fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
     if tier.open_file(arena.block_bytes):
         tier.rebuild_index()
-    service.attach_disk(tier)
+    service.attach_tier(tier)
     return service
 
 

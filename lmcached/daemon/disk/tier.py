@@ -49,8 +49,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory
-from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
+from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory, DiskDirectoryError
+from lmcached.daemon.disk.fetch import MAX_FETCH_JOBS, DiskFetches
 from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
 from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
@@ -64,6 +64,7 @@ from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.tier import FetchJobs, SpillTier
 
 logger = init_logger(__name__)
 
@@ -81,8 +82,9 @@ COUNTERS = (
 )
 
 
-class DiskTier(DiskWrites, DiskFetches):
-    """Spills chunks to a slot file and fetches misses back (module docstring).
+class DiskTier(DiskWrites, DiskFetches, SpillTier):
+    """Spills chunks to a slot file and fetches misses back (module docstring); a
+    `SpillTier`.
 
     Args:
         directory: the checked disk directory, held open; lock: its lock. The tier owns
@@ -103,13 +105,15 @@ class DiskTier(DiskWrites, DiskFetches):
         index: chunk -> slot, or None until the block size is known (empty until
             `rebuild_index` when `needs_rebuild`).
         needs_rebuild: the slot file holds an earlier daemon's slots, not yet indexed.
-        pool: the host arena's block pool, set by the service once it exists.
-        stats: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
+        pool: the host arena's block pool, once the service set it (`set_pool`).
+        counts: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
         off_reason: why the capacity holds no slot (the tier is off), else None.
 
     Raises:
         ValueError: unknown policy, capacity below one page, fetch_wait_s < 0.
     """
+
+    name = "disk"
 
     def __init__(self, directory: DiskDirectory, lock: DirectoryLock, *, capacity_bytes: int,
                  policy: str, fetch_wait_s: float, arena: Arena, jobs: JobRunner,
@@ -135,7 +139,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self.num_restored = 0
         self.scan_s = 0.0
         self.needs_rebuild = False
-        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.counts = dict.fromkeys(COUNTERS, 0)
         self._lock = lock
         self._fps: dict[Layout, bytes | None] = {}
         self._writing: set[DiskKey] = set()
@@ -144,7 +148,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
         self._ahead_held_until = 0.0  # a write failed: no writes ahead until then
         self._epoch = 0  # CLEARs so far
-        self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
+        self._fetch_jobs = FetchJobs(MAX_FETCH_JOBS, self.counts)
         self._local = threading.local()  # each worker thread's slot buffer
         self._log = RateLimitedLog(logger)
         self._runner = jobs
@@ -283,7 +287,7 @@ class DiskTier(DiskWrites, DiskFetches):
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False
         for kind, count in self.slots.scan_errors.items():
-            self.stats[f"errors_{kind}"] = self.stats.get(f"errors_{kind}", 0) + count
+            self.counts[f"errors_{kind}"] = self.counts.get(f"errors_{kind}", 0) + count
             logger.error("disk tier %s: %d slot envelope(s) could not be read at start (%s): "
                          "those slots are taken as empty and their chunks are lost; check "
                          "the drive (dmesg, smartctl)", self.slots.path, count, kind)
@@ -295,6 +299,36 @@ class DiskTier(DiskWrites, DiskFetches):
                     self.slots.path, self.slots.num_slots, self.slots.slot_bytes,
                     "O_DIRECT" if self.slots.direct else "buffered", self.num_restored,
                     self.scan_s)
+
+    # ------------------------------------------------- the SpillTier protocol
+    def set_pool(self, pool: BlockPool, block_bytes: int) -> None:
+        """The host pool exists, its blocks `block_bytes` long: size the slot file for
+        them (`set_block_bytes`). A file that cannot be sized leaves the tier unused
+        (logged), never a client's error."""
+        self.pool = pool
+        try:
+            self.set_block_bytes(block_bytes)
+        except (OSError, DiskDirectoryError) as exc:
+            logger.error("the disk tier cannot size its slot file for blocks of %d bytes "
+                         "(%s): it stays unused", block_bytes, exc)
+
+    def set_layouts(self, layout_of: Callable[[int], Layout | None]) -> None:
+        """Namespaces' layouts are looked up through `layout_of` when a chunk meets the
+        tier (`_ns_fp`)."""
+        self.layout_of = layout_of
+
+    def register_namespace(self, ns: int, layout: Layout) -> None:
+        """Nothing to do: layouts are looked up lazily (`set_layouts`)."""
+
+    def housekeeping(self) -> None:
+        """Writes ahead of eviction (`write_ahead`) and the slot file's check
+        (`check_file`)."""
+        self.write_ahead()
+        self.check_file()
+
+    def stats(self) -> dict[str, int]:
+        """The tier's counters."""
+        return self.counts
 
     # ------------------------------------------------------------ namespaces
     def _ns_fp(self, ns: int) -> bytes | None:
@@ -378,7 +412,7 @@ class DiskTier(DiskWrites, DiskFetches):
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, int | float | str]:
         """INFO section `disk` (docs/operator.md, "The disk tier")."""
-        slots, index, stats = self.slots, self.index, self.stats
+        slots, index, stats = self.slots, self.index, self.counts
         out: dict[str, int | float | str] = {
             "disk_enabled": int(self.off_reason is None),
             "disk_off_reason": self.off_reason or "",

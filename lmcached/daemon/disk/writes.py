@@ -146,7 +146,7 @@ class DiskWrites:
             key = self._disk_key(pool_key)
             if key is None:
                 return
-            stats, index = self.stats, self.index
+            stats, index = self.counts, self.index
             if key in index.entries:
                 index.touch(key)
                 stats["spills_present"] += 1
@@ -160,15 +160,16 @@ class DiskWrites:
                 stats["write_drops_late"] += 1
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("disk spill of an evicted chunk failed")
-            self.stats["write_failures"] += 1
+            self.counts["write_failures"] += 1
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
-        """Queue newly committed values (write-through policy; loop thread): each is
-        pinned until its writer wrote it."""
-        if self.policy != "write-through" or self.index is None:
-            return
-        for pool_key, blocks in values:
-            self._queue_write(pool_key, blocks, "pinned")
+        """Newly committed values (loop thread): under the write-through policy each is
+        queued and pinned until its writer wrote it; then a pass of writes ahead
+        (`write_ahead`: the commit pushed older chunks towards eviction)."""
+        if self.policy == "write-through" and self.index is not None:
+            for pool_key, blocks in values:
+                self._queue_write(pool_key, blocks, "pinned")
+        self.write_ahead()
 
     def _queue_write(self, pool_key: bytes, blocks: list[KVCacheBlock], mode: str) -> bool:
         """Queue one value's write in `mode` (`WriteJob`). Returns whether a write was
@@ -176,7 +177,7 @@ class DiskWrites:
         key = self._disk_key(pool_key)
         if key is None or key in self._writing:
             return False
-        stats, index = self.stats, self.index
+        stats, index = self.counts, self.index
         if key in index.entries:  # the same chunk is on disk: only its place in the LRU
             index.touch(key)
             stats["spills_present"] += 1
@@ -238,7 +239,7 @@ class DiskWrites:
             return 0
         self._epoch += 1
         if self.pool is not None:
-            for job in self._fetch_jobs.values():
+            for job in self._fetch_jobs:
                 if job.held:
                     self.pool.free(job.held)
                 job.held = []
@@ -329,7 +330,7 @@ class DiskWrites:
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
         """Index the written slots, give back the failed and cancelled ones, unpin
         write-through blocks, and write ahead again (loop thread)."""
-        stats, index = self.stats, self.index
+        stats, index = self.counts, self.index
         for job in jobs:
             stats["write_busy_us"] += job.busy_us
             if job.mode == "erase":
@@ -380,6 +381,6 @@ class DiskWrites:
     def _count_error(self, what: str, exc: BaseException) -> None:
         kind = error_kind(exc)
         key = f"errors_{kind}"
-        self.stats[key] = self.stats.get(key, 0) + 1
+        self.counts[key] = self.counts.get(key, 0) + 1
         self._log.warning("disk tier %s: a %s failed (%s: %s); counted in INFO disk_%s, "
                           "the chunk is a miss", self.directory, what, kind, exc, key)

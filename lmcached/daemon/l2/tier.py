@@ -37,7 +37,6 @@ pool's `clear_generation`), and a write queued before it is keyed under the old 
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
 
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
@@ -50,6 +49,7 @@ from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillTier
 
 logger = init_logger(__name__)
 
@@ -101,8 +101,8 @@ def _take_write_batch(writes: collections.deque) -> list[WriteJob]:
     return batch
 
 
-class L2Tier:
-    """Writes chunks to an L2 store and fetches misses back (docs/l2.md).
+class L2Tier(SpillTier):
+    """Writes chunks to an L2 store and fetches misses back (docs/l2.md); a `SpillTier`.
 
     Args:
         store: the L2 store (`RedisL2`), shared by every thread.
@@ -121,12 +121,14 @@ class L2Tier:
             applies their completions through `JobRunner.process_completions`.
 
     Attributes:
-        pool: the host arena's block pool, set by the service once it exists (the
+        pool: the host arena's block pool, once the service set it (`set_pool`; the
             completions unpin and install there; before it, they touch no pool).
 
     Raises:
         ValueError: unknown policy, queue_bytes < 1, num_threads < 1, fetch_wait_s < 0.
     """
+
+    name = "l2"
 
     def __init__(self, store: RedisL2, arena: Arena, *, url: str, policy: str, ttl_s: float,
                  queue_bytes: int, fetch_wait_s: float, num_threads: int,
@@ -146,13 +148,13 @@ class L2Tier:
         self.max_fetch_jobs = FETCH_JOBS_PER_THREAD * num_threads
         self.fetch_wait_s = fetch_wait_s
         self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
-        self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
         self.pool: BlockPool | None = None
         self._down_until = 0.0
         self._config_error_logged = False
         self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
         self.num_writes_in_flight = 0
-        self.stats = collections.Counter()
+        self.counts = collections.Counter()
+        self._jobs = FetchJobs(self.max_fetch_jobs, self.counts)
         self.generation = 0  # the L2's clear generation as this daemon knows it (never lower)
         self._clear_pending = False  # a CLEAR whose INCR has not succeeded yet
         self._bump_in_flight = False
@@ -208,10 +210,10 @@ class L2Tier:
 
     def _enqueue(self, job: WriteJob) -> bool:
         if self.queued_bytes + job.num_bytes > self.queue_bytes:
-            self.stats["write_drops_queue_full"] += 1
+            self.counts["write_drops_queue_full"] += 1
             return False
         if time.monotonic() < self._down_until:
-            self.stats["write_drops_down"] += 1
+            self.counts["write_drops_down"] += 1
             return False
         self.queued_bytes += job.num_bytes
         self.num_writes_in_flight += 1
@@ -249,10 +251,10 @@ class L2Tier:
         num_bytes = sum(b.num_bytes for b in blocks)
         layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
         if num_bytes > layout.record_bytes:
-            self.stats["write_drops_oversize"] += 1
+            self.counts["write_drops_oversize"] += 1
             return None
         if self.queued_bytes + num_bytes > limit_bytes:
-            self.stats["write_drops_queue_full"] += 1
+            self.counts["write_drops_queue_full"] += 1
             return None
         key = l2_key(*chunk, generation=self.generation)
         return WriteJob(pool_key, key, chunk[0], chunk[1], [], num_bytes, None)
@@ -266,7 +268,7 @@ class L2Tier:
             self._spill(pool_key, blocks)
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("L2 spill of an evicted chunk failed")
-            self.stats["write_failures"] += 1
+            self.counts["write_failures"] += 1
 
     def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
@@ -303,69 +305,57 @@ class L2Tier:
         logger.exception("L2 %s failed", what)
 
     # --------------------------------------------------------------- fetches
-    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
-                    hashes: bytes, first: int, root: bytes,
-                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> FetchJob | None:
-        """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
+    def start_fetch(self, request: FetchRequest) -> FetchJob | None:
+        """Start (or join) a fetch of `request.hashes[first:]` in every listed namespace
+        (`SpillTier.start_fetch`).
 
         Loop thread. Returns None, and starts nothing, when a namespace is not an L2
         one, a write or fetch failed on an outage within the last DOWN_HOLD_S, or
         `max_fetch_jobs` are in flight. (While the store backs off longer, a job starts
         and ends at once: the store refuses without touching the network.)
-
-        Args:
-            namespaces: namespace ids of the request.
-            prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
-            hashes: the request's chunk hashes, 16 bytes each.
-            first: index of the first chunk missing in the arena.
-            root: the hash before `hashes[0]` (the request's `parent`: ROOT_HASH, a
-                salted chain's root, or the chunk before a run that starts mid-chain),
-                from which the fetched chunks are verified.
-            prefix_blocks: returns the blocks of the chain's chunks before `first` in the
-                arena; called only for a new job, which pins them until it ends (its
-                installs never evict them).
         """
-        entries = [self._ns.get(ns) for ns in namespaces]
+        entries = [self._ns.get(ns) for ns in request.namespaces]
         if any(entry is None for entry in entries):
             return None
         if self._clear_pending:  # the L2 still serves what CLEAR removed: not from here
             self._bump()
-            self.stats["fetches_skipped"] += 1
+            self.counts["fetches_skipped"] += 1
             return None
-        chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
-        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])  # same chain, same end
-        job = self._jobs.get(key)
-        if job is not None:
-            self.stats["fetches_joined"] += 1
+        key = request.job_key()
+        job, may_start = self._jobs.join(key, busy=time.monotonic() < self._down_until)
+        if not may_start:
             return job
-        if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
-            self.stats["fetches_skipped"] += 1
-            return None
-        parent = hashes[(first - 1) * 16 : first * 16] if first else root
-        job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
-                       parent, max(e[1].record_bytes for e in entries))
+        pool = request.pool
+        job = FetchJob(key, list(request.namespaces), [e[0] for e in entries],
+                       request.prefixes, request.chunk_hashes(),
+                       request.parent_of(request.first),
+                       max(e[1].record_bytes for e in entries))
         job.clear_generation, job.generation = pool.clear_generation, self.generation
-        job.held = prefix_blocks()
+        job.held = request.prefix_blocks()
         pool.touch(job.held)
-        self._jobs[key] = job
-        self.stats["fetches"] += 1
+        self._jobs.add(key, job)
         self._fetches.submit(job)  # never full: at most max_fetch_jobs are in flight
         return job
 
-    def clear(self) -> None:
+    def clear(self) -> int:
         """An admin's CLEAR (loop thread): advance the L2's clear generation in the
         background (`_bump`; no fetch from L2 until it succeeded), stop the fetches in
         flight and unpin their chains now, so that the pool's clear (which the caller
         runs next) finds them unpinned; they install nothing after it (the pool's
-        `clear_generation`, `_apply`)."""
+        `clear_generation`, `_apply`).
+
+        Returns:
+            0: L2's chunks are not counted (INFO l2_generation, l2_clear_pending).
+        """
         self._clear_pending = True
-        self.stats["clears"] += 1
-        for job in self._jobs.values():
+        self.counts["clears"] += 1
+        for job in self._jobs:
             job.stop = True
             if job.held and self.pool is not None:
                 self.pool.free(job.held)
             job.held = []
         self._bump()
+        return 0
 
     def _bump(self) -> None:
         """Queue the INCR of the L2's clear generation for a fetch thread, unless one is
@@ -421,7 +411,7 @@ class L2Tier:
 
     def _apply(self, pool: BlockPool | None, message: tuple) -> None:
         """Apply one completion."""
-        stats = self.stats
+        stats = self.counts
         kind = message[0]
         if kind == "written":
             _, batch, outcome, stored, generation = message
@@ -478,15 +468,19 @@ class L2Tier:
         elif kind == "fetched":
             job = message[1]
             job.done = True
-            self._jobs.pop(job.key, None)
+            self._jobs.finish(job.key)
             if job.held and pool is not None:
                 pool.free(job.held)  # tail first: the chain's end is evicted first
             job.held = []
 
     # ------------------------------------------------------------------ info
+    def stats(self) -> collections.Counter:
+        """The tier's counters."""
+        return self.counts
+
     def info(self) -> dict[str, int | float | str]:
         """INFO section `l2` (docs/l2.md, "Counters")."""
-        stats = self.stats
+        stats = self.counts
         out = {
             "l2_enabled": 1,
             "l2_url": self.url,
