@@ -343,7 +343,7 @@ class CacheService(NamespaceRegistry, RequestChecks, ValueHandlers, AdminHandler
         """Answer a parked request from the arena, after its fetch ended or its wait
         passed (a fetch still running goes on installing for later lookups)."""
         if not deferred.job.done:
-            deferred.stats["fetch_waits_timed_out"] += 1
+            deferred.stats.fetch_waits_timed_out += 1
         self._resuming = True
         try:
             return self._answer(session, deferred.request, count=False)

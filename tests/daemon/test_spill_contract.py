@@ -7,6 +7,7 @@ The dict tier is written in its own folder and attached here by one line: that i
 these tests is what "a new tier is one folder and one line in the list" means.
 """
 
+import dataclasses
 import time
 
 import pytest
@@ -131,12 +132,12 @@ def test_clear_makes_a_spilled_chunk_a_miss(tiered):
 def test_a_second_lookup_of_a_chain_joins_the_fetch_in_flight(tiered):
     service, tier = tiered
     session = store_a_then_b(service, tier)
-    fetches = tier.stats()["fetches"]
+    fetches = tier.stats().fetches
     first = service.handle(session, Lookup([1], HASHES_A))
     second = service.handle(session, Lookup([1], HASHES_A))
     assert isinstance(first, Deferred) and isinstance(second, Deferred)
     assert second.job is first.job
-    assert tier.stats()["fetches"] == fetches + 1 and tier.stats()["fetches_joined"] == 1
+    assert tier.stats().fetches == fetches + 1 and tier.stats().fetches_joined == 1
     pump(service, lambda: first.job.done)
     for deferred in (first, second):
         assert service.resume(session, deferred) == LookupReply(len(PROMPT_A))
@@ -150,3 +151,16 @@ def test_info_shows_each_spill_section_and_no_section_for_a_tier_it_does_not_nam
     assert [name for name in sections if name in ("l2", "disk", "dict")] == ["l2", "disk"]
     for name in ("l2", "disk"):
         assert sections[name][f"{name}_enabled"] == int(name == tier.name)
+
+
+def test_stats_are_typed_and_every_counter_is_an_info_field(tiered):
+    service, tier = tiered
+    session = store_a_then_b(service, tier)
+    lookup_a(service, session)
+    stats = tier.stats()
+    assert dataclasses.is_dataclass(stats) and stats.fetches >= 1
+    fields = dataclasses.fields(stats)
+    assert all(type(getattr(stats, f.name)) is int for f in fields)
+    info = tier.info()
+    assert {f"{tier.name}_{f.name}": getattr(stats, f.name) for f in fields}.items() \
+        <= info.items()

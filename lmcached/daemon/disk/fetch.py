@@ -177,7 +177,7 @@ class DiskFetches:
                 continue
             blocks = pool.allocate(-(-item.record_bytes // block_bytes))
             if blocks is None:
-                self.counts["fetch_nospace"] += 1
+                self.counts.fetch_nospace += 1
                 for rest in job.items[n:]:
                     self.index.end_read(rest.slot)
                 break
@@ -247,7 +247,7 @@ class DiskFetches:
         pool, index, stats = self.pool, self.index, self.counts
         for batch in batches:
             job = batch.job
-            stats["read_busy_us"] += batch.busy_us
+            stats.read_busy_us += batch.busy_us
             cleared = job.generation != pool.clear_generation
             current = not cleared and all(
                 self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
@@ -257,22 +257,21 @@ class DiskFetches:
                     job.held.extend(item.blocks)
                     if item.key in index.entries:
                         index.touch(item.key)
-                    stats["fetch_hit_chunks"] += 1
-                    stats["fetch_bytes"] += item.record_bytes
+                    stats.fetch_hit_chunks += 1
+                    stats.fetch_bytes += item.record_bytes
                     continue
                 pool.abort(item.blocks)
                 if item.failure in (None, "skipped") or cleared:
                     continue
-                stats["fetch_failures"] += 1
+                stats.fetch_failures += 1
                 if item.failure.startswith("errors_"):
                     kind, _, detail = item.failure.partition(": ")
-                    stats[kind] = stats.get(kind, 0) + 1
+                    stats.count_error(kind[len("errors_"):])
                     self._log.warning("disk tier %s: a read failed (%s); counted in INFO "
                                       "disk_%s, the chunk is a miss", self.directory, detail,
                                       kind)
                 else:
-                    name = f"fetch_{item.failure}"
-                    stats[name] = stats.get(name, 0) + 1
+                    stats.count_rejected(item.failure[len("verify_"):])
                 if item.slot_sound:
                     continue  # the request's parent is wrong, not the slot
                 entry = index.get(item.key)

@@ -49,10 +49,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from lmcached.daemon.disk.counters import DiskStats
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory, DiskDirectoryError
 from lmcached.daemon.disk.fetch import MAX_FETCH_JOBS, DiskFetches
 from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
-from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
+from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
 from lmcached.daemon.keys import CHUNK_TAG
@@ -64,6 +65,7 @@ from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.counters import info_fields
 from lmcached.daemon.spill.tier import FetchJobs, SpillTier
 
 logger = init_logger(__name__)
@@ -73,13 +75,6 @@ NUM_THREADS = 2  # writer threads, and as many reader threads
 PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
 CLOSE_DRAIN_S = 5.0  # graceful stop: queued writes get this long to reach the disk
 _CHUNK_TAG = CHUNK_TAG[0]
-COUNTERS = (
-    "writes", "write_bytes", "write_busy_us", "write_drops_queue_full", "write_drops_oversize",
-    "write_drops_busy", "write_drops_late", "write_failures", "spills_present", "spills_ahead",
-    "fetches", "fetches_joined",
-    "fetches_skipped", "fetch_hit_chunks", "fetch_bytes", "read_busy_us", "fetch_nospace",
-    "fetch_failures", "fetch_waits_timed_out",
-)
 
 
 class DiskTier(DiskWrites, DiskFetches, SpillTier):
@@ -106,7 +101,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
             `rebuild_index` when `needs_rebuild`).
         needs_rebuild: the slot file holds an earlier daemon's slots, not yet indexed.
         pool: the host arena's block pool, once the service set it (`set_pool`).
-        counts: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
+        counts: the tier's counters (`DiskStats`).
         off_reason: why the capacity holds no slot (the tier is off), else None.
 
     Raises:
@@ -139,7 +134,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
         self.num_restored = 0
         self.scan_s = 0.0
         self.needs_rebuild = False
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.counts = DiskStats()
         self._lock = lock
         self._fps: dict[Layout, bytes | None] = {}
         self._writing: set[DiskKey] = set()
@@ -287,7 +282,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False
         for kind, count in self.slots.scan_errors.items():
-            self.counts[f"errors_{kind}"] = self.counts.get(f"errors_{kind}", 0) + count
+            self.counts.count_error(kind, count)
             logger.error("disk tier %s: %d slot envelope(s) could not be read at start (%s): "
                          "those slots are taken as empty and their chunks are lost; check "
                          "the drive (dmesg, smartctl)", self.slots.path, count, kind)
@@ -326,7 +321,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
         self.write_ahead()
         self.check_file()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> DiskStats:
         """The tier's counters."""
         return self.counts
 
@@ -431,13 +426,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
             "disk_fetches_in_flight": len(self._fetch_jobs),
             "disk_evictions": index.num_evictions if index else 0,
         }
-        for name in COUNTERS:
-            out[f"disk_{name}"] = stats[name]
-        for kind in ERROR_KINDS:
-            out[f"disk_errors_{kind}"] = stats.get(f"errors_{kind}", 0)
-        for name in sorted(stats):
-            if name.startswith("fetch_verify_"):
-                out[f"disk_{name}"] = stats[name]
+        out.update(info_fields(stats, "disk"))
         return out
 
     # --------------------------------------------------------------- teardown

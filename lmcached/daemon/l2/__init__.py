@@ -8,6 +8,7 @@ What lives here (import name `lmcached.daemon.l2`, folder `lmcached/daemon/l2/`)
   pipelined, from several threads at once, and backs off while Redis is down.
 - `tier`: the daemon's side. Writer and fetch threads, the bounded write queue, and the
   completions that the selector loop applies to the block pool.
+- `counters`: the tier's counters (`L2Stats`, INFO `l2_*`), typed.
 - `fetch`: the read half: a fetch thread's work (`fetch_chain`: STRLEN, GET, verify) and
   the loop's install of verified records into arena blocks.
 

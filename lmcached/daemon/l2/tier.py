@@ -38,10 +38,11 @@ import collections
 import dataclasses
 import time
 
+from lmcached.daemon.l2.counters import L2Stats
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
 from lmcached.daemon.l2.values import l2_key
-from lmcached.daemon.spill.envelope import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value,
+from lmcached.daemon.spill.envelope import (ENVELOPE_BYTES, encode_value,
                                             namespace_fingerprint)
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import Layout
@@ -49,6 +50,7 @@ from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.counters import info_fields
 from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillTier
 
 logger = init_logger(__name__)
@@ -153,7 +155,7 @@ class L2Tier(SpillTier):
         self._config_error_logged = False
         self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
         self.num_writes_in_flight = 0
-        self.counts = collections.Counter()
+        self.counts = L2Stats()
         self._jobs = FetchJobs(self.max_fetch_jobs, self.counts)
         self.generation = 0  # the L2's clear generation as this daemon knows it (never lower)
         self._clear_pending = False  # a CLEAR whose INCR has not succeeded yet
@@ -210,10 +212,10 @@ class L2Tier(SpillTier):
 
     def _enqueue(self, job: WriteJob) -> bool:
         if self.queued_bytes + job.num_bytes > self.queue_bytes:
-            self.counts["write_drops_queue_full"] += 1
+            self.counts.write_drops_queue_full += 1
             return False
         if time.monotonic() < self._down_until:
-            self.counts["write_drops_down"] += 1
+            self.counts.write_drops_down += 1
             return False
         self.queued_bytes += job.num_bytes
         self.num_writes_in_flight += 1
@@ -251,10 +253,10 @@ class L2Tier(SpillTier):
         num_bytes = sum(b.num_bytes for b in blocks)
         layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
         if num_bytes > layout.record_bytes:
-            self.counts["write_drops_oversize"] += 1
+            self.counts.write_drops_oversize += 1
             return None
         if self.queued_bytes + num_bytes > limit_bytes:
-            self.counts["write_drops_queue_full"] += 1
+            self.counts.write_drops_queue_full += 1
             return None
         key = l2_key(*chunk, generation=self.generation)
         return WriteJob(pool_key, key, chunk[0], chunk[1], [], num_bytes, None)
@@ -268,7 +270,7 @@ class L2Tier(SpillTier):
             self._spill(pool_key, blocks)
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("L2 spill of an evicted chunk failed")
-            self.counts["write_failures"] += 1
+            self.counts.write_failures += 1
 
     def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
@@ -319,7 +321,7 @@ class L2Tier(SpillTier):
             return None
         if self._clear_pending:  # the L2 still serves what CLEAR removed: not from here
             self._bump()
-            self.counts["fetches_skipped"] += 1
+            self.counts.fetches_skipped += 1
             return None
         key = request.job_key()
         job, may_start = self._jobs.join(key, busy=time.monotonic() < self._down_until)
@@ -348,7 +350,7 @@ class L2Tier(SpillTier):
             0: L2's chunks are not counted (INFO l2_generation, l2_clear_pending).
         """
         self._clear_pending = True
-        self.counts["clears"] += 1
+        self.counts.clears += 1
         for job in self._jobs:
             job.stop = True
             if job.held and self.pool is not None:
@@ -420,14 +422,14 @@ class L2Tier(SpillTier):
                 self.queued_bytes -= job.num_bytes
             self.num_writes_in_flight -= len(batch)
             if outcome == "written":
-                stats["writes"] += stored
-                stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
-                stats["write_failures"] += len(batch) - stored
+                stats.writes += stored
+                stats.write_bytes += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
+                stats.write_failures += len(batch) - stored
             elif outcome == "down":
-                stats["write_drops_down"] += len(batch)
+                stats.write_drops_down += len(batch)
                 self._down_until = time.monotonic() + DOWN_HOLD_S
             else:
-                stats["write_failures"] += len(batch)
+                stats.write_failures += len(batch)
             pinned = [b for job in batch if job.blocks for b in job.blocks]
             if pinned and pool is not None:
                 pool.free(pinned)
@@ -435,7 +437,7 @@ class L2Tier(SpillTier):
         elif kind == "batch":
             _, job, start, records, failure = message
             if failure:
-                stats[f"fetch_{failure}"] += 1
+                stats.count_rejected(failure)
             if pool is not None and not job.done and not job.stop:
                 if job.clear_generation != pool.clear_generation:
                     job.stop = True  # started before a CLEAR: installs nothing after it
@@ -444,9 +446,9 @@ class L2Tier(SpillTier):
                 else:  # a namespace was freed meanwhile: its id may name another layout
                     job.stop = True
         elif kind == "oversize":
-            stats["fetch_oversize"] += 1
+            stats.fetch_oversize += 1
         elif kind == "misses":
-            stats["fetch_miss_chunks"] += message[1]
+            stats.fetch_miss_chunks += message[1]
         elif kind == "generation":
             self._learn_generation(message[1])
         elif kind == "bumped":
@@ -457,14 +459,14 @@ class L2Tier(SpillTier):
                         message[1])
         elif kind == "bump_failed":
             self._bump_in_flight = False
-            stats["clear_failures"] += 1
+            stats.clear_failures += 1
             if message[1] == "down":
                 self._down_until = time.monotonic() + DOWN_HOLD_S
         elif kind == "down":
             self._down_until = time.monotonic() + DOWN_HOLD_S
-            stats["fetch_down"] += 1
+            stats.fetch_down += 1
         elif kind == "fetch_error":
-            stats["fetch_errors"] += 1
+            stats.fetch_errors += 1
         elif kind == "fetched":
             job = message[1]
             job.done = True
@@ -474,13 +476,12 @@ class L2Tier(SpillTier):
             job.held = []
 
     # ------------------------------------------------------------------ info
-    def stats(self) -> collections.Counter:
+    def stats(self) -> L2Stats:
         """The tier's counters."""
         return self.counts
 
     def info(self) -> dict[str, int | float | str]:
         """INFO section `l2` (docs/l2.md, "Counters")."""
-        stats = self.counts
         out = {
             "l2_enabled": 1,
             "l2_url": self.url,
@@ -495,17 +496,8 @@ class L2Tier(SpillTier):
             "l2_reconnects": self.store.num_reconnects,
             "l2_generation": self.generation,
             "l2_clear_pending": int(self._clear_pending),
-            "l2_clears": stats["clears"],
-            "l2_clear_failures": stats["clear_failures"],
+            **info_fields(self.counts, "l2"),  # every counter, 0 until it happens
         }
-        for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
-                     "write_drops_oversize", "write_failures", "fetches", "fetches_joined",
-                     "fetches_skipped", "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes",
-                     "fetch_nospace", "fetch_oversize", "fetch_down", "fetch_errors",
-                     "fetch_gone", "fetch_waits_timed_out"):
-            out[f"l2_{name}"] = stats[name]
-        for reason in VERIFY_REASONS:  # every reason, 0 until it happens
-            out[f"l2_fetch_verify_{reason}"] = stats[f"fetch_verify_{reason}"]
         for kind, count in sorted(self.store.errors.items()):
             out[f"l2_errors_{kind}"] = count
         return out

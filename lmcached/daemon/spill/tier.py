@@ -20,13 +20,25 @@ Every method runs on the daemon's loop thread; a tier does its I/O on its own th
 
 import abc
 import dataclasses
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from lmcached.wire.protocol import HASH_BYTES, Layout
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
 InfoFields = dict[str, int | float | str]
+
+
+class FetchCounters(Protocol):
+    """The counters every spill tier's stats dataclass has (INFO `<name>_<field>`):
+    fetches started, joined, skipped (`FetchJobs`), and LOOKUP / ACQUIRE waits that ran
+    out before their fetch ended (`CacheService.resume`)."""
+
+    fetches: int
+    fetches_joined: int
+    fetches_skipped: int
+    fetch_waits_timed_out: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,10 +91,10 @@ class FetchJobs:
     Args:
         max_jobs: fetches in flight at most; beyond, a miss is answered at once.
         stats: the tier's counters, where `fetches`, `fetches_joined` and
-            `fetches_skipped` are counted (a mapping of ints).
+            `fetches_skipped` are counted.
     """
 
-    def __init__(self, max_jobs: int, stats: MutableMapping[str, int]) -> None:
+    def __init__(self, max_jobs: int, stats: "FetchCounters") -> None:
         self.max_jobs = max_jobs
         self.stats = stats
         self._jobs: dict[tuple, object] = {}
@@ -98,10 +110,10 @@ class FetchJobs:
         """
         job = self._jobs.get(key)
         if job is not None:
-            self.stats["fetches_joined"] += 1
+            self.stats.fetches_joined += 1
             return job, False
         if busy or len(self._jobs) >= self.max_jobs:
-            self.stats["fetches_skipped"] += 1
+            self.stats.fetches_skipped += 1
             return None, False
         return None, True
 
@@ -109,7 +121,7 @@ class FetchJobs:
         """A fetch started under `key` (counted `fetches`)."""
         assert key not in self._jobs, "a second fetch of the same chain (a bug)"
         self._jobs[key] = job
-        self.stats["fetches"] += 1
+        self.stats.fetches += 1
 
     def finish(self, key: tuple) -> None:
         """The fetch under `key` ended (idempotent)."""
@@ -189,8 +201,9 @@ class SpillTier(abc.ABC):
         """
 
     @abc.abstractmethod
-    def stats(self):
-        """The tier's counters, typed (a dataclass of ints)."""
+    def stats(self) -> FetchCounters:
+        """The tier's counters: a dataclass of ints (`spill.counters.counter` fields),
+        `FetchCounters` among them."""
 
     @abc.abstractmethod
     def info(self) -> InfoFields:

@@ -10,17 +10,29 @@ It trusts its own memory: it verifies nothing (a real tier checks the envelope,
 lmcached/daemon/spill/envelope.py).
 """
 
-import collections
 import dataclasses
 
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.keys import CHUNK_TAG
+from lmcached.daemon.spill.counters import counter, info_fields
 from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillTier
 from lmcached.shm.arena import Arena
 from lmcached.wire.protocol import Layout
 
 MAX_FETCH_JOBS = 4
+
+
+@dataclasses.dataclass(slots=True)
+class DictStats:
+    """The dict tier's counters (INFO-style fields `dict_<name>`)."""
+
+    writes: int = counter()
+    fetches: int = counter()
+    fetches_joined: int = counter()
+    fetches_skipped: int = counter()
+    fetch_hit_chunks: int = counter()
+    fetch_waits_timed_out: int = counter()
 
 
 @dataclasses.dataclass
@@ -48,7 +60,7 @@ class DictTier(SpillTier):
         self.arena = arena
         self.fetch_wait_s = fetch_wait_s
         self.chunks: dict[bytes, bytes] = {}
-        self.counts = collections.Counter()
+        self.counts = DictStats()
         self._jobs = FetchJobs(MAX_FETCH_JOBS, self.counts)
         self._queued: list[DictFetch] = []
         self._namespaces: set[int] = set()
@@ -67,7 +79,7 @@ class DictTier(SpillTier):
         arena = self.arena
         self.chunks[pool_key] = b"".join(
             bytes(arena.numpy_view(arena.block_offset(b.block_id), b.num_bytes)) for b in blocks)
-        self.counts["writes"] += 1
+        self.counts.writes += 1
 
     def spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         self._copy(pool_key, blocks)
@@ -115,7 +127,7 @@ class DictTier(SpillTier):
                         memoryview(piece)
                 pool.commit(blocks, pool_key)
                 job.held.extend(blocks)
-                self.counts["fetch_hit_chunks"] += 1
+                self.counts.fetch_hit_chunks += 1
             pool.free(job.held)
             job.held, job.done = [], True
             self._jobs.finish(job.key)
@@ -132,12 +144,12 @@ class DictTier(SpillTier):
             job.held = []
         return num_chunks
 
-    def stats(self):
+    def stats(self) -> DictStats:
         return self.counts
 
     def info(self) -> dict:
         return {"dict_enabled": 1, "dict_chunks": len(self.chunks),
-                **{f"dict_{name}": value for name, value in sorted(self.counts.items())}}
+                **info_fields(self.counts, "dict")}
 
     def close(self) -> None:
         self.chunks.clear()
