@@ -17,7 +17,8 @@ What lives here:
     memory_tiers.py, demotion.py  device memory tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the
                                loop applies): demotion, L2 and the disk tier are its queues
-    spill/                     what the tiers under the arena share: the value envelope
+    spill/                     the tiers under the arena: their protocol (`SpillTier`, the
+                               fetches in flight), the value envelope, typed counters
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
     disk/                      the disk tier (--disk-path): slot file, index, threads
     stats.py                   every counter of the request semantics and the block pools,
