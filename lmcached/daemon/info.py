@@ -12,7 +12,8 @@ import time
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 from lmcached import __version__
-from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.daemon.demotion import DemotionStats
+from lmcached.daemon.spill.counters import info_fields
 from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
@@ -238,8 +239,7 @@ def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
             t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
         })
         stats[t + "hits"] = counters.tier_hits[tier.tier_id]
-    for name in DEMOTION_STATS:
-        stats[name] = demoter.stats[name] if demoter else 0
+    stats.update(info_fields(demoter.stats if demoter else DemotionStats(), ""))
     return memory, blocks
 
 

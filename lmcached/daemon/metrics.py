@@ -55,6 +55,7 @@ from prometheus_client.utils import floatToGoString
 
 from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
 from lmcached.daemon.stats import LATENCY_BUCKETS_S, StatsSnapshot
+from lmcached.daemon.demotion import DemotionStats
 from lmcached.daemon.disk.counters import DiskStats
 from lmcached.daemon.l2.counters import L2Stats
 from lmcached.daemon.spill.counters import counter_families
@@ -217,14 +218,14 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 # INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters"):
 # those of `L2Stats` that name a metric, and the store's reconnects.
 L2_COUNTERS = {
-    **{field: (name, doc) for field, name, doc in counter_families(L2Stats, "l2")},
+    **{field: (name, doc) for field, name, doc in counter_families(L2Stats, "l2_")},
     "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
 }
 
 # INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md): those
 # of `DiskStats` that name a metric, and the index's evictions.
 DISK_COUNTERS = {
-    **{field: (name, doc) for field, name, doc in counter_families(DiskStats, "disk")},
+    **{field: (name, doc) for field, name, doc in counter_families(DiskStats, "disk_")},
     "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU)."),
 }
 
@@ -293,12 +294,8 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
 
 
 # INFO stats field -> (metric, help) of the demotion counters (lmcached/daemon/demotion.py).
-DEMOTION_COUNTERS = {
-    "demotions": ("lmcached_demotions", "Chunks moved from a device tier to the host arena."),
-    "demoted_bytes": ("lmcached_demoted_bytes", "Bytes of the chunks demoted."),
-    "errors_demotion": ("lmcached_demotion_errors", "Demotion copies that failed (the tier "
-                        "is then marked failed)."),
-}
+DEMOTION_COUNTERS = {field: (name, doc)
+                     for field, name, doc in counter_families(DemotionStats, "")}
 
 
 def device_tier_families(memory: InfoFields, blocks: InfoFields,

@@ -426,7 +426,7 @@ class DiskTier(DiskWrites, DiskFetches, SpillTier):
             "disk_fetches_in_flight": len(self._fetch_jobs),
             "disk_evictions": index.num_evictions if index else 0,
         }
-        out.update(info_fields(stats, "disk"))
+        out.update(info_fields(stats, "disk_"))
         return out
 
     # --------------------------------------------------------------- teardown

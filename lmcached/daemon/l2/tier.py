@@ -496,7 +496,7 @@ class L2Tier(SpillTier):
             "l2_reconnects": self.store.num_reconnects,
             "l2_generation": self.generation,
             "l2_clear_pending": int(self._clear_pending),
-            **info_fields(self.counts, "l2"),  # every counter, 0 until it happens
+            **info_fields(self.counts, "l2_"),  # every counter, 0 until it happens
         }
         for kind, count in sorted(self.store.errors.items()):
             out[f"l2_errors_{kind}"] = count

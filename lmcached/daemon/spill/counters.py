@@ -26,15 +26,16 @@ def counter(metric: str = "", doc: str = "") -> int:
     return dataclasses.field(default=0, metadata={"metric": metric, "doc": doc})
 
 
-def info_fields(stats, section: str) -> dict[str, int]:
-    """INFO fields of a stats dataclass: `<section>_<field>` -> value, in field order."""
-    return {f"{section}_{field.name}": getattr(stats, field.name)
+def info_fields(stats, prefix: str) -> dict[str, int]:
+    """INFO fields of a stats dataclass: `<prefix><field>` -> value, in field order
+    (`prefix`: e.g. "l2_", or "" for fields named as they are)."""
+    return {prefix + field.name: getattr(stats, field.name)
             for field in dataclasses.fields(stats)}
 
 
-def counter_families(stats_type, section: str) -> Iterator[tuple[str, str, str]]:
+def counter_families(stats_type, prefix: str) -> Iterator[tuple[str, str, str]]:
     """(INFO field, metric, help) of each field of `stats_type` exported as a metric, in
-    field order."""
+    field order (`prefix` as `info_fields`')."""
     for field in dataclasses.fields(stats_type):
         if field.metadata.get("metric"):
-            yield f"{section}_{field.name}", field.metadata["metric"], field.metadata["doc"]
+            yield prefix + field.name, field.metadata["metric"], field.metadata["doc"]

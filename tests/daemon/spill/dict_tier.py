@@ -149,7 +149,7 @@ class DictTier(SpillTier):
 
     def info(self) -> dict:
         return {"dict_enabled": 1, "dict_chunks": len(self.chunks),
-                **info_fields(self.counts, "dict")}
+                **info_fields(self.counts, "dict_")}
 
     def close(self) -> None:
         self.chunks.clear()
