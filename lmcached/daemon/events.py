@@ -28,7 +28,7 @@ store pays nothing), while the arena still holds it; otherwise they are empty.
 import dataclasses
 
 from lmcached.daemon.keys import CHUNK_TAG
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.replies import RequestError
 from lmcached.wire.protocol import (
     ChunkEvent,
