@@ -1,7 +1,7 @@
 """The memory of the daemon's device tiers: one per `--gpu-device`, owned by the daemon
 and handed to clients as a file descriptor.
 
-Why this file exists: a device tier (lmcached/daemon/tiers.py) needs memory that the daemon
+Why this file exists: a device tier (lmcached/daemon/memory_tiers.py) needs memory that the daemon
 allocates once, that clients map without copying, and that the daemon's demotion thread
 can copy to the host arena. The two kinds share that interface:
 

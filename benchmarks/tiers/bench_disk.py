@@ -47,7 +47,7 @@ from benchmarks.common import GB, LLAMA_1B, daemon_info, machine_info, median, r
 from lmcached.client import CacheEngine
 from lmcached.daemon.disk.directory import prepare_disk_directory
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer
-from lmcached.daemon.l2.values import encode_envelope
+from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.launcher import temporary_daemon
 from lmcached.wire.connection import Connection
 from lmcached.wire.protocol import Info

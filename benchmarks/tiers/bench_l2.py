@@ -37,7 +37,8 @@ from benchmarks.common import GB, machine_info, median, record_block_size
 from benchmarks.peers.redis_peer import running_redis
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.hashing import hash_request_tokens
-from lmcached.daemon.l2.values import l2_key, namespace_fingerprint
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.launcher import temporary_daemon
 from lmcached.wire.connection import Connection
 from lmcached.wire.protocol import Info

@@ -26,7 +26,7 @@ import time
 from benchmarks.common import median
 from lmcached.daemon.disk.directory import prepare_disk_directory
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer
-from lmcached.daemon.l2.values import encode_envelope
+from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.shm.arena import Arena
 
 RECORD_BYTES = 1000

@@ -47,15 +47,23 @@ def key_tokens(key: str) -> np.ndarray:
     Slot 0 holds the key's length in bytes, the others its UTF-8 bytes, zero-padded; a
     key longer than KEY_BYTES_MAX bytes holds `_DIGEST_FLAG | length` and its SHA-256.
     """
-    raw = key.encode()
-    buf = bytearray(8 * KEY_TOKENS)
-    if len(raw) > KEY_BYTES_MAX:
-        buf[:8] = (_DIGEST_FLAG | len(raw)).to_bytes(8, "little")
-        buf[8:40] = hashlib.sha256(raw).digest()
-    else:
-        buf[:8] = len(raw).to_bytes(8, "little")
-        buf[8 : 8 + len(raw)] = raw
-    return np.frombuffer(bytes(buf), dtype=np.int64)
+    return keys_tokens([key])[0]
+
+
+def keys_tokens(keys: list[str]) -> np.ndarray:
+    """The int64 `[len(keys), KEY_TOKENS]` key ids of `keys` (`key_tokens` of each), in
+    one buffer: a batch's rows, and its flat token array for the record checks."""
+    row = 8 * KEY_TOKENS
+    buf = bytearray(row * len(keys))
+    for i, key in enumerate(keys):
+        raw, at = key.encode(), i * row
+        if len(raw) > KEY_BYTES_MAX:
+            buf[at : at + 8] = (_DIGEST_FLAG | len(raw)).to_bytes(8, "little")
+            buf[at + 8 : at + 40] = hashlib.sha256(raw).digest()
+        else:
+            buf[at : at + 8] = len(raw).to_bytes(8, "little")
+            buf[at + 8 : at + 8 + len(raw)] = raw
+    return np.frombuffer(buf, dtype=np.int64).reshape(len(keys), KEY_TOKENS)
 
 
 def page_hash(tokens: np.ndarray) -> bytes:
@@ -118,6 +126,9 @@ def record_runs(base_ptr: int, block_offset, block_bytes: int, span: list[int],
         block_bytes: the arena's block size.
         span: the record's block ids.
     """
+    index, offset = divmod(start, block_bytes)
+    if offset + end - start <= block_bytes:  # in one block (a block holds a whole page)
+        return [(base_ptr + block_offset(span[index]) + offset, end - start)]
     runs = []
     while start < end:
         index, offset = divmod(start, block_bytes)
@@ -137,6 +148,19 @@ def copy_runs(dst: list[tuple[int, int]], src: list[tuple[int, int]]) -> None:
     if sum(n for _, n in dst) != sum(n for _, n in src):
         raise ValueError(f"copy of {sum(n for _, n in src)} bytes into "
                          f"{sum(n for _, n in dst)}: the page runs do not match the record")
+    memmove = ctypes.memmove
+    if len(src) == 1:  # a record in one block into the page's runs
+        saddr = src[0][0]
+        for daddr, n in dst:
+            memmove(daddr, saddr, n)
+            saddr += n
+        return
+    if len(dst) == 1:  # the page's runs into a record in one block
+        daddr = dst[0][0]
+        for saddr, n in src:
+            memmove(daddr, saddr, n)
+            daddr += n
+        return
     di = si = doff = soff = 0
     while di < len(dst) and si < len(src):
         daddr, dn = dst[di]

@@ -42,7 +42,7 @@ from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.sglang.pages import (
     copy_runs,
-    key_tokens,
+    keys_tokens,
     namespace_name,
     page_hash,
     page_layout,
@@ -166,7 +166,7 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not keys:
             return 0
         try:
-            hashes = [page_hash(key_tokens(key)) for key in keys]
+            hashes = [page_hash(t) for t in keys_tokens(keys)]
             found = self.chain.lookup(hashes)
         except Exception as exc:  # never fail SGLang's prefetch
             return self._failed("exists", exc, 0)
@@ -215,9 +215,9 @@ class LmcachedStorage(HiCacheStorage):
         """ACQUIRE the pages of `keys`, check their records, copy the leading ones that
         passed into `runs` (per page, its destination runs); how many were copied (0 when
         the pins did not hold while copying: the bytes may be another page's)."""
-        tokens = [key_tokens(key) for key in keys]
+        tokens = keys_tokens(keys)
         hashes = [page_hash(t) for t in tokens]
-        run = self.chain.acquire(np.concatenate(tokens), 0, hashes)
+        run = self.chain.acquire(tokens.reshape(-1), 0, hashes)
         if run is None:
             return 0
         try:
@@ -246,7 +246,7 @@ class LmcachedStorage(HiCacheStorage):
         try:
             runs = self._page_runs(host_indices, num_pages)
             results = [False] * num_pages
-            tokens = [key_tokens(key) for key in keys]
+            tokens = keys_tokens(keys)
             hashes = [page_hash(t) for t in tokens]
             per_request = self._pages_per_request()
             for pos in range(0, num_pages, per_request):
@@ -266,7 +266,7 @@ class LmcachedStorage(HiCacheStorage):
         block_bytes = reply.block_bytes if reply is not None else self.page_bytes
         return chunks_per_request(self.chain.layout, block_bytes)
 
-    def _store(self, hashes: list[bytes], tokens: list[np.ndarray], runs: list,
+    def _store(self, hashes: list[bytes], tokens: np.ndarray, runs: list,
                results: list[bool], pos: int) -> bool:
         """ALLOC, fill and COMMIT one request's pages; sets `results[pos + i]`.
         False when the daemon is unavailable or refused (the rest is not tried)."""
@@ -360,7 +360,7 @@ class LmcachedStorage(HiCacheStorage):
                 raise ValueError(f"set values must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page), one per key")
             results = [False] * len(keys)
-            tokens = [key_tokens(key) for key in keys]
+            tokens = keys_tokens(keys)
             hashes = [page_hash(t) for t in tokens]
             runs = [[(v.data_ptr(), self.page_bytes)] for v in values]
             self._store(hashes, tokens, runs, results, 0)

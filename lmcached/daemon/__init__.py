@@ -16,9 +16,11 @@ What lives here:
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)
     pool_invariants.py         `check_pool_invariants`: every invariant of a block pool
-    tiers.py, demotion.py      device tiers and the demotion of their LRU chunks to host
+    memory_tiers.py, demotion.py  device memory tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the
                                loop applies): demotion, L2 and the disk tier are its queues
+    spill/                     the tiers under the arena: their protocol (`SpillTier`, the
+                               fetches in flight), the value envelope, typed counters
     l2/                        the L2 tier on Redis (--l2): keys and values, I/O, threads
     disk/                      the disk tier (--disk-path): slot file, index, threads
     stats.py                   every counter of the request semantics and the block pools,

@@ -99,8 +99,8 @@ class AdminHandlers:
             return CountReply(0)
         if req.key is not None:
             named = keys.keys_named(self._ns_prefix, req.key)
-            disk = self.disk
-            return CountReply(sum(self.tiers.evict(key) | (disk is not None and disk.evict(key))
+            return CountReply(sum(self.tiers.evict(key) | any([tier.evict(key)
+                                                               for tier in self.spill_tiers])
                                   for key in named))
         if req.lru < 0:
             raise RequestError("bad_request", "EVICT needs lru >= 0")
@@ -118,9 +118,7 @@ class AdminHandlers:
             The values removed from the arena and device tiers plus the chunks the disk
             tier forgot (L2's are not counted: INFO l2_generation, l2_clear_pending).
         """
-        num_values = self.disk.clear() if self.disk is not None else 0
-        if self.l2 is not None:
-            self.l2.clear()
+        num_values = sum(tier.clear() for tier in self.spill_tiers)
         if self.pool is not None:
             num_values += self.tiers.clear()
         return CountReply(num_values)

@@ -27,6 +27,7 @@ Rules (each one has a test, tests/daemon/test_demotion_model.py and tests/daemon
   slower, and fewer bytes are kept in flight (one warning).
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -36,7 +37,8 @@ from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
-from lmcached.daemon.tiers import Tier, TierSet
+from lmcached.daemon.memory_tiers import Tier, TierSet
+from lmcached.daemon.spill.counters import counter
 
 logger = init_logger(__name__)
 
@@ -45,10 +47,23 @@ MAX_INFLIGHT_DEMOTION_BYTES = 256 << 20  # ~5 ms of device-to-host copy at 50 GB
 # Copies into pageable memory are staged through the driver's own pinned buffer and run
 # at a fraction of pinned speed: a quarter is assumed (not measured: no GPU here yet).
 MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES = MAX_INFLIGHT_DEMOTION_BYTES // 4
-DEMOTION_STATS = (
-    "demotions", "demoted_bytes", "demotion_busy_us", "demotions_deduplicated",
-    "demotions_dropped", "demotions_aborted", "errors_demotion",
-)
+@dataclasses.dataclass(slots=True)
+class DemotionStats:
+    """The demotion counters, INFO `stats` fields of the same names (loop thread only);
+    a field with a metric is also that Prometheus counter (`spill.counters`)."""
+
+    demotions: int = counter("lmcached_demotions", "Chunks moved from a device tier to the "
+                             "host arena.")
+    demoted_bytes: int = counter("lmcached_demoted_bytes", "Bytes of the chunks demoted.")
+    demotion_busy_us: int = counter()
+    demotions_deduplicated: int = counter()
+    demotions_dropped: int = counter()
+    demotions_aborted: int = counter()
+    errors_demotion: int = counter("lmcached_demotion_errors", "Demotion copies that failed "
+                                   "(the tier is then marked failed).")
+
+
+DEMOTION_STATS = tuple(field.name for field in dataclasses.fields(DemotionStats))
 
 
 def reserve_blocks(num_blocks: int) -> int:
@@ -94,7 +109,8 @@ class Demoter:
             for values committed on the host (the L2 tier's write-through), or None.
 
     Attributes:
-        stats: counters of DEMOTION_STATS (`demotion_busy_us`: the worker's copy time).
+        stats: the demotion counters (`DemotionStats`; `demotion_busy_us`: the worker's
+            copy time).
         demoting_blocks: device blocks being copied, per tier id.
         max_inflight_bytes: bytes of copies queued or running at most:
             MAX_INFLIGHT_DEMOTION_BYTES, or MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES while the
@@ -107,7 +123,7 @@ class Demoter:
                  on_host_commit: Callable | None = None) -> None:
         self.tiers = tiers
         self.on_host_commit = on_host_commit
-        self.stats = dict.fromkeys(DEMOTION_STATS, 0)
+        self.stats = DemotionStats()
         self.demoting_blocks = [0] * len(tiers.tiers)
         self._inflight_bytes = 0
         self._to_register = self._host_registration()
@@ -163,12 +179,12 @@ class Demoter:
                 started += 1
                 if key in host.cached:  # a host copy exists: free the device copy
                     pool.evict(key)
-                    self.stats["demotions_deduplicated"] += 1
+                    self.stats.demotions_deduplicated += 1
                     continue
                 host_blocks = host.allocate(len(span))
                 if host_blocks is None:  # the host arena is pinned full: drop the value
                     pool.evict(key)
-                    self.stats["demotions_dropped"] += 1
+                    self.stats.demotions_dropped += 1
                     continue
                 for host_block, device_block in zip(host_blocks, span):
                     host_block.num_bytes = device_block.num_bytes
@@ -185,14 +201,14 @@ class Demoter:
         host = self.tiers.host.pool
         committed = []
         for job in jobs:
-            self.stats["demotion_busy_us"] += job.busy_us
+            self.stats.demotion_busy_us += job.busy_us
             pool = job.tier.pool
             pool.free(job.device_blocks)
             self.demoting_blocks[job.tier.tier_id] -= len(job.device_blocks)
             self._inflight_bytes -= job.num_bytes
             if job.error is not None:
                 host.abort(job.host_blocks)
-                self.stats["errors_demotion"] += 1
+                self.stats.errors_demotion += 1
                 if not job.tier.failed:
                     job.tier.failed = True
                     logger.error("device tier %d (%s) failed a demotion copy (%s): no new "
@@ -201,16 +217,16 @@ class Demoter:
                 continue
             if pool.cached.get(job.key) is not job.device_blocks:
                 host.abort(job.host_blocks)  # evicted or cleared meanwhile: stay gone
-                self.stats["demotions_aborted"] += 1
+                self.stats.demotions_aborted += 1
                 continue
             if not host.commit_many([job.host_blocks], [job.key])[0]:
                 host.abort(job.host_blocks)  # a host copy was committed meanwhile
-                self.stats["demotions_deduplicated"] += 1
+                self.stats.demotions_deduplicated += 1
             else:
                 host.publish_stored(job.key, b"", job.host_blocks[0].block_id)
                 committed.append((job.key, job.host_blocks))
-                self.stats["demotions"] += 1
-                self.stats["demoted_bytes"] += job.num_bytes
+                self.stats.demotions += 1
+                self.stats.demoted_bytes += job.num_bytes
             pool.evict(job.key)
         if committed:
             if self.on_host_commit is not None:

@@ -36,7 +36,7 @@ cached chunk's parent hash (`parents`) so that a snapshot's chains resolve.
 import dataclasses
 
 from lmcached.daemon.keys import CHUNK_TAG
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.replies import RequestError
 from lmcached.wire.protocol import (
     ChunkEvent,

@@ -12,7 +12,8 @@ import time
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 from lmcached import __version__
-from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.daemon.demotion import DemotionStats
+from lmcached.daemon.spill.counters import info_fields
 from lmcached.wire import protocol
 from lmcached.wire.protocol import PROTOCOL_VERSION
 from lmcached.daemon.session import Session
@@ -20,18 +21,19 @@ from lmcached.daemon.progress import loading_fields
 from lmcached.daemon.stats import MAX_TENANTS, DaemonStats, StatsSnapshot
 from lmcached.wire.units import format_bytes
 
-if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
+if TYPE_CHECKING:
     from lmcached.daemon.block_pool import BlockPool
     from lmcached.daemon.demotion import Demoter
-    from lmcached.daemon.disk.tier import DiskTier
-    from lmcached.daemon.l2.tier import L2Tier
+    from lmcached.daemon.spill.tier import SpillTier
     from lmcached.daemon.progress import Loading
     from lmcached.daemon.server_config import ServerConfig
-    from lmcached.daemon.tiers import TierSet
+    from lmcached.daemon.memory_tiers import TierSet
     from lmcached.shm.arena import Arena
     from lmcached.wire.protocol import Layout
 
 INFO_SECTIONS = protocol.INFO_SECTIONS  # their names are the wire contract's
+# The spill tiers' sections (`SpillTier.name`): `<name>_enabled: 0` while the tier is off.
+SPILL_SECTIONS = INFO_SECTIONS[INFO_SECTIONS.index("stats") + 1:INFO_SECTIONS.index("tenants")]
 InfoFields = dict[str, int | float | str]
 
 
@@ -45,8 +47,7 @@ class DaemonState(Protocol):
     tiers: "TierSet"
     pool: "BlockPool | None"
     demoter: "Demoter | None"
-    l2: "L2Tier | None"
-    disk: "DiskTier | None"
+    spill_tiers: "list[SpillTier]"
     sessions: dict[int, Session]
     namespaces: "dict[Layout, int]"
     started_at: float
@@ -190,10 +191,18 @@ def info_sections(service: DaemonState,
             "namespaces_freed": service.stats.freed_namespaces["namespaces"],
         },
         "stats": {**stats, **service.events.info()},
-        "l2": service.l2.info() if service.l2 is not None else {"l2_enabled": 0},
-        "disk": service.disk.info() if service.disk is not None else {"disk_enabled": 0},
+        **spill_tier_info(service.spill_tiers),
         "tenants": tenant_fields(counters),
     }
+
+
+def spill_tier_info(spill_tiers: "list[SpillTier]") -> dict[str, InfoFields]:
+    """INFO's section of each spill tier (SPILL_SECTIONS, in that order): its `info()`,
+    or `{<name>_enabled: 0}` while it is off. A tier whose name is no INFO section (a
+    test's) adds none: the sections are the wire contract's."""
+    attached = {tier.name: tier for tier in spill_tiers}
+    return {name: attached[name].info() if name in attached else {f"{name}_enabled": 0}
+            for name in SPILL_SECTIONS}
 
 
 def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
@@ -231,8 +240,7 @@ def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
             t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
         })
         stats[t + "hits"] = counters.tier_hits[tier.tier_id]
-    for name in DEMOTION_STATS:
-        stats[name] = demoter.stats[name] if demoter else 0
+    stats.update(info_fields(demoter.stats if demoter else DemotionStats(), ""))
     return memory, blocks
 
 

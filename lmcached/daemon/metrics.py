@@ -55,6 +55,10 @@ from prometheus_client.utils import floatToGoString
 
 from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
 from lmcached.daemon.stats import LATENCY_BUCKETS_S, StatsSnapshot
+from lmcached.daemon.demotion import DemotionStats
+from lmcached.daemon.disk.counters import DiskStats
+from lmcached.daemon.l2.counters import L2Stats
+from lmcached.daemon.spill.counters import counter_families
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.metrics_http import ScrapeServer
 
@@ -211,32 +215,17 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-# INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters").
+# INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters"):
+# those of `L2Stats` that name a metric, and the store's reconnects.
 L2_COUNTERS = {
-    "l2_writes": ("lmcached_l2_writes", "Chunks written to L2."),
-    "l2_write_bytes": ("lmcached_l2_written_bytes", "Bytes of the chunks written to L2."),
-    "l2_write_failures": ("lmcached_l2_write_failures", "Chunk writes L2 refused (full: "
-                          "OOM) or that failed."),
-    "l2_fetches": ("lmcached_l2_fetches", "Fetches started by lookups that missed in the arena."),
-    "l2_fetch_hit_chunks": ("lmcached_l2_hit_chunks", "Chunks fetched from L2 into the arena."),
-    "l2_fetch_miss_chunks": ("lmcached_l2_miss_chunks", "Chunks asked of L2 that it did not "
-                             "hold."),
-    "l2_fetch_bytes": ("lmcached_l2_fetched_bytes", "Bytes of the chunks fetched from L2."),
-    "l2_fetch_waits_timed_out": ("lmcached_l2_fetch_waits_timed_out", "Lookups answered "
-                                 "before their fetch ended (--l2-fetch-wait)."),
+    **{field: (name, doc) for field, name, doc in counter_families(L2Stats, "l2_")},
     "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
 }
 
-# INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md).
+# INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md): those
+# of `DiskStats` that name a metric, and the index's evictions.
 DISK_COUNTERS = {
-    "disk_writes": ("lmcached_disk_writes", "Chunks written to the disk tier."),
-    "disk_write_bytes": ("lmcached_disk_written_bytes", "Bytes of the chunks written to disk."),
-    "disk_fetches": ("lmcached_disk_fetches", "Disk fetches started by lookups that missed "
-                     "in the arena."),
-    "disk_fetch_hit_chunks": ("lmcached_disk_hit_chunks", "Chunks read from disk into the arena."),
-    "disk_fetch_bytes": ("lmcached_disk_fetched_bytes", "Bytes of the chunks read from disk."),
-    "disk_fetch_waits_timed_out": ("lmcached_disk_fetch_waits_timed_out", "Lookups answered "
-                                   "before their disk fetch ended (--disk-fetch-wait)."),
+    **{field: (name, doc) for field, name, doc in counter_families(DiskStats, "disk_")},
     "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU)."),
 }
 
@@ -305,12 +294,8 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
 
 
 # INFO stats field -> (metric, help) of the demotion counters (lmcached/daemon/demotion.py).
-DEMOTION_COUNTERS = {
-    "demotions": ("lmcached_demotions", "Chunks moved from a device tier to the host arena."),
-    "demoted_bytes": ("lmcached_demoted_bytes", "Bytes of the chunks demoted."),
-    "errors_demotion": ("lmcached_demotion_errors", "Demotion copies that failed (the tier "
-                        "is then marked failed)."),
-}
+DEMOTION_COUNTERS = {field: (name, doc)
+                     for field, name, doc in counter_families(DemotionStats, "")}
 
 
 def device_tier_families(memory: InfoFields, blocks: InfoFields,
@@ -393,6 +378,8 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_connected_clients", "Sessions open now.", clients["connected_clients"])
     yield _gauge("lmcached_namespaces", "Namespaces alive: used by an open session or a "
                  "cached value (INFO namespaces).", clients["namespaces"])
+    yield _gauge("lmcached_namespaces_sglang", "Namespaces alive of SGLang HiCache pages "
+                 "(INFO namespaces_sglang).", clients["namespaces_sglang"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
     for i, (name, doc) in enumerate((("hit_chunks", "Chunks found by ACQUIRE"),
                                      ("miss_chunks", "Chunks ACQUIRE did not find"),

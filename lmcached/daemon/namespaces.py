@@ -29,13 +29,12 @@ from lmcached.daemon.replies import RequestError
 from lmcached.wire.logger import init_logger
 from lmcached.wire.units import format_bytes
 
-if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
-    from lmcached.daemon.l2.tier import L2Tier
-    from lmcached.daemon.disk.tier import DiskTier
+if TYPE_CHECKING:  # named for the HelloState protocol only (no import at run time)
+    from lmcached.daemon.spill.tier import SpillTier
     from lmcached.daemon.block_pool import BlockPool
     from lmcached.daemon.server_config import ServerConfig
     from lmcached.daemon.stats import DaemonStats
-    from lmcached.daemon.tiers import TierSet
+    from lmcached.daemon.memory_tiers import TierSet
     from lmcached.shm.arena import Arena
 
 logger = init_logger(__name__)
@@ -128,8 +127,7 @@ class HelloState(Protocol):
     arena: "Arena"
     tiers: "TierSet"
     pool: "BlockPool | None"
-    l2: "L2Tier | None"
-    disk: "DiskTier | None"
+    spill_tiers: "list[SpillTier]"
     stats: "DaemonStats"
     ns_registry: NamespaceRegistry
 
@@ -224,10 +222,8 @@ def register_layout(service: HelloState, layout: Layout) -> int:
         ns = registry.add(layout)
         service.stats.ns_hits[ns] = 0
         service.stats.ns_misses[ns] = 0
-        if service.l2 is not None:
-            service.l2.register_namespace(ns, layout)
-        if service.disk is not None:
-            service.disk.prewarm_namespace(ns)
+        for tier in service.spill_tiers:
+            tier.register_namespace(ns, layout)
     return ns
 
 
@@ -280,8 +276,8 @@ def free_namespace_if_unused(service: HelloState, ns: int) -> None:
     freed["miss_chunks"] += misses
     freed["hit_tokens"] += hits * layout.chunk_size
     freed["miss_tokens"] += misses * layout.chunk_size
-    if service.l2 is not None:
-        service.l2.unregister_namespace(ns)
+    for tier in service.spill_tiers:
+        tier.unregister_namespace(ns)
     logger.debug("namespace %d (%s) freed: no session and no cached value uses it", ns,
                  layout.model_name)
 

@@ -18,8 +18,8 @@ class Deferred:
     """A LOOKUP or ACQUIRE that waits for a fetch from the disk tier or L2 (docs/l2.md,
     "How a fetch looks to a client"): the server parks its connection until `job.done`
     or `deadline` (time.monotonic()), then answers it with `CacheService.resume`, which
-    counts a wait that ran out in `stats["fetch_waits_timed_out"]` (the fetching tier's
-    counters)."""
+    counts a wait that ran out in `stats.fetch_waits_timed_out` (the fetching tier's
+    counters, `SpillTier.stats()`)."""
 
     __slots__ = ("request", "job", "deadline", "stats")
 

@@ -46,8 +46,7 @@ from lmcached.daemon.startup import (
     StartupInterrupted,
     claim_name,
     create_arena,
-    create_l2_tier,
-    open_disk_tier,
+    open_spill_tiers,
     prefault_arena,
     prepare_socket,
     raise_fd_limit,
@@ -137,10 +136,8 @@ class Server(ClientIO, ClientAccounting):
         self._device_memories = self._open_device_tiers()
         self.service = CacheService(cfg, self.arena, self._device_memories,
                                     JobRunner(self._wake))
-        if cfg.l2_url:
-            self.service.attach_l2(create_l2_tier(cfg, self.arena, self.service.jobs))
-        if cfg.disk_path:
-            self.service.attach_disk(open_disk_tier(cfg, self.arena, self.service.jobs))
+        for tier in open_spill_tiers(cfg, self.arena, self.service.jobs):
+            self.service.attach_tier(tier)
         self._listen(cfg.socket)
         self._load()
         self.notifier.notify("READY=1", f"STATUS=serving on {cfg.socket}", f"MAINPID={os.getpid()}")
@@ -365,11 +362,10 @@ class Server(ClientIO, ClientAccounting):
             # No client can change the arena now: its hot chunks go to disk first.
             self.service.disk.save_on_stop(self.config.disk_save_on_stop_s,
                                            self.notifier.notify)
-        if self.service is not None and self.service.l2 is not None:
-            self.service.l2.close()  # its threads read the arena
-        if self.service is not None and self.service.disk is not None:
-            self.service.disk.close()  # its threads read and write the arena
-            self.service.disk = None
+        if self.service is not None:  # their threads read and write the arena
+            for tier in reversed(self.service.spill_tiers):
+                tier.close()
+            self.service.spill_tiers.clear()
         if self.service is not None:
             self.service.close()  # the demotion thread reads device tiers and the arena
         for memory in self._device_memories:

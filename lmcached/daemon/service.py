@@ -29,7 +29,7 @@ from lmcached.wire.protocol import AllocReply, BlocksReply, Error, Layout
 from lmcached.daemon.session import Session
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
-from lmcached.daemon.tiers import TierSet
+from lmcached.daemon.memory_tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.commands import COMMANDS, Command
@@ -39,11 +39,10 @@ from lmcached.daemon.replies import Deferred, RequestError
 from lmcached.daemon.request_checks import RequestChecks
 from lmcached.daemon.value_handlers import ValueHandlers
 
-if TYPE_CHECKING:  # the L2 tier imports redis-py, only with --l2
+if TYPE_CHECKING:
     from lmcached.daemon.demotion import Demoter
-    from lmcached.daemon.disk.tier import DiskTier
-    from lmcached.daemon.l2.tier import L2Tier
     from lmcached.daemon.progress import Loading
+    from lmcached.daemon.spill.tier import SpillTier
 
 logger = init_logger(__name__)
 
@@ -64,7 +63,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
     Attributes:
         pool: the host arena's block pool (tier 0), or None until the block size is
             known.
-        tiers: every tier and its pool (lmcached/daemon/tiers.py).
+        tiers: every tier and its pool (lmcached/daemon/memory_tiers.py).
         demoter: moves device-tier chunks to the host arena (lmcached/daemon/demotion.py);
             None without device tiers or before the block size is known.
         jobs: the daemon's background job runner (`jobs.py`): demotions and the L2
@@ -84,15 +83,14 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         work_units: what the last request costs in the server's per-pass budget: its
             command's `cost` (commands.py), or what its handler priced it by its work
             (SCAN, CLIENTS).
-        l2: the L2 tier (`lmcached/daemon/l2/tier.py`), or None without --l2; set by the server
-            before it serves.
+        spill_tiers: the tiers under the arena (`spill.tier.SpillTier`: the disk tier,
+            L2), in lookup order; attached by the server before it serves
+            (`attach_tier`).
         load_progress: the start-up's phases (`progress.Loading`: the disk tier's index
             rebuild, the arena's prefault; INFO's loading_* fields), or None when there
             was nothing to load.
         loading: the same while they run (requests whose command is not
             `while_loading` are refused with `loading`), None once the daemon serves.
-        disk: the disk tier (`lmcached/daemon/disk/tier.py`), or None without --disk-path;
-            set by the server before it serves.
     """
 
     def __init__(self, config: ServerConfig, arena: Arena, device_memories=(),
@@ -103,8 +101,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.demoter: "Demoter | None" = None
         self.jobs = jobs if jobs is not None else JobRunner()
         self.pool: BlockPool | None = None
-        self.l2: "L2Tier | None" = None
-        self.disk: "DiskTier | None" = None
+        self.spill_tiers: "list[SpillTier]" = []  # under the arena, in lookup order
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
         self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
@@ -128,30 +125,36 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         so when the phases of `progress` end)."""
         self.load_progress = self.loading = progress
 
-    def attach_l2(self, tier: "L2Tier") -> None:
-        """Use `tier` for every namespace and pool from now on (before serving)."""
-        self.l2 = tier
+    def attach_tier(self, tier: "SpillTier") -> None:
+        """Put `tier` under the arena, after the tiers attached before it (before
+        serving): lookups that miss in the arena read from the spill tiers in the order
+        they were attached, and chunks evicted from the arena spill to each of them."""
+        self.spill_tiers.append(tier)
+        tier.set_layouts(self._ns_layout.get)
+        tier.set_events(self.events)
         for layout, ns in self.namespaces.items():
             tier.register_namespace(ns, layout)
         if self.pool is not None:
             self.pool.on_evict = self._evict_hook()
-            tier.pool = self.pool
+            tier.set_pool(self.pool, self.arena.block_bytes)
 
-    def attach_disk(self, tier: "DiskTier") -> None:
-        """Use the disk tier `tier` from now on (before serving): lookups that miss in
-        the arena read from it before L2, and chunks evicted from the arena spill to it."""
-        self.disk = tier
-        tier.layout_of = self._ns_layout.get
-        tier.events = self.events
-        if tier.index is not None:
-            tier.index.events = self.events
-        if self.pool is not None:
-            self.pool.on_evict = self._evict_hook()
-            tier.pool = self.pool
+    def spill_tier(self, name: str) -> "SpillTier | None":
+        """The attached spill tier called `name` ("disk", "l2"), or None."""
+        return next((tier for tier in self.spill_tiers if tier.name == name), None)
+
+    @property
+    def disk(self):
+        """The disk tier, or None (the warm restart's index rebuild reads it)."""
+        return self.spill_tier("disk")
+
+    @property
+    def l2(self):
+        """The L2 tier, or None."""
+        return self.spill_tier("l2")
 
     def _evict_hook(self):
-        """The host pool's `on_evict`: the disk tier's spill, then L2's; None without."""
-        hooks = [tier.spill for tier in (self.disk, self.l2) if tier is not None]
+        """The host pool's `on_evict`: each spill tier's spill, in order; None without."""
+        hooks = [tier.spill for tier in self.spill_tiers]
         if len(hooks) < 2:
             return hooks[0] if hooks else None
 
@@ -165,17 +168,8 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
         self.pool.events = self.events
-        if self.l2 is not None:
-            self.l2.pool = self.pool
-        if self.disk is not None:
-            from lmcached.daemon.disk.directory import DiskDirectoryError
-
-            self.disk.pool = self.pool
-            try:
-                self.disk.set_block_bytes(self.arena.block_bytes)
-            except (OSError, DiskDirectoryError) as exc:  # stays empty: never a client's error
-                logger.error("the disk tier cannot size its slot file for blocks of %d "
-                             "bytes (%s): it stays unused", self.arena.block_bytes, exc)
+        for tier in self.spill_tiers:
+            tier.set_pool(self.pool, self.arena.block_bytes)
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
                 pool.group_of = keys.namespace_tag_of
@@ -190,23 +184,18 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
 
     def _host_committed(self, values: list) -> None:
         """Values just committed in the host arena (by a COMMIT or a demotion): the
-        write-through of the disk tier and of L2."""
-        if self.disk is not None:
-            self.disk.write_through(self.pool, values)
-            self.disk.write_ahead()
-        if self.l2 is not None:
-            self.l2.write_through(self.pool, values)
+        write-through of each spill tier."""
+        for tier in self.spill_tiers:
+            tier.write_through(self.pool, values)
 
     def housekeeping(self) -> None:
         """Periodic work of the loop thread: start demotions a device tier needs and the
-        disk tier's writes ahead of eviction, and abort the values that stayed WRITING
+        spill tiers' housekeeping (the disk tier's writes ahead of eviction), and abort the values that stayed WRITING
         longer than `--writing-timeout`."""
         if self.demoter is not None:
             self.demoter.plan()
-        if self.disk is not None:
-            self.disk.write_ahead()
-            self.disk.check_file()
-            self.disk.prewarm_pump()
+        for tier in self.spill_tiers:
+            tier.housekeeping()
         if self.config.writing_timeout_s and self.pool is not None:
             self.expire_writing(time.monotonic() - self.config.writing_timeout_s)
 
@@ -310,7 +299,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         """Answer a parked request from the arena, after its fetch ended or its wait
         passed (a fetch still running goes on installing for later lookups)."""
         if not deferred.job.done:
-            deferred.stats["fetch_waits_timed_out"] += 1
+            deferred.stats.fetch_waits_timed_out += 1
         command = COMMANDS[type(deferred.request)]
         assert command.waits_for_fetch, f"a {command.name} cannot wait for a fetch: a bug"
         return self._answer(session, deferred.request, command, resumed=True)

@@ -246,6 +246,30 @@ def _arena_error(cfg: ServerConfig, exc: OSError) -> StartupError:
 L2_SOCKET_TIMEOUT_S = 2.0  # a Redis operation slower than this counts as an outage
 
 
+def open_spill_tiers(cfg: ServerConfig, arena: Arena, jobs: JobRunner) -> list:
+    """The tiers under the arena that `cfg` turns on, in lookup order (arena, then these):
+    one line per tier, its setting and how it opens.
+
+    Raises:
+        StartupError: a tier cannot open (`create_l2_tier`, `open_disk_tier`); the tiers
+            opened before it are closed first.
+    """
+    openers = (
+        (cfg.disk_path, open_disk_tier),
+        (cfg.l2_url, create_l2_tier),
+    )
+    tiers = []
+    try:
+        for setting, open_tier in openers:
+            if setting:
+                tiers.append(open_tier(cfg, arena, jobs))
+    except BaseException:
+        for tier in reversed(tiers):
+            tier.close()
+        raise
+    return tiers
+
+
 def create_l2_tier(cfg: ServerConfig, arena: Arena, jobs: JobRunner):
     """The L2 tier of `--l2` (docs/l2.md): its threads start; it does not wait for Redis.
 

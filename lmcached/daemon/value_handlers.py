@@ -35,6 +35,7 @@ from lmcached.wire.record_format import ROOT_HASH
 from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.replies import Deferred, RequestError
+from lmcached.daemon.spill.tier import FetchRequest
 
 # Chunk formats a device tier may hold: records of one block whose KV a GPU reader uses
 # in place (the key-value adapters' values and multi-block records stay on the host).
@@ -50,7 +51,7 @@ class ValueHandlers:
         disk tier when it holds the next one, else from L2; a Deferred when the request
         is to wait for it (docs/l2.md). A new fetch pins the arena's part of the chain
         until it ends, so that installing the rest never evicts it."""
-        if (self.l2 is None and self.disk is None) or num_chunks * HASH_BYTES >= len(req.hashes):
+        if not self.spill_tiers or num_chunks * HASH_BYTES >= len(req.hashes):
             return None
         cached = self.pool.cached
         # The host arena's part of the prefix is pinned while the rest is installed; a
@@ -60,15 +61,14 @@ class ValueHandlers:
         def prefix_blocks():
             return [b for chunk_keys in per_namespace for key in chunk_keys[:num_chunks]
                     if key in cached for b in cached[key]]
-        for tier in (self.disk, self.l2):  # lookup order: arena, disk, L2
-            if tier is None:
-                continue
-            job = tier.start_fetch(self.pool, req.namespaces, prefixes, req.hashes,
-                                   num_chunks, req.parent or ROOT_HASH, prefix_blocks)
+        request = FetchRequest(self.pool, req.namespaces, prefixes, req.hashes, num_chunks,
+                               req.parent or ROOT_HASH, prefix_blocks)
+        for tier in self.spill_tiers:  # lookup order: arena, then each spill tier
+            job = tier.start_fetch(request)
             if job is not None:
                 if not tier.fetch_wait_s:
                     return None
-                return Deferred(req, job, time.monotonic() + tier.fetch_wait_s, tier.stats)
+                return Deferred(req, job, time.monotonic() + tier.fetch_wait_s, tier.stats())
         return None
 
     def _lookup(self, session: Session, req: Lookup,
@@ -105,7 +105,7 @@ class ValueHandlers:
         pool = self._require_pool()
         tiers, readable = self.tiers, session.readable
         num_chunks = len(per_namespace[0])
-        if len(per_namespace) > 1 or self.l2 is not None or self.disk is not None:
+        if len(per_namespace) > 1 or self.spill_tiers:
             # the prefix READY everywhere
             for chunk_keys in per_namespace:
                 num_chunks = tiers.ready_prefix(chunk_keys[:num_chunks], readable)
@@ -233,7 +233,7 @@ class ValueHandlers:
                 else:  # another session committed the same chunk first
                     pool.abort(value.blocks)
             self.stats.stores += sum(indexed)
-            if (self.l2 is not None or self.disk is not None) and not replace:
+            if self.spill_tiers and not replace:
                 self._host_committed([(v.key, v.blocks) for v, ok in zip(group, indexed) if ok])
             if committed:
                 pool.free(committed)  # the writer's reference; tail first
@@ -324,8 +324,8 @@ class ValueHandlers:
             span = pool.cached.get(key) if pool is not None else None
             if span is not None and span[0].ref == ref and pool.evict(key):
                 self.stats.invalidated += 1
-                if self.disk is not None:
-                    self.disk.evict(key)
+                for tier in self.spill_tiers:
+                    tier.evict(key)
         return None
 
     def _delete(self, session: Session, req: Delete) -> CountReply:

@@ -236,7 +236,7 @@ def test_a_resumed_request_is_answered_from_the_arena_without_a_second_fetch(
     reply = service.resume(session, parked)  # the wait ran out: the fetch goes on
     assert not isinstance(reply, Deferred), reply
     assert (service.stats.requests, service.stats.lookups) == (requests, lookups)
-    assert parked.stats["fetch_waits_timed_out"] == 1
+    assert parked.stats.fetch_waits_timed_out == 1
     if request_type is Acquire:
         service.handle(session, Release([reply.lease]))
     settle(service, lambda: parked.job.done)

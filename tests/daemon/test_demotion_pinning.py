@@ -83,7 +83,7 @@ def test_the_worker_page_locks_the_host_arena_before_its_first_copy(registering,
     assert thread != threading.current_thread().name  # the demotion worker
     copies = device.calls[1:]
     assert copies and all(call == ("copy", thread) for call in copies)
-    assert service.demoter.stats["demotions"] == len(copies)
+    assert service.demoter.stats.demotions == len(copies)
     warnings = [r.getMessage() for r in caplog.records]
     if device.refuse:
         assert service.demoter.max_inflight_bytes == MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES

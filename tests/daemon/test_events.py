@@ -29,7 +29,7 @@ from test_service import (  # noqa: F401 (make_service and service are fixtures)
     store,
 )
 from lmcached.daemon.events import EventFeed, Subscriber
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.wire.protocol import (
     Alloc,
     ChunkEvent,

@@ -192,6 +192,7 @@ class TierService:
         self.stop_requested = False
         self.l2 = None
         self.disk = None
+        self.spill_tiers = []  # the server's teardown closes them
         self.num_requests = 0
         self.work_units = 0  # fixed prices only (CacheService.work_units)
         self.tiers = {t: Arena.create_memfd(f"{name}-t{t}", 9, TIER_BYTES, prefault=False)

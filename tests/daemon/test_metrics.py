@@ -337,6 +337,23 @@ def test_hits_and_misses_per_namespace_add_up_to_the_pools(service):
     assert sum(service.latency.copy()["acquire"][0]) == 2
 
 
+def test_sglang_namespaces_are_counted_as_info_counts_them(service):
+    """Two SGLang page namespaces and a vLLM one: the gauge says 2, as INFO does."""
+    layouts = [Layout(name, 1, 0, fmt, "uint8", 1, 1, 8, 504, 4096 + 504 * 16)
+               for name, fmt in (("sglang/a", "sglang"), ("sglang/b", "sglang"),
+                                 ("vllm-model", "vllm"))]
+    session = service.open_session(os.getpid(), os.getuid(), os.getgid())
+    reply = service.handle(session, Hello(PROTOCOL_VERSION, os.getpid(), "t", layouts))
+    assert len(reply.namespaces) == 3
+    snap = take_snapshot(service)
+    families = {f.name: f for f in metric_families(snap)}
+    (sample,) = families["lmcached_namespaces_sglang"].samples
+    assert sample.value == snap.info["clients"]["namespaces_sglang"] == 2
+    (sample,) = families["lmcached_namespaces"].samples
+    assert sample.value == 3
+    service.close_session(session)
+
+
 def test_get_counts_a_hit_or_a_miss_in_its_namespace(service):
     from lmcached.client.adapters.tensor_store import kv_namespace
     from lmcached.wire.protocol import Get, Put

@@ -1,5 +1,5 @@
 """Device tiers in the daemon, in one process: block references, placement, read
-preference, demotion to the host arena, and what a session may see (lmcached/daemon/tiers.py,
+preference, demotion to the host arena, and what a session may see (lmcached/daemon/memory_tiers.py,
 lmcached/daemon/demotion.py, lmcached/daemon/service.py).
 
 The device tier here is host memory behind the device-tier interface (a "fake" tier,
@@ -276,7 +276,7 @@ def test_demotion_keeps_a_reserve_of_empty_device_blocks_and_moves_bytes_exactly
     pool = service.tiers.pools[1]
     assert pool.num_empty_blocks == reserve_blocks(DEVICE_BLOCKS)
     demoted = tier_keys(service, 0)
-    assert len(demoted) == reserve_blocks(DEVICE_BLOCKS) == service.demoter.stats["demotions"]
+    assert len(demoted) == reserve_blocks(DEVICE_BLOCKS) == service.demoter.stats.demotions
     assert not demoted & tier_keys(service, 1)
     # The least recently used chunk went first (chunk 1: committed first, never read).
     assert service.tiers.find(next(iter(demoted)), (0,))[0].num_bytes == RECORD_BYTES
@@ -286,7 +286,7 @@ def test_demotion_keeps_a_reserve_of_empty_device_blocks_and_moves_bytes_exactly
     for ref, chunk in zip(pinned.block_ids, ids):
         assert (block_view(service, ref) == chunk % 251).all(), (chunk, tier_of(ref))
     assert tier_of(pinned.block_ids[0]) == 0  # chunk 1 was demoted
-    assert service.demoter.stats["demoted_bytes"] == RECORD_BYTES * len(demoted)
+    assert service.demoter.stats.demoted_bytes == RECORD_BYTES * len(demoted)
     service.handle(gpu, Release([pinned.lease]))
     service.tiers.check_invariants()
 
@@ -347,7 +347,7 @@ def test_a_chunk_evicted_while_it_is_copied_is_not_resurrected_on_the_host(tiere
     device.gate.set()
     drain_demotions(service)
     assert not service.tiers.pools[0].cached
-    assert service.demoter.stats["demotions_aborted"] == 1
+    assert service.demoter.stats.demotions_aborted == 1
     assert service.tiers.pools[0].num_writing_blocks == 0
     service.tiers.check_invariants()
 
@@ -359,7 +359,7 @@ def test_a_copy_error_aborts_the_host_blocks_and_fails_the_tier(tiered):
     write_and_commit(service, gpu, list(range(1, DEVICE_BLOCKS + 1)))
     drain_demotions(service)
     assert service.tiers.tiers[1].failed
-    assert service.demoter.stats["errors_demotion"] == 1
+    assert service.demoter.stats.errors_demotion == 1
     assert service.tiers.pools[0].num_writing_blocks == 0
     # Its chunks stay readable where they are; new chunks go to the host.
     assert len(tier_keys(service, 1)) == DEVICE_BLOCKS
@@ -380,10 +380,10 @@ def test_a_host_copy_makes_demotion_free_the_device_copy_without_a_second_one(ti
     device.gate.set()
     drain_demotions(service)
     stats = service.demoter.stats
-    assert (stats["demotions"], stats["demotions_deduplicated"]) == (0, 1)  # 1: copied, dropped
+    assert (stats.demotions, stats.demotions_deduplicated) == (0, 1)  # 1: copied, dropped
     write_and_commit(service, gpu, [9])  # takes the empty block: chunk 2 (LRU) must go
     drain_demotions(service)
-    assert stats["demotions_deduplicated"] == 2 and device.copies == 1  # 2: never copied
+    assert stats.demotions_deduplicated == 2 and device.copies == 1  # 2: never copied
     assert tier_keys(service, 0) == {k for k in service.pool.cached}
     assert len(service.pool.cached) == 2 and service.pool.num_writing_blocks == 0
     assert not tier_keys(service, 0) & tier_keys(service, 1)

@@ -28,7 +28,7 @@ from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, slot_bytes_for
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
-from lmcached.daemon.l2.values import ENVELOPE, namespace_fingerprint
+from lmcached.daemon.spill.envelope import ENVELOPE, namespace_fingerprint
 from lmcached.wire.connection import Connection, DaemonError, hello
 from lmcached.wire.protocol import Clear, Info
 

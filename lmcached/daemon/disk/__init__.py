@@ -7,6 +7,7 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
   every file in it is opened relative to, and the lock that keeps a second daemon out.
 - `slots`: the I/O. The preallocated slot file, O_DIRECT reads and writes of whole slots,
   the envelope written last, and the scan of envelopes that rebuilds the index.
+- `counters`: the tier's counters (`DiskStats`, INFO `disk_*`), typed.
 - `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).
 - `tier`: the daemon's side. The file's geometry, the writer and reader threads (the
   daemon's job runner), INFO `disk`; its parts `writes` (writes ahead of eviction from the
@@ -17,7 +18,7 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
 - `recency`: the index's LRU order written at a graceful stop and applied at the next
   start (a small file next to the slot file).
 
-What it may import: the daemon's modules (the L2 tier's envelope and checks in
-`lmcached.daemon.l2.values`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,
+What it may import: the daemon's modules (the spill tiers' envelope and checks in
+`lmcached.daemon.spill.envelope`, which import no redis-py), `lmcached.wire`, `lmcached.shm`,
 numpy and xxhash. Never torch and never `lmcached.client`.
 """

@@ -8,16 +8,16 @@ bytes of the WRITING blocks the loop allocated for it.
 """
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from lmcached.daemon.disk.index import DiskKey
 from lmcached.daemon.disk.slots import error_kind, round_up
-from lmcached.daemon.l2.values import L2VerifyError, verify_parts
+from lmcached.daemon.spill.envelope import VerifyError, verify_parts
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.wire.protocol import UNCHAINED_FORMATS
+from lmcached.daemon.spill.tier import FetchRequest
 
 MAX_FETCH_JOBS = 8  # fetches in flight; beyond, a miss is answered at once
 MAX_FETCH_BYTES = 1 << 30  # records one fetch reads at most (a longer run: the next lookup)
@@ -103,33 +103,26 @@ class ReadBatch:
 class DiskFetches:
     """The fetch methods of `DiskTier` (a part of it, no state of its own)."""
 
-    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
-                    hashes: bytes, first: int, root: bytes,
-                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> DiskFetchJob | None:
-        """Start (or join) a fetch of the run of `hashes[first:]` the disk holds in every
-        listed namespace (loop thread). None, and nothing started, when the disk holds
-        no such chunk, a namespace is not on disk, MAX_FETCH_JOBS are in flight, or the
-        arena has no room for the first chunk.
-
-        Args: as `L2Tier.start_fetch` (lmcached/daemon/l2/tier.py).
+    def start_fetch(self, request: FetchRequest) -> DiskFetchJob | None:
+        """Start (or join) a fetch of the run of `request.hashes[first:]` the disk holds
+        in every listed namespace (loop thread; `SpillTier.start_fetch`). None, and
+        nothing started, when the disk holds no such chunk, a namespace is not on disk,
+        MAX_FETCH_JOBS are in flight, or the arena has no room for the first chunk.
         """
         index = self.index
         if index is None:
             return None
+        namespaces, prefixes, pool = request.namespaces, request.prefixes, request.pool
         fps = [self._ns_fp(ns) for ns in namespaces]
         if None in fps:
             return None
-        chunk_hashes = [hashes[i:i + 16] for i in range(first * 16, len(hashes), 16)]
+        chunk_hashes = request.chunk_hashes()
         if not all(index.get((fp, chunk_hashes[0])) for fp in fps):
             return None
-        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])
-        job = self._fetch_jobs.get(key)
-        if job is not None:
-            self.stats["fetches_joined"] += 1
+        key = request.job_key()
+        job, may_start = self._fetch_jobs.join(key)
+        if not may_start:
             return job
-        if len(self._fetch_jobs) >= MAX_FETCH_JOBS:
-            self.stats["fetches_skipped"] += 1
-            return None
         job = DiskFetchJob(key, list(namespaces), fps)
         job.generation = pool.clear_generation
         chained = not any(self.layout_of(ns).fmt in UNCHAINED_FORMATS for ns in namespaces)
@@ -138,8 +131,8 @@ class DiskFetches:
             entries = [index.get((fp, chunk_hash)) for fp in fps]
             if None in entries or (job.items and total > MAX_FETCH_BYTES):
                 break
-            i = first + num_run
-            parent = hashes[(i - 1) * 16:i * 16] if i and chained else root
+            i = request.first + num_run
+            parent = request.parent_of(i) if i and chained else request.root
             for fp, prefix, entry in zip(fps, prefixes, entries):
                 job.items.append(ReadItem((fp, chunk_hash), prefix + chunk_hash, entry.slot,
                                           entry.record_bytes, parent))
@@ -148,7 +141,7 @@ class DiskFetches:
             num_run += 1
         # The chain's arena parts before and after the run are pinned until the job ends:
         # installing the run never evicts the rest of the chain it completes.
-        held = prefix_blocks()
+        held = request.prefix_blocks()
         cached = pool.cached
         for chunk_hash in chunk_hashes[num_run:]:
             spans = [cached.get(prefix + chunk_hash) for prefix in prefixes]
@@ -162,8 +155,7 @@ class DiskFetches:
         if not job.items:
             pool.free(job.held)
             return None
-        self._fetch_jobs[key] = job
-        self.stats["fetches"] += 1
+        self._fetch_jobs.add(key, job)
         batches, batch, num_bytes = [], [], 0
         for item in job.items:
             if batch and num_bytes + item.record_bytes > READ_BATCH_BYTES:
@@ -188,7 +180,7 @@ class DiskFetches:
                 continue
             blocks = pool.allocate(-(-item.record_bytes // block_bytes))
             if blocks is None:
-                self.stats["fetch_nospace"] += 1
+                self.counts.fetch_nospace += 1
                 for rest in job.items[n:]:
                     self.index.end_read(rest.slot)
                 break
@@ -211,7 +203,7 @@ class DiskFetches:
                     continue
                 try:
                     self._read_item(item, page)
-                except L2VerifyError as exc:
+                except VerifyError as exc:
                     item.failure = f"verify_{exc.reason}"
                     item.slot_sound = exc.slot_sound
                 except Exception as exc:  # noqa: BLE001 - an I/O error is a miss (the loop logs)
@@ -224,12 +216,12 @@ class DiskFetches:
         """Read one slot (reader thread): its envelope page into `page` and its record
         straight into the item's WRITING blocks (O_DIRECT: whole pages; through this
         thread's buffer where the blocks are not whole pages, `DiskTier._in_place`),
-        one `preadv`, then verify it there (`values.verify_parts`: envelope, checksum,
+        one `preadv`, then verify it there (`envelope.verify_parts`: envelope, checksum,
         token ids). The blocks are visible to no one until the loop commits them; a
         chunk that fails is aborted by the loop (`_finish_reads`).
 
         Raises:
-            L2VerifyError: the slot must not be served.
+            VerifyError: the slot must not be served.
             OSError: the read failed or came back short.
         """
         ns_fp, chunk_hash = item.key
@@ -255,10 +247,10 @@ class DiskFetches:
         after a fetch's last batch, unpin its chain (loop thread). A job started before
         a CLEAR (the pool's `clear_generation` changed since) commits nothing and drops
         nothing: its reads may have raced the erasure of its slots."""
-        pool, index, stats = self.pool, self.index, self.stats
+        pool, index, stats = self.pool, self.index, self.counts
         for batch in batches:
             job = batch.job
-            stats["read_busy_us"] += batch.busy_us
+            stats.read_busy_us += batch.busy_us
             cleared = job.generation != pool.clear_generation
             current = not cleared and all(
                 self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
@@ -269,22 +261,21 @@ class DiskFetches:
                     job.held.extend(item.blocks)
                     if item.key in index.entries:
                         index.touch(item.key)
-                    stats["fetch_hit_chunks"] += 1
-                    stats["fetch_bytes"] += item.record_bytes
+                    stats.fetch_hit_chunks += 1
+                    stats.fetch_bytes += item.record_bytes
                     continue
                 pool.abort(item.blocks)
                 if item.failure in (None, "skipped") or cleared:
                     continue
-                stats["fetch_failures"] += 1
+                stats.fetch_failures += 1
                 if item.failure.startswith("errors_"):
                     kind, _, detail = item.failure.partition(": ")
-                    stats[kind] = stats.get(kind, 0) + 1
+                    stats.count_error(kind[len("errors_"):])
                     self._log.warning("disk tier %s: a read failed (%s); counted in INFO "
                                       "disk_%s, the chunk is a miss", self.directory, detail,
                                       kind)
                 else:
-                    name = f"fetch_{item.failure}"
-                    stats[name] = stats.get(name, 0) + 1
+                    stats.count_rejected(item.failure[len("verify_"):])
                 if item.slot_sound:
                     continue  # the request's parent is wrong, not the slot
                 entry = index.get(item.key)
@@ -298,6 +289,6 @@ class DiskFetches:
                 pool.free(job.held)
             job.held = []
             job.done = True
-            self._fetch_jobs.pop(job.key, None)
+            self._fetch_jobs.finish(job.key)
         if batches and not self._reads.stopping:
             self.write_ahead()  # the chunks installed pushed others towards eviction

@@ -40,7 +40,7 @@ from lmcached.daemon.disk.fetch import ReadItem
 from lmcached.daemon.disk.index import DiskKey
 from lmcached.daemon.disk.slots import error_kind
 from lmcached.daemon.keys import chunk_prefix
-from lmcached.daemon.l2.values import L2VerifyError
+from lmcached.daemon.spill.envelope import VerifyError
 from lmcached.wire.record_format import ROOT_HASH
 from lmcached.wire.logger import init_logger
 
@@ -178,7 +178,7 @@ class DiskPrewarm:
                     continue
                 try:
                     self._read_item(item, page)
-                except L2VerifyError as exc:
+                except VerifyError as exc:
                     if not exc.slot_sound:  # slot_sound: only the chain check failed
                         item.failure = f"verify_{exc.reason}"
                 except Exception as exc:  # noqa: BLE001 - an I/O error: the loop counts it
@@ -209,9 +209,10 @@ class DiskPrewarm:
                     continue
                 state.failures += 1
                 # disk_errors_<kind>, or disk_fetch_verify_<reason> as a fetch counts it
-                name = item.failure if item.failure.startswith("errors_") else \
-                    f"fetch_{item.failure}"
-                self.stats[name] = self.stats.get(name, 0) + 1
+                if item.failure.startswith("errors_"):
+                    self.counts.count_error(item.failure[len("errors_"):])
+                else:
+                    self.counts.count_rejected(item.failure[len("verify_"):])
                 entry = index.get(item.key)
                 if entry is not None and entry.slot == item.slot:
                     index.forget(item.key)  # a slot that failed once is never read again

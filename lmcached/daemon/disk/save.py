@@ -118,7 +118,7 @@ class DiskSave:
                     time.sleep(slow_s)
             except Exception as exc:  # noqa: BLE001 - counted; the next chunk may fit
                 result["failed"] += 1
-                self.stats["write_failures"] += 1
+                self.counts.write_failures += 1
                 self._count_error("write", exc)
                 self._erase([DiskEntry(slot, job.record_bytes)])
                 continue
@@ -127,8 +127,8 @@ class DiskSave:
                 continue
             result["written"] += 1
             result["written_bytes"] += job.record_bytes
-            self.stats["writes"] += 1
-            self.stats["write_bytes"] += job.record_bytes
+            self.counts.writes += 1
+            self.counts.write_bytes += job.record_bytes
         result["unwritten"] = len(todo) - result["written"]
         self._keep_arena_order(order)
         elapsed = time.monotonic() - started

@@ -11,11 +11,11 @@ Why this file exists: it is the only code that reads and writes the disk tier's 
     |  slot_bytes,  |   hash), zeros to the   |   undefined tail, up to  |
     |  num_slots    |   page's end            |   round_up(block_bytes)  |
 
-A slot holds an L2 value (lmcached/daemon/l2/values.py) whose envelope and record lie
+A slot holds a spilled value (lmcached/daemon/spill/envelope.py) whose envelope and record lie
 in pages of their own: the record is page-aligned in the file, as an arena block is in
 memory, so that the writers and readers move it straight between the arena's blocks
 and the file with O_DIRECT (`write_record`, `read`: no bounce buffer, after vLLM's
-offloading disk backend and LMCache's local disk), and `values.verify_parts` checks
+offloading disk backend and LMCache's local disk), and `envelope.verify_parts` checks
 the envelope page and the record in its blocks. Version 1 (the envelope at the slot's
 start, the record right after it at byte 64) is formatted anew at start, its chunks
 dropped (logged), as for another slot size.
@@ -45,7 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from lmcached.daemon.disk.directory import DiskDirectory
-from lmcached.daemon.l2.values import ENVELOPE, ENVELOPE_BYTES, ENVELOPE_VERSION, L2_MAGIC
+from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, parse_envelope
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
@@ -312,7 +312,7 @@ class SlotFile:
             slot: the slot number.
             page: a page-aligned buffer of at least PAGE_BYTES; its first page is
                 overwritten.
-            envelope: the slot's envelope (`values.encode_envelope` of the record).
+            envelope: the slot's envelope (`envelope.encode_envelope` of the record).
 
         Raises:
             OSError: the write failed.
@@ -364,7 +364,7 @@ class SlotFile:
 
         Returns:
             A view of the envelope in `page` (ENVELOPE_BYTES), to be checked with the
-            record's first `record_bytes` by `values.verify_parts`.
+            record's first `record_bytes` by `envelope.verify_parts`.
 
         Raises:
             OSError: the read failed, or came back short (a truncated file) as EIO.
@@ -382,8 +382,8 @@ class SlotFile:
         """Read every slot's envelope: the records a restarted daemon may serve.
 
         A slot counts when its envelope has the magic, version and flags of
-        `values.ENVELOPE`, and a record length that fits the slot; its checksum and
-        token ids are verified when it is read (`read`, `values.verify_parts`). Runs on
+        `envelope.parse_envelope`, and a record length that fits the slot; its checksum and
+        token ids are verified when it is read (`read`, `envelope.verify_parts`). Runs on
         `num_threads` threads over ranges of slots, with buffered reads of one page.
 
         Args:
@@ -449,14 +449,10 @@ class SlotFile:
             os.close(fd)
 
     def _header(self, data: bytes, slot: int) -> SlotHeader | None:
-        if len(data) < ENVELOPE_BYTES:
+        fields = parse_envelope(data)
+        if fields is None or not 1 <= fields.record_bytes <= self.max_record_bytes:
             return None
-        magic, version, flags, record_bytes, _checksum, ns_fp, chunk_hash = ENVELOPE.unpack_from(data)
-        if (magic != L2_MAGIC or version != ENVELOPE_VERSION or flags or record_bytes < 1
-                or record_bytes > self.max_record_bytes
-                or any(data[ENVELOPE.size:ENVELOPE_BYTES])):
-            return None
-        return SlotHeader(slot, ns_fp, chunk_hash, record_bytes)
+        return SlotHeader(slot, fields.ns_fp, fields.chunk_hash, fields.record_bytes)
 
     def is_deleted(self) -> bool:
         """Whether the file was unlinked under the daemon (its slots still work through

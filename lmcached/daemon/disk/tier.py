@@ -24,7 +24,7 @@ Flows (docs/operator.md, "The disk tier"):
   chunk i (of every namespace asked), starts a `DiskFetchJob`: the loop pins the arena's
   part of the chain, allocates WRITING blocks for the run the disk holds, a reader thread
   reads each slot's envelope page and record straight into those blocks and verifies
-  them there (`values.verify_parts`: envelope, checksum, token ids); the loop commits
+  them there (`envelope.verify_parts`: envelope, checksum, token ids); the loop commits
   what verified and aborts the rest, forgetting their slots (counted,
   `disk_fetch_verify_*`). A fetch of the same chain in flight is joined.
 - records move between the arena's blocks and the slot file with no copy (slots.py's
@@ -50,17 +50,18 @@ import threading
 import time
 from collections.abc import Callable
 
+from lmcached.daemon.disk.counters import DiskStats
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory, DiskDirectoryError
-from lmcached.daemon.disk.fetch import DiskFetches, DiskFetchJob
+from lmcached.daemon.disk.fetch import MAX_FETCH_JOBS, DiskFetches
 from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
 from lmcached.daemon.disk.prewarm import DiskPrewarm, Prewarm
 from lmcached.daemon.disk.recency import restore_recency, write_recency
 from lmcached.daemon.disk.save import DiskSave
-from lmcached.daemon.disk.slots import ERROR_KINDS, PAGE_BYTES, SlotFile, aligned_buffer, \
+from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
 from lmcached.daemon.keys import CHUNK_TAG
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.ratelimit import RateLimitedLog
 from lmcached.wire.logger import init_logger
 from lmcached.wire.units import format_bytes
@@ -68,6 +69,8 @@ from lmcached.wire.protocol import Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.counters import info_fields
+from lmcached.daemon.spill.tier import FetchJobs, SpillTier
 
 logger = init_logger(__name__)
 
@@ -76,17 +79,11 @@ NUM_THREADS = 2  # writer threads, and as many reader threads
 PINNED_SHARE = 4  # write-through pins at most 1/PINNED_SHARE of the arena (as L2's)
 CLOSE_DRAIN_S = 5.0  # graceful stop: queued writes get this long to reach the disk
 _CHUNK_TAG = CHUNK_TAG[0]
-COUNTERS = (
-    "writes", "write_bytes", "write_busy_us", "write_drops_queue_full", "write_drops_oversize",
-    "write_drops_busy", "write_drops_late", "write_failures", "spills_present", "spills_ahead",
-    "fetches", "fetches_joined",
-    "fetches_skipped", "fetch_hit_chunks", "fetch_bytes", "read_busy_us", "fetch_nospace",
-    "fetch_failures", "fetch_waits_timed_out",
-)
 
 
-class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
-    """Spills chunks to a slot file and fetches misses back (module docstring).
+class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
+    """Spills chunks to a slot file and fetches misses back (module docstring); a
+    `SpillTier`.
 
     Args:
         directory: the checked disk directory, held open; lock: its lock. The tier owns
@@ -107,13 +104,15 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         index: chunk -> slot, or None until the block size is known (empty until
             `rebuild_index` when `needs_rebuild`).
         needs_rebuild: the slot file holds an earlier daemon's slots, not yet indexed.
-        pool: the host arena's block pool, set by the service once it exists.
-        stats: counters of COUNTERS, `errors_<kind>` and `fetch_verify_<reason>`.
+        pool: the host arena's block pool, once the service set it (`set_pool`).
+        counts: the tier's counters (`DiskStats`).
         off_reason: why the capacity holds no slot (the tier is off), else None.
 
     Raises:
         ValueError: unknown policy, capacity below one page, fetch_wait_s < 0.
     """
+
+    name = "disk"
 
     def __init__(self, directory: DiskDirectory, lock: DirectoryLock, *, capacity_bytes: int,
                  policy: str, fetch_wait_s: float, arena: Arena, jobs: JobRunner,
@@ -125,7 +124,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
             raise ValueError(f"disk fetch wait {fetch_wait_s} s: must be >= 0")
         self.directory = directory.path  # for messages and INFO
         self.disk_directory = directory
-        self.events = None  # the daemon's EventFeed, given to each index (`attach_disk`)
+        self.events = None  # the daemon's EventFeed, given to each index (`set_events`)
         self.capacity_bytes = capacity_bytes
         self.capacity_source = capacity_source or f"--disk-capacity {capacity_bytes}"
         self.capacity_percent = capacity_percent
@@ -140,7 +139,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         self.num_restored = 0
         self.scan_s = 0.0
         self.needs_rebuild = False
-        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.counts = DiskStats()
         self._lock = lock
         self._fps: dict[Layout, bytes | None] = {}
         self._writing: set[DiskKey] = set()
@@ -149,7 +148,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         self._pinned_limit_bytes = arena.capacity_bytes // PINNED_SHARE
         self._ahead_held_until = 0.0  # a write failed: no writes ahead until then
         self._epoch = 0  # CLEARs so far
-        self._fetch_jobs: dict[tuple, DiskFetchJob] = {}
+        self._fetch_jobs = FetchJobs(MAX_FETCH_JOBS, self.counts)
         self._local = threading.local()  # each worker thread's slot buffer
         self._log = RateLimitedLog(logger)
         self._runner = jobs
@@ -296,7 +295,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
         self.scan_s = time.monotonic() - started
         self.needs_rebuild = False
         for kind, count in self.slots.scan_errors.items():
-            self.stats[f"errors_{kind}"] = self.stats.get(f"errors_{kind}", 0) + count
+            self.counts.count_error(kind, count)
             logger.error("disk tier %s: %d slot envelope(s) could not be read at start (%s): "
                          "those slots are taken as empty and their chunks are lost; check "
                          "the drive (dmesg, smartctl)", self.slots.path, count, kind)
@@ -308,6 +307,46 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
                     self.slots.path, self.slots.num_slots, self.slots.slot_bytes,
                     "O_DIRECT" if self.slots.direct else "buffered", self.num_restored,
                     self.scan_s)
+
+    # ------------------------------------------------- the SpillTier protocol
+    def set_pool(self, pool: BlockPool, block_bytes: int) -> None:
+        """The host pool exists, its blocks `block_bytes` long: size the slot file for
+        them (`set_block_bytes`). A file that cannot be sized leaves the tier unused
+        (logged), never a client's error."""
+        self.pool = pool
+        try:
+            self.set_block_bytes(block_bytes)
+        except (OSError, DiskDirectoryError) as exc:
+            logger.error("the disk tier cannot size its slot file for blocks of %d bytes "
+                         "(%s): it stays unused", block_bytes, exc)
+
+    def set_layouts(self, layout_of: Callable[[int], Layout | None]) -> None:
+        """Namespaces' layouts are looked up through `layout_of` when a chunk meets the
+        tier (`_ns_fp`)."""
+        self.layout_of = layout_of
+
+    def register_namespace(self, ns: int, layout: Layout) -> None:
+        """Plan the prewarm of the namespace's hottest disk chunks (`prewarm_namespace`);
+        layouts themselves are looked up lazily (`set_layouts`)."""
+        self.prewarm_namespace(ns)
+
+    def set_events(self, events) -> None:
+        """Announce the chunks entering and leaving the disk index to `events` (the
+        daemon's EventFeed), this index's and every rebuilt one's."""
+        self.events = events
+        if self.index is not None:
+            self.index.events = events
+
+    def housekeeping(self) -> None:
+        """Writes ahead of eviction (`write_ahead`), the slot file's check
+        (`check_file`) and the prewarm's next batch (`prewarm_pump`)."""
+        self.write_ahead()
+        self.check_file()
+        self.prewarm_pump()
+
+    def stats(self) -> DiskStats:
+        """The tier's counters."""
+        return self.counts
 
     # ------------------------------------------------------------ namespaces
     def _ns_fp(self, ns: int) -> bytes | None:
@@ -391,7 +430,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, int | float | str]:
         """INFO section `disk` (docs/operator.md, "The disk tier")."""
-        slots, index, stats = self.slots, self.index, self.stats
+        slots, index, stats = self.slots, self.index, self.counts
         out: dict[str, int | float | str] = {
             "disk_enabled": int(self.off_reason is None),
             "disk_off_reason": self.off_reason or "",
@@ -412,13 +451,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm):
             "disk_fetches_in_flight": len(self._fetch_jobs),
             "disk_evictions": index.num_evictions if index else 0,
         }
-        for name in COUNTERS:
-            out[f"disk_{name}"] = stats[name]
-        for kind in ERROR_KINDS:
-            out[f"disk_errors_{kind}"] = stats.get(f"errors_{kind}", 0)
-        for name in sorted(stats):
-            if name.startswith("fetch_verify_"):
-                out[f"disk_{name}"] = stats[name]
+        out.update(info_fields(stats, "disk_"))
         return out
 
     # --------------------------------------------------------------- teardown

@@ -35,7 +35,7 @@ import numpy as np
 
 from lmcached.daemon.disk.index import DiskEntry, DiskKey
 from lmcached.daemon.disk.slots import error_kind, round_up
-from lmcached.daemon.l2.values import encode_envelope
+from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -146,29 +146,30 @@ class DiskWrites:
             key = self._disk_key(pool_key)
             if key is None:
                 return
-            stats, index = self.stats, self.index
+            stats, index = self.counts, self.index
             if key in index.entries:
                 index.touch(key)
-                stats["spills_present"] += 1
+                stats.spills_present += 1
                 return
             job = self._ahead.get(pool_key)
             if job is not None:
                 job.evicted = True  # counted when the write ends (`_finish_writes`)
             elif not self._fits(blocks):
-                stats["write_drops_oversize"] += 1
+                stats.write_drops_oversize += 1
             elif key not in self._writing:
-                stats["write_drops_late"] += 1
+                stats.write_drops_late += 1
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("disk spill of an evicted chunk failed")
-            self.stats["write_failures"] += 1
+            self.counts.write_failures += 1
 
     def write_through(self, pool: BlockPool, values: list[tuple[bytes, list[KVCacheBlock]]]) -> None:
-        """Queue newly committed values (write-through policy; loop thread): each is
-        pinned until its writer wrote it."""
-        if self.policy != "write-through" or self.index is None:
-            return
-        for pool_key, blocks in values:
-            self._queue_write(pool_key, blocks, "pinned")
+        """Newly committed values (loop thread): under the write-through policy each is
+        queued and pinned until its writer wrote it; then a pass of writes ahead
+        (`write_ahead`: the commit pushed older chunks towards eviction)."""
+        if self.policy == "write-through" and self.index is not None:
+            for pool_key, blocks in values:
+                self._queue_write(pool_key, blocks, "pinned")
+        self.write_ahead()
 
     def _queue_write(self, pool_key: bytes, blocks: list[KVCacheBlock], mode: str) -> bool:
         """Queue one value's write in `mode` (`WriteJob`). Returns whether a write was
@@ -176,21 +177,21 @@ class DiskWrites:
         key = self._disk_key(pool_key)
         if key is None or key in self._writing:
             return False
-        stats, index = self.stats, self.index
+        stats, index = self.counts, self.index
         if key in index.entries:  # the same chunk is on disk: only its place in the LRU
             index.touch(key)
-            stats["spills_present"] += 1
+            stats.spills_present += 1
             return False
         if not self._fits(blocks):
-            stats["write_drops_oversize"] += 1
+            stats.write_drops_oversize += 1
             return False
         num_bytes = sum(b.num_bytes for b in blocks)
         if mode == "pinned" and self._pinned_bytes + num_bytes > self._pinned_limit_bytes:
-            stats["write_drops_queue_full"] += 1
+            stats.write_drops_queue_full += 1
             return False
         slot = index.reserve()
         if slot is None:
-            stats["write_drops_busy"] += 1
+            stats.write_drops_busy += 1
             return False
         job = WriteJob(key, pool_key, slot, mode, num_bytes, blocks)
         if mode == "pinned":
@@ -233,12 +234,12 @@ class DiskWrites:
         write still queued (`DiskTier.close`). Rejected: a clear generation in the
         superblock that the warm-restart scan compares with each slot's: one page
         write per CLEAR instead of one per slot, but it needs a field in every slot's
-        envelope, which is the L2 value's envelope (lmcached/daemon/l2/values.py)."""
+        envelope, which is the L2 value's envelope (lmcached/daemon/spill/envelope.py)."""
         if self.index is None:
             return 0
         self._epoch += 1
         if self.pool is not None:
-            for job in self._fetch_jobs.values():
+            for job in self._fetch_jobs:
                 if job.held:
                     self.pool.free(job.held)
                 job.held = []
@@ -329,9 +330,9 @@ class DiskWrites:
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
         """Index the written slots, give back the failed and cancelled ones, unpin
         write-through blocks, and write ahead again (loop thread)."""
-        stats, index = self.stats, self.index
+        stats, index = self.counts, self.index
         for job in jobs:
-            stats["write_busy_us"] += job.busy_us
+            stats.write_busy_us += job.busy_us
             if job.mode == "erase":
                 index.release(job.slot)
                 if job.error is not None:
@@ -347,7 +348,7 @@ class DiskWrites:
                 if job.cancelled:  # the writer erased its slot
                     index.release(job.slot)
                     if job.evicted:  # under pressure, before the writer copied it
-                        stats["write_drops_late"] += 1
+                        stats.write_drops_late += 1
                     if job.error is not None:
                         self._count_error("erase", job.error)
                     continue
@@ -359,7 +360,7 @@ class DiskWrites:
                     continue
             if job.error is not None:
                 self._ahead_held_until = time.monotonic() + ERROR_HOLD_S
-                stats["write_failures"] += 1
+                stats.write_failures += 1
                 self._count_error("write", job.error)
                 # Its slot may keep the envelope of the chunk it evicted: erased.
                 self._erase([DiskEntry(job.slot, job.record_bytes)])
@@ -370,16 +371,15 @@ class DiskWrites:
                 # meanwhile: erased, not indexed.
                 self._erase([DiskEntry(job.slot, job.record_bytes)])
                 continue
-            stats["writes"] += 1
-            stats["write_bytes"] += job.record_bytes
+            stats.writes += 1
+            stats.write_bytes += job.record_bytes
             if job.evicted:
-                stats["spills_ahead"] += 1
+                stats.spills_ahead += 1
         if jobs and not self._writes.stopping:
             self.write_ahead()
 
     def _count_error(self, what: str, exc: BaseException) -> None:
         kind = error_kind(exc)
-        key = f"errors_{kind}"
-        self.stats[key] = self.stats.get(key, 0) + 1
-        self._log.warning("disk tier %s: a %s failed (%s: %s); counted in INFO disk_%s, "
-                          "the chunk is a miss", self.directory, what, kind, exc, key)
+        self.counts.count_error(kind)
+        self._log.warning("disk tier %s: a %s failed (%s: %s); counted in INFO disk_errors_%s, "
+                          "the chunk is a miss", self.directory, what, kind, exc, kind)

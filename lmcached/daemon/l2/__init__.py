@@ -2,12 +2,13 @@
 
 What lives here (import name `lmcached.daemon.l2`, folder `lmcached/daemon/l2/`):
 
-- `values`: pure functions, no I/O. The L2 key of a chunk, and the value stored under it
-  (a 64-byte envelope, then the record exactly as in the arena), built and verified.
+- `values`: pure functions, no I/O. The L2 key of a chunk; the value stored under it
+  is a 64-byte envelope (`lmcached.daemon.spill.envelope`), then the record as in the arena.
 - `redis_store`: the I/O. `RedisL2` talks to Redis through redis-py (with hiredis),
   pipelined, from several threads at once, and backs off while Redis is down.
 - `tier`: the daemon's side. Writer and fetch threads, the bounded write queue, and the
   completions that the selector loop applies to the block pool.
+- `counters`: the tier's counters (`L2Stats`, INFO `l2_*`), typed.
 - `fetch`: the read half: a fetch thread's work (`fetch_chain`: STRLEN, GET, verify) and
   the loop's install of verified records into arena blocks.
 

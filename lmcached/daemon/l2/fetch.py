@@ -7,15 +7,16 @@ block metadata; `install` runs on the loop thread and is the only code that puts
 from L2 into arena blocks. docs/l2.md, "How a fetch looks to a client".
 """
 
-import collections
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from lmcached.daemon.l2.counters import L2Stats
 from lmcached.daemon.l2.redis_store import RedisL2
-from lmcached.daemon.l2.values import ENVELOPE_BYTES, L2VerifyError, l2_key, verify_value
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, VerifyError, verify_value
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
@@ -138,7 +139,7 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
                     break
                 try:
                     records.append(verify_value(value, fp, hashes[i], parent))
-                except L2VerifyError as exc:
+                except VerifyError as exc:
                     failure = f"verify_{exc.reason}"
                     break
             if failure:
@@ -154,7 +155,7 @@ def fetch_chain(store: RedisL2, job: FetchJob, post: Callable[[tuple], None],
 
 
 def install(pool: BlockPool, arena: Arena, job: FetchJob, start: int,
-             records: list[list[memoryview]], stats: collections.Counter) -> None:
+             records: list[list[memoryview]], stats: L2Stats) -> None:
     """Copy verified records into newly allocated blocks and index them (READY, most
     recently used); each chunk's blocks join `job.held` (pinned until the job ends). On
     the loop thread. When the arena has no evictable room it counts `fetch_nospace`,
@@ -178,7 +179,7 @@ def install(pool: BlockPool, arena: Arena, job: FetchJob, start: int,
             num_bytes = len(record)
             blocks = pool.allocate(-(-num_bytes // block_bytes))
             if blocks is None:
-                stats["fetch_nospace"] += 1
+                stats.fetch_nospace += 1
                 job.stop = True  # the fetch thread GETs no more for this job
                 return
             src = np.frombuffer(record, dtype=np.uint8)
@@ -190,6 +191,6 @@ def install(pool: BlockPool, arena: Arena, job: FetchJob, start: int,
             pool.publish_stored(pool_key, job.hashes[start + offset - 1] if start + offset
                                 and job.chained else job.parent, blocks[0].block_id)
             job.held.extend(blocks)  # the writer's reference, kept until the job ends
-            stats["fetch_hit_chunks"] += 1
-            stats["fetch_bytes"] += num_bytes
+            stats.fetch_hit_chunks += 1
+            stats.fetch_bytes += num_bytes
         job.num_installed = start + offset + 1

@@ -37,18 +37,21 @@ pool's `clear_generation`), and a write queued before it is keyed under the old 
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
 
+from lmcached.daemon.l2.counters import L2Stats
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
-from lmcached.daemon.l2.values import (ENVELOPE_BYTES, VERIFY_REASONS, encode_value, l2_key,
-                                      namespace_fingerprint)
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import (ENVELOPE_BYTES, encode_value,
+                                            namespace_fingerprint)
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import UNCHAINED_FORMATS, Layout
 from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
+from lmcached.daemon.spill.counters import info_fields
+from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillTier
 
 logger = init_logger(__name__)
 
@@ -100,8 +103,8 @@ def _take_write_batch(writes: collections.deque) -> list[WriteJob]:
     return batch
 
 
-class L2Tier:
-    """Writes chunks to an L2 store and fetches misses back (docs/l2.md).
+class L2Tier(SpillTier):
+    """Writes chunks to an L2 store and fetches misses back (docs/l2.md); a `SpillTier`.
 
     Args:
         store: the L2 store (`RedisL2`), shared by every thread.
@@ -120,12 +123,14 @@ class L2Tier:
             applies their completions through `JobRunner.process_completions`.
 
     Attributes:
-        pool: the host arena's block pool, set by the service once it exists (the
+        pool: the host arena's block pool, once the service set it (`set_pool`; the
             completions unpin and install there; before it, they touch no pool).
 
     Raises:
         ValueError: unknown policy, queue_bytes < 1, num_threads < 1, fetch_wait_s < 0.
     """
+
+    name = "l2"
 
     def __init__(self, store: RedisL2, arena: Arena, *, url: str, policy: str, ttl_s: float,
                  queue_bytes: int, fetch_wait_s: float, num_threads: int,
@@ -145,13 +150,13 @@ class L2Tier:
         self.max_fetch_jobs = FETCH_JOBS_PER_THREAD * num_threads
         self.fetch_wait_s = fetch_wait_s
         self._ns: dict[int, tuple[bytes, Layout] | None] = {}  # ns id -> (fp, layout); None: not L2
-        self._jobs: dict[tuple, FetchJob] = {}  # in flight, by (namespaces, first hash)
         self.pool: BlockPool | None = None
         self._down_until = 0.0
         self._config_error_logged = False
         self.queued_bytes = 0  # bytes of writes queued or being written (loop's view)
         self.num_writes_in_flight = 0
-        self.stats = collections.Counter()
+        self.counts = L2Stats()
+        self._jobs = FetchJobs(self.max_fetch_jobs, self.counts)
         self.generation = 0  # the L2's clear generation as this daemon knows it (never lower)
         self._clear_pending = False  # a CLEAR whose INCR has not succeeded yet
         self._bump_in_flight = False
@@ -207,10 +212,10 @@ class L2Tier:
 
     def _enqueue(self, job: WriteJob) -> bool:
         if self.queued_bytes + job.num_bytes > self.queue_bytes:
-            self.stats["write_drops_queue_full"] += 1
+            self.counts.write_drops_queue_full += 1
             return False
         if time.monotonic() < self._down_until:
-            self.stats["write_drops_down"] += 1
+            self.counts.write_drops_down += 1
             return False
         self.queued_bytes += job.num_bytes
         self.num_writes_in_flight += 1
@@ -248,10 +253,10 @@ class L2Tier:
         num_bytes = sum(b.num_bytes for b in blocks)
         layout = self._ns[int.from_bytes(pool_key[1:5], "little")][1]
         if num_bytes > layout.record_bytes:
-            self.stats["write_drops_oversize"] += 1
+            self.counts.write_drops_oversize += 1
             return None
         if self.queued_bytes + num_bytes > limit_bytes:
-            self.stats["write_drops_queue_full"] += 1
+            self.counts.write_drops_queue_full += 1
             return None
         key = l2_key(*chunk, generation=self.generation)
         return WriteJob(pool_key, key, chunk[0], chunk[1], [], num_bytes, None)
@@ -265,7 +270,7 @@ class L2Tier:
             self._spill(pool_key, blocks)
         except Exception:  # noqa: BLE001 - raised inside BlockPool.allocate: never let it out
             logger.exception("L2 spill of an evicted chunk failed")
-            self.stats["write_failures"] += 1
+            self.counts.write_failures += 1
 
     def _spill(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         # Spilled even when it came from L2: Redis may have evicted it since (allkeys-lru),
@@ -302,71 +307,59 @@ class L2Tier:
         logger.exception("L2 %s failed", what)
 
     # --------------------------------------------------------------- fetches
-    def start_fetch(self, pool: BlockPool, namespaces: list[int], prefixes: list[bytes],
-                    hashes: bytes, first: int, root: bytes,
-                    prefix_blocks: Callable[[], list[KVCacheBlock]]) -> FetchJob | None:
-        """Start (or join) a fetch of `hashes[first:]` in every listed namespace.
+    def start_fetch(self, request: FetchRequest) -> FetchJob | None:
+        """Start (or join) a fetch of `request.hashes[first:]` in every listed namespace
+        (`SpillTier.start_fetch`).
 
         Loop thread. Returns None, and starts nothing, when a namespace is not an L2
         one, a write or fetch failed on an outage within the last DOWN_HOLD_S, or
         `max_fetch_jobs` are in flight. (While the store backs off longer, a job starts
         and ends at once: the store refuses without touching the network.)
-
-        Args:
-            namespaces: namespace ids of the request.
-            prefixes: their block-pool key prefixes (`keys.chunk_prefix`).
-            hashes: the request's chunk hashes, 16 bytes each.
-            first: index of the first chunk missing in the arena.
-            root: the hash before `hashes[0]` (the request's `parent`: ROOT_HASH, a
-                salted chain's root, or the chunk before a run that starts mid-chain),
-                from which the fetched chunks are verified.
-            prefix_blocks: returns the blocks of the chain's chunks before `first` in the
-                arena; called only for a new job, which pins them until it ends (its
-                installs never evict them).
         """
-        entries = [self._ns.get(ns) for ns in namespaces]
+        entries = [self._ns.get(ns) for ns in request.namespaces]
         if any(entry is None for entry in entries):
             return None
         if self._clear_pending:  # the L2 still serves what CLEAR removed: not from here
             self._bump()
-            self.stats["fetches_skipped"] += 1
+            self.counts.fetches_skipped += 1
             return None
-        chunk_hashes = [hashes[i : i + 16] for i in range(first * 16, len(hashes), 16)]
-        key = (tuple(namespaces), chunk_hashes[0], chunk_hashes[-1])  # same chain, same end
-        job = self._jobs.get(key)
-        if job is not None:
-            self.stats["fetches_joined"] += 1
+        key = request.job_key()
+        job, may_start = self._jobs.join(key, busy=time.monotonic() < self._down_until)
+        if not may_start:
             return job
-        if time.monotonic() < self._down_until or len(self._jobs) >= self.max_fetch_jobs:
-            self.stats["fetches_skipped"] += 1
-            return None
+        pool = request.pool
         chained = not any(e[1].fmt in UNCHAINED_FORMATS for e in entries)
-        parent = hashes[(first - 1) * 16 : first * 16] if first and chained else root
-        job = FetchJob(key, list(namespaces), [e[0] for e in entries], prefixes, chunk_hashes,
-                       parent, max(e[1].record_bytes for e in entries))
+        parent = request.parent_of(request.first) if request.first and chained else request.root
+        job = FetchJob(key, list(request.namespaces), [e[0] for e in entries],
+                       request.prefixes, request.chunk_hashes(), parent,
+                       max(e[1].record_bytes for e in entries))
         job.clear_generation, job.generation = pool.clear_generation, self.generation
         job.chained = chained
-        job.held = prefix_blocks()
+        job.held = request.prefix_blocks()
         pool.touch(job.held)
-        self._jobs[key] = job
-        self.stats["fetches"] += 1
+        self._jobs.add(key, job)
         self._fetches.submit(job)  # never full: at most max_fetch_jobs are in flight
         return job
 
-    def clear(self) -> None:
+    def clear(self) -> int:
         """An admin's CLEAR (loop thread): advance the L2's clear generation in the
         background (`_bump`; no fetch from L2 until it succeeded), stop the fetches in
         flight and unpin their chains now, so that the pool's clear (which the caller
         runs next) finds them unpinned; they install nothing after it (the pool's
-        `clear_generation`, `_apply`)."""
+        `clear_generation`, `_apply`).
+
+        Returns:
+            0: L2's chunks are not counted (INFO l2_generation, l2_clear_pending).
+        """
         self._clear_pending = True
-        self.stats["clears"] += 1
-        for job in self._jobs.values():
+        self.counts.clears += 1
+        for job in self._jobs:
             job.stop = True
             if job.held and self.pool is not None:
                 self.pool.free(job.held)
             job.held = []
         self._bump()
+        return 0
 
     def _bump(self) -> None:
         """Queue the INCR of the L2's clear generation for a fetch thread, unless one is
@@ -422,7 +415,7 @@ class L2Tier:
 
     def _apply(self, pool: BlockPool | None, message: tuple) -> None:
         """Apply one completion."""
-        stats = self.stats
+        stats = self.counts
         kind = message[0]
         if kind == "written":
             _, batch, outcome, stored, generation = message
@@ -431,14 +424,14 @@ class L2Tier:
                 self.queued_bytes -= job.num_bytes
             self.num_writes_in_flight -= len(batch)
             if outcome == "written":
-                stats["writes"] += stored
-                stats["write_bytes"] += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
-                stats["write_failures"] += len(batch) - stored
+                stats.writes += stored
+                stats.write_bytes += sum(j.num_bytes for j in batch) if stored == len(batch) else 0
+                stats.write_failures += len(batch) - stored
             elif outcome == "down":
-                stats["write_drops_down"] += len(batch)
+                stats.write_drops_down += len(batch)
                 self._down_until = time.monotonic() + DOWN_HOLD_S
             else:
-                stats["write_failures"] += len(batch)
+                stats.write_failures += len(batch)
             pinned = [b for job in batch if job.blocks for b in job.blocks]
             if pinned and pool is not None:
                 pool.free(pinned)
@@ -446,7 +439,7 @@ class L2Tier:
         elif kind == "batch":
             _, job, start, records, failure = message
             if failure:
-                stats[f"fetch_{failure}"] += 1
+                stats.count_rejected(failure)
             if pool is not None and not job.done and not job.stop:
                 if job.clear_generation != pool.clear_generation:
                     job.stop = True  # started before a CLEAR: installs nothing after it
@@ -455,9 +448,9 @@ class L2Tier:
                 else:  # a namespace was freed meanwhile: its id may name another layout
                     job.stop = True
         elif kind == "oversize":
-            stats["fetch_oversize"] += 1
+            stats.fetch_oversize += 1
         elif kind == "misses":
-            stats["fetch_miss_chunks"] += message[1]
+            stats.fetch_miss_chunks += message[1]
         elif kind == "generation":
             self._learn_generation(message[1])
         elif kind == "bumped":
@@ -468,26 +461,29 @@ class L2Tier:
                         message[1])
         elif kind == "bump_failed":
             self._bump_in_flight = False
-            stats["clear_failures"] += 1
+            stats.clear_failures += 1
             if message[1] == "down":
                 self._down_until = time.monotonic() + DOWN_HOLD_S
         elif kind == "down":
             self._down_until = time.monotonic() + DOWN_HOLD_S
-            stats["fetch_down"] += 1
+            stats.fetch_down += 1
         elif kind == "fetch_error":
-            stats["fetch_errors"] += 1
+            stats.fetch_errors += 1
         elif kind == "fetched":
             job = message[1]
             job.done = True
-            self._jobs.pop(job.key, None)
+            self._jobs.finish(job.key)
             if job.held and pool is not None:
                 pool.free(job.held)  # tail first: the chain's end is evicted first
             job.held = []
 
     # ------------------------------------------------------------------ info
+    def stats(self) -> L2Stats:
+        """The tier's counters."""
+        return self.counts
+
     def info(self) -> dict[str, int | float | str]:
         """INFO section `l2` (docs/l2.md, "Counters")."""
-        stats = self.stats
         out = {
             "l2_enabled": 1,
             "l2_url": self.url,
@@ -502,17 +498,8 @@ class L2Tier:
             "l2_reconnects": self.store.num_reconnects,
             "l2_generation": self.generation,
             "l2_clear_pending": int(self._clear_pending),
-            "l2_clears": stats["clears"],
-            "l2_clear_failures": stats["clear_failures"],
+            **info_fields(self.counts, "l2_"),  # every counter, 0 until it happens
         }
-        for name in ("writes", "write_bytes", "write_drops_queue_full", "write_drops_down",
-                     "write_drops_oversize", "write_failures", "fetches", "fetches_joined",
-                     "fetches_skipped", "fetch_hit_chunks", "fetch_miss_chunks", "fetch_bytes",
-                     "fetch_nospace", "fetch_oversize", "fetch_down", "fetch_errors",
-                     "fetch_gone", "fetch_waits_timed_out"):
-            out[f"l2_{name}"] = stats[name]
-        for reason in VERIFY_REASONS:  # every reason, 0 until it happens
-            out[f"l2_fetch_verify_{reason}"] = stats[f"fetch_verify_{reason}"]
         for kind, count in sorted(self.store.errors.items()):
             out[f"l2_errors_{kind}"] = count
         return out

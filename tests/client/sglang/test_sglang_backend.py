@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
 
 from conftest import start_daemon  # noqa: E402
 from test_limits import wait_for  # noqa: E402
-from lmcached.client.sglang import LmcachedStorage, storage  # noqa: E402
+from lmcached.client.sglang import LmcachedStorage, pages, storage  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Clear  # noqa: E402
 from sglang_pools import fill_pages, page_indices, read_runs, sglang_method  # noqa: E402
@@ -183,7 +183,7 @@ def test_a_record_holding_another_keys_page_is_never_served(daemon, monkeypatch)
         src = page_indices([0], pool.page_size)
         fill_pages(pool, src, 9)
         real_hash = storage.page_hash
-        wrong = real_hash(storage.key_tokens(keys[1]))
+        wrong = real_hash(pages.key_tokens(keys[1]))
         monkeypatch.setattr(storage, "page_hash", lambda tokens: wrong)
         assert backend.batch_set_v1([keys[0]], src) == [True]  # stored under keys[1]'s hash
         monkeypatch.setattr(storage, "page_hash", real_hash)

@@ -13,7 +13,7 @@ from test_disk_tier import BLOCK_BYTES, KV_BYTES, RECORD_BYTES, assert_nothing_h
     written_then_restarted
 from test_service import greeted
 from lmcached.daemon.keys import chunk_prefix
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 
 
 def arena_bytes(service, blocks) -> bytes:

@@ -20,7 +20,7 @@ from lmcached.daemon.disk.directory import LOCK_NAME, DirectoryLock, DiskDirecto
     prepare_disk_directory
 from lmcached.daemon.disk.index import DiskIndex
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer, round_up
-from lmcached.daemon.l2.values import L2VerifyError, encode_envelope, verify_parts
+from lmcached.daemon.spill.envelope import VerifyError, encode_envelope, verify_parts
 from lmcached.wire.record_format import ROOT_HASH
 
 SLOT_BYTES = 3 * PAGE_BYTES
@@ -35,7 +35,7 @@ def write_record(slot_file: SlotFile, slot: int, record: bytes, chunk_hash: byte
 
 def read_record(slot_file: SlotFile, slot: int, record_bytes: int, parent: bytes,
                 chunk_hash: bytes) -> bytes:
-    """The record of `slot`, read and verified as a fetch does (raises L2VerifyError)."""
+    """The record of `slot`, read and verified as a fetch does (raises VerifyError)."""
     buffer = aligned_buffer(record_bytes)
     envelope = slot_file.read(slot, aligned_buffer(PAGE_BYTES),
                               [memoryview(buffer)[:round_up(record_bytes)]], record_bytes)
@@ -125,7 +125,7 @@ def test_a_tampered_or_truncated_slot_is_refused_when_read(disk_dir):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(L2VerifyError) as refused:
+    with pytest.raises(VerifyError) as refused:
         read_record(slot_file, 0, len(record), parent, chunk_hash)
     assert refused.value.reason == "checksum"
     os.truncate(path, PAGE_BYTES + SLOT_BYTES + 100)  # slot 1 cut short under the daemon

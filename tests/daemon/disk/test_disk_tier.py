@@ -21,7 +21,7 @@ from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, round_up, slot_bytes_for
 from lmcached.daemon.disk.tier import DiskTier
-from lmcached.daemon.l2.values import namespace_fingerprint
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
@@ -55,7 +55,7 @@ def open_disk_service(name: str, path: str, block_bytes: int = BLOCK_BYTES,
     tier = DiskTier(directory, DirectoryLock(directory), capacity_bytes=(16 << 20),
                     policy=policy, fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
     tier.set_block_bytes(arena.block_bytes)
-    service.attach_disk(tier)
+    service.attach_tier(tier)
     return service
 
 
@@ -555,7 +555,7 @@ def open_derived_service(name: str, path: str) -> CacheService:
                     policy="write-through", fetch_wait_s=5.0, arena=arena, jobs=service.jobs)
     if tier.open_file(arena.block_bytes):
         tier.rebuild_index()
-    service.attach_disk(tier)
+    service.attach_tier(tier)
     return service
 
 

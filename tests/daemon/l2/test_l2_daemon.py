@@ -21,7 +21,8 @@ from test_engine_multiprocess import run_worker
 from test_cli import run_cli
 from test_limits import wait_for
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
-from lmcached.daemon.l2.values import encode_value, l2_key, namespace_fingerprint
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import encode_value, namespace_fingerprint
 from lmcached.wire.connection import Connection
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import PROTOCOL_VERSION, Hello, Info, Lookup, LookupReply, Ok, Ping

@@ -16,10 +16,10 @@ from lmcached.daemon import keys
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.l2.redis_store import L2Unavailable
 from lmcached.daemon.l2.tier import DOWN_HOLD_S, L2Tier
-from lmcached.daemon.l2.values import (
-    GENERATION_KEY,
+from lmcached.daemon.l2.values import GENERATION_KEY, l2_key
+from lmcached.daemon.spill.tier import FetchRequest
+from lmcached.daemon.spill.envelope import (
     VERIFY_REASONS,
-    l2_key,
     namespace_fingerprint,
     verify_value,
 )
@@ -127,7 +127,7 @@ class Node:
                     fetch_wait_s=5.0, num_threads=2)
         args.update(tier_args)
         self.tier = L2Tier(store, self.arena, jobs=self.service.jobs, **args)
-        self.service.attach_l2(self.tier)
+        self.service.attach_tier(self.tier)
         self.session = self.service.open_session(os.getpid(), os.geteuid(), 0)
         reply = self.service.handle(self.session, Hello(PROTOCOL_VERSION, os.getpid(), "t",
                                                         [LAYOUT], list(devices)))
@@ -410,8 +410,9 @@ def test_a_namespace_whose_values_redis_cannot_hold_stays_out_of_l2(nodes):
     node = nodes(store)
     huge = Layout("huge", 1, 0, "vllm", "bfloat16", 2, 2, 4, CHUNK, 600 << 20)
     node.tier.register_namespace(99, huge)
-    assert node.tier.start_fetch(node.service.pool, [99], [b"c" + (99).to_bytes(4, "little")],
-                                 b"\1" * 16, 0, b"\0" * 16, list) is None
+    assert node.tier.start_fetch(FetchRequest(
+        node.service.pool, [99], [b"c" + (99).to_bytes(4, "little")], b"\1" * 16, 0,
+        b"\0" * 16, list)) is None
     assert node.tier.info()["l2_fetches"] == 0
 
 

@@ -1,4 +1,4 @@
-"""L2 keys and values (lmcached/daemon/l2/values.py): pure, no Redis.
+"""L2 keys and values (lmcached/daemon/spill/envelope.py): pure, no Redis.
 
 A value fetched from L2 is served only when it is the record that was written for that
 chunk of that namespace. Each way a value can be wrong is built here by hand and must
@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcached.daemon.l2.values import (
+from lmcached.daemon.l2.values import l2_key
+from lmcached.daemon.spill.envelope import (
     ENVELOPE,
     ENVELOPE_BYTES,
-    L2VerifyError,
+    VerifyError,
     encode_value,
-    l2_key,
     encode_envelope,
     namespace_fingerprint,
     verify_parts,
@@ -60,7 +60,7 @@ def make_record(parent: bytes, tokens, kv_bytes: int = 300, seed: int = 0,
 
 
 def refused(value, fp=FP, chunk_hash=None, parent=ROOT_HASH) -> str:
-    with pytest.raises(L2VerifyError) as info:
+    with pytest.raises(VerifyError) as info:
         verify_value(value, fp, chunk_hash, parent)
     return info.value.reason
 
@@ -95,12 +95,12 @@ def test_an_envelope_and_a_record_apart_are_checked_as_one_value(cuts):
     pieces = [memoryview(rec)[a:b] for a, b in zip(bounds, bounds[1:])]
     envelope = encode_envelope(FP, h, pieces) + bytes(4096 - ENVELOPE_BYTES)  # a page
     verify_parts(envelope, pieces, FP, h, parent)
-    with pytest.raises(L2VerifyError) as refused:
+    with pytest.raises(VerifyError) as refused:
         verify_parts(envelope, pieces[:-1], FP, h, parent)  # a record cut short
     assert refused.value.reason == "envelope"
     tampered = [bytearray(piece) for piece in pieces]
     tampered[-1][-1] ^= 1
-    with pytest.raises(L2VerifyError) as refused:
+    with pytest.raises(VerifyError) as refused:
         verify_parts(envelope, tampered, FP, h, parent)
     assert refused.value.reason == "checksum"
 
@@ -187,7 +187,7 @@ def test_any_single_flipped_byte_is_refused(tokens, kv_bytes, data):
     assert bytes(verify_value(bytes(value), FP, h, ROOT_HASH)) == rec
     offset = data.draw(st.integers(0, len(value) - 1), label="offset")
     value[offset] ^= data.draw(st.integers(1, 255), label="xor")
-    with pytest.raises(L2VerifyError):
+    with pytest.raises(VerifyError):
         verify_value(bytes(value), FP, h, ROOT_HASH)
 
 
@@ -201,7 +201,7 @@ def test_fingerprint_golden_value_and_equal_for_equal_layouts():
 
 def test_fingerprint_is_the_same_in_another_process():
     code = ("from lmcached.wire.protocol import Layout; "
-            "from lmcached.daemon.l2.values import namespace_fingerprint; "
+            "from lmcached.daemon.spill.envelope import namespace_fingerprint; "
             f"print(namespace_fingerprint(Layout{msgspec.structs.astuple(LAYOUT)!r}).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "12345"})

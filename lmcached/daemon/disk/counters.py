@@ -1,0 +1,59 @@
+"""The disk tier's counters (INFO section `disk`, docs/operator.md "The disk tier"), typed.
+
+Each field is INFO field `disk_<name>`; a field with a metric is also that Prometheus
+counter (`lmcached.daemon.spill.counters`).
+"""
+
+import dataclasses
+
+from lmcached.daemon.spill.counters import counter
+
+
+@dataclasses.dataclass(slots=True)
+class DiskStats:
+    """Counters of `DiskTier`, in INFO's order (loop thread only). `errors_<kind>`: one
+    per `slots.ERROR_KINDS`; `fetch_verify_<reason>`: one per `envelope.VERIFY_REASONS`."""
+
+    writes: int = counter("lmcached_disk_writes", "Chunks written to the disk tier.")
+    write_bytes: int = counter("lmcached_disk_written_bytes", "Bytes of the chunks written "
+                               "to disk.")
+    write_busy_us: int = counter()
+    write_drops_queue_full: int = counter()
+    write_drops_oversize: int = counter()
+    write_drops_busy: int = counter()
+    write_drops_late: int = counter()
+    write_failures: int = counter()
+    spills_present: int = counter()
+    spills_ahead: int = counter()
+    fetches: int = counter("lmcached_disk_fetches", "Disk fetches started by lookups that "
+                           "missed in the arena.")
+    fetches_joined: int = counter()
+    fetches_skipped: int = counter()
+    fetch_hit_chunks: int = counter("lmcached_disk_hit_chunks", "Chunks read from disk into "
+                                    "the arena.")
+    fetch_bytes: int = counter("lmcached_disk_fetched_bytes", "Bytes of the chunks read from "
+                               "disk.")
+    read_busy_us: int = counter()
+    fetch_nospace: int = counter()
+    fetch_failures: int = counter()
+    fetch_waits_timed_out: int = counter("lmcached_disk_fetch_waits_timed_out", "Lookups "
+                                         "answered before their disk fetch ended "
+                                         "(--disk-fetch-wait).")
+    errors_nospace: int = counter()
+    errors_io: int = counter()
+    errors_readonly: int = counter()
+    errors_other: int = counter()
+    fetch_verify_checksum: int = counter()
+    fetch_verify_envelope: int = counter()
+    fetch_verify_foreign: int = counter()
+    fetch_verify_tokens: int = counter()
+
+    def count_error(self, kind: str, count: int = 1) -> None:
+        """I/O errors of `kind` (`slots.error_kind`: "nospace", "io", "readonly", "other")."""
+        name = "errors_" + kind
+        setattr(self, name, getattr(self, name) + count)
+
+    def count_rejected(self, reason: str) -> None:
+        """A slot read back that failed verification (`envelope.VERIFY_REASONS`)."""
+        name = "fetch_verify_" + reason
+        setattr(self, name, getattr(self, name) + 1)

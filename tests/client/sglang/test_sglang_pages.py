@@ -1,0 +1,68 @@
+"""The page copies and key ids of the SGLang backend (lmcached/client/sglang/pages.py):
+every run split, into and out of records in one block or across blocks, moves exactly
+the page's bytes; a batch's key ids are each key's. Skipped where SGLang is not
+installed (`make test-sglang` installs it)."""
+
+import ctypes
+import hashlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from lmcached.client.sglang import pages  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+BLOCK = 4096
+
+
+def runs_of(buf: np.ndarray, sizes: list[int], gap: int = 16) -> list[tuple[int, int]]:
+    """(address, bytes) runs of `sizes` in `buf`, `gap` bytes apart."""
+    runs, at = [], 0
+    for n in sizes:
+        runs.append((buf.ctypes.data + at, n))
+        at += n + gap
+    return runs
+
+
+@pytest.mark.parametrize("sizes", [[3000], [1000, 1000, 1000], [2999, 1]])
+@pytest.mark.parametrize("start", [0, BLOCK - 3000, BLOCK - 2999, BLOCK - 1])  # in one block or two
+def test_a_page_goes_into_a_record_and_back_byte_exact(sizes, start):
+    total = sum(sizes)
+    rng = np.random.default_rng(len(sizes) * 10_000 + start)
+    arena = np.zeros(4 * BLOCK, dtype=np.uint8)
+    span = [2, 0]  # the record's blocks, out of order
+    page = rng.integers(0, 256, 2 * total, dtype=np.uint8)
+    back = np.zeros_like(page)
+    block_offset = lambda block: block * BLOCK  # noqa: E731
+    record = pages.record_runs(arena.ctypes.data, block_offset, BLOCK, span, start,
+                               start + total)
+    assert len(record) == (1 if start + total <= BLOCK else 2)
+    pages.copy_runs(record, runs_of(page, sizes))
+    stored = np.concatenate([arena[2 * BLOCK :][: BLOCK], arena[:BLOCK]])[start : start + total]
+    expected = np.concatenate([page[a - page.ctypes.data :][:n] for a, n in runs_of(page, sizes)])
+    assert stored.tobytes() == expected.tobytes()
+    pages.copy_runs(runs_of(back, sizes), record)
+    for (a, n), (b, _) in zip(runs_of(page, sizes), runs_of(back, sizes)):
+        assert ctypes.string_at(a, n) == ctypes.string_at(b, n)
+
+
+def test_runs_of_different_sizes_are_refused_before_any_copy():
+    src, dst = np.ones(100, dtype=np.uint8), np.zeros(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="the page runs do not match the record"):
+        pages.copy_runs([(dst.ctypes.data, 100)], [(src.ctypes.data, 99)])
+    assert not dst.any()
+
+
+def test_a_batchs_key_ids_are_each_keys_own():
+    keys = ["a" * 64, "", "é" * 10, "x" * (pages.KEY_BYTES_MAX + 1)]
+    batch = pages.keys_tokens(keys)
+    assert batch.shape == (len(keys), pages.KEY_TOKENS) and batch.dtype == np.int64
+    for key, row in zip(keys, batch):
+        assert row.tobytes() == pages.key_tokens(key).tobytes()
+    raw = "é".encode() * 10
+    assert batch[2, 0] == len(raw) and batch[2].tobytes()[8 : 8 + len(raw)] == raw
+    assert batch[3, 0] == (1 << 62) | (pages.KEY_BYTES_MAX + 1)
+    assert batch[3].tobytes()[8:40] == hashlib.sha256(keys[3].encode()).digest()
