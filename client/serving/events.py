@@ -24,9 +24,15 @@ daemon that restarts (another arena generation) lost its arena and a CLEAR empti
 tier: both become removals of what was announced, one `BlockEvent` per chunk; a relay
 never announces a wholesale clear (a router would drop the engine's own cache with it).
 
+A relay that attaches to a daemon already holding chunks announces them first (SUBSCRIBE
+with a snapshot, on by default): the daemon pages the namespace's cached chunks to it at
+most `max_events` a poll, before the live events from the moment it subscribed, so that
+each chunk is announced once and nothing stored or removed meanwhile is missed. A
+snapshot chunk whose parent comes later in the snapshot waits for it.
+
 What a relay cannot announce, counted in `stats` and never guessed: a chunk whose parent
-it never saw (stored before the relay subscribed), whose token ids the daemon no longer
-holds (its record left the arena before the poll), or a salted chain's first chunk whose
+it never saw (stored before the relay subscribed without a snapshot, or whose parent the
+arena no longer holds), whose token ids the daemon no longer holds (its record left the arena before the poll), or a salted chain's first chunk whose
 salt this engine has not seen (`note_salt`: the daemon never learns salts).
 """
 
@@ -103,9 +109,12 @@ class EventRelay:
             and sends nothing (an engine polls once per step: at most one round trip
             per interval).
         timeout_s: per-request timeout, seconds.
+        snapshot: on (re)connecting, announce the chunks the daemon holds already.
 
     Attributes:
-        stats: counters: "polls", "chunk_events", "stored", "removed", "lost" (events the
+        snapshot_left: snapshot chunks the daemon has left to page (0: live events).
+        stats: counters: "polls", "chunk_events", "stored", "snapshot" (stored events of
+            the snapshot announced), "removed", "lost" (events the
             daemon's feed dropped before this relay read them), "unresolved_parent",
             "unresolved_tokens", "unresolved_salt", "errors", "restarts".
     """
@@ -115,7 +124,7 @@ class EventRelay:
                  event_salt_key: Callable[[str], tuple] | None = None,
                  socket: str | None = None, daemon_name: str | None = None,
                  max_events: int = 1024, min_interval_s: float = 0.0,
-                 timeout_s: float = 1.0) -> None:
+                 timeout_s: float = 1.0, snapshot: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.layout = layout
@@ -127,6 +136,9 @@ class EventRelay:
         self.max_events = max_events
         self.min_interval_s = min_interval_s
         self.timeout_s = timeout_s
+        self.snapshot = snapshot
+        self.snapshot_left = 0
+        self._waiting: dict[bytes, list[ChunkEvent]] = {}  # parent hash -> snapshot children
         self._last_poll_at = float("-inf")
         self.stats: collections.Counter = collections.Counter()
         self._conn: Connection | None = None
@@ -176,6 +188,10 @@ class EventRelay:
                 self._stored(event, out)
             else:
                 self._removed(event.chunk_hash, event.medium, out)
+        self.snapshot_left = reply.snapshot_left
+        if not reply.snapshot_left and self._waiting:  # the snapshot is over
+            self.stats["unresolved_parent"] += sum(map(len, self._waiting.values()))
+            self._waiting.clear()
         return out
 
     def close(self) -> None:
@@ -200,7 +216,7 @@ class EventRelay:
                              lambda path: Connection(path, timeout_s=self.timeout_s))
         try:
             ns = hello(conn, "event-relay", [self.layout]).namespaces[0]
-            reply = conn.request(Subscribe([ns], 0))
+            reply = conn.request(Subscribe([ns], 0, self.snapshot))
         except BaseException:
             conn.close()
             raise
@@ -209,6 +225,7 @@ class EventRelay:
             self._forget_everything(out)
         self._generation = reply.generation
         self._cursor = reply.cursor
+        self._waiting.clear()
         self._conn = conn
         return True
 
@@ -220,22 +237,33 @@ class EventRelay:
 
     # ------------------------------------------------------------- translation
     def _stored(self, event: ChunkEvent, out: list[BlockEvent]) -> None:
+        """Announce a stored chunk, then the snapshot chunks that waited for it."""
+        todo = [event]
+        while todo:
+            event = todo.pop()
+            if self._stored_one(event, out):
+                if event.seq == 0:
+                    self.stats["snapshot"] += 1
+                todo.extend(self._waiting.pop(event.chunk_hash, ()))
+
+    def _stored_one(self, event: ChunkEvent, out: list[BlockEvent]) -> bool:
+        """Announce one stored chunk; True when it is announced on a new medium."""
         chunk = self._chunks.get(event.chunk_hash)
         if chunk is not None:
             if event.medium in chunk.media:
-                return  # announced already on this medium
+                return False  # announced already on this medium
             chunk.media.add(event.medium)
             self.stats["stored"] += 1
             out.append(self._stored_event(event.medium, chunk.block_hashes, event.parent,
                                           event.token_ids))
-            return
+            return True
         if not event.token_ids:
             self.stats["unresolved_tokens"] += 1
-            return
+            return False
         tokens = np.frombuffer(event.token_ids, dtype="<i8")
         parent, salt = self._parent_of(event, tokens)
         if parent is False:
-            return
+            return False
         token_list = tokens.tolist()
         bs = self.block_size
         hashes = []
@@ -245,7 +273,7 @@ class EventRelay:
             prev = self.block_hasher(prev, token_list[start:start + bs], extra)
             hashes.append(prev)
         if not hashes:
-            return  # shorter than one block: nothing the engine would hash
+            return False  # shorter than one block: nothing the engine would hash
         chunk = self._chunks[event.chunk_hash] = _Chunk(hashes)
         chunk.media.add(event.medium)
         self.stats["stored"] += 1
@@ -254,6 +282,7 @@ class EventRelay:
             extra_keys = [self.event_salt_key(salt)] + [None] * (len(hashes) - 1)
         out.append(BlockEvent("stored", event.medium, hashes, parent,
                               token_list[:len(hashes) * bs], bs, extra_keys))
+        return True
 
     def _stored_event(self, medium: str, hashes: list[bytes], parent_chunk: bytes,
                       token_ids: bytes) -> BlockEvent:
@@ -268,8 +297,11 @@ class EventRelay:
     def _parent_of(self, event: ChunkEvent, tokens: np.ndarray):
         """(engine parent block hash or None, salt or None) of a new chunk; (False,
         None) when it cannot be resolved (counted)."""
-        if event.parent:
+        if event.parent and event.parent not in self._salts:
             parent = self._chunks.get(event.parent)
+            if parent is None and event.seq == 0:
+                self._waiting.setdefault(event.parent, []).append(event)
+                return False, None  # its parent may come later in the snapshot
             if parent is None or hash_block_tokens(event.parent, tokens) != event.chunk_hash:
                 self.stats["unresolved_parent"] += 1
                 return False, None

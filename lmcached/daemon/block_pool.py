@@ -23,6 +23,7 @@ span leaves the index and moves to the front of the queue as an empty block).
 from collections.abc import Callable, Hashable
 
 from lmcached.wire.protocol import block_ref
+from lmcached.wire.record_format import ROOT_HASH
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
 from lmcached.daemon.pool_invariants import check_pool_invariants
@@ -491,6 +492,20 @@ class BlockPool:
         for block_hash in victims:
             self.evict(block_hash)
         return len(victims)
+
+    def publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
+        """Tell the event feed (if any) that a chunk committed by the daemon itself
+        entered this pool: installed from a tier (a disk or L2 fetch, the prewarm) or
+        demoted from a device tier. A client's COMMIT publishes its own.
+
+        Args:
+            block_hash: the value's key.
+            parent: the chunk hash before it in its chain (b"" or ROOT_HASH: not known,
+                or the chain's first chunk).
+            block_id: its first block (the record header, read for token ids).
+        """
+        if self.events is not None:
+            self.events.stored(block_hash, b"" if parent == ROOT_HASH else parent, block_id)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

@@ -23,6 +23,14 @@ fails to do costs a store anything.
 Events never carry a chunk's bytes. The token ids of a stored chunk are read from its
 record header in the arena when a subscriber asks for them, at EVENTS time (lazy: the
 store pays nothing), while the arena still holds it; otherwise they are empty.
+
+A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
+`snapshot`): the keys the arena holds at that moment, copied once (a list of references,
+8 bytes a chunk), paged by its EVENTS as "stored" events of sequence number 0 before
+the live events from its cursor, so that nothing is lost or announced twice between the
+two: a chunk removed before its page is skipped (its removal follows in the live
+events), one stored after the SUBSCRIBE is in the live events. The feed keeps each
+cached chunk's parent hash (`parents`) so that a snapshot's chains resolve.
 """
 
 import dataclasses
@@ -42,6 +50,7 @@ from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 DEFAULT_CAPACITY = 1 << 16  # events kept (~ 64k chunks = 16M tokens at chunk size 256)
 MAX_REPLY_EVENTS = 4096  # events in one EVENTS reply at most
 MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most (frame: 1 MiB)
+SNAPSHOT_SCAN_FACTOR = 8  # snapshot keys examined per event an EVENTS page may return
 
 STORED, REMOVED = "stored", "removed"
 MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
@@ -58,6 +67,9 @@ class Subscriber:
         cursor: the sequence number of the next event it asked for.
         delivered: events it was sent.
         lost: events that fell off the ring before it read them.
+        snapshot: the arena's keys when it subscribed with a snapshot, paged from
+            `snapshot_pos` on (None: no snapshot, or all of it read).
+        snapshot_pos: index in `snapshot` of the next key to page.
     """
 
     namespaces: frozenset[int]
@@ -65,6 +77,8 @@ class Subscriber:
     cursor: int
     delivered: int = 0
     lost: int = 0
+    snapshot: list[bytes] | None = None
+    snapshot_pos: int = 0
 
 
 class EventFeed:
@@ -81,6 +95,9 @@ class EventFeed:
         subscribers: session id -> `Subscriber`.
         num_published: events published since start.
         num_lost: events subscribers lost, summed over them.
+        num_snapshot_events: snapshot events sent, summed over subscribers.
+        parents: arena chunk key -> the chunk hash before it in its chain, for each
+            cached chunk whose parent its ALLOC named (snapshots read it).
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -92,6 +109,8 @@ class EventFeed:
         self.subscribers: dict[int, Subscriber] = {}
         self.num_published = 0
         self.num_lost = 0
+        self.num_snapshot_events = 0
+        self.parents: dict[bytes, bytes] = {}
         self.fingerprints: dict = {}  # layout -> namespace fingerprint (`_fingerprints`)
 
     # ------------------------------------------------------------- publishing
@@ -112,11 +131,14 @@ class EventFeed:
         """
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, STORED, MEDIUM_ARENA, key, parent, block_id))
+            if parent:
+                self.parents[key] = parent
 
     def removed(self, key: bytes) -> None:
         """A chunk left the arena's index (eviction, EVICT, CLEAR, INVALIDATE). O(1)."""
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, REMOVED, MEDIUM_ARENA, key, b"", -1))
+            self.parents.pop(key, None)
 
     def disk_stored(self, key: tuple[bytes, bytes]) -> None:
         """A chunk's disk slot was committed; `key` is (namespace fingerprint, hash)."""
@@ -128,13 +150,56 @@ class EventFeed:
 
     # ------------------------------------------------------------ subscribers
     def subscribe(self, session_id: int, namespaces: list[int], fingerprints: list[bytes],
-                  cursor: int) -> int:
+                  cursor: int, snapshot: list[bytes] | None = None) -> int:
         """(Re)subscribe a session; returns the cursor it starts at: `cursor` when it
-        is still readable or lost (the next EVENTS says how many), `head` for 0."""
+        is still readable or lost (the next EVENTS says how many), `head` for 0.
+        `snapshot`: the arena's keys now, paged before the live events (`read_snapshot`)."""
         start = self.head if cursor == 0 else min(cursor, self.head)
         self.subscribers[session_id] = Subscriber(frozenset(namespaces),
-                                                  frozenset(fingerprints), start)
+                                                  frozenset(fingerprints), start,
+                                                  snapshot=snapshot or None)
         return start
+
+    def read_snapshot(self, sub: Subscriber, max_events: int, still_cached,
+                      resolve) -> list[ChunkEvent]:
+        """The next page of `sub`'s snapshot: at most `max_events` events (0:
+        MAX_REPLY_EVENTS, which also caps it), of at most SNAPSHOT_SCAN_FACTOR times as
+        many keys examined (a page's cost is bounded whatever the other namespaces hold).
+
+        Args:
+            sub: a subscription with a snapshot left to page.
+            max_events: as `read`.
+            still_cached: `still_cached(key) -> bool`: the arena holds it now.
+            resolve: as `read`, given the event tuple of the chunk's stored event.
+
+        Returns:
+            The events (sequence number 0); `sub.snapshot` becomes None once all is read.
+        """
+        keys, pos = sub.snapshot, sub.snapshot_pos
+        limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
+        end = min(len(keys), pos + limit * SNAPSHOT_SCAN_FACTOR)
+        parents = self.parents
+        out: list[ChunkEvent] = []
+        token_bytes = 0
+        while pos < end and len(out) < limit and token_bytes < MAX_REPLY_TOKEN_BYTES:
+            key = keys[pos]
+            pos += 1
+            if key[0] != _CHUNK_TAG:
+                continue
+            block_id = still_cached(key)
+            if block_id < 0:
+                continue  # left the arena since: its removal is in the live events
+            event = resolve((0, STORED, MEDIUM_ARENA, key, parents.get(key, b""), block_id),
+                            True, sub)
+            if event is not None:
+                out.append(event)
+                token_bytes += len(event.token_ids)
+        sub.snapshot_pos = pos
+        if pos >= len(keys):
+            sub.snapshot, sub.snapshot_pos = None, 0
+        sub.delivered += len(out)
+        self.num_snapshot_events += len(out)
+        return out
 
     def unsubscribe(self, session_id: int) -> None:
         """Forget a session's subscription (it ended); nothing if it had none."""
@@ -187,6 +252,7 @@ class EventFeed:
             "events_subscribers_lagging": sum(s.cursor < oldest
                                               for s in self.subscribers.values()),
             "events_lost": self.num_lost,
+            "events_snapshot_sent": self.num_snapshot_events,
         }
 
 
@@ -229,8 +295,9 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
         raise RequestError("bad_namespace", f"SUBSCRIBE to namespace(s) {unknown}, which "
                            "this daemon does not have (see `lmcached info clients`)")
     feed = service.events
+    snapshot = list(service.pool.cached) if req.snapshot and service.pool is not None else None
     cursor = feed.subscribe(session.session_id, req.namespaces,
-                            [fps[ns] for ns in req.namespaces], req.cursor)
+                            [fps[ns] for ns in req.namespaces], req.cursor, snapshot)
     return SubscribeReply(cursor, service.arena.generation, feed.capacity)
 
 
@@ -267,5 +334,17 @@ def events(service, session, req: Events) -> EventsReply:
                 tokens = read_token_ids(arena, block_id, chunk_hash)
         return ChunkEvent(seq, kind, medium, ns, fp, chunk_hash, parent, tokens)
 
+    if sub.snapshot is not None:
+        cached = pool.cached
+
+        def still_cached(key):
+            span = cached.get(key)
+            return span[0].block_id if span is not None else -1
+
+        out = feed.read_snapshot(sub, req.max_events, still_cached, resolve)
+        if sub.snapshot is not None:
+            return EventsReply(out, sub.cursor, 0,
+                               len(sub.snapshot) - sub.snapshot_pos)
+        return EventsReply(out, sub.cursor, 0, 0)
     out, cursor, lost = feed.read(sub, req.cursor, req.max_events, req.token_ids, resolve)
     return EventsReply(out, cursor, lost)

@@ -338,6 +338,29 @@ def device_tier_families(memory: InfoFields, blocks: InfoFields,
     yield skips
 
 
+# INFO stats field -> (metric, help, counter?) of the chunk event feed (docs/kv-events.md).
+EVENT_FIELDS = {
+    "events_published": ("lmcached_events_published", "Chunk events the feed published "
+                         "(stored in or removed from the arena or the disk tier).", True),
+    "events_lost": ("lmcached_events_lost", "Events subscribers lost: they fell off the "
+                    "feed's ring before the subscriber read them.", True),
+    "events_snapshot_sent": ("lmcached_events_snapshot_sent", "Stored events sent from "
+                             "SUBSCRIBE snapshots (chunks cached before the subscriber "
+                             "came).", True),
+    "events_subscribers": ("lmcached_event_subscribers", "Sessions subscribed to the feed.",
+                           False),
+    "events_subscribers_lagging": ("lmcached_event_subscribers_lagging", "Subscribers whose "
+                                   "cursor the ring has overwritten (they will lose events).",
+                                   False),
+}
+
+
+def event_families(stats: InfoFields) -> Iterator[Metric]:
+    """The chunk event feed's families, from INFO's `stats` section."""
+    for field, (name, doc, is_counter) in EVENT_FIELDS.items():
+        yield (_counter if is_counter else _gauge)(name, doc, stats[field])
+
+
 def metric_families(snap: Snapshot) -> Iterator[Metric]:
     """The lmcached_* metric families of a snapshot (docs/metrics.md, in that order)."""
     server, memory, blocks, clients, stats = (snap.info[name] for name in INFO_SECTIONS[:5])
@@ -402,6 +425,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         if field.startswith("errors_"):
             errors.add_metric([field[len("errors_"):]], value)
     yield errors
+    yield from event_families(stats)
     yield _gauge("lmcached_arena_capacity_bytes", "Size of the arena segment.",
                  memory["capacity_bytes"])
     yield _gauge("lmcached_block_size_bytes", "Size of one block; 0 until the first layout "

@@ -315,11 +315,15 @@ class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
 
     `namespaces`: namespace ids whose events it wants (empty: every namespace).
     `cursor`: sequence number of the first event wanted (0: from now on). Replaces an
-    earlier subscription of the session. Reply: `SubscribeReply`.
+    earlier subscription of the session. `snapshot`: first announce, as "stored" events
+    of sequence number 0 paged by EVENTS before any event from `cursor` on, every chunk
+    of those namespaces the arena holds now (in the order they were cached: parents
+    first, but for a parent cached again later). Reply: `SubscribeReply`.
     """
 
     namespaces: list[NamespaceId] = []
     cursor: Count = 0
+    snapshot: bool = False
 
 
 class Events(msgspec.Struct, tag="events", array_like=True):
@@ -520,12 +524,15 @@ class ChunkEvent(msgspec.Struct, array_like=True):
 
 
 class EventsReply(msgspec.Struct, tag="events_reply", array_like=True):
-    """Events of an EVENTS poll, the cursor to poll from next, and how many events fell
-    off the feed before they could be read (the subscriber lagged)."""
+    """Events of an EVENTS poll, the cursor to poll from next, how many events fell
+    off the feed before they could be read (the subscriber lagged), and how many chunks
+    of a SUBSCRIBE snapshot are left to page (at most: some may leave the arena first;
+    live events from `cursor` come once it is 0)."""
 
     events: list[ChunkEvent]
     cursor: int
     lost: int
+    snapshot_left: int = 0
 
 
 Reply = (

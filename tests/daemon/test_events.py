@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 
 from test_disk_tier import (  # noqa: F401 (disk_service is a fixture)
+    BLOCK_BYTES,
     LAYOUT as DISK_LAYOUT,
     PROMPT_A,
+    close_disk_service,
     disk_service,
+    full_blocks,
+    lookup as disk_lookup,
+    settle,
     stored_and_settled,
+    written_then_restarted,
 )
 from test_service import (  # noqa: F401 (make_service and service are fixtures)
     LAYOUT,
@@ -293,3 +299,80 @@ def test_the_disk_tier_announces_chunks_it_commits_and_forgets(disk_service):
     assert {e.chunk_hash for e in removed if e.medium == "disk"} == {
         e.chunk_hash for e in disk_stored}
     assert all(e.kind == "removed" for e in removed)
+
+
+def test_a_snapshot_pages_the_cached_chunks_before_the_live_events(service):
+    """SUBSCRIBE with a snapshot: the namespace's cached chunks come first as stored
+    events of sequence number 0, with their parents, `max_events` a page; one evicted
+    before its page is skipped (its removal is live), one stored after the SUBSCRIBE
+    is live; the parents the feed keeps go with the chunks."""
+    other = layout(model_name="other-llama")
+    session = greeted(service, LAYOUT, other)
+    store(service, session, 1, [1, 2, 3, 4])
+    store(service, session, 2, [9])
+    reply = service.handle(session, Subscribe([1], 0, True))
+    cursor = reply.cursor
+    service.handle(session, Evict(key=(3).to_bytes(16, "little").hex()))
+    store(service, session, 1, [5])  # its parent: chunk 4
+    first = service.handle(session, Events(cursor, 2, True))
+    assert [(e.seq, e.kind, e.chunk_hash[0], e.parent[:1]) for e in first.events] == [
+        (0, "stored", 1, b""), (0, "stored", 2, bytes([1]))]
+    assert first.cursor == cursor and first.lost == 0 and first.snapshot_left == 3
+    second = service.handle(session, Events(cursor, 2, True))
+    assert [(e.seq, e.chunk_hash[0], e.parent[:1]) for e in second.events] == [
+        (0, 4, bytes([3]))]  # 3 left before its page; 9 is another namespace's
+    assert second.snapshot_left == 0
+    live = _poll(service, session, cursor)
+    assert [(e.kind, e.chunk_hash[0]) for e in live.events] == [("removed", 3), ("stored", 5)]
+    assert live.events[0].seq == cursor
+    assert service.events.num_snapshot_events == 3
+    assert service.handle(session, Info("stats")).sections["stats"]["events_snapshot_sent"] == 3
+    service.handle(session, Clear())
+    assert service.events.parents == {}
+
+
+def test_chunks_a_disk_fetch_installs_are_announced_with_their_parents(disk_service):
+    """A LOOKUP reads evicted chunks back from disk into the arena (those missing, and
+    any the fetch's room evicted meanwhile): each is a stored "cpu" event naming its
+    chain parent (none for the first), with its token ids."""
+    service = disk_service
+    session = stored_and_settled(service)
+    prefix = b"c" + (1).to_bytes(4, "little")
+    missing = [(parent, h) for parent, h, _ in PROMPT_A if prefix + h not in service.pool.cached]
+    assert missing
+    watcher = greeted(service, DISK_LAYOUT)
+    cursor = service.handle(watcher, Subscribe([1])).cursor
+    assert disk_lookup(service, session) == 4
+    events = [e for e in _poll(service, watcher, cursor, token_ids=True).events
+              if e.kind == "stored" and e.medium == "cpu"]
+    parents = {h: b"" if parent == ROOT_HASH else parent for parent, h, _ in PROMPT_A}
+    assert {h for _, h in missing} <= {e.chunk_hash for e in events} <= set(parents)
+    assert all(e.parent == parents[e.chunk_hash] for e in events)
+    for event in events:
+        tokens = np.frombuffer(event.token_ids, dtype="<i8")
+        assert len(tokens) == 16 and hash_block_tokens(
+            event.parent or ROOT_HASH, tokens) == event.chunk_hash
+
+
+def test_chunks_the_prewarm_installs_are_announced(unique_name, tmp_path):
+    layout_, chunks = full_blocks(BLOCK_BYTES)
+    service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
+                                     layout_)
+    try:
+        tier = service.disk
+        watcher = greeted(service, layout_)  # plans the prewarm
+        cursor = service.handle(watcher, Subscribe([])).cursor
+
+        def done() -> bool:
+            tier.prewarm_pump()
+            return tier.prewarm_info()["disk_prewarm_state"] == "done"
+        settle(service, done)
+        assert tier.prewarm_info()["disk_prewarm_chunks"] == len(chunks)
+        events = _poll(service, watcher, cursor, token_ids=True).events
+        assert sorted(e.chunk_hash for e in events if (e.kind, e.medium) == ("stored", "cpu")) \
+            == sorted(h for _, h, _ in chunks)
+        first = next(e for e in events if e.chunk_hash == chunks[0][1])
+        assert first.parent == b"" and hash_block_tokens(
+            ROOT_HASH, np.frombuffer(first.token_ids, dtype="<i8")) == first.chunk_hash
+    finally:
+        close_disk_service(service)

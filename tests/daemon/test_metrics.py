@@ -26,6 +26,7 @@ from lmcached.client import CacheEngine, KVLayout
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.metrics import (
     DISK_COUNTERS,
+    EVENT_FIELDS,
     L2_COUNTERS,
     MAX_NAMESPACE_ROWS,
     OTHER_NAMESPACES,
@@ -166,6 +167,9 @@ def test_scrapes_during_a_workload_are_consistent_and_equal_info_after_it(daemon
     assert samples[("lmcached_evictions_total",)] == info["evictions"] > 0
     assert samples[("lmcached_lookups_total",)] == info["lookups"]
     assert samples[("lmcached_requests_total",)] == info["requests"]
+    for field, (name, _, is_counter) in EVENT_FIELDS.items():  # the event feed's
+        assert samples[(name + "_total" if is_counter else name,)] == info[field], name
+    assert info["events_published"] >= info["stores"] > 0
     assert samples[("lmcached_connections_total",)] == info["connections_received"]
     assert samples[("lmcached_stored_bytes_total",)] == info["total_stored_bytes"]
     assert samples[("lmcached_served_bytes_total",)] == info["total_served_bytes"]

@@ -257,6 +257,7 @@ class DiskFetches:
             for item in batch.items:
                 index.end_read(item.slot)
                 if item.failure is None and current and pool.commit(item.blocks, item.pool_key):
+                    pool.publish_stored(item.pool_key, item.parent, item.blocks[0].block_id)
                     job.held.extend(item.blocks)
                     if item.key in index.entries:
                         index.touch(item.key)

@@ -8,13 +8,15 @@ import hashlib
 import os
 import time
 
+import numpy as np
 import torch
 
 from conftest import start_daemon
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.serving.events import EventRelay
 from lmcached.wire.connection import Connection
-from lmcached.wire.protocol import Clear
+from lmcached.wire.protocol import Clear, Evict
+from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens
 
 CHUNK, BLOCK = 16, 4
 
@@ -78,8 +80,9 @@ def test_stored_chunks_become_block_events_in_the_relays_terms(daemon):
 
 
 def test_a_chunk_whose_parent_was_never_seen_is_counted_not_guessed(daemon):
-    store(daemon.socket, list(range(16)))  # before the relay subscribed
-    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket)
+    store(daemon.socket, list(range(16)))  # before the relay subscribed, without a snapshot
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                       snapshot=False)
     try:
         relay.poll()
         store(daemon.socket, list(range(32)))  # chunk 0 exists: chunk 1 is new
@@ -89,6 +92,58 @@ def test_a_chunk_whose_parent_was_never_seen_is_counted_not_guessed(daemon):
             time.sleep(0.01)
     finally:
         relay.close()
+
+
+def test_a_relay_attaching_to_a_full_daemon_announces_it_paced_and_complete(daemon_factory):
+    """2,400 chunks stored before the relay attaches, one chain's first chunk cached again
+    last (its children come before it in the snapshot): every chunk is announced exactly
+    once, parents before children, at most `max_events` chunk events a poll, and chunks
+    stored and removed while the snapshot pages are announced and removed in order."""
+    daemon = daemon_factory("--capacity", "32MiB", "--block-size", "4KiB")
+    prompts = [list(range(p * 100_000, p * 100_000 + 100 * CHUNK)) for p in range(24)]
+    for tokens in prompts:
+        store(daemon.socket, tokens)
+    first = hash_block_tokens(ROOT_HASH, np.array(prompts[3][:CHUNK], dtype=np.int64))
+    with Connection(daemon.socket) as admin:
+        assert admin.request(Evict(key=first.hex())).count == 1
+    store(daemon.socket, prompts[3][:CHUNK])
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                       max_events=100)
+    late = list(range(7_000_000, 7_000_000 + 2 * CHUNK))
+    try:
+        events = relay.poll()  # subscribes, with a snapshot: its first page
+        assert len(events) == 100 and relay.snapshot_left > 2000
+        store(daemon.socket, late)  # during the snapshot: a live event after it
+        with Connection(daemon.socket) as admin:  # a snapshot chunk leaves before its page
+            gone = hash_block_tokens(hash_block_tokens(ROOT_HASH, np.array(
+                prompts[23][:CHUNK], dtype=np.int64)), np.array(prompts[23][CHUNK:2 * CHUNK],
+                                                                  dtype=np.int64))
+            assert admin.request(Evict(key=gone.hex())).count == 1
+        deadline = time.monotonic() + 60
+        while relay.snapshot_left or not events or relay.stats["polls"] < 2:
+            assert time.monotonic() < deadline, relay.stats
+            before = relay.stats["chunk_events"]
+            events.extend(relay.poll())
+            assert relay.stats["chunk_events"] - before <= 100
+        events.extend(poll_until(relay, 0))
+        for _ in range(3):
+            events.extend(relay.poll())
+    finally:
+        relay.close()
+    stored = [e for e in events if e.kind == "stored"]
+    hashes = [h for e in stored for h in e.block_hashes]
+    assert len(hashes) == len(set(hashes))  # each block announced once
+    seen = set()
+    for e in stored:  # parents first
+        assert e.parent_block_hash is None or e.parent_block_hash in seen, relay.stats
+        seen.update(e.block_hashes)
+    expected = set(own_hashes(late))
+    for p, tokens in enumerate(prompts):  # the last prompt: chunk 0 only, its chunk 1 left
+        expected.update(own_hashes(tokens)[:CHUNK // BLOCK] if p == 23 else own_hashes(tokens))
+    assert seen == expected
+    assert relay.stats["snapshot"] == 23 * 100 + 1
+    assert relay.stats["unresolved_parent"] == 98  # past the missing chunk 1: unloadable
+    assert relay.stats["lost"] == 0 and relay.num_announced_chunks == 23 * 100 + 1 + 2
 
 
 def test_a_restarted_daemon_means_every_announced_block_is_removed(unique_name, short_tmp):

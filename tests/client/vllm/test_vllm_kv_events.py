@@ -36,8 +36,9 @@ from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Clear  # noqa: E402
 
 
-def events_instance(model_dir: str, socket: str) -> LMCachedConnector:
-    """A scheduler-side connector of an instance started with --kv-events-config."""
+def events_instance(model_dir: str, socket: str, empty: bool = True) -> LMCachedConnector:
+    """A scheduler-side connector of an instance started with --kv-events-config
+    (`empty`: the daemon holds nothing yet, so its first step announces nothing)."""
     init_none_hash(sha256)
     vllm_config = create_vllm_config(model_dir, socket, kv_events_interval_s=0)
     vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True,
@@ -45,7 +46,8 @@ def events_instance(model_dir: str, socket: str) -> LMCachedConnector:
     connector = LMCachedConnector(vllm_config, KVConnectorRole.SCHEDULER,
                                   create_kv_cache_config())
     assert connector.event_relay is not None
-    assert connector.take_events() == []  # subscribes
+    if empty:
+        assert connector.take_events() == []  # subscribes
     return connector
 
 
@@ -90,6 +92,25 @@ def test_an_instance_announces_what_another_stored_in_its_own_block_hashes(
         assert all(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in removed)
         assert sorted(h for e in removed for h in e.block_hashes) == sorted(expected)
         assert listener.event_relay.num_announced_chunks == 0
+    finally:
+        listener.shutdown()
+
+
+def test_an_instance_started_after_the_store_announces_what_the_daemon_holds(
+        model_dir, engine_factory, daemon):
+    """Instance A stored a prompt before instance B started: B's first steps announce
+    it (the daemon's snapshot), in B's block hashes, each block once."""
+    prompt = prompt_of(100, seed=13)
+    store_from_another_instance(engine_factory, prompt)  # 3 full chunks of 32
+    listener = events_instance(model_dir, daemon.socket, empty=False)
+    try:
+        stored = take_until(listener, lambda e: len(e) >= 3)
+        expected = own_block_hashes(prompt)[:3 * CHUNK // BLOCK]
+        assert [h for e in stored for h in e.block_hashes] == expected
+        assert [e.medium for e in stored] == ["CPU"] * 3
+        assert stored[0].parent_block_hash is None
+        assert listener.take_events() == []  # announced once
+        assert listener.event_relay.stats["snapshot"] == 3
     finally:
         listener.shutdown()
 

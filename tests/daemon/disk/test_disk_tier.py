@@ -715,11 +715,14 @@ def test_a_cancelled_write_ahead_erases_the_slot_of_the_chunk_it_evicted(disk_se
     session = stored_and_settled(service)
     tier = service.disk
     index = tier.index
+    num_unused = len(index.free_slots)
     index.free_slots.clear()  # every later write takes the slot of the disk LRU's chunk
     victims = {e.slot: key for key, e in index.entries.items()}
     store_both(service, session, settled=False)  # write-aheads overtaken by evictions
-    settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
-    service.jobs.process_completions()
+    # Settled once every slot is indexed or back among the empty ones: no write and no
+    # erase (queued, or on a writer thread) is left.
+    settle(service, lambda: len(tier._writes) == 0 and not tier._writing and
+           len(index.entries) + len(index.free_slots) + num_unused == index.num_slots)
     forgotten = set(victims) - {e.slot for e in index.entries.values()}
     assert forgotten, "no chunk was evicted from the disk"
     restarted, _ = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)

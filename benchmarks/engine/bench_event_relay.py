@@ -1,0 +1,236 @@
+"""What announcing the daemon's chunks costs an engine's step, and how late the announcement is.
+
+The engine side of the KV event feed (docs/kv-events.md): a vLLM scheduler calls the
+connector's `take_events()` once per step, which polls the daemon through an
+`EventRelay` (client/serving/events.py) and turns each chunk event into vLLM's
+`BlockStored` / `BlockRemoved` in the instance's own block hashes. Measured here, against
+one private daemon, the relay in this process as the connector holds it:
+
+    step cost, 0 events   take_events() when nothing happened: with the connector's
+                          default interval (kv_events_interval_s = 0.01, most calls send
+                          nothing) and with a round trip on every call (interval 0)
+    step cost, N events   take_events() that returns the chunks of the prompts another
+                          client stored since the last step (N chunk events, each hashed
+                          into chunk_size / block_size engine blocks)
+    lag                   a writer process stores a prompt every 20 ms; the time from its
+                          store's return to the step that announces its first chunk, the
+                          relay polled once per `step_s` (a vLLM step), median and p99
+    attach                a relay attaching to the daemon holding every chunk stored
+                          above: the steps its snapshot takes and their cost
+
+With vLLM importable (run under the vLLM venv), `take_events()` is the connector's own
+(vLLM's sha256 block hash and event classes, `client/vllm/kv_events.py`); otherwise a
+stand-in hash (sha256 of the pickled block, as vLLM's) and the relay's own events.
+
+    python -m benchmarks.engine.bench_event_relay [--quick] [--out DIR]
+"""
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine_info, record_block_size, running_daemon
+from lmcached.client import CacheEngine, KVLayout
+from lmcached.client.serving.events import EventRelay
+
+LAYOUT = KVLayout("bench-relay", num_layers=2, num_kv_heads=2, head_size=16,
+                  dtype="bfloat16", chunk_size=256)
+BLOCK_SIZE = 16  # vLLM's default block size
+PROMPT_TOKENS = 4096  # 16 chunks a prompt
+
+
+def _take_events_fn(relay: EventRelay):
+    """(take_events, name): the connector's conversion when vLLM is importable."""
+    try:
+        from lmcached.client.vllm.kv_events import to_vllm_events
+    except ImportError:
+        return relay.poll, "relay.poll (stand-in sha256 hash, no vLLM)"
+    return (lambda: to_vllm_events(relay.poll())), "to_vllm_events(relay.poll()) (vLLM sha256)"
+
+
+def _hasher():
+    """vLLM's sha256 block hash when vLLM is importable, else the same construction."""
+    try:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core import kv_cache_utils
+        from lmcached.client.vllm.kv_events import vllm_block_hasher
+    except ImportError:
+        def block_hash(parent, token_ids, extra):
+            return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra),
+                                               protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        return block_hash
+    kv_cache_utils.init_none_hash(sha256)
+    return vllm_block_hasher("sha256")
+
+
+def _relay(socket: str, interval_s: float, snapshot: bool = False) -> EventRelay:
+    """A relay as the connector makes it; without a snapshot unless asked (the step and
+    lag figures are of a relay that follows the live feed)."""
+    return EventRelay(LAYOUT.to_wire(), BLOCK_SIZE, _hasher(), socket=socket,
+                      max_events=1024, min_interval_s=interval_s, timeout_s=5.0,
+                      snapshot=snapshot)
+
+
+def _prompt(i: int) -> torch.Tensor:
+    tokens = torch.arange(PROMPT_TOKENS, dtype=torch.int64) % 30_000 + 1
+    tokens[0] = 100_000 + i  # a new chain per prompt
+    return tokens
+
+
+def _quantiles_us(samples_s: list[float]) -> dict[str, float]:
+    data = np.array(samples_s) * 1e6
+    return {"median_us": round(float(np.median(data)), 1),
+            "p99_us": round(float(np.percentile(data, 99)), 1),
+            "mean_us": round(float(data.mean()), 1), "calls": len(samples_s)}
+
+
+def idle_step_cost(socket: str, interval_s: float, num_calls: int,
+                   step_s: float) -> dict[str, float]:
+    """take_events() with nothing to announce, called every `step_s`."""
+    relay = _relay(socket, interval_s)
+    take, _ = _take_events_fn(relay)
+    take()  # connects and subscribes
+    samples = []
+    for _ in range(num_calls):
+        started = time.perf_counter()
+        out = take()
+        samples.append(time.perf_counter() - started)
+        assert out == [], out
+        time.sleep(step_s)
+    relay.close()
+    return _quantiles_us(samples)
+
+
+def busy_step_cost(socket: str, prompts_per_step: int, num_steps: int,
+                   counter: list) -> dict[str, float]:
+    """take_events() returning the chunks of `prompts_per_step` prompts stored since."""
+    relay = _relay(socket, 0.0)
+    take, _ = _take_events_fn(relay)
+    take()
+    engine = CacheEngine.connect(LAYOUT, socket=socket, strict=True)
+    kv = torch.zeros(LAYOUT.chunk_shape(PROMPT_TOKENS), dtype=torch.bfloat16)
+    samples, num_events = [], []
+    for _ in range(num_steps):
+        for _ in range(prompts_per_step):
+            counter[0] += 1
+            engine.store(_prompt(counter[0]), kv)
+        started = time.perf_counter()
+        out = take()
+        samples.append(time.perf_counter() - started)
+        num_events.append(len(out))
+    engine.close()
+    relay.close()
+    result = _quantiles_us(samples)
+    chunks = prompts_per_step * PROMPT_TOKENS // LAYOUT.chunk_size
+    result.update(chunk_events_per_step=chunks, events_per_step=statistics.median(num_events),
+                  us_per_chunk=round(result["median_us"] / chunks, 2))
+    return result
+
+
+def _writer(socket: str, first: int, count: int, period_s: float, times) -> None:
+    """Store `count` prompts, one every `period_s`; report (index, monotonic time after
+    the store returned) of each."""
+    engine = CacheEngine.connect(LAYOUT, socket=socket, strict=True)
+    kv = torch.zeros(LAYOUT.chunk_shape(PROMPT_TOKENS), dtype=torch.bfloat16)
+    out = []
+    for i in range(first, first + count):
+        engine.store(_prompt(i), kv)
+        out.append((i, time.monotonic()))
+        time.sleep(period_s)
+    engine.close()
+    times.put(out)
+
+
+def lag(socket: str, step_s: float, count: int, counter: list) -> dict[str, float]:
+    """Store-to-announcement lag of prompts a writer process stores, the relay polled
+    once per `step_s`."""
+    relay = _relay(socket, 0.0)
+    relay.poll()
+    first = counter[0] + 1
+    counter[0] += count
+    ctx = multiprocessing.get_context("spawn")
+    times = ctx.Queue()
+    proc = ctx.Process(target=_writer, args=(socket, first, count, 0.02, times))
+    proc.start()
+    seen: dict[int, float] = {}
+    deadline = time.monotonic() + 120
+    while len(seen) < count and time.monotonic() < deadline:
+        events = relay.poll()
+        now = time.monotonic()
+        for event in events:
+            if event.kind == "stored" and event.parent_block_hash is None:
+                i = event.token_ids[0] - 100_000
+                if first <= i < first + count:
+                    seen.setdefault(i, now)
+        time.sleep(step_s)
+    stored = dict(times.get(timeout=60))
+    proc.join(timeout=30)
+    relay.close()
+    lags = [seen[i] - stored[i] for i in stored if i in seen]
+    result = _quantiles_us(lags)
+    result.update(step_s=step_s, prompts=count, announced=len(lags))
+    return result
+
+
+def attach_cost(socket: str, step_s: float) -> dict[str, float]:
+    """A relay attaching to the daemon as it is (every chunk stored so far): the steps
+    its snapshot takes (at most max_events = 1024 chunk events a step) and their cost."""
+    relay = _relay(socket, 0.0, snapshot=True)
+    take, _ = _take_events_fn(relay)
+    samples, announced = [], 0
+    while True:
+        started = time.perf_counter()
+        announced += len(take())
+        samples.append(time.perf_counter() - started)
+        if relay.stats["polls"] and not relay.snapshot_left:
+            break
+        time.sleep(step_s)
+    result = _quantiles_us(samples)
+    result.update(steps=len(samples), max_us=round(max(samples) * 1e6, 1),
+                  chunks_announced=relay.stats["snapshot"], block_events=announced)
+    relay.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls and prompts")
+    parser.add_argument("--out", help="directory for results.json")
+    args = parser.parse_args()
+    calls, steps, prompts = (200, 20, 50) if args.quick else (2000, 100, 300)
+    counter = [0]
+    with running_daemon("512MiB", record_block_size(LAYOUT)) as socket:
+        relay = _relay(socket, 0.0)
+        _, take_name = _take_events_fn(relay)
+        results = {
+            "machine": machine_info(),
+            "command": "python -m benchmarks.engine.bench_event_relay"
+                       + (" --quick" if args.quick else ""),
+            "take_events": take_name,
+            "chunk_size": LAYOUT.chunk_size,
+            "block_size": BLOCK_SIZE,
+            "step_idle_default_interval": idle_step_cost(socket, 0.01, calls, 0.002),
+            "step_idle_round_trip_every_call": idle_step_cost(socket, 0.0, calls, 0.002),
+            "step_16_chunks": busy_step_cost(socket, 1, steps, counter),
+            "step_64_chunks": busy_step_cost(socket, 4, steps, counter),
+            "lag_step_10ms": lag(socket, 0.01, prompts, counter),
+            "lag_step_0": lag(socket, 0.0, prompts, counter),
+            "attach_snapshot": attach_cost(socket, 0.002),
+        }
+    print(json.dumps(results, indent=2))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
