@@ -22,7 +22,8 @@ LOG_INTERVAL_S = 60.0
 
 
 class HookGuard:
-    """Counts the exceptions caught at the connector's hooks; logs them, rate limited.
+    """Counts the exceptions caught at an engine integration's hooks (the vLLM connector,
+    the SGLang storage backend); logs them, rate limited.
 
     Args:
         log_interval_s: at most one log line per hook in this many seconds (the others
@@ -60,7 +61,7 @@ class HookGuard:
             return
         self._logged_at[hook] = now
         unlogged = self._unlogged.pop(hook, 0)
-        logger.error("lmcached connector: %s failed (%s: %s); %s. lmcached is a cache: the "
+        logger.error("lmcached: %s failed (%s: %s); %s. lmcached is a cache: the "
                      "engine serves on (%d such failures in this hook, %d not logged since the "
                      "last line)", hook, type(exc).__name__, exc, fallback,
                      self.failures[hook], unlogged, exc_info=exc)

@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.pages import (
     copy_runs,
     keys_tokens,
@@ -80,7 +81,9 @@ class LmcachedStorage(HiCacheStorage):
 
     Attributes:
         num_exists_pages / num_hit_pages / num_miss_pages / num_stored_pages /
-        num_skipped_pages / num_failures: plain counters (`get_stats`).
+        num_skipped_pages: plain counters (`get_stats`).
+        hook_guard: failures other than the daemon's absence, per call (`get_stats`
+            "failures"; the serving core's `HookGuard`, as the vLLM connector's hooks).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
@@ -109,8 +112,8 @@ class LmcachedStorage(HiCacheStorage):
         self.runs_per_page = 0
         self.page_bytes = 0
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
-        self.num_stored_pages = self.num_skipped_pages = self.num_failures = 0
-        self._warned: set[str] = set()
+        self.num_stored_pages = self.num_skipped_pages = 0
+        self.hook_guard = HookGuard()
 
     # ----------------------------------------------------------- namespace
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -399,7 +402,7 @@ class LmcachedStorage(HiCacheStorage):
             "miss_pages": self.num_miss_pages,
             "stored_pages": self.num_stored_pages,
             "skipped_pages": self.num_skipped_pages,
-            "failures": self.num_failures,
+            "failures": self.hook_guard.num_failures,
             "verify_failures": self.chain.num_verify_failures if self.chain else 0,
         }
 
@@ -409,11 +412,7 @@ class LmcachedStorage(HiCacheStorage):
             self.link.close()
 
     def _failed(self, what: str, exc: BaseException, default):
-        """Count a failure that is not the daemon's absence, log it once, answer `default`."""
-        self.num_failures += 1
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning("lmcached: %s failed (%s: %s): answered as a miss; further "
-                           "failures are only counted (get_stats)", what,
-                           type(exc).__name__, exc)
+        """Count a failure that is not the daemon's absence (`HookGuard`: logged at most
+        once a minute per call), answer `default` (a miss)."""
+        self.hook_guard.caught(what, exc, "answered as a miss")
         return default
