@@ -5,6 +5,7 @@ the same run (these machines are shared and noisy; ratios taken together hold).
 """
 
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -60,6 +61,15 @@ def record_block_size(layout) -> str:
     the arena holds fewer than 16 records, and views then copy the layers that cross a
     block boundary)."""
     return str(-(-layout.record_bytes(layout.chunk_size) // 4096) * 4096)
+
+
+def write_results(results: dict, out_dir: str | None) -> None:
+    """Print `results` as JSON, and write them to `out_dir`/results.json when given."""
+    print(json.dumps(results, indent=2))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
 
 
 def daemon_info(socket: str, section: str | None = None) -> dict:

@@ -27,9 +27,7 @@ stand-in hash (sha256 of the pickled block, as vLLM's) and the relay's own event
 
 import argparse
 import hashlib
-import json
 import multiprocessing
-import os
 import pickle
 import statistics
 import time
@@ -37,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import machine_info, record_block_size, running_daemon
+from benchmarks.common import machine_info, record_block_size, running_daemon, write_results
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.serving.events import EventRelay
 
@@ -225,11 +223,7 @@ def main() -> None:
             "lag_step_0": lag(socket, 0.0, prompts, counter),
             "attach_snapshot": attach_cost(socket, 0.002),
         }
-    print(json.dumps(results, indent=2))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ is that cost alone (EventFeed.stored, in process), against `store_us_per_chunk_n
 """
 
 import argparse
-import json
 import multiprocessing
-import os
 import random
 import statistics
 import time
@@ -29,7 +27,7 @@ import timeit
 
 import torch
 
-from benchmarks.common import machine_info, record_block_size, running_daemon
+from benchmarks.common import machine_info, record_block_size, running_daemon, write_results
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.daemon.events import EventFeed
 from lmcached.wire.connection import Connection, hello
@@ -153,11 +151,7 @@ def main() -> None:
         "publish_ns_per_event": round(publish_ns(), 1),
         "store_us_per_chunk_none": round(1e6 / none / (PROMPT_TOKENS // LAYOUT.chunk_size), 2),
     }
-    print(json.dumps(results, indent=2))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":
