@@ -52,6 +52,7 @@ DEFAULT_CAPACITY = 1 << 16  # events kept (~ 64k chunks = 16M tokens at chunk si
 MAX_REPLY_EVENTS = 4096  # events in one EVENTS reply at most
 MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most (frame: 1 MiB)
 SNAPSHOT_SCAN_FACTOR = 8  # snapshot keys examined per event an EVENTS page may return
+RING_SCAN_FACTOR = 2  # ring slots examined per event an EVENTS page may return
 EVENTS_PER_UNIT = 1024  # events or keys examined per unit of the per-pass budget
 
 STORED, REMOVED = "stored", "removed"
@@ -231,7 +232,7 @@ class EventFeed:
 
         Returns:
             (events, next cursor, events lost before `cursor` could be read). At most
-            `max_events` times SNAPSHOT_SCAN_FACTOR ring slots are examined, filtered
+            `max_events` times RING_SCAN_FACTOR ring slots are examined, filtered
             ones included (a page's cost is bounded whatever the subscriber filters out:
             the next cursor then moves on with no events), and the token ids stay within
             MAX_REPLY_TOKEN_BYTES but for the first event's, as `read_snapshot`.
@@ -244,7 +245,7 @@ class EventFeed:
             lost = oldest - cursor
             cursor = oldest
         limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
-        end = min(head, cursor + limit * SNAPSHOT_SCAN_FACTOR)  # filtered ones count too
+        end = min(head, cursor + limit * RING_SCAN_FACTOR)  # filtered ones count too
         out: list[ChunkEvent] = []
         token_bytes = 0
         first = cursor

@@ -23,7 +23,7 @@ from lmcached.daemon.events import (
     EVENTS_PER_UNIT,
     MAX_REPLY_EVENTS,
     MAX_REPLY_TOKEN_BYTES,
-    SNAPSHOT_SCAN_FACTOR,
+    RING_SCAN_FACTOR,
 )
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
@@ -98,18 +98,18 @@ def test_a_snapshot_page_fits_a_frame_too(make_service):
 
 def test_a_poll_examines_a_bounded_number_of_filtered_events_and_is_priced_by_them(service):
     """A subscriber of a quiet namespace that polls from the ring's oldest event examines
-    at most MAX_REPLY_EVENTS * SNAPSHOT_SCAN_FACTOR events per EVENTS (the cursor moves
+    at most MAX_REPLY_EVENTS * RING_SCAN_FACTOR events per EVENTS (the cursor moves
     on with no events), and pays for them in the per-pass budget (`work_units`): a
     pipeline of such polls cannot hold the loop for the others."""
     writer = greeted(service, LAYOUT)
     feed = service.events
-    for i in range(3 * MAX_REPLY_EVENTS * SNAPSHOT_SCAN_FACTOR):  # published, not stored
+    for i in range(3 * MAX_REPLY_EVENTS * RING_SCAN_FACTOR):  # published, not stored
         feed.stored(b"c" + (1).to_bytes(4, "little") + i.to_bytes(16, "little"), b"", 0)
     reader = greeted(service, layout(model_name="quiet"))
     assert service.handle(reader, Subscribe([2])).cursor == feed.head
     assert writer is not None
     reply = service.handle(reader, Events(1, 0, False))
-    examined = MAX_REPLY_EVENTS * SNAPSHOT_SCAN_FACTOR
+    examined = MAX_REPLY_EVENTS * RING_SCAN_FACTOR
     assert reply.events == [] and reply.cursor == max(1, feed.head - feed.capacity) + examined
     assert service.work_units == 1 + examined // EVENTS_PER_UNIT
     service.handle(reader, Events(feed.head - 3, 0, False))
