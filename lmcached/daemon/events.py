@@ -116,7 +116,7 @@ class EventFeed:
         self.num_lost = 0
         self.num_snapshot_events = 0
         self.parents: dict[bytes, bytes] = {}
-        self.fingerprints: dict = {}  # layout -> namespace fingerprint (`_fingerprints`)
+        self.fingerprints: dict = {}  # ns id -> (layout, its fingerprint) (`_fingerprints`)
         self.examined = 0  # events or snapshot keys the last read examined (its price)
 
     # ------------------------------------------------------------- publishing
@@ -301,14 +301,17 @@ def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
 
 # ---------------------------------------------------------------- request handlers
 def _fingerprints(service) -> dict[int, bytes]:
-    """Namespace id -> its fingerprint, of every namespace alive (cached per layout)."""
+    """Namespace id -> its fingerprint, of every namespace alive. Cached per namespace id
+    with the layout it was computed for: ids are given again once free, so the cache
+    holds at most one entry per id the registry ever gave (MAX_NAMESPACES), however many
+    layouts sessions register and leave."""
     cache = service.events.fingerprints
     out = {}
     for ns, layout in service.ns_registry.layouts.items():
-        fp = cache.get(layout)
-        if fp is None:
-            fp = cache[layout] = namespace_fingerprint(layout)
-        out[ns] = fp
+        entry = cache.get(ns)
+        if entry is None or entry[0] is not layout:
+            entry = cache[ns] = (layout, namespace_fingerprint(layout))
+        out[ns] = entry[1]
     return out
 
 

@@ -1,6 +1,7 @@
 """The chunk event feed against hostile clients (lmcached/daemon/events.py): a record
 that states more token ids than a frame holds, a poll that examines a whole ring of
-filtered events, a SUBSCRIBE storm with snapshots, and a peer outside the daemon's uid
+filtered events, a SUBSCRIBE storm with snapshots, sessions cycling through made-up
+layouts, and a peer outside the daemon's uid
 asking for another user's namespaces. Every reply fits a frame, every request is priced
 by its work in the per-pass budget, and a peer outside the daemon's uid sees only the
 namespaces its own HELLO registered."""
@@ -149,3 +150,16 @@ def test_a_peer_of_another_uid_subscribes_to_its_own_namespaces_only(service):
     stranger = service.open_session(os.getpid(), other_uid, 0)
     reply = service.handle(stranger, Subscribe([]))
     assert error_code(reply) == "forbidden" and "HELLO" in reply.message
+
+
+def test_the_fingerprint_cache_holds_the_namespaces_alive_only(service):
+    """Sessions that each HELLO new layouts, SUBSCRIBE and close leave the feed's
+    fingerprint cache no larger than the namespaces alive: a client cycling through
+    made-up layouts cannot grow the daemon's memory."""
+    for i in range(50):
+        session = greeted(service, *(layout(model_name=f"m{i}-{j}") for j in range(8)))
+        assert isinstance(service.handle(session, Subscribe([])), SubscribeReply)
+        service.handle(session, Events(0))
+        service.close_session(session)
+    assert len(service.ns_registry.layouts) == 0
+    assert len(service.events.fingerprints) <= 8
