@@ -37,7 +37,12 @@ from lmcached.wire.protocol import (
     Subscribe,
     SubscribeReply,
 )
-from lmcached.wire.record_format import RECORD_HEADER_BYTES, ROOT_HASH, hash_block_tokens, write_header
+from lmcached.wire.record_format import (
+    RECORD_HEADER_BYTES,
+    ROOT_HASH,
+    hash_block_tokens,
+    write_header,
+)
 
 BIG_BLOCK = 2 << 20  # a block of a large model's chunk (tens of MB on a 70B model)
 
