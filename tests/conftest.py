@@ -99,7 +99,7 @@ class DaemonProcess:
 
 def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None,
                  preexec_fn=None) -> DaemonProcess:
-    """Start `lmcached serve` and wait (deadline) until it answers PING."""
+    """Start `lmcached serve` and wait (deadline) until it serves (`launcher.start_daemon`)."""
     try:
         proc = launcher.start_daemon(name, socket_path, *args, log_path=log_path, env=env,
                                      timeout_s=DAEMON_START_DEADLINE_S, preexec_fn=preexec_fn)
