@@ -231,7 +231,9 @@ class EventFeed:
                 event on the wire, or None when the subscriber's filter drops it.
 
         Returns:
-            (events, next cursor, events lost before `cursor` could be read). At most
+            (events, next cursor, events lost before `cursor` could be read; counted
+            in `num_lost` once, however often a subscriber polls from a cursor it had
+            passed: a client rewinding does not inflate the operators' figure). At most
             `max_events` times RING_SCAN_FACTOR ring slots are examined, filtered
             ones included (a page's cost is bounded whatever the subscriber filters out:
             the next cursor then moves on with no events), and the token ids stay within
@@ -240,9 +242,10 @@ class EventFeed:
         head, capacity, ring = self.head, self.capacity, self._ring
         cursor = min(max(cursor, 1), head)
         oldest = max(1, head - capacity)
-        lost = 0
+        lost = newly_lost = 0
         if cursor < oldest:
             lost = oldest - cursor
+            newly_lost = oldest - max(cursor, min(sub.cursor, oldest))  # not counted before
             cursor = oldest
         limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
         end = min(head, cursor + limit * RING_SCAN_FACTOR)  # filtered ones count too
@@ -260,8 +263,8 @@ class EventFeed:
         self.examined = cursor - first
         sub.cursor = cursor
         sub.delivered += len(out)
-        sub.lost += lost
-        self.num_lost += lost
+        sub.lost += newly_lost
+        self.num_lost += newly_lost
         return out, cursor, lost
 
     def info(self) -> dict[str, int]:

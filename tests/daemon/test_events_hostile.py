@@ -168,3 +168,19 @@ def test_the_fingerprint_cache_holds_the_namespaces_alive_only(service):
         service.close_session(session)
     assert len(service.ns_registry.layouts) == 0
     assert len(service.events.fingerprints) <= 8
+
+
+def test_polling_again_from_an_overwritten_cursor_counts_its_loss_once(make_service):
+    """Each reply tells the subscriber what it lost from the cursor it asked for, but
+    INFO `events_lost` (an operator's alert) counts each lost event once per
+    subscriber: a client rewinding to cursor 1 again and again does not inflate it."""
+    service = make_service()
+    feed = service.events = type(service.events)(8)
+    session = greeted(service, LAYOUT)
+    service.handle(session, Subscribe([], 1))
+    for i in range(20):
+        feed.stored(b"c" + (1).to_bytes(4, "little") + i.to_bytes(16, "little"), b"", 0)
+    for _ in range(5):
+        reply = service.handle(session, Events(1))
+        assert reply.lost == 12 and len(reply.events) == 8
+    assert feed.info()["events_lost"] == 12
