@@ -16,15 +16,17 @@ import time
 from typing import Iterator
 
 from lmcached.wire.connection import Connection, DaemonError
-from lmcached.wire.protocol import Ping
+from lmcached.wire.protocol import Info
 from lmcached.shm.janitor import sweep_orphans
 
 
 def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None = None,
                  env: dict | None = None, timeout_s: float = 120.0,
                  preexec_fn=None) -> subprocess.Popen:
-    """Start a daemon and wait (deadline) until it answers PING (not `loading`: its
-    arena is prefaulted).
+    """Start a daemon and wait (deadline) until it serves: INFO `server` says
+    `loading` 0 (its arena is prefaulted). INFO is answered while it loads, so the wait
+    adds nothing to the daemon's error counts (a PING then would count in
+    `errors_loading`).
 
     Args:
         name: daemon name (`--name`).
@@ -32,7 +34,7 @@ def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None 
         serve_args: more `lmcached serve` options, e.g. "--capacity", "64MiB".
         log_path: file for its stdout and stderr (inherited when None).
         env: its environment (this process's when None).
-        timeout_s: how long to wait for the first PING answer.
+        timeout_s: how long to wait for it to serve.
         preexec_fn: run in the child before exec (e.g. to set resource limits).
 
     Raises:
@@ -53,16 +55,17 @@ def start_daemon(name: str, socket: str, *serve_args: str, log_path: str | None 
             raise RuntimeError(f"the daemon exited with status {proc.returncode}")
         try:
             with Connection(socket, timeout_s=5) as conn:
-                conn.request(Ping())
-            return proc
-        except (OSError, DaemonError) as exc:
-            if isinstance(exc, DaemonError) and exc.code != "loading":  # "loading": not yet
-                stop_daemon(proc)
-                raise RuntimeError(f"the daemon refused PING: {exc}") from None
-            if time.monotonic() > deadline:
-                stop_daemon(proc)
-                raise RuntimeError(f"the daemon did not answer within {timeout_s:.0f} s") from None
-            time.sleep(0.05)
+                if not conn.request(Info("server")).sections["server"]["loading"]:
+                    return proc
+        except DaemonError as exc:
+            stop_daemon(proc)
+            raise RuntimeError(f"the daemon refused INFO: {exc}") from None
+        except OSError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            stop_daemon(proc)
+            raise RuntimeError(f"the daemon did not serve within {timeout_s:.0f} s") from None
+        time.sleep(0.05)
 
 
 def stop_daemon(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:

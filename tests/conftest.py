@@ -9,6 +9,7 @@ import time
 import uuid
 
 import msgspec
+import psutil
 import pytest
 
 from lmcached import launcher
@@ -31,9 +32,36 @@ VLLM_SEGMENT_PREFIX = "vllm_dist_"  # vLLM's TP message queues (tests/client/vll
 
 
 def our_segments() -> set[str]:
-    """Segments in /dev/shm created by this test run, and any of vLLM's."""
+    """Segments in /dev/shm named by this test run, and every one of vLLM's (random
+    names: `leaked_segments` tells this run's from other processes')."""
     ours = {s for s in list_segments() if s.startswith(f"lmcached.{TEST_NAME_PREFIX}")}
     return ours | {s for s in os.listdir("/dev/shm") if s.startswith(VLLM_SEGMENT_PREFIX)}
+
+
+def _held_by_others(names: set[str]) -> set[str]:
+    """Those of `names` (in /dev/shm) that a process outside this test run (not this
+    process nor a descendant of it) has mapped or open: another run's live vLLM."""
+    paths = {f"/dev/shm/{name}": name for name in names}
+    me, held = os.getpid(), set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == me or any(p.pid == me for p in proc.parents()):
+                continue
+            found = {paths[m.path] for m in proc.memory_maps(grouped=True) if m.path in paths}
+            found |= {paths[f.path] for f in proc.open_files() if f.path in paths}
+        except (psutil.Error, OSError):
+            continue  # gone, or not ours to read
+        held |= found
+    return held
+
+
+def leaked_segments(before: set[str]) -> set[str]:
+    """Segments of this test run in /dev/shm that were not there at `before`: ours by
+    name, and vLLM's that no process outside this run holds (vLLM names them at random,
+    and other test runs on the machine create theirs meanwhile)."""
+    new = our_segments() - before
+    vllm = {s for s in new if s.startswith(VLLM_SEGMENT_PREFIX)}
+    return new - _held_by_others(vllm) if vllm else new
 
 
 @pytest.fixture
@@ -51,10 +79,10 @@ def no_leaked_segments():
     before = our_segments()
     yield
     deadline = time.monotonic() + SEGMENT_LEAK_DEADLINE_S
-    leaked = our_segments() - before
+    leaked = leaked_segments(before)
     while leaked and time.monotonic() < deadline:
         time.sleep(0.05)
-        leaked = our_segments() - before
+        leaked = leaked_segments(before)
     for entry in leaked:
         try:
             os.unlink(os.path.join("/dev/shm", entry))
@@ -99,7 +127,7 @@ class DaemonProcess:
 
 def start_daemon(name: str, socket_path: str, log_path: str, *args: str, env=None,
                  preexec_fn=None) -> DaemonProcess:
-    """Start `lmcached serve` and wait (deadline) until it answers PING."""
+    """Start `lmcached serve` and wait (deadline) until it serves (`launcher.start_daemon`)."""
     try:
         proc = launcher.start_daemon(name, socket_path, *args, log_path=log_path, env=env,
                                      timeout_s=DAEMON_START_DEADLINE_S, preexec_fn=preexec_fn)

@@ -4,7 +4,8 @@ Why this file exists: the daemon must answer every frame a client can send with 
 or a counted refusal, never an internal error, and leave nothing pinned or being written
 once the clients are gone, whatever the client puts in the fields it chooses: chain
 `parent` hashes (right, wrong, of the wrong length), tenant fingerprints (real, made
-up, of the wrong length, far more than the table holds), every integer at the edges
+up, of the wrong length, far more than the table holds), event feed subscriptions and
+polls (any namespaces, cursors, page sizes, snapshots), every integer at the edges
 msgpack can carry (2**63, 2**64 - 1, -1, -2**63, one past each bound), leases and block
 ids really held or not. CacheBlend's request parameters (`lmcached_blend`) go through
 the vLLM scheduler side's own parse path (`BlendScheduler.get_num_new_matched_tokens`,
@@ -104,7 +105,7 @@ class Fuzzer:
         first, hashes = self.hashes()
         held = rng.choice(self.leases) if self.leases else 1
         block = rng.choice(self.block_ids) if self.block_ids else 1
-        kind = rng.randrange(12)
+        kind = rng.randrange(14)
         if kind < 3:
             return ["lookup", self.namespaces(), hashes, self.parent(first), self.tenant()]
         if kind < 6:
@@ -128,6 +129,12 @@ class Fuzzer:
                                ["clients", self.integer(0), self.integer(0)],
                                ["put", self.integer(3), "k", self.integer(100)],
                                ["get", self.integer(3), "k"]])
+        if kind == 12:
+            return ["subscribe", self.namespaces(), self.integer(rng.choice([0, 1, 10**6])),
+                    rng.random() < 0.5]
+        if kind == 13:
+            return ["events", self.integer(rng.choice([0, 1, 10**6])),
+                    self.integer(rng.choice([0, 1, 4096, 5000])), rng.random() < 0.5]
         return ["hello", self.integer(PROTOCOL_VERSION), self.integer(1), "again", RANKS]
 
     def note(self, reply) -> None:

@@ -34,6 +34,7 @@ cached chunk's parent hash (`parents`) so that a snapshot's chains resolve.
 """
 
 import dataclasses
+import os
 
 from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.spill.envelope import namespace_fingerprint
@@ -51,6 +52,8 @@ DEFAULT_CAPACITY = 1 << 16  # events kept (~ 64k chunks = 16M tokens at chunk si
 MAX_REPLY_EVENTS = 4096  # events in one EVENTS reply at most
 MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most (frame: 1 MiB)
 SNAPSHOT_SCAN_FACTOR = 8  # snapshot keys examined per event an EVENTS page may return
+RING_SCAN_FACTOR = 2  # ring slots examined per event an EVENTS page may return
+EVENTS_PER_UNIT = 1024  # events or keys examined per unit of the per-pass budget
 
 STORED, REMOVED = "stored", "removed"
 MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
@@ -98,6 +101,8 @@ class EventFeed:
         num_snapshot_events: snapshot events sent, summed over subscribers.
         parents: arena chunk key -> the chunk hash before it in its chain, for each
             cached chunk whose parent its ALLOC named (snapshots read it).
+        examined: ring slots or snapshot keys the last `read` / `read_snapshot`
+            examined, filtered ones included: what the request costs the loop.
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -111,7 +116,8 @@ class EventFeed:
         self.num_lost = 0
         self.num_snapshot_events = 0
         self.parents: dict[bytes, bytes] = {}
-        self.fingerprints: dict = {}  # layout -> namespace fingerprint (`_fingerprints`)
+        self.fingerprints: dict = {}  # ns id -> (layout, its fingerprint) (`_fingerprints`)
+        self.examined = 0  # events or snapshot keys the last read examined (its price)
 
     # ------------------------------------------------------------- publishing
     def _publish(self, event: tuple) -> None:
@@ -164,7 +170,9 @@ class EventFeed:
                       resolve) -> list[ChunkEvent]:
         """The next page of `sub`'s snapshot: at most `max_events` events (0:
         MAX_REPLY_EVENTS, which also caps it), of at most SNAPSHOT_SCAN_FACTOR times as
-        many keys examined (a page's cost is bounded whatever the other namespaces hold).
+        many keys examined (a page's cost is bounded whatever the other namespaces hold),
+        and at most MAX_REPLY_TOKEN_BYTES of token ids but for its first event (a reply
+        always fits a frame: `read_token_ids` caps one event's).
 
         Args:
             sub: a subscription with a snapshot left to page.
@@ -181,19 +189,24 @@ class EventFeed:
         parents = self.parents
         out: list[ChunkEvent] = []
         token_bytes = 0
-        while pos < end and len(out) < limit and token_bytes < MAX_REPLY_TOKEN_BYTES:
+        while pos < end and len(out) < limit:
             key = keys[pos]
-            pos += 1
             if key[0] != _CHUNK_TAG:
+                pos += 1
                 continue
             block_id = still_cached(key)
             if block_id < 0:
+                pos += 1
                 continue  # left the arena since: its removal is in the live events
             event = resolve((0, STORED, MEDIUM_ARENA, key, parents.get(key, b""), block_id),
                             True, sub)
             if event is not None:
+                if out and token_bytes + len(event.token_ids) > MAX_REPLY_TOKEN_BYTES:
+                    break  # the next page's first event: the reply stays within a frame
                 out.append(event)
                 token_bytes += len(event.token_ids)
+            pos += 1
+        self.examined = pos - sub.snapshot_pos
         sub.snapshot_pos = pos
         if pos >= len(keys):
             sub.snapshot, sub.snapshot_pos = None, 0
@@ -218,28 +231,40 @@ class EventFeed:
                 event on the wire, or None when the subscriber's filter drops it.
 
         Returns:
-            (events, next cursor, events lost before `cursor` could be read).
+            (events, next cursor, events lost before `cursor` could be read; counted
+            in `num_lost` once, however often a subscriber polls from a cursor it had
+            passed: a client rewinding does not inflate the operators' figure). At most
+            `max_events` times RING_SCAN_FACTOR ring slots are examined, filtered
+            ones included (a page's cost is bounded whatever the subscriber filters out:
+            the next cursor then moves on with no events), and the token ids stay within
+            MAX_REPLY_TOKEN_BYTES but for the first event's, as `read_snapshot`.
         """
         head, capacity, ring = self.head, self.capacity, self._ring
         cursor = min(max(cursor, 1), head)
         oldest = max(1, head - capacity)
-        lost = 0
+        lost = newly_lost = 0
         if cursor < oldest:
             lost = oldest - cursor
+            newly_lost = oldest - max(cursor, min(sub.cursor, oldest))  # not counted before
             cursor = oldest
         limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
+        end = min(head, cursor + limit * RING_SCAN_FACTOR)  # filtered ones count too
         out: list[ChunkEvent] = []
         token_bytes = 0
-        while cursor < head and len(out) < limit and token_bytes < MAX_REPLY_TOKEN_BYTES:
+        first = cursor
+        while cursor < end and len(out) < limit:
             event = resolve(ring[cursor % capacity], with_tokens, sub)
-            cursor += 1
             if event is not None:
+                if out and token_bytes + len(event.token_ids) > MAX_REPLY_TOKEN_BYTES:
+                    break  # the next page's first event: the reply stays within a frame
                 out.append(event)
                 token_bytes += len(event.token_ids)
+            cursor += 1
+        self.examined = cursor - first
         sub.cursor = cursor
         sub.delivered += len(out)
-        sub.lost += lost
-        self.num_lost += lost
+        sub.lost += newly_lost
+        self.num_lost += newly_lost
         return out, cursor, lost
 
     def info(self) -> dict[str, int]:
@@ -258,7 +283,9 @@ class EventFeed:
 
 def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
     """The token ids (int64 little-endian bytes) of the record in arena block `block_id`
-    when its header names `chunk_hash`, else b"" (replaced since, or not a record).
+    when its header names `chunk_hash`, else b"" (replaced since, or not a record, or
+    more than MAX_REPLY_TOKEN_BYTES of them: any writer of the namespace states the
+    count, and one reply must fit a frame whatever it states).
 
     Reads the header (64 bytes) and the token ids only: ~1 us for 256 tokens."""
     block_bytes = arena.block_bytes
@@ -267,7 +294,8 @@ def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
         parsed = read_header(header)
     except ValueError:
         return b""
-    if parsed.chunk_hash != chunk_hash or parsed.tokens_end > block_bytes:
+    if (parsed.chunk_hash != chunk_hash or parsed.tokens_end > block_bytes
+            or parsed.tokens_end - RECORD_HEADER_BYTES > MAX_REPLY_TOKEN_BYTES):
         return b""
     view = arena.numpy_view(arena.block_offset(block_id) + RECORD_HEADER_BYTES,
                             parsed.tokens_end - RECORD_HEADER_BYTES)
@@ -276,28 +304,58 @@ def read_token_ids(arena, block_id: int, chunk_hash: bytes) -> bytes:
 
 # ---------------------------------------------------------------- request handlers
 def _fingerprints(service) -> dict[int, bytes]:
-    """Namespace id -> its fingerprint, of every namespace alive (cached per layout)."""
+    """Namespace id -> its fingerprint, of every namespace alive. Cached per namespace id
+    with the layout it was computed for: ids are given again once free, so the cache
+    holds at most one entry per id the registry ever gave (MAX_NAMESPACES), however many
+    layouts sessions register and leave."""
     cache = service.events.fingerprints
     out = {}
     for ns, layout in service.ns_registry.layouts.items():
-        fp = cache.get(layout)
-        if fp is None:
-            fp = cache[layout] = namespace_fingerprint(layout)
-        out[ns] = fp
+        entry = cache.get(ns)
+        if entry is None or entry[0] is not layout:
+            entry = cache[ns] = (layout, namespace_fingerprint(layout))
+        out[ns] = entry[1]
     return out
 
 
+def subscribed_namespaces(session, namespaces: list[int]) -> list[int]:
+    """The namespaces a SUBSCRIBE of `namespaces` (empty: every one) gets: any for the
+    daemon's uid and root; for another peer (a member of --allow-group), only those its
+    own HELLO registered (empty: all of those), as INFO `tenants` shows such a peer its
+    own rows only: one user's engines do not watch another user's models.
+
+    Raises:
+        RequestError: `forbidden`, another peer asked for a namespace it did not
+            register, or for every namespace without a HELLO.
+    """
+    if session.uid in (0, os.geteuid()):
+        return namespaces
+    own = session.namespaces
+    wanted = namespaces or own
+    outside = sorted(set(wanted) - set(own))
+    if outside or not wanted:
+        raise RequestError(
+            "forbidden", f"SUBSCRIBE to namespace(s) {outside or 'all'}: a client outside "
+            "the daemon's user (uid %d) and root sees the events of the namespaces its own "
+            "HELLO registered only (%s); HELLO with the layout first, or run as the "
+            "daemon's user" % (os.geteuid(), own or "none"))
+    return list(wanted)
+
+
 def subscribe(service, session, req: Subscribe) -> SubscribeReply:
-    """SUBSCRIBE: (re)subscribe the session to the feed, for `req.namespaces`."""
+    """SUBSCRIBE: (re)subscribe the session to the feed, for `req.namespaces`
+    (`subscribed_namespaces`); priced by the snapshot's keys copied."""
     fps = _fingerprints(service)
     unknown = [ns for ns in req.namespaces if ns not in fps]
     if unknown:
         raise RequestError("bad_namespace", f"SUBSCRIBE to namespace(s) {unknown}, which "
                            "this daemon does not have (see `lmcached info clients`)")
+    namespaces = subscribed_namespaces(session, req.namespaces)
     feed = service.events
     snapshot = list(service.pool.cached) if req.snapshot and service.pool is not None else None
-    cursor = feed.subscribe(session.session_id, req.namespaces,
-                            [fps[ns] for ns in req.namespaces], req.cursor, snapshot)
+    cursor = feed.subscribe(session.session_id, namespaces,
+                            [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot)
+    service.work_units = 1 + len(snapshot or ()) // EVENTS_PER_UNIT
     return SubscribeReply(cursor, service.arena.generation, feed.capacity)
 
 
@@ -342,9 +400,11 @@ def events(service, session, req: Events) -> EventsReply:
             return span[0].block_id if span is not None else -1
 
         out = feed.read_snapshot(sub, req.max_events, still_cached, resolve)
+        service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
         if sub.snapshot is not None:
             return EventsReply(out, sub.cursor, 0,
                                len(sub.snapshot) - sub.snapshot_pos)
         return EventsReply(out, sub.cursor, 0, 0)
     out, cursor, lost = feed.read(sub, req.cursor, req.max_events, req.token_ids, resolve)
+    service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
     return EventsReply(out, cursor, lost)

@@ -12,7 +12,9 @@ WSGI app) with bounds (docs/metrics.md, "Limits"):
       at MAX_SCRAPE_CONNECTIONS open: close the oldest connection still sending its
       request (idle, half-open, slow); none: close the new one
       -> a thread per connection: request line and headers <= MAX_REQUEST_BYTES,
-         every read and write <= SCRAPE_IO_TIMEOUT_S, one request, close
+         every read and write <= SCRAPE_IO_TIMEOUT_S, one request, then a lingering
+         close: FIN after the reply, the rest of the client's input read and dropped
+         (<= LINGER_BYTES, <= LINGER_S), then close
 """
 
 import http.client
@@ -31,6 +33,11 @@ MAX_SCRAPE_CONNECTIONS = 8  # HTTP connections open at once, one thread each
 SCRAPE_IO_TIMEOUT_S = 5.0  # one read or write on a scrape connection, then it is closed
 MAX_REQUEST_BYTES = 8192  # request line and headers; Prometheus sends a few hundred bytes
 MAX_SCRAPES_PER_S = 20  # connections taken per second; more wait in the listen queue
+# A socket closed with unread input sends a reset, which makes the client's kernel drop
+# the reply it has not read yet (and fail its shutdown, ENOTCONN): after the reply, the
+# input a refused request left is read and dropped first, as Apache's lingering close.
+LINGER_BYTES = 64 << 10
+LINGER_S = 2.0
 
 
 class _BoundedReader:
@@ -139,10 +146,24 @@ class ScrapeServer(ThreadingMixIn, WSGIServer):
                 self._open[request] = True
 
     def shutdown_request(self, request: socket.socket) -> None:
-        """Forget, then close, a finished connection (its thread)."""
+        """Forget, then close, a finished connection (its thread): FIN after the reply,
+        then the client's unread input drained (at most LINGER_BYTES for LINGER_S) so that
+        the close does not reset the connection before the client read the reply."""
         with self._lock:
             self._open.pop(request, None)
-        super().shutdown_request(request)
+        try:
+            request.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + LINGER_S
+            left = LINGER_BYTES
+            while left > 0 and (wait_s := deadline - time.monotonic()) > 0:
+                request.settimeout(wait_s)
+                chunk = request.recv(min(left, 65536))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:  # reset, timed out: nothing left to save
+            pass
+        self.close_request(request)
 
     def handle_error(self, request: socket.socket, client_address) -> None:
         """A connection failed (timed out, reset): one debug line, not socketserver's

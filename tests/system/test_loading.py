@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from click.testing import CliRunner
@@ -22,6 +23,7 @@ from click.testing import CliRunner
 from engine_worker import prompt_kv, small_layout
 from lmcached.cli import main
 from lmcached.client import CacheEngine
+from lmcached import launcher
 from lmcached.launcher import stop_daemon
 from lmcached.shm.janitor import list_segments
 from lmcached.wire.connection import Connection, DaemonError, hello
@@ -161,3 +163,40 @@ def test_stop_during_the_prefault_stops_the_daemon_cleanly(unique_name, short_tm
     with open(log_path) as f:
         assert "received SHUTDOWN during start-up: stopped" in f.read()
     assert list_segments(unique_name) == [] and not os.path.exists(socket_path)
+
+
+def test_the_launcher_waits_out_the_loading_without_counting_an_error(unique_name, short_tmp):
+    """`launcher.start_daemon` (every test's daemon) returns once the daemon serves, and
+    its wait leaves the daemon's error counts at 0: it polls INFO, which is answered
+    while loading, not PING, which is refused then and counted in `errors_loading`
+    (tests asserting INFO `errors` 0 failed so on a loaded machine)."""
+    socket_path = os.path.join(short_tmp, "d.sock")
+    seen_loading = threading.Event()
+
+    def hold_while_loading():
+        with reservation_held():  # the daemon stays LOADING while this is held
+            deadline = time.monotonic() + DEADLINE_S
+            while not loading(socket_path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if loading(socket_path):
+                seen_loading.set()
+                time.sleep(0.5)  # the launcher polls meanwhile
+
+    holder = threading.Thread(target=hold_while_loading)
+    holder.start()
+    try:
+        proc = launcher.start_daemon(unique_name, socket_path, "--capacity", "16MiB",
+                                     log_path=os.path.join(short_tmp, "d.log"),
+                                     timeout_s=DEADLINE_S)
+    finally:
+        holder.join()
+    try:
+        assert seen_loading.is_set()
+        with Connection(socket_path) as conn:
+            sections = conn.request(Info()).sections
+            conn.request(Ping())  # it serves
+        assert sections["server"]["loading"] == 0
+        errors = {k: v for k, v in sections["stats"].items() if k.startswith("errors")}
+        assert errors == {"errors": 0}, errors
+    finally:
+        stop_daemon(proc)

@@ -102,10 +102,11 @@ def test_l2_killed_mid_run_is_misses_then_hits_again(redis_server, daemon_factor
     redis_server.stop()
     # Workers go on: stores succeed, lookups miss at once, nothing raises.
     store(node_a, 1000)
-    started = time.monotonic()
     assert retrieve(node_b, 0) == {"hit": 0, "mismatches": 0}
-    assert time.monotonic() - started < 5, "a lookup must not wait out the fetch on a dead L2"
     info_a, info_b = l2_info(node_a), l2_info(node_b)
+    # A lookup must not wait out its fetch (--l2-fetch-wait) on a dead L2: the daemon
+    # counts each wait that ran out, whatever the time the worker took to start.
+    assert info_b["l2_fetch_waits_timed_out"] == 0, info_b
     assert info_a["l2_state"] == "down" and info_b["l2_state"] == "down"
     assert info_a["l2_write_drops_down"] >= 1
     assert info_b["l2_fetch_down"] + info_b["l2_fetches_skipped"] >= 1
