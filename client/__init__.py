@@ -14,7 +14,8 @@ What lives here:
                                (ALLOC -> fill -> COMMIT | ABORT)
     retrieve.py                the engine's read side: pinned lookups, copies out
     daemon_link.py             the one call path to the daemon: sessions, reconnects,
-                               leases; snapshot.py (one call's session state),
+                               leases; link_reconnect.py (its outage and back-off
+                               policy), snapshot.py (one call's session state),
                                link_tiers.py (the device tiers a session maps) and
                                link_failures.py (outage or refusal: how a failure is named)
     layout.py, records.py      the key namespace and the chunk records in arena blocks
