@@ -25,8 +25,10 @@ What lives here:
     cuda.py                    page-locking the arena for GPU copies
     attention.py               causal attention for queries after cached keys (no dense mask)
     hf.py, hf_blend.py,        Hugging Face integration: prefix caching, CacheBlend, and an
-    hf_attention.py            attention for prompts after a cached prefix (the only
-                               modules here importing transformers)
+    hf_attention.py            attention for prompts after a cached prefix; hf_models.py
+                               (a model's support, namespaces, cache name) and
+                               hf_cacheblend.py (CacheBlend's API), both re-exported by
+                               hf.py (the only modules here importing transformers)
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
     serving/                   the engine-neutral serving core every engine's connector
