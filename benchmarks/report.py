@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+from typing import Callable
 
 # lmcached ops in display order; True where the op moves the prompt's KV bytes (GB/s).
 LMCACHED_OPS = [
@@ -499,18 +500,37 @@ def json_default(value):
     raise TypeError(f"cannot serialize {type(value)}")
 
 
-def main() -> int:
+def report_main(module: str, write_outputs: Callable[[dict, str, str], dict],
+                render: Callable[..., str],
+                prepare: Callable[[dict], None] | None = None) -> int:
+    """`python -m <module> RESULTS.json`: read the results, `prepare` them in place (if
+    given), write the report files beside RESULTS.json (`write_outputs(results, its
+    folder, its name without .json)`) and print the text report (`render(results,
+    markdown=False)`).
+
+    Returns:
+        The exit status: 0, or 2 (usage printed) without exactly one argument.
+    """
     if len(sys.argv) != 2:
-        print("usage: python -m benchmarks.report RESULTS.json", file=sys.stderr)
+        print(f"usage: python -m {module} RESULTS.json", file=sys.stderr)
         return 2
     with open(sys.argv[1]) as f:
         results = json.load(f)
-    compute_ratios(results)
-    results["targets"] = evaluate_targets(results)
+    if prepare is not None:
+        prepare(results)
     stem = os.path.splitext(os.path.basename(sys.argv[1]))[0]
     write_outputs(results, os.path.dirname(os.path.abspath(sys.argv[1])), stem)
     print(render(results, markdown=False))
     return 0
+
+
+def _add_ratios_and_targets(results: dict) -> None:
+    compute_ratios(results)
+    results["targets"] = evaluate_targets(results)
+
+
+def main() -> int:
+    return report_main("benchmarks.report", write_outputs, render, _add_ratios_and_targets)
 
 
 if __name__ == "__main__":
