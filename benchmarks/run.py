@@ -40,7 +40,7 @@ import traceback
 import psutil
 import torch
 
-from benchmarks import RESULTS, module_env, report
+from benchmarks import RESULTS, module_env, report, report_targets
 from benchmarks.engine.bench_engine import bench_length, filled_blob
 from benchmarks.common import (
     LLAMA_1B,
@@ -151,7 +151,8 @@ def _run_lmcached(results: dict, plan: list, repeat: int) -> None:
                 admin.request(Clear())
                 results["lmcached"][shape][str(num_tokens)] = {
                     "nbytes": prompt_bytes, "repeat": repeat,
-                    "ops": {op: summary(samples, prompt_bytes if op in report.MOVES_BYTES else None)
+                    "ops": {op: summary(samples,
+                                        prompt_bytes if op in report_targets.MOVES_BYTES else None)
                             for op, samples in data["samples"].items()}}
                 ops = results["lmcached"][shape][str(num_tokens)]["ops"]
                 log(f"  lmcached {shape} @{num_tokens}: memcpy {ops['memcpy']['gbps']:.1f} GB/s, "
@@ -376,8 +377,8 @@ def main() -> int:
     results["meta"]["cpu_seconds"] = {"all": busy_s, "this_run": ours_s,
                                       "others": max(0.0, busy_s - ours_s)}
     _note_disturbance(results)
-    report.compute_ratios(results)
-    results["targets"] = report.evaluate_targets(results)
+    report_targets.compute_ratios(results)
+    results["targets"] = report_targets.evaluate_targets(results)
     stem = args.stem or (results["meta"]["date"] + ("-quick" if args.quick else ""))
     paths = report.write_outputs(results, args.out_dir, stem)
     print()

@@ -14,7 +14,8 @@ What lives here:
                                (ALLOC -> fill -> COMMIT | ABORT)
     retrieve.py                the engine's read side: pinned lookups, copies out
     daemon_link.py             the one call path to the daemon: sessions, reconnects,
-                               leases; snapshot.py (one call's session state),
+                               leases; link_reconnect.py (its outage and back-off
+                               policy), snapshot.py (one call's session state),
                                link_tiers.py (the device tiers a session maps) and
                                link_failures.py (outage or refusal: how a failure is named)
     layout.py, records.py      the key namespace and the chunk records in arena blocks
@@ -24,8 +25,10 @@ What lives here:
     cuda.py                    page-locking the arena for GPU copies
     attention.py               causal attention for queries after cached keys (no dense mask)
     hf.py, hf_blend.py,        Hugging Face integration: prefix caching, CacheBlend, and an
-    hf_attention.py            attention for prompts after a cached prefix (the only
-                               modules here importing transformers)
+    hf_attention.py            attention for prompts after a cached prefix; hf_models.py
+                               (a model's support, namespaces, cache name) and
+                               hf_cacheblend.py (CacheBlend's API), both re-exported by
+                               hf.py (the only modules here importing transformers)
     blend/                     CacheBlend: LMCache's blend interfaces, executors (CacheBlend,
                                LegoLink), rotary re-encoding, the separator-split retriever
     serving/                   the engine-neutral serving core every engine's connector

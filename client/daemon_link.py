@@ -13,7 +13,7 @@ forbidden socket (ECONNREFUSED, EACCES), an arena segment the process may not ma
 does not speak, a reply that does not decode, a timeout -- into `CacheUnavailable`
 (callers treat it as a miss or a skipped store). The link then warns once per outage,
 skips the daemon for an exponentially growing back-off window, and reconnects on a later
-call, re-attaching to the new arena generation of a restarted daemon (never reading an
+call (that policy, `ReconnectPolicy`, is client/link_reconnect.py), re-attaching to the new arena generation of a restarted daemon (never reading an
 old generation's bytes). A refusal that lasts until a setting changes (client/link_failures.py:
 a chunk record the arena cannot hold, another protocol version, a socket this user may
 not open) is not an outage: one error naming the sizes and the fix, then a retry only
@@ -33,7 +33,8 @@ import threading
 import time
 from typing import Callable, Sequence, TypeVar
 
-from lmcached.client.link_failures import CacheUnavailable, describe, permanent_refusal
+from lmcached.client.link_failures import CacheUnavailable, describe
+from lmcached.client.link_reconnect import BACKOFF_INITIAL_S, ReconnectPolicy
 from lmcached.client.link_tiers import TierUnusable, close_other, map_tiers
 from lmcached.client.snapshot import Snapshot
 from lmcached.shm.arena import Arena
@@ -63,12 +64,6 @@ logger = init_logger(__name__)
 
 T = TypeVar("T")
 
-BACKOFF_INITIAL_S = 0.05
-BACKOFF_MAX_S = 5.0
-PERMANENT_BACKOFF_S = 60.0  # after a refusal that only a change of settings lifts
-# A session unused this long is checked for a close before a call (one poll(2)); an
-# --idle-timeout shorter than this shows as an outage (one warning, one miss).
-IDLE_PROBE_S = 0.1
 ADMIN_TIMEOUT_S = 10.0  # first connect, HELLO and admin requests
 DATA_TIMEOUT_S = 0.2  # serving-path requests and their reconnects ($LMCACHED_DATA_TIMEOUT_MS)
 
@@ -99,7 +94,7 @@ def default_data_timeout_s() -> float:
 _WARNED_DEVICES: set[str] = set()
 
 
-class DaemonLink:
+class DaemonLink(ReconnectPolicy):
     """One session with the daemon plus the arena mapping, re-established after loss.
 
     Thread-safe: one lock serializes requests (a background store thread shares the
@@ -266,96 +261,10 @@ class DaemonLink:
             logger.warning("the device tier of %s is not usable here (%s): using the host "
                            "tier", device, reason)
 
-    def try_connect(self, strict: bool = False) -> bool:
-        """`connect()` now (timeout `timeout_s`); on any failure start disconnected.
-
-        Args:
-            strict: re-raise the failure instead (tests, tools that need the daemon).
-
-        Returns:
-            True when connected; False when the link was marked down (one warning; the
-            next calls are misses and retry after the back-off).
-
-        Raises:
-            With strict=True only: whatever `connect` raises.
-        """
-        try:
-            self.connect()
-        except Exception as exc:
-            if strict:
-                raise
-            self.connect_failed(exc)
-            return False
-        return True
-
     @property
     def generation(self) -> int | None:
         """Arena generation of the current session, or None while disconnected."""
         return self.hello_reply.generation if self.hello_reply else None
-
-    def mark_down(self, reason: str, permanent: bool = False) -> None:
-        """Drop the session after a failure; schedule a retry.
-
-        Until the retry every request fails at once with `CacheUnavailable` instead of
-        paying a timeout again. An outage warns once and retries after an exponentially
-        growing back-off (BACKOFF_INITIAL_S up to BACKOFF_MAX_S, reset by an answered
-        request); a permanent refusal logs one error per distinct reason and retries
-        after PERMANENT_BACKOFF_S (a daemon restarted with other settings is found
-        again).
-
-        Args:
-            reason: what failed, with its fix for a permanent refusal.
-            permanent: the failure lasts until a setting changes (`permanent_refusal`).
-        """
-        with self.lock:
-            self._drop_session()
-            if permanent:
-                if reason != self._down_reason:
-                    logger.error(
-                        "lmcached daemon at %s refuses this client (%s): serving without "
-                        "the cache (misses, skipped stores); next try in %.0f s",
-                        self.socket_path, reason, PERMANENT_BACKOFF_S,
-                    )
-                self._next_attempt = time.monotonic() + PERMANENT_BACKOFF_S
-            else:
-                if self._down_reason is None:
-                    logger.warning(
-                        "lmcached daemon at %s is unavailable (%s): serving without the "
-                        "cache (misses, skipped stores) and reconnecting in the background",
-                        self.socket_path, reason,
-                    )
-                self._next_attempt = time.monotonic() + self._backoff_s
-                self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
-            self._down_reason = reason
-
-    def connect_failed(self, exc: BaseException) -> None:
-        """`mark_down` after a failed connect: permanent when `permanent_refusal` says so."""
-        refusal = permanent_refusal(exc)
-        self.mark_down(refusal or describe(exc), refusal is not None)
-
-    def ensure_connected(self) -> HelloReply:
-        """The current session, reconnecting (timeout `data_timeout_s`) if the backoff allows.
-
-        Raises:
-            CacheUnavailable: disconnected and not (yet) reconnectable; a failed
-                reconnect of any kind marks the link down again.
-        """
-        reply = self.hello_reply
-        if reply is not None:
-            return reply
-        with self.lock:
-            if self._closed:
-                raise CacheUnavailable("the engine is closed")
-            if self.hello_reply is not None:
-                return self.hello_reply
-            if time.monotonic() < self._next_attempt:
-                raise CacheUnavailable(self._down_reason or "disconnected")
-            try:
-                self.connect(self.data_timeout_s)
-            except Exception as exc:  # any failure to open a session means "no cache now"
-                self.connect_failed(exc)
-                raise CacheUnavailable(describe(exc)) from None
-            return self.hello_reply
 
     def request(self, message, generation: int | None = None):
         """Send one request on the current session (the primitive under `call`).
@@ -410,21 +319,6 @@ class DaemonLink:
                                 self.home_tier)
             except CacheUnavailable:
                 return None
-
-    def _reopen_if_closed_while_idle(self) -> None:
-        """Drop a session unused for IDLE_PROBE_S that the daemon has closed meanwhile
-        (`--idle-timeout`, or a daemon stopped since), so that `ensure_connected` opens a
-        new one now instead of the next request failing on the old socket (a miss and
-        an "unavailable" warning when the daemon was never down). One poll(2), only
-        after IDLE_PROBE_S without a request: nothing on a busy link. The new session
-        has a new id, so pins of the old one never look held (`holds`)."""
-        conn = self._conn
-        if (conn is None or time.monotonic() - self._last_request_at < IDLE_PROBE_S
-                or not conn.peer_closed()):
-            return
-        logger.debug("lmcached daemon at %s closed idle session %d (--idle-timeout): "
-                     "opening a new one", self.socket_path, self.hello_reply.session_id)
-        self._drop_session()
 
     def call(self, what: str, body: Callable[[Snapshot], T], default: T) -> T:
         """Run `body(snapshot)` on one snapshot of the session, under the lock.
@@ -512,19 +406,6 @@ class DaemonLink:
             if self.arena is not None:
                 self._unmap(self.arena)
                 self.arena = None
-
-    def _recovered(self) -> None:
-        """The first answer after an outage: end it, reset the back-off.
-
-        Only an answered request ends an outage, not a successful HELLO: a daemon that
-        greets but then stalls or answers out of protocol keeps its growing back-off
-        and its single warning.
-        """
-        self._backoff_s = BACKOFF_INITIAL_S
-        self.num_reconnects += 1
-        logger.info("lmcached daemon at %s is back (generation %d): caching again",
-                    self.socket_path, self.hello_reply.generation)
-        self._down_reason = None
 
     def _drop_session(self) -> None:
         """Close the connection (the daemon releases its pins); keep the arena mapped."""

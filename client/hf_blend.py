@@ -13,9 +13,9 @@ mlp), and a `BlendExecutor` (client/blend/executor.py, after LMCache's `lmcache.
 decides at each layer which rows go on. With every row selected it computes what the
 model's own forward computes.
 
-Used by hf.py, which holds the public API (`store_segments`, `blend_prefill`); hf.py,
-this module and hf_attention.py are the only modules of lmcached.client importing
-transformers.
+Used by hf_cacheblend.py, which holds the public API (`store_segments`, `blend_prefill`,
+re-exported by hf.py); the hf*.py modules are the only modules of lmcached.client
+importing transformers.
 """
 
 import dataclasses

@@ -6,8 +6,8 @@ quality unchanged. Today's path is the layer loop, executors and RoPE re-rotatio
 commit `BASELINE_REV` (loaded here from git, `git show`, as standalone modules: nothing of
 them stays in the package), with the selected rows' attention as SDPA over the boolean
 mask (`masked_attention`, what hf_blend ran before client/attention.py). Inside
-`baseline.active()`, `lmcached.client.hf.blend_prefill` runs that path; outside, the
-working tree's.
+`baseline.active()`, `lmcached.client.hf.blend_prefill` (client/hf_cacheblend.py) runs
+that path; outside, the working tree's.
 
     baseline = Baseline()                  # git show, once
     with baseline.active():
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import REPO
-from lmcached.client import hf
+from lmcached.client import hf_cacheblend
 
 # the commit before the blend speed-ups: today's executors, re-rotation and layer loop.
 BASELINE_REV = "3775bbb"
@@ -97,11 +97,11 @@ class Baseline:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """`hf.blend_prefill` runs today's path inside the block (not thread-safe)."""
-        saved = {name: getattr(hf, name) for name in self._swap}
+        saved = {name: getattr(hf_cacheblend, name) for name in self._swap}
         for name, value in self._swap.items():
-            setattr(hf, name, value)
+            setattr(hf_cacheblend, name, value)
         try:
             yield
         finally:
             for name, value in saved.items():
-                setattr(hf, name, value)
+                setattr(hf_cacheblend, name, value)

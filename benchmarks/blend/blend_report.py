@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from benchmarks.report import json_default
+from benchmarks.report import json_default, report_main
 
 QUALITY_HEADER = ["method", "KL continue", "KL fact", "KL p90 (all)", "top-1 agree continue",
                   "top-1 agree fact", "acc continue", "acc 1-hop", "acc 2-hop", "recomputed"]
@@ -204,15 +204,7 @@ def write_outputs(results: dict, out_dir: str, stem: str) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python -m benchmarks.blend.blend_report RESULTS.json", file=sys.stderr)
-        return 2
-    with open(sys.argv[1]) as f:
-        results = json.load(f)
-    stem = os.path.splitext(os.path.basename(sys.argv[1]))[0]
-    write_outputs(results, os.path.dirname(os.path.abspath(sys.argv[1])), stem)
-    print(render(results, markdown=False))
-    return 0
+    return report_main("benchmarks.blend.blend_report", write_outputs, render)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ failed, and stores new full chunks after the forward pass. An engine's glue
 - `scheduler.py`: the scheduler side (pinned lookups, step pins, epochs, worker reports).
 - `worker.py`: the worker side (load: check, copy, re-check, TP agreement; save).
 - `mover.py`: `KVMover`, how an engine's blocks are copied (gather, scatter, wait).
-- `hook_guard.py`: the boundary that turns an exception of a hook into a counted miss.
+- `hook_guard.py`: the boundary that turns an exception of a hook into a counted miss;
+  `guarded_hooks.py`: a connector's per-request bookkeeping around its guarded hooks
+  (blocks promised, failed loads, forgetting a request).
 - `events.py`: `EventRelay`, the daemon's chunk events as the engine's block events (its
   block size and block hashes), for routers (docs/kv-events.md).
 

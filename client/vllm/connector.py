@@ -91,7 +91,8 @@ from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, 
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.kv_events import make_relay, to_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
-from lmcached.client.serving.hook_guard import HookGuard, claimed_block_ids
+from lmcached.client.serving.guarded_hooks import GuardedHooks
+from lmcached.client.serving.hook_guard import claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
 from lmcached.client.vllm.blend_params import BlendSpec
@@ -146,14 +147,16 @@ class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
         return LMCachedWorkerMetadata(loaded, failed)
 
 
-class LMCachedConnector(KVConnectorBase_V1):
+class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
 
     The hooks delegate to LMCachedConnectorScheduler (client/vllm/scheduler.py) or
     LMCachedConnectorWorker (client/vllm/worker.py), after vLLM's NixlConnector split.
     No hook raises into vLLM: an exception is counted in `hook_guard` and served as a
     miss (0 tokens matched; tokens already promised are reported as load errors, so
-    that vLLM recomputes them; a save skipped).
+    that vLLM recomputes them; a save skipped). The per-request bookkeeping around the
+    guarded hooks (`_guarded`, `_forget`, the claimed and failed blocks) is the serving
+    core's `GuardedHooks` (client/serving/guarded_hooks.py).
 
     Args:
         vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).
@@ -184,11 +187,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         self.blend_scheduler: BlendScheduler | None = None
         self.blend_worker: BlendWorker | None = None
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
-        self.hook_guard = HookGuard()
-        self._local_hits: dict[str, int] = {}  # req_id -> vLLM's own hit at the last lookup
-        self._claims: dict[str, list[int]] = {}  # req_id -> blocks promised in this step
-        self._failed_loads: dict[str, list[int]] = {}  # for the next step's metadata
-        self._failed_blocks: set[int] = set()  # worker: blocks to report as load errors
+        self._init_guarded_hooks()
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -347,19 +346,6 @@ class LMCachedConnector(KVConnectorBase_V1):
         self._forget(request)
         return False, None
 
-    def _forget(self, request) -> None:
-        """Drop what either scheduler side keeps for `request` (and its pins); never raises."""
-        self._forget_id(request.request_id, request)
-
-    def _forget_id(self, req_id: str, request=None) -> None:
-        self._local_hits.pop(req_id, None)
-        if request is None:
-            request = _RequestId(req_id)
-        if self.scheduler_side is not None:
-            self._guarded("request_finished", self.scheduler_side.request_finished, request)
-        if self.blend_scheduler is not None:
-            self._guarded("request_finished", self.blend_scheduler.request_finished, request)
-
     def take_events(self) -> list:
         """vLLM's KV events for the chunks the daemon holds for this instance's
         namespace, whichever process stored them (docs/kv-events.md): `BlockStored` /
@@ -369,14 +355,6 @@ class LMCachedConnector(KVConnectorBase_V1):
             return []
         return self._guarded("take_events",
                              lambda: to_vllm_events(self.event_relay.poll())) or []
-
-    def _guarded(self, hook: str, call, *args) -> Any:
-        """`call(*args)`, or None (counted, logged) when it raises."""
-        try:
-            return call(*args)
-        except Exception as exc:  # noqa: BLE001 - never into vLLM
-            self.hook_guard.caught(hook, exc, "skipped")
-            return None
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -522,10 +500,3 @@ class LMCachedConnector(KVConnectorBase_V1):
                 self._guarded("shutdown", side.shutdown)
         if self.event_relay is not None:
             self._guarded("shutdown", self.event_relay.close)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RequestId:
-    """What the scheduler sides' `request_finished` read of a request: its id."""
-
-    request_id: str

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_worker import prompt_kv, small_layout
-from lmcached.client import CacheEngine, daemon_link, link_tiers
+from lmcached.client import CacheEngine, daemon_link, link_reconnect, link_tiers
 from lmcached.client.chain import chunks_per_request, fill_and_commit
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.layout import KVLayout
@@ -264,7 +264,7 @@ def test_a_layout_too_large_for_a_session_is_one_error_naming_sizes_and_fix_no_r
     for part in (f"a chunk record of {record_bytes} bytes", "needs 33 blocks of 1048576 bytes",
                  "one session may hold 31 of the arena's 63", "--max-session-share 50%",
                  "--capacity 67MiB or more or --max-session-share 53", "smaller chunk_size",
-                 "refuses this client", f"next try in {daemon_link.PERMANENT_BACKOFF_S:.0f} s"):
+                 "refuses this client", f"next try in {link_reconnect.PERMANENT_BACKOFF_S:.0f} s"):
         assert part in message, (part, message)
     assert not any("unavailable" in r.getMessage() or "is back" in r.getMessage()
                    for r in caplog.records)
