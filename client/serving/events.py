@@ -182,14 +182,27 @@ class EventRelay:
         self.stats["polls"] += 1
         self.stats["lost"] += reply.lost
         self._cursor = reply.cursor
-        for event in reply.events:
+        out.extend(self.translate(reply.events, reply.snapshot_left))
+        return out
+
+    def translate(self, events: list[ChunkEvent], snapshot_left: int = 0) -> list[BlockEvent]:
+        """The block events of one EVENTS reply's chunk events (what `poll` does with
+        a reply; public for a caller that reads the feed itself).
+
+        Args:
+            events: the reply's chunk events, in order.
+            snapshot_left: the reply's `snapshot_left`: 0 ends the snapshot (snapshot
+                chunks still waiting for their parent are counted unresolved).
+        """
+        out: list[BlockEvent] = []
+        for event in events:
             self.stats["chunk_events"] += 1
             if event.kind == "stored":
                 self._stored(event, out)
             else:
                 self._removed(event.chunk_hash, event.medium, out)
-        self.snapshot_left = reply.snapshot_left
-        if not reply.snapshot_left and self._waiting:  # the snapshot is over
+        self.snapshot_left = snapshot_left
+        if not snapshot_left and self._waiting:  # the snapshot is over
             self.stats["unresolved_parent"] += sum(map(len, self._waiting.values()))
             self._waiting.clear()
         return out

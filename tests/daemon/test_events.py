@@ -328,7 +328,7 @@ def test_a_snapshot_pages_the_cached_chunks_before_the_live_events(service):
     assert service.events.num_snapshot_events == 3
     assert service.handle(session, Info("stats")).sections["stats"]["events_snapshot_sent"] == 3
     service.handle(session, Clear())
-    assert service.events.parents == {}
+    assert service.pool.parents == {}
 
 
 def test_chunks_a_disk_fetch_installs_are_announced_with_their_parents(disk_service):

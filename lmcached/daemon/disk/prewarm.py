@@ -198,7 +198,10 @@ class DiskPrewarm:
                            == item.key[0])
                 if item.failure is None and current and pool.commit(item.blocks,
                                                                     item.pool_key):
-                    pool.publish_stored(item.pool_key, b"", item.blocks[0].block_id)
+                    entry = index.get(item.key)
+                    pool.publish_stored(item.pool_key, entry.parent if entry is not None
+                                        and entry.slot == item.slot else b"",
+                                        item.blocks[0].block_id)
                     pool.free(item.blocks)  # unpinned, at the back of the LRU
                     state.chunks += 1
                     state.bytes += item.record_bytes
