@@ -63,6 +63,7 @@ MAX_REPLY_EVENTS = 4096  # events in one EVENTS reply at most
 MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most (frame: 1 MiB)
 SNAPSHOT_SCAN_FACTOR = 8  # snapshot keys examined per event an EVENTS page may return
 SNAPSHOT_DISK_READS = 64  # disk chunks one snapshot page reads token ids of from disk
+SNAPSHOT_MAX_WALK = 4096  # ancestors a disk snapshot page looks up for one chunk at most
 
 STORED, REMOVED = "stored", "removed"
 MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
@@ -245,12 +246,12 @@ class EventFeed:
                 if found is None:
                     pos += 1  # sent with a child, or left the disk since (its removal
                     continue  # is in the live events)
-                # Its ancestors on disk not sent yet go first, the oldest first: at
-                # most what the page has room for (a parent cycle stops there too).
+                # Its ancestors on disk not sent yet go first, the oldest first, as
+                # many as the page has room for; the rest, it among them, next page.
                 chain = [(key, found)]
-                walked = {key}
+                walked = {key}  # a parent cycle (a client's wrong parents) ends too
                 parent = found[0]
-                while parent and len(chain) < limit - len(out):
+                while parent and len(chain) < SNAPSHOT_MAX_WALK:
                     up = (key[0], parent)
                     if up in sent or up in walked:
                         break
