@@ -376,3 +376,62 @@ def test_chunks_the_prewarm_installs_are_announced(unique_name, tmp_path):
             ROOT_HASH, np.frombuffer(first.token_ids, dtype="<i8")) == first.chunk_hash
     finally:
         close_disk_service(service)
+
+
+def _stored_chain(service, session, chunks) -> None:
+    """ALLOC `chunks` ((parent, hash, record) of one chain) in one request, fill, COMMIT:
+    the daemon knows each chunk's parent."""
+    arena = service.arena
+    alloc = service.handle(session, Alloc(1, b"".join(h for _, h, _ in chunks),
+                                          [len(r) for _, _, r in chunks]))
+    for block_id, (_, _, record) in zip(alloc.block_ids, chunks):
+        arena.numpy_view(arena.block_offset(block_id), len(record))[:] = \
+            np.frombuffer(record, np.uint8)
+    service.handle(session, Commit(alloc.block_ids))
+
+
+def test_a_snapshot_pages_the_disk_tiers_chunks_after_the_arenas_parents_first(
+        unique_name, tmp_path, monkeypatch):
+    """A restarted daemon whose chunks are on disk only: SUBSCRIBE's snapshot pages them
+    as "disk" stored events, parents first although the disk index holds them in the
+    disk index's order (most recently used first: the chain's last), each
+    with its parent and its token ids read from its slot, at most SNAPSHOT_DISK_READS
+    disk reads a page; one forgotten before its page is skipped (its removal is live)."""
+    from lmcached.daemon import events as events_module
+    from test_disk_tier import close_disk_service, open_disk_service
+    directory = str(tmp_path / "disk")
+    chunks = PROMPT_A
+    first = open_disk_service(unique_name, directory, policy="write-through", num_blocks=32)
+    try:
+        _stored_chain(first, greeted(first, DISK_LAYOUT), chunks)
+        settle(first, lambda: not first.disk._writing)
+        assert {h: e.parent for (_, h), e in first.disk.index.entries.items()} == {
+            h: b"" if p == ROOT_HASH else p for p, h, _ in chunks}
+    finally:
+        close_disk_service(first)
+    service = open_disk_service(f"{unique_name}-2", directory, num_blocks=32)
+    try:
+        monkeypatch.setattr(events_module, "SNAPSHOT_DISK_READS", 3)
+        session = greeted(service, DISK_LAYOUT)
+        index, fp = service.disk.index, namespace_fingerprint(DISK_LAYOUT)
+        assert not service.pool.cached and len(index.entries) == 4
+        for _, chunk_hash, _ in chunks:  # the chain's last the most recently used
+            index.touch((fp, chunk_hash))
+        cursor = service.handle(session, Subscribe([1], 0, True)).cursor
+        page = service.handle(session, Events(cursor, 0, True))
+        assert page.snapshot_left > 0 and len(page.events) == 3  # 3 disk reads a page
+        service.handle(session, Evict(key=chunks[3][1].hex()))  # before its page
+        rest = service.handle(session, Events(cursor, 0, True))
+        assert rest.snapshot_left == 0 and rest.events == []
+        events = page.events
+        assert [(e.seq, e.kind, e.medium, e.ns, e.chunk_hash) for e in events] == [
+            (0, "stored", "disk", 1, h) for _, h, _ in chunks[:3]]
+        for event, (parent, chunk_hash, _) in zip(events, chunks):
+            assert event.parent == (b"" if parent == ROOT_HASH else parent)
+            assert hash_block_tokens(parent, np.frombuffer(event.token_ids, "<i8")) == chunk_hash
+        live = _poll(service, session, cursor).events
+        assert [(e.kind, e.medium, e.chunk_hash) for e in live] == [
+            ("removed", "disk", chunks[3][1])]
+        assert service.events.num_snapshot_events == 3
+    finally:
+        close_disk_service(service)
