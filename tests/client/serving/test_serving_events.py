@@ -16,7 +16,7 @@ from test_tiers import DEVICE, block_view, drain_demotions, hello, tiered  # noq
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.serving.events import EventRelay
 from lmcached.wire.connection import Connection
-from lmcached.wire.protocol import Alloc, Clear, Commit, Events, Evict, Ok, Subscribe
+from lmcached.wire.protocol import Alloc, Clear, Commit, Events, Evict, Info, Ok, Subscribe
 from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens, write_header
 
 CHUNK, BLOCK = 16, 4
@@ -259,3 +259,92 @@ def test_chunks_a_demotion_moves_to_the_arena_are_announced_chained(tiered):
     assert [e.parent_block_hash for e in events] == [None] + [expected[4 * i - 1]
                                                               for i in (1, 2, 3)]
     assert relay.stats["unresolved_parent"] == relay.stats["unresolved_salt"] == 0
+
+
+class Announced:
+    """What a router learns from a relay's block events: the blocks announced now per
+    medium; a block announced twice without a removal between, or removed while not
+    announced, is recorded in `doubled` / `unknown_removals`."""
+
+    def __init__(self) -> None:
+        self.blocks: set[tuple[str, bytes]] = set()
+        self.doubled: list = []
+        self.unknown_removals: list = []
+
+    def apply(self, events) -> None:
+        for event in events:
+            for h in event.block_hashes:
+                key = (event.medium, h)
+                if event.kind == "stored":
+                    if key in self.blocks:
+                        self.doubled.append(key)
+                    self.blocks.add(key)
+                elif key in self.blocks:
+                    self.blocks.discard(key)
+                else:
+                    self.unknown_removals.append(key)
+
+
+def test_chunks_stored_while_a_relay_attaches_are_announced_once_paced_and_complete(
+        daemon_factory):
+    """The fault of 100k chunks stored while an instance attaches, at 6,400 chunks: 3,200
+    cached when a relay attaches with a snapshot, 3,200 more stored by another client
+    while its snapshot pages (the arena of 4,096 blocks evicts ~2,300 meanwhile). Each
+    poll reads at most `max_events` chunk events; at the end the relay has announced
+    exactly what a relay that followed the feed from the start announced (nothing lost),
+    each block once (nothing doubled), and nothing it announced has left the arena."""
+    import threading
+    daemon = daemon_factory("--capacity", "16MiB", "--block-size", "4KiB")
+    prompts = [list(range(p * 100_000, p * 100_000 + 100 * CHUNK)) for p in range(64)]
+    witness = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                         max_events=4096, snapshot=False)
+    witness.poll()
+    truth = Announced()
+    for tokens in prompts[:32]:
+        store(daemon.socket, tokens)
+        truth.apply(witness.poll())
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                       max_events=256)
+    seen = Announced()
+
+    def writer() -> None:
+        engine = CacheEngine.connect(layout(), socket=daemon.socket, strict=True)
+        try:
+            kv = torch.zeros(layout().chunk_shape(100 * CHUNK), dtype=torch.bfloat16)
+            for tokens in prompts[32:]:
+                engine.store(torch.tensor(tokens), kv)
+        finally:
+            engine.close()
+
+    thread = threading.Thread(target=writer)
+    try:
+        seen.apply(relay.poll())  # subscribes: the snapshot's first page
+        thread.start()
+        deadline = time.monotonic() + 120
+        quiet = 0
+        while quiet < 3:  # the writer done, the snapshot paged, the feed drained
+            assert time.monotonic() < deadline, relay.stats
+            before = relay.stats["chunk_events"]
+            seen.apply(relay.poll())
+            truth.apply(witness.poll())
+            read = relay.stats["chunk_events"] - before
+            assert read <= 256
+            busy = thread.is_alive() or relay.snapshot_left or read
+            quiet = 0 if busy else quiet + 1
+            time.sleep(0.001)
+        thread.join()
+        truth.apply(witness.poll())
+        with Connection(daemon.socket) as conn:
+            cached = {k: v for s in conn.request(Info()).sections.values()
+                      for k, v in s.items()}["cached_values"]
+    finally:
+        thread.join()
+        relay.close()
+        witness.close()
+    assert relay.stats["snapshot"] > 1000 and relay.stats["removed"] > 1000, relay.stats
+    assert seen.doubled == [] and seen.unknown_removals == []
+    assert witness.stats["lost"] == relay.stats["lost"] == 0
+    assert not any(relay.stats[k] for k in ("unresolved_parent", "unresolved_tokens",
+                                            "unresolved_salt")), relay.stats
+    assert seen.blocks == truth.blocks
+    assert relay.num_announced_chunks == witness.num_announced_chunks == cached
