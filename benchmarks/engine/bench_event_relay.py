@@ -253,6 +253,9 @@ def attach_under_stores(num_chunks: int, step_s: float = 0.01,
     holds them all (nothing evicted: complete means every chunk)."""
     prompts = -(-num_chunks // ATTACH_PROMPT_CHUNKS)
     concurrent = max(64, prompts // 2)  # room for the writer's prompts
+    # Stores wait for the daemon as long as it takes (a loaded machine): a store that
+    # timed out would be skipped, and the cache smaller than asked.
+    os.environ.setdefault("LMCACHED_DATA_TIMEOUT_MS", "60000")
     block = int(record_block_size(ATTACH_LAYOUT))
     total_chunks = (prompts + concurrent) * ATTACH_PROMPT_CHUNKS
     capacity = str((total_chunks + total_chunks // 20 + 64) * block)
@@ -273,6 +276,9 @@ def attach_under_stores(num_chunks: int, step_s: float = 0.01,
         relay = EventRelay(ATTACH_LAYOUT.to_wire(), BLOCK_SIZE, _hasher(), socket=socket,
                            max_events=max_events, timeout_s=10.0)
         assert ready.wait(120), "the writer process did not connect"
+        with Connection(socket) as conn:
+            at_attach = {k: v for s in conn.request(Info()).sections.values()
+                         for k, v in s.items()}["cached_values"]
         polls, batches, block_batches = [], [], []
         attach_started = time.monotonic()
         snapshot_s = None
@@ -300,8 +306,9 @@ def attach_under_stores(num_chunks: int, step_s: float = 0.01,
         relay.close()
     chunk_events = relay.stats["chunk_events"]
     return {
-        "chunks_cached_at_attach": prompts * ATTACH_PROMPT_CHUNKS,
-        "chunks_stored_during_attach": writer_done[0] * ATTACH_PROMPT_CHUNKS,
+        "chunks_preloaded": prompts * ATTACH_PROMPT_CHUNKS,
+        "chunks_cached_at_attach": at_attach,
+        "chunks_stored_by_the_writer": writer_done[0] * ATTACH_PROMPT_CHUNKS,
         "preload_s": round(preload_s, 2),
         "writer_s": round(writer_done[2] - writer_done[1], 2),
         "step_s": step_s, "max_events": max_events,
