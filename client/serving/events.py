@@ -25,10 +25,11 @@ tier: both become removals of what was announced, one `BlockEvent` per chunk; a 
 never announces a wholesale clear (a router would drop the engine's own cache with it).
 
 A relay that attaches to a daemon already holding chunks announces them first (SUBSCRIBE
-with a snapshot, on by default): the daemon pages the namespace's cached chunks to it at
-most `max_events` a poll, before the live events from the moment it subscribed, so that
-each chunk is announced once and nothing stored or removed meanwhile is missed. A
-snapshot chunk whose parent comes later in the snapshot waits for it.
+with a snapshot, on by default): the daemon pages the namespace's chunks in the arena
+("cpu") and then on disk ("disk") to it at most `max_events` a poll, before the live
+events from the moment it subscribed, so that each chunk is announced once and nothing
+stored or removed meanwhile is missed. A snapshot chunk whose parent comes later in the
+snapshot waits for it.
 
 What a relay cannot announce, counted in `stats` and never guessed: a chunk whose parent
 it never saw (stored before the relay subscribed without a snapshot, or whose parent the
