@@ -526,3 +526,5 @@ class BlockPool:
             AssertionError: an invariant is broken (indicates a bug).
         """
         check_pool_invariants(self)
+        stale = self.parents.keys() - self.cached.keys()
+        assert not stale, f"parents kept for {len(stale)} keys no longer indexed (a bug)"
