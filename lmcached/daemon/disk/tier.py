@@ -357,8 +357,11 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
         entry = self.index.get(key) if self.index is not None else None
         if entry is None or self.slots is None:
             return b""
+        buffer = getattr(self._local, "tokens", None)  # not a record's bounce buffer
+        if buffer is None or len(buffer) < self.slots.max_record_bytes:
+            buffer = self._local.tokens = aligned_buffer(self.slots.max_record_bytes)
         try:
-            return self.slots.read_token_ids(entry.slot, key[1], self._thread_buffer())
+            return self.slots.read_token_ids(entry.slot, key[1], buffer)
         except OSError:
             return b""
 
