@@ -83,8 +83,8 @@ class Subscriber:
         snapshot: the arena's keys when it subscribed with a snapshot, paged from
             `snapshot_pos` on (None: no snapshot, or all of it read).
         snapshot_pos: index in `snapshot` of the next key to page.
-        disk_snapshot: the disk tier's keys of its namespaces then, most recently used
-            first, paged after `snapshot` from `disk_pos` on (None: none left).
+        disk_snapshot: the disk tier's keys then, most recently used first, paged (those
+            of its namespaces) after `snapshot` from `disk_pos` on (None: none left).
         disk_pos: index in `disk_snapshot` of the next key to page.
         disk_sent: disk keys of `disk_snapshot` paged already (sent ahead of their
             place with a child that came first).
@@ -237,15 +237,17 @@ class EventFeed:
         keys, pos = sub.disk_snapshot, sub.disk_pos
         if sub.snapshot is None and keys is not None:
             end = min(len(keys), pos + max(scan_left, 0))
-            sent = sub.disk_sent
+            sent, wanted = sub.disk_sent, sub.fingerprints
             reads = 0
             while (pos < end and len(out) < limit and token_bytes < MAX_REPLY_TOKEN_BYTES
                    and reads < SNAPSHOT_DISK_READS):
                 key = keys[pos]
-                found = disk_entry(key) if key not in sent else None
-                if found is None:
-                    pos += 1  # sent with a child, or left the disk since (its removal
-                    continue  # is in the live events)
+                found = None
+                if key not in sent and (not wanted or key[0] in wanted):
+                    found = disk_entry(key)
+                if found is None:  # another namespace's, sent with a child, or left
+                    pos += 1  # the disk since (its removal is in the live events)
+                    continue
                 # Its ancestors on disk not sent yet go first, the oldest first, as
                 # many as the page has room for; the rest, it among them, next page.
                 chain = [(key, found)]
@@ -380,11 +382,8 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
         snapshot = list(service.pool.cached)
         disk = service.disk
         index = disk.index if disk is not None else None
-        if index is not None and index.entries:
-            wanted = {fps[ns] for ns in req.namespaces}
+        if index is not None and index.entries:  # filtered as it is paged
             disk_snapshot = list(reversed(index.entries))  # most recently used first
-            if wanted:
-                disk_snapshot = [key for key in disk_snapshot if key[0] in wanted]
     cursor = feed.subscribe(session.session_id, req.namespaces,
                             [fps[ns] for ns in req.namespaces], req.cursor, snapshot,
                             disk_snapshot)
