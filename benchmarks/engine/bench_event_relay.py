@@ -17,17 +17,28 @@ one private daemon, the relay in this process as the connector holds it:
                           relay polled once per `step_s` (a vLLM step), median and p99
     attach                a relay attaching to the daemon holding every chunk stored
                           above: the steps its snapshot takes and their cost
+    --attach-chunks N     alone, in a daemon of its own: N chunks cached (a small
+                          layout: 256-token chunks of one 8-wide head, 12 KiB blocks),
+                          then a relay attaches, polled once per 10 ms step, while
+                          another process stores a 16-chunk prompt every 20 ms until
+                          the relay's snapshot is over: the time until it announced
+                          every chunk, chunk events per second, the largest poll (chunk
+                          and block events, wall time), and whether it is complete (its
+                          announced chunks = the daemon's cached values; nothing lost,
+                          nothing unresolved)
 
 With vLLM importable (run under the vLLM venv), `take_events()` is the connector's own
 (vLLM's sha256 block hash and event classes, `client/vllm/kv_events.py`); otherwise a
 stand-in hash (sha256 of the pickled block, as vLLM's) and the relay's own events.
 
     python -m benchmarks.engine.bench_event_relay [--quick] [--out DIR]
+    python -m benchmarks.engine.bench_event_relay --attach-chunks 100000 [--out DIR]
 """
 
 import argparse
 import hashlib
 import multiprocessing
+import os
 import pickle
 import statistics
 import time
@@ -38,6 +49,8 @@ import torch
 from benchmarks.common import machine_info, record_block_size, running_daemon, write_results
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.serving.events import EventRelay
+from lmcached.wire.connection import Connection
+from lmcached.wire.protocol import Info
 
 LAYOUT = KVLayout("bench-relay", num_layers=2, num_kv_heads=2, head_size=16,
                   dtype="bfloat16", chunk_size=256)
@@ -67,6 +80,14 @@ def _hasher():
         return block_hash
     kv_cache_utils.init_none_hash(sha256)
     return vllm_block_hasher("sha256")
+
+
+def _hasher_name() -> str:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "the stand-in sha256 block hash (no vLLM)"
+    return "vLLM's sha256 block hash"
 
 
 def _relay(socket: str, interval_s: float, snapshot: bool = False) -> EventRelay:
@@ -198,11 +219,135 @@ def attach_cost(socket: str, step_s: float) -> dict[str, float]:
     return result
 
 
+ATTACH_LAYOUT = KVLayout("bench-attach", num_layers=1, num_kv_heads=1, head_size=8,
+                         dtype="bfloat16", chunk_size=256)
+ATTACH_PROMPT_CHUNKS = 16
+
+
+def _attach_prompt(i: int) -> torch.Tensor:
+    tokens = torch.arange(ATTACH_PROMPT_CHUNKS * 256, dtype=torch.int64) % 30_000 + 1
+    tokens[0] = 1_000_000 + i  # a new chain per prompt
+    return tokens
+
+
+def _attach_writer(socket: str, first: int, period_s: float, ready, stop, times) -> None:
+    """Connect, set `ready`, then store a new prompt from `first` on every `period_s`
+    until `stop` is set; report (prompts stored, started, ended) (monotonic times)."""
+    engine = CacheEngine.connect(ATTACH_LAYOUT, socket=socket, strict=True)
+    kv = torch.zeros(ATTACH_LAYOUT.chunk_shape(ATTACH_PROMPT_CHUNKS * 256), dtype=torch.bfloat16)
+    ready.set()
+    started = time.monotonic()
+    i = first
+    while not stop.is_set():
+        engine.store(_attach_prompt(i), kv)
+        i += 1
+        time.sleep(period_s)
+    times.put((i - first, started, time.monotonic()))
+    engine.close()
+
+
+def attach_under_stores(num_chunks: int, step_s: float = 0.01,
+                        max_events: int = 1024) -> dict:
+    """A relay attaching to a daemon holding `num_chunks` chunks while another process
+    stores more, one prompt every 20 ms (module docstring, --attach-chunks); the arena
+    holds them all (nothing evicted: complete means every chunk)."""
+    prompts = -(-num_chunks // ATTACH_PROMPT_CHUNKS)
+    concurrent = max(64, prompts // 2)  # room for the writer's prompts
+    # Stores wait for the daemon as long as it takes (a loaded machine): a store that
+    # timed out would be skipped, and the cache smaller than asked.
+    os.environ.setdefault("LMCACHED_DATA_TIMEOUT_MS", "60000")
+    block = int(record_block_size(ATTACH_LAYOUT))
+    total_chunks = (prompts + concurrent) * ATTACH_PROMPT_CHUNKS
+    capacity = str((total_chunks + total_chunks // 20 + 64) * block)
+    with running_daemon(capacity, str(block), name=f"bench-attach-{os.getpid()}") as socket:
+        engine = CacheEngine.connect(ATTACH_LAYOUT, socket=socket, strict=True)
+        kv = torch.zeros(ATTACH_LAYOUT.chunk_shape(ATTACH_PROMPT_CHUNKS * 256),
+                         dtype=torch.bfloat16)
+        started = time.monotonic()
+        for i in range(prompts):
+            engine.store(_attach_prompt(i), kv)
+        preload_s = time.monotonic() - started
+        engine.close()
+        ctx = multiprocessing.get_context("spawn")
+        ready, stop, times = ctx.Event(), ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_attach_writer,
+                           args=(socket, prompts, 0.02, ready, stop, times))
+        proc.start()
+        relay = EventRelay(ATTACH_LAYOUT.to_wire(), BLOCK_SIZE, _hasher(), socket=socket,
+                           max_events=max_events, timeout_s=10.0)
+        assert ready.wait(120), "the writer process did not connect"
+        with Connection(socket) as conn:
+            at_attach = {k: v for s in conn.request(Info()).sections.values()
+                         for k, v in s.items()}["cached_values"]
+        polls, batches, block_batches = [], [], []
+        attach_started = time.monotonic()
+        snapshot_s = None
+        writer_done = None
+        quiet = 0
+        while quiet < 3:
+            before = relay.stats["chunk_events"]
+            t0 = time.perf_counter()
+            out = relay.poll()
+            polls.append(time.perf_counter() - t0)
+            batches.append(relay.stats["chunk_events"] - before)
+            block_batches.append(len(out))
+            if snapshot_s is None and relay.stats["polls"] and not relay.snapshot_left:
+                snapshot_s = time.monotonic() - attach_started
+                stop.set()
+            if writer_done is None and not times.empty():
+                writer_done = times.get()
+            busy = writer_done is None or relay.snapshot_left or batches[-1]
+            quiet = 0 if busy else quiet + 1
+            time.sleep(step_s)
+        complete_s = time.monotonic() - attach_started - (quiet - 1) * step_s
+        proc.join(timeout=60)
+        with Connection(socket) as conn:
+            info = {k: v for s in conn.request(Info()).sections.values() for k, v in s.items()}
+        relay.close()
+    chunk_events = relay.stats["chunk_events"]
+    return {
+        "chunks_preloaded": prompts * ATTACH_PROMPT_CHUNKS,
+        "chunks_cached_at_attach": at_attach,
+        "chunks_stored_by_the_writer": writer_done[0] * ATTACH_PROMPT_CHUNKS,
+        "preload_s": round(preload_s, 2),
+        "writer_s": round(writer_done[2] - writer_done[1], 2),
+        "step_s": step_s, "max_events": max_events,
+        "snapshot_done_s": round(snapshot_s, 2) if snapshot_s is not None else None,
+        "all_announced_s": round(complete_s, 2),
+        "chunk_events_per_s": round(chunk_events / complete_s),
+        "polls": len(polls),
+        "peak_chunk_events_per_poll": max(batches),
+        "peak_block_events_per_poll": max(block_batches),
+        "poll_wall_ms": {"median": round(statistics.median(polls) * 1e3, 2),
+                         "p99": round(float(np.percentile(polls, 99)) * 1e3, 2),
+                         "max": round(max(polls) * 1e3, 2)},
+        "block_events": sum(block_batches),
+        "announced_chunks": relay.num_announced_chunks,
+        "cached_values": info["cached_values"],
+        "complete": relay.num_announced_chunks == info["cached_values"],
+        "relay_stats": dict(relay.stats),
+        "events_lost_daemon": info.get("events_lost"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and prompts")
     parser.add_argument("--out", help="directory for results.json")
+    parser.add_argument("--attach-chunks", type=int, default=0, metavar="N",
+                        help="only the attach figure: N chunks cached, N/10 stored "
+                             "while a relay attaches")
     args = parser.parse_args()
+    if args.attach_chunks:
+        results = {
+            "machine": machine_info(),
+            "command": "python -m benchmarks.engine.bench_event_relay --attach-chunks "
+                       f"{args.attach_chunks}",
+            "take_events": "relay.poll() with " + _hasher_name(),
+            "attach_under_stores": attach_under_stores(args.attach_chunks),
+        }
+        write_results(results, args.out)
+        return
     calls, steps, prompts = (200, 20, 50) if args.quick else (2000, 100, 300)
     counter = [0]
     with running_daemon("512MiB", record_block_size(LAYOUT)) as socket:

@@ -25,10 +25,11 @@ tier: both become removals of what was announced, one `BlockEvent` per chunk; a 
 never announces a wholesale clear (a router would drop the engine's own cache with it).
 
 A relay that attaches to a daemon already holding chunks announces them first (SUBSCRIBE
-with a snapshot, on by default): the daemon pages the namespace's cached chunks to it at
-most `max_events` a poll, before the live events from the moment it subscribed, so that
-each chunk is announced once and nothing stored or removed meanwhile is missed. A
-snapshot chunk whose parent comes later in the snapshot waits for it.
+with a snapshot, on by default): the daemon pages the namespace's chunks in the arena
+("cpu") and then on disk ("disk") to it at most `max_events` a poll, before the live
+events from the moment it subscribed, so that each chunk is announced once and nothing
+stored or removed meanwhile is missed. A snapshot chunk whose parent comes later in the
+snapshot waits for it.
 
 What a relay cannot announce, counted in `stats` and never guessed: a chunk whose parent
 it never saw (stored before the relay subscribed without a snapshot, or whose parent the
@@ -182,14 +183,27 @@ class EventRelay:
         self.stats["polls"] += 1
         self.stats["lost"] += reply.lost
         self._cursor = reply.cursor
-        for event in reply.events:
+        out.extend(self.translate(reply.events, reply.snapshot_left))
+        return out
+
+    def translate(self, events: list[ChunkEvent], snapshot_left: int = 0) -> list[BlockEvent]:
+        """The block events of one EVENTS reply's chunk events (what `poll` does with
+        a reply; public for a caller that reads the feed itself).
+
+        Args:
+            events: the reply's chunk events, in order.
+            snapshot_left: the reply's `snapshot_left`: 0 ends the snapshot (snapshot
+                chunks still waiting for their parent are counted unresolved).
+        """
+        out: list[BlockEvent] = []
+        for event in events:
             self.stats["chunk_events"] += 1
             if event.kind == "stored":
                 self._stored(event, out)
             else:
                 self._removed(event.chunk_hash, event.medium, out)
-        self.snapshot_left = reply.snapshot_left
-        if not reply.snapshot_left and self._waiting:  # the snapshot is over
+        self.snapshot_left = snapshot_left
+        if not snapshot_left and self._waiting:  # the snapshot is over
             self.stats["unresolved_parent"] += sum(map(len, self._waiting.values()))
             self._waiting.clear()
         return out

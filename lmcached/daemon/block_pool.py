@@ -70,9 +70,12 @@ class BlockPool:
             of a group leaves the index (an eviction of any kind; a replacement keeps
             its key's group counted); None = no hook.
         events: the daemon's event feed (lmcached/daemon/events.py), told of every
-            value that leaves the index (`EventFeed.removed`, O(1)); None = not told.
-            Values entering it are published by the COMMIT handler, which knows their
-            chain.
+            value that leaves the index (`EventFeed.removed`, O(1)) and of every chunk
+            `publish_stored` names; None = not told.
+        parents: key -> the chunk hash before it in its chain, for each indexed chunk
+            whose writer named one (`publish_stored`): what a router chains an
+            announcement by, carried along when the chunk moves to another tier (a
+            demotion, a disk slot). Dropped when the chunk leaves the index.
     """
 
     def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
@@ -95,6 +98,7 @@ class BlockPool:
         self.on_group_empty: Callable[[Hashable], None] | None = None
         self.clear_generation = 0
         self.events = None  # an EventFeed (events.py, a layer above: not imported)
+        self.parents: dict[BlockHash, bytes] = {}
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -216,6 +220,7 @@ class BlockPool:
             self.on_evict(block.block_hash, self.cached[block.block_hash])
         if self.events is not None:
             self.events.removed(block.block_hash)
+        self.parents.pop(block.block_hash, None)
         span = self.cached.pop(block.block_hash)
         self._uncount(block.block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
@@ -447,6 +452,7 @@ class BlockPool:
             self._uncount(block_hash)
             if self.events is not None:
                 self.events.removed(block_hash)
+            self.parents.pop(block_hash, None)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         for block in span:
             if block.ref_cnt == 0:
@@ -494,9 +500,9 @@ class BlockPool:
         return len(victims)
 
     def publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
-        """Tell the event feed (if any) that a chunk committed by the daemon itself
-        entered this pool: installed from a tier (a disk or L2 fetch, the prewarm) or
-        demoted from a device tier. A client's COMMIT publishes its own.
+        """A chunk just committed entered this pool (a client's COMMIT, a disk or L2
+        fetch, the prewarm, a demotion): keep its parent (`parents`) and tell the event
+        feed, if any. O(1).
 
         Args:
             block_hash: the value's key.
@@ -504,8 +510,12 @@ class BlockPool:
                 or the chain's first chunk).
             block_id: its first block (the record header, read for token ids).
         """
+        if parent == ROOT_HASH:
+            parent = b""
+        if parent:
+            self.parents[block_hash] = parent
         if self.events is not None:
-            self.events.stored(block_hash, b"" if parent == ROOT_HASH else parent, block_id)
+            self.events.stored(block_hash, parent, block_id)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -516,3 +526,5 @@ class BlockPool:
             AssertionError: an invariant is broken (indicates a bug).
         """
         check_pool_invariants(self)
+        stale = self.parents.keys() - self.cached.keys()
+        assert not stale, f"parents kept for {len(stale)} keys no longer indexed (a bug)"

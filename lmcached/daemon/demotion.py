@@ -223,7 +223,8 @@ class Demoter:
                 host.abort(job.host_blocks)  # a host copy was committed meanwhile
                 self.stats.demotions_deduplicated += 1
             else:
-                host.publish_stored(job.key, b"", job.host_blocks[0].block_id)
+                host.publish_stored(job.key, pool.parents.get(job.key, b""),
+                                    job.host_blocks[0].block_id)
                 committed.append((job.key, job.host_blocks))
                 self.stats.demotions += 1
                 self.stats.demoted_bytes += job.num_bytes

@@ -25,12 +25,23 @@ record header in the arena when a subscriber asks for them, at EVENTS time (lazy
 store pays nothing), while the arena still holds it; otherwise they are empty.
 
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
-`snapshot`): the keys the arena holds at that moment, copied once (a list of references,
-8 bytes a chunk), paged by its EVENTS as "stored" events of sequence number 0 before
-the live events from its cursor, so that nothing is lost or announced twice between the
-two: a chunk removed before its page is skipped (its removal follows in the live
-events), one stored after the SUBSCRIBE is in the live events. The feed keeps each
-cached chunk's parent hash (`parents`) so that a snapshot's chains resolve.
+`snapshot`): the keys the arena and the disk tier hold at that moment, copied once (a
+list of references, 8 bytes a chunk), paged by its EVENTS as "stored" events of
+sequence number 0 before the live events from its cursor, so that nothing is lost or
+announced twice between the two: a chunk removed before its page is skipped (its
+removal follows in the live events), one stored after the SUBSCRIBE is in the live
+events. The arena's chunks come first (in the order they were cached), then the disk's,
+most recently used first, but for a chunk's ancestors on disk, which are paged before
+it (the disk index's order is eviction's, a chain's tail first, or the order of
+writes), each with its parent hash (the pool's `parents`, the disk index's), so that
+a subscriber can chain them. A disk chunk's token ids are read from
+the arena when it is there too, else from its slot: one small read on the loop thread,
+at most SNAPSHOT_DISK_READS a page.
+
+Parents travel with a chunk: the arena pool keeps the parent its writer's ALLOC named
+(`BlockPool.parents`), a device tier's pool too (its demotion carries it to the arena),
+a disk slot keeps it beside its envelope (lmcached/daemon/disk/slots.py), so that a
+chunk a fetch, the prewarm after a restart or a demotion installs is announced with it.
 """
 
 import dataclasses
@@ -54,6 +65,8 @@ MAX_REPLY_TOKEN_BYTES = 512 << 10  # token id bytes in one EVENTS reply at most 
 SNAPSHOT_SCAN_FACTOR = 8  # snapshot keys examined per event an EVENTS page may return
 RING_SCAN_FACTOR = 2  # ring slots examined per event an EVENTS page may return
 EVENTS_PER_UNIT = 1024  # events or keys examined per unit of the per-pass budget
+SNAPSHOT_DISK_READS = 64  # disk chunks one snapshot page reads token ids of from disk
+SNAPSHOT_MAX_WALK = 4096  # ancestors a disk snapshot page looks up for one chunk at most
 
 STORED, REMOVED = "stored", "removed"
 MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
@@ -73,6 +86,11 @@ class Subscriber:
         snapshot: the arena's keys when it subscribed with a snapshot, paged from
             `snapshot_pos` on (None: no snapshot, or all of it read).
         snapshot_pos: index in `snapshot` of the next key to page.
+        disk_snapshot: the disk tier's keys then, most recently used first, paged (those
+            of its namespaces) after `snapshot` from `disk_pos` on (None: none left).
+        disk_pos: index in `disk_snapshot` of the next key to page.
+        disk_sent: disk keys of `disk_snapshot` paged already (sent ahead of their
+            place with a child that came first).
     """
 
     namespaces: frozenset[int]
@@ -82,6 +100,19 @@ class Subscriber:
     lost: int = 0
     snapshot: list[bytes] | None = None
     snapshot_pos: int = 0
+    disk_snapshot: list[tuple[bytes, bytes]] | None = None
+    disk_pos: int = 0
+    disk_sent: set = dataclasses.field(default_factory=set)
+
+    @property
+    def snapshot_left(self) -> int:
+        """Snapshot keys not paged yet (arena and disk)."""
+        left = 0
+        if self.snapshot is not None:
+            left += len(self.snapshot) - self.snapshot_pos
+        if self.disk_snapshot is not None:
+            left += len(self.disk_snapshot) - self.disk_pos
+        return left
 
 
 class EventFeed:
@@ -99,8 +130,6 @@ class EventFeed:
         num_published: events published since start.
         num_lost: events subscribers lost, summed over them.
         num_snapshot_events: snapshot events sent, summed over subscribers.
-        parents: arena chunk key -> the chunk hash before it in its chain, for each
-            cached chunk whose parent its ALLOC named (snapshots read it).
         examined: ring slots or snapshot keys the last `read` / `read_snapshot`
             examined, filtered ones included: what the request costs the loop.
     """
@@ -115,7 +144,6 @@ class EventFeed:
         self.num_published = 0
         self.num_lost = 0
         self.num_snapshot_events = 0
-        self.parents: dict[bytes, bytes] = {}
         self.fingerprints: dict = {}  # ns id -> (layout, its fingerprint) (`_fingerprints`)
         self.examined = 0  # events or snapshot keys the last read examined (its price)
 
@@ -137,18 +165,16 @@ class EventFeed:
         """
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, STORED, MEDIUM_ARENA, key, parent, block_id))
-            if parent:
-                self.parents[key] = parent
 
     def removed(self, key: bytes) -> None:
         """A chunk left the arena's index (eviction, EVICT, CLEAR, INVALIDATE). O(1)."""
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, REMOVED, MEDIUM_ARENA, key, b"", -1))
-            self.parents.pop(key, None)
 
-    def disk_stored(self, key: tuple[bytes, bytes]) -> None:
-        """A chunk's disk slot was committed; `key` is (namespace fingerprint, hash)."""
-        self._publish((self.head, STORED, MEDIUM_DISK, key, b"", -1))
+    def disk_stored(self, key: tuple[bytes, bytes], parent: bytes = b"") -> None:
+        """A chunk's disk slot was committed; `key` is (namespace fingerprint, hash),
+        `parent` as `stored`'s."""
+        self._publish((self.head, STORED, MEDIUM_DISK, key, parent, -1))
 
     def disk_removed(self, key: tuple[bytes, bytes]) -> None:
         """The disk tier forgot a chunk (its LRU, EVICT, CLEAR, INVALIDATE, a bad slot)."""
@@ -156,60 +182,123 @@ class EventFeed:
 
     # ------------------------------------------------------------ subscribers
     def subscribe(self, session_id: int, namespaces: list[int], fingerprints: list[bytes],
-                  cursor: int, snapshot: list[bytes] | None = None) -> int:
+                  cursor: int, snapshot: list[bytes] | None = None,
+                  disk_snapshot: list[tuple[bytes, bytes]] | None = None) -> int:
         """(Re)subscribe a session; returns the cursor it starts at: `cursor` when it
         is still readable or lost (the next EVENTS says how many), `head` for 0.
-        `snapshot`: the arena's keys now, paged before the live events (`read_snapshot`)."""
+        `snapshot`, `disk_snapshot`: the arena's and the disk tier's keys now, paged
+        before the live events (`read_snapshot`)."""
         start = self.head if cursor == 0 else min(cursor, self.head)
         self.subscribers[session_id] = Subscriber(frozenset(namespaces),
                                                   frozenset(fingerprints), start,
-                                                  snapshot=snapshot or None)
+                                                  snapshot=snapshot or None,
+                                                  disk_snapshot=disk_snapshot or None)
         return start
 
-    def read_snapshot(self, sub: Subscriber, max_events: int, still_cached,
+    def read_snapshot(self, sub: Subscriber, max_events: int, arena_entry, disk_entry,
                       resolve) -> list[ChunkEvent]:
-        """The next page of `sub`'s snapshot: at most `max_events` events (0:
-        MAX_REPLY_EVENTS, which also caps it), of at most SNAPSHOT_SCAN_FACTOR times as
-        many keys examined (a page's cost is bounded whatever the other namespaces hold),
-        and at most MAX_REPLY_TOKEN_BYTES of token ids but for its first event (a reply
-        always fits a frame: `read_token_ids` caps one event's).
+        """The next page of `sub`'s snapshot, the arena's keys then the disk's: at most
+        `max_events` events (0: MAX_REPLY_EVENTS, which also caps it), of at most
+        SNAPSHOT_SCAN_FACTOR times as many keys examined (a page's cost is bounded
+        whatever the other namespaces hold), at most SNAPSHOT_DISK_READS disk chunks
+        whose token ids come from disk, and at most MAX_REPLY_TOKEN_BYTES of token ids
+        but for its first event (a reply always fits a frame: `read_token_ids` caps one
+        event's).
 
         Args:
             sub: a subscription with a snapshot left to page.
             max_events: as `read`.
-            still_cached: `still_cached(key) -> bool`: the arena holds it now.
+            arena_entry: `arena_entry(key) -> (block id, parent) | None`: the arena
+                holds it now (its first block, its parent hash or b"").
+            disk_entry: `disk_entry(disk key) -> (parent, from disk) | None`: the disk
+                tier holds it now; `from disk`: its token ids are read from its slot
+                (the arena does not hold it).
             resolve: as `read`, given the event tuple of the chunk's stored event.
 
         Returns:
-            The events (sequence number 0); `sub.snapshot` becomes None once all is read.
+            The events (sequence number 0); `sub.snapshot` and `sub.disk_snapshot`
+            become None once all of them is read.
         """
-        keys, pos = sub.snapshot, sub.snapshot_pos
         limit = min(max_events or MAX_REPLY_EVENTS, MAX_REPLY_EVENTS)
-        end = min(len(keys), pos + limit * SNAPSHOT_SCAN_FACTOR)
-        parents = self.parents
+        scan_left = limit * SNAPSHOT_SCAN_FACTOR
         out: list[ChunkEvent] = []
         token_bytes = 0
-        while pos < end and len(out) < limit:
-            key = keys[pos]
-            if key[0] != _CHUNK_TAG:
+        full = False  # the next event would take the reply past MAX_REPLY_TOKEN_BYTES
+        examined = 0
+        keys, pos = sub.snapshot, sub.snapshot_pos
+        if keys is not None:
+            end = min(len(keys), pos + scan_left)
+            scan_left -= end - pos
+            while pos < end and len(out) < limit:
+                key = keys[pos]
+                if key[0] != _CHUNK_TAG:
+                    pos += 1
+                    continue
+                found = arena_entry(key)
+                if found is None:
+                    pos += 1
+                    continue  # left the arena since: its removal is in the live events
+                event = resolve((0, STORED, MEDIUM_ARENA, key, found[1], found[0]), True, sub)
+                if event is not None:
+                    if out and token_bytes + len(event.token_ids) > MAX_REPLY_TOKEN_BYTES:
+                        full = True  # the next page's first event: the reply fits a frame
+                        break
+                    out.append(event)
+                    token_bytes += len(event.token_ids)
                 pos += 1
-                continue
-            block_id = still_cached(key)
-            if block_id < 0:
-                pos += 1
-                continue  # left the arena since: its removal is in the live events
-            event = resolve((0, STORED, MEDIUM_ARENA, key, parents.get(key, b""), block_id),
-                            True, sub)
-            if event is not None:
-                if out and token_bytes + len(event.token_ids) > MAX_REPLY_TOKEN_BYTES:
-                    break  # the next page's first event: the reply stays within a frame
-                out.append(event)
-                token_bytes += len(event.token_ids)
-            pos += 1
-        self.examined = pos - sub.snapshot_pos
-        sub.snapshot_pos = pos
-        if pos >= len(keys):
-            sub.snapshot, sub.snapshot_pos = None, 0
+            examined += pos - sub.snapshot_pos
+            sub.snapshot_pos = pos
+            if pos >= len(keys):
+                sub.snapshot, sub.snapshot_pos = None, 0
+        keys, pos = sub.disk_snapshot, sub.disk_pos
+        if sub.snapshot is None and keys is not None and not full:
+            first = pos
+            end = min(len(keys), pos + max(scan_left, 0))
+            sent, wanted = sub.disk_sent, sub.fingerprints
+            reads = 0
+            while pos < end and len(out) < limit and not full and reads < SNAPSHOT_DISK_READS:
+                key = keys[pos]
+                found = None
+                if key not in sent and (not wanted or key[0] in wanted):
+                    found = disk_entry(key)
+                if found is None:  # another namespace's, sent with a child, or left
+                    pos += 1  # the disk since (its removal is in the live events)
+                    continue
+                # Its ancestors on disk not sent yet go first, the oldest first, as
+                # many as the page has room for; the rest, it among them, next page.
+                chain = [(key, found)]
+                walked = {key}  # a parent cycle (a client's wrong parents) ends too
+                parent = found[0]
+                while parent and len(chain) < SNAPSHOT_MAX_WALK:
+                    up = (key[0], parent)
+                    if up in sent or up in walked:
+                        break
+                    above = disk_entry(up)
+                    if above is None:
+                        break
+                    chain.append((up, above))
+                    walked.add(up)
+                    parent = above[0]
+                for chain_key, (chain_parent, from_disk) in reversed(chain):
+                    if len(out) >= limit or reads >= SNAPSHOT_DISK_READS:
+                        break
+                    reads += from_disk
+                    event = resolve((0, STORED, MEDIUM_DISK, chain_key, chain_parent, -1),
+                                    True, sub)
+                    if event is not None:
+                        if out and token_bytes + len(event.token_ids) > MAX_REPLY_TOKEN_BYTES:
+                            full = True  # the next page's first event, as above
+                            break
+                        out.append(event)
+                        token_bytes += len(event.token_ids)
+                    sent.add(chain_key)
+                if key in sent:
+                    pos += 1
+            examined += pos - first
+            sub.disk_pos = pos
+            if pos >= len(keys):
+                sub.disk_snapshot, sub.disk_pos, sub.disk_sent = None, 0, set()
+        self.examined = examined
         sub.delivered += len(out)
         self.num_snapshot_events += len(out)
         return out
@@ -352,10 +441,17 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
                            "this daemon does not have (see `lmcached info clients`)")
     namespaces = subscribed_namespaces(session, req.namespaces)
     feed = service.events
-    snapshot = list(service.pool.cached) if req.snapshot and service.pool is not None else None
+    snapshot = disk_snapshot = None
+    if req.snapshot and service.pool is not None:
+        snapshot = list(service.pool.cached)
+        disk = service.disk
+        index = disk.index if disk is not None else None
+        if index is not None and index.entries:  # filtered as it is paged
+            disk_snapshot = list(reversed(index.entries))  # most recently used first
     cursor = feed.subscribe(session.session_id, namespaces,
-                            [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot)
-    service.work_units = 1 + len(snapshot or ()) // EVENTS_PER_UNIT
+                            [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot,
+                            disk_snapshot)
+    service.work_units = 1 + (len(snapshot or ()) + len(disk_snapshot or ())) // EVENTS_PER_UNIT
     return SubscribeReply(cursor, service.arena.generation, feed.capacity)
 
 
@@ -369,6 +465,7 @@ def events(service, session, req: Events) -> EventsReply:
     fps = _fingerprints(service)
     ns_of_fp = {fp: ns for ns, fp in fps.items()}
     pool, arena = service.pool, service.arena
+    disk = service.disk
 
     def resolve(event, with_tokens, sub):
         seq, kind, medium, key, parent, block_id = event
@@ -390,21 +487,30 @@ def events(service, session, req: Events) -> EventsReply:
                 block_id = span[0].block_id if span is not None else -1
             if block_id >= 0:
                 tokens = read_token_ids(arena, block_id, chunk_hash)
+            elif seq == 0 and medium == MEDIUM_DISK and disk is not None:
+                tokens = disk.read_token_ids(key)  # a snapshot's disk-only chunk
         return ChunkEvent(seq, kind, medium, ns, fp, chunk_hash, parent, tokens)
 
-    if sub.snapshot is not None:
-        cached = pool.cached
+    if sub.snapshot is not None or sub.disk_snapshot is not None:
+        cached, parents = pool.cached, pool.parents
+        index = disk.index if disk is not None else None
+        entries = index.entries if index is not None else {}
 
-        def still_cached(key):
+        def arena_entry(key):
             span = cached.get(key)
-            return span[0].block_id if span is not None else -1
+            return None if span is None else (span[0].block_id, parents.get(key, b""))
 
-        out = feed.read_snapshot(sub, req.max_events, still_cached, resolve)
+        def disk_entry(key):
+            entry = entries.get(key)
+            if entry is None:
+                return None
+            ns = ns_of_fp.get(key[0])
+            in_arena = ns is not None and CHUNK_TAG + ns.to_bytes(4, "little") + key[1] in cached
+            return entry.parent, not in_arena
+
+        out = feed.read_snapshot(sub, req.max_events, arena_entry, disk_entry, resolve)
         service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
-        if sub.snapshot is not None:
-            return EventsReply(out, sub.cursor, 0,
-                               len(sub.snapshot) - sub.snapshot_pos)
-        return EventsReply(out, sub.cursor, 0, 0)
+        return EventsReply(out, sub.cursor, 0, sub.snapshot_left)
     out, cursor, lost = feed.read(sub, req.cursor, req.max_events, req.token_ids, resolve)
     service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
     return EventsReply(out, cursor, lost)

@@ -224,7 +224,7 @@ class ValueHandlers:
                 continue
             indexed = pool.commit_many([v.blocks for v in group], [v.key for v in group], replace)
             committed = []
-            publish = self.events.stored
+            publish = pool.publish_stored
             for value, ok in zip(group, indexed):
                 if ok:
                     publish(value.key, value.parent, value.blocks[0].block_id)
@@ -245,6 +245,7 @@ class ValueHandlers:
         for value in values:
             pool = pools[value.tier_id]
             if pool.commit_many([value.blocks], [value.key])[0]:
+                pool.publish_stored(value.key, value.parent, value.blocks[0].block_id)
                 self.stats.stores += 1
                 self.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
                 pool.free(value.blocks)

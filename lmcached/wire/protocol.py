@@ -318,7 +318,8 @@ class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
     earlier subscription of the session. `snapshot`: first announce, as "stored" events
     of sequence number 0 paged by EVENTS before any event from `cursor` on, every chunk
     of those namespaces the arena holds now (in the order they were cached: parents
-    first, but for a parent cached again later). Reply: `SubscribeReply`.
+    first, but for a parent cached again later), then every chunk the disk tier holds
+    (medium "disk", its ancestors on disk first). Reply: `SubscribeReply`.
     """
 
     namespaces: list[NamespaceId] = []
@@ -526,7 +527,7 @@ class ChunkEvent(msgspec.Struct, array_like=True):
 class EventsReply(msgspec.Struct, tag="events_reply", array_like=True):
     """Events of an EVENTS poll, the cursor to poll from next, how many events fell
     off the feed before they could be read (the subscriber lagged), and how many chunks
-    of a SUBSCRIBE snapshot are left to page (at most: some may leave the arena first;
+    of a SUBSCRIBE snapshot are left to page (at most: some may leave a tier first;
     live events from `cursor` come once it is 0)."""
 
     events: list[ChunkEvent]

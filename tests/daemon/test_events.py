@@ -3,6 +3,7 @@ CacheService (SUBSCRIBE / EVENTS driven by hand, no socket), with and without th
 tier. A subscriber that never reads costs a store nothing; one that lags is told how many
 events it lost; sequence numbers show every gap."""
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ from test_disk_tier import (  # noqa: F401 (disk_service is a fixture)
     BLOCK_BYTES,
     LAYOUT as DISK_LAYOUT,
     PROMPT_A,
+    PROMPT_B,
     close_disk_service,
     disk_service,
     full_blocks,
@@ -328,7 +330,7 @@ def test_a_snapshot_pages_the_cached_chunks_before_the_live_events(service):
     assert service.events.num_snapshot_events == 3
     assert service.handle(session, Info("stats")).sections["stats"]["events_snapshot_sent"] == 3
     service.handle(session, Clear())
-    assert service.events.parents == {}
+    assert service.pool.parents == {}
 
 
 def test_chunks_a_disk_fetch_installs_are_announced_with_their_parents(disk_service):
@@ -374,5 +376,71 @@ def test_chunks_the_prewarm_installs_are_announced(unique_name, tmp_path):
         first = next(e for e in events if e.chunk_hash == chunks[0][1])
         assert first.parent == b"" and hash_block_tokens(
             ROOT_HASH, np.frombuffer(first.token_ids, dtype="<i8")) == first.chunk_hash
+    finally:
+        close_disk_service(service)
+
+
+def _stored_chain(service, session, chunks, ns: int = 1) -> None:
+    """ALLOC `chunks` ((parent, hash, record) of one chain) in one request, fill, COMMIT:
+    the daemon knows each chunk's parent."""
+    arena = service.arena
+    alloc = service.handle(session, Alloc(ns, b"".join(h for _, h, _ in chunks),
+                                          [len(r) for _, _, r in chunks]))
+    for block_id, (_, _, record) in zip(alloc.block_ids, chunks):
+        arena.numpy_view(arena.block_offset(block_id), len(record))[:] = \
+            np.frombuffer(record, np.uint8)
+    service.handle(session, Commit(alloc.block_ids))
+
+
+def test_a_snapshot_pages_the_disk_tiers_chunks_after_the_arenas_parents_first(
+        unique_name, tmp_path, monkeypatch):
+    """A restarted daemon whose chunks are on disk only: SUBSCRIBE's snapshot pages them
+    as "disk" stored events, parents first although the disk index holds them in the
+    disk index's order (most recently used first: the chain's last), each
+    with its parent and its token ids read from its slot, at most SNAPSHOT_DISK_READS
+    disk reads a page; one forgotten before its page is skipped (its removal is live).
+    Another namespace's chunks on disk (the most recent) cost a page no read."""
+    from lmcached.daemon import events as events_module
+    from test_disk_tier import close_disk_service, open_disk_service
+    directory = str(tmp_path / "disk")
+    chunks = PROMPT_A
+    first = open_disk_service(unique_name, directory, policy="write-through", num_blocks=32)
+    try:
+        other = msgspec.structs.replace(DISK_LAYOUT, model_name="other-llama")
+        session = greeted(first, DISK_LAYOUT, other)
+        _stored_chain(first, session, chunks)
+        settle(first, lambda: not first.disk._writing)
+        _stored_chain(first, session, PROMPT_B, ns=2)
+        settle(first, lambda: not first.disk._writing)
+        assert {h: e.parent for (_, h), e in first.disk.index.entries.items()} == {
+            h: b"" if p == ROOT_HASH else p for p, h, _ in chunks + PROMPT_B}
+    finally:
+        close_disk_service(first)
+    service = open_disk_service(f"{unique_name}-2", directory, num_blocks=32)
+    try:
+        monkeypatch.setattr(events_module, "SNAPSHOT_DISK_READS", 3)
+        session = greeted(service, DISK_LAYOUT)
+        index, fp = service.disk.index, namespace_fingerprint(DISK_LAYOUT)
+        assert not service.pool.cached and len(index.entries) == 8
+        for _, chunk_hash, _ in chunks:  # the chain's last the most recently used
+            index.touch((fp, chunk_hash))
+        for key in [key for key in index.entries if key[0] != fp]:  # then the other's
+            index.touch(key)
+        cursor = service.handle(session, Subscribe([1], 0, True)).cursor
+        page = service.handle(session, Events(cursor, 0, True))
+        assert page.snapshot_left > 0 and len(page.events) == 3  # 3 disk reads a page
+        service.handle(session, Evict(key=chunks[3][1].hex()))  # before its page
+        rest = service.handle(session, Events(cursor, 0, True))
+        assert rest.snapshot_left == 0 and rest.events == []
+        events = page.events
+        assert [(e.seq, e.kind, e.medium, e.ns, e.chunk_hash) for e in events] == [
+            (0, "stored", "disk", 1, h) for _, h, _ in chunks[:3]]
+        for event, (parent, chunk_hash, _) in zip(events, chunks):
+            assert event.parent == (b"" if parent == ROOT_HASH else parent)
+            assert hash_block_tokens(parent, np.frombuffer(event.token_ids, "<i8")) == chunk_hash
+        live = _poll(service, session, cursor).events
+        assert [(e.kind, e.medium, e.chunk_hash) for e in live] == [
+            ("removed", "disk", chunks[3][1])]
+        assert service.events.num_snapshot_events == 3
     finally:
         close_disk_service(service)

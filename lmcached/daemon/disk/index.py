@@ -24,13 +24,16 @@ class DiskEntry:
     Attributes:
         slot: its slot number.
         record_bytes: its record's length in bytes.
+        parent: the chunk hash before it in its chain (b"": not known, or none), as its
+            slot keeps it (slots.py): what the event feed announces it with.
     """
 
-    __slots__ = ("slot", "record_bytes")
+    __slots__ = ("slot", "record_bytes", "parent")
 
-    def __init__(self, slot: int, record_bytes: int) -> None:
+    def __init__(self, slot: int, record_bytes: int, parent: bytes = b"") -> None:
         self.slot = slot
         self.record_bytes = record_bytes
+        self.parent = parent
 
 
 class DiskIndex:
@@ -64,7 +67,7 @@ class DiskIndex:
             key = (header.ns_fp, header.chunk_hash)
             if key in self.entries or header.slot >= self.num_slots:
                 continue
-            self.entries[key] = DiskEntry(header.slot, header.record_bytes)
+            self.entries[key] = DiskEntry(header.slot, header.record_bytes, header.parent)
             self.num_stored_bytes += header.record_bytes
             used.add(header.slot)
         self.free_slots = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
@@ -102,16 +105,16 @@ class DiskIndex:
             self.entries.move_to_end(key, last=False)
         return slot
 
-    def insert(self, key: DiskKey, slot: int, record_bytes: int) -> bool:
-        """Index a slot whose write completed, most recently used. A key indexed
-        meanwhile in another slot keeps it: False, and the caller erases this slot and
-        then `release`s it (its envelope names the key too)."""
+    def insert(self, key: DiskKey, slot: int, record_bytes: int, parent: bytes = b"") -> bool:
+        """Index a slot whose write completed, most recently used; `parent` as
+        `DiskEntry`'s. A key indexed meanwhile in another slot keeps it: False, and the
+        caller erases this slot and then `release`s it (its envelope names the key too)."""
         if key in self.entries:
             return False
-        self.entries[key] = DiskEntry(slot, record_bytes)
+        self.entries[key] = DiskEntry(slot, record_bytes, parent)
         self.num_stored_bytes += record_bytes
         if self.events is not None:
-            self.events.disk_stored(key)
+            self.events.disk_stored(key, parent)
         return True
 
     def forget(self, key: DiskKey) -> DiskEntry | None:

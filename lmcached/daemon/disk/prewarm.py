@@ -11,8 +11,11 @@ Trigger: a disk chunk maps to an arena key only once a layout with its namespace
 fingerprint attached (HELLO) and the block size is known, so a namespace is prewarmed
 when it registers (`prewarm_namespace`), once per fingerprint in the daemon's life.
 Its chunks on disk are taken from the back of the disk LRU (the order the recency file
-restored: `recency.py`), hottest first, as many as the arena's EMPTY blocks hold at that
-moment.
+restored: `recency.py`), hottest first, as many as the arena's EMPTY blocks hold. The
+disk index may hold millions of chunks, most of them other namespaces': the plan walks
+a copy of its order (taken once) PREWARM_PLAN_BATCH entries at a time (`prewarm_plan`),
+the first batch at the registration, the next ones by the housekeeping's pump, and the
+reads start once the walk is over (so that they keep the disk's order).
 
 Bounds, so that it never delays READY, a request or a store:
 
@@ -47,6 +50,7 @@ from lmcached.wire.logger import init_logger
 logger = init_logger(__name__)
 
 PREWARM_BATCH_CHUNKS = 8  # chunks one prewarm read takes (one batch in flight at a time)
+PREWARM_PLAN_BATCH = 4096  # disk index entries one planning step examines (loop thread)
 STATES = ("idle", "running", "done", "off")
 
 
@@ -60,6 +64,9 @@ class Prewarm:
         pending_blocks: the blocks `pending` needs together.
         trimmed: planned chunks were dropped because stores took the empty blocks.
         planned_fps: fingerprints whose namespace was prewarmed (once each).
+        walks: plans in progress, as [namespace id, fingerprint, the disk index's keys
+            most recently used first (a copy), next position, chunks planned].
+        visited: disk index entries the plans examined (`prewarm_plan`).
         in_flight: the batch being read, or None.
         generation: the pool's `clear_generation` when it started (after a CLEAR, it
             installs nothing).
@@ -75,6 +82,8 @@ class Prewarm:
         self.pending_blocks = 0
         self.trimmed = False
         self.planned_fps: set[bytes] = set()
+        self.walks: collections.deque[list] = collections.deque()
+        self.visited = 0
         self.in_flight: list[ReadItem] | None = None
         self.generation = 0
         self.chunks = self.bytes = self.skipped = self.failures = 0
@@ -86,10 +95,10 @@ class DiskPrewarm:
     """The prewarm methods of `DiskTier` (its state is `self._prewarm`)."""
 
     def prewarm_namespace(self, ns: int) -> int:
-        """Plan the prewarm of namespace `ns`'s chunks on disk (loop thread, when it
-        registers): the hottest first, as many as the arena's empty blocks hold now,
-        once per namespace fingerprint; the reads start at the next `prewarm_pump`.
-        Returns how many chunks were planned."""
+        """Start the plan of the prewarm of namespace `ns`'s chunks on disk (loop
+        thread, when it registers), once per namespace fingerprint: its first
+        PREWARM_PLAN_BATCH entries now (`prewarm_plan`), the rest from the pump.
+        Returns how many chunks this first step planned."""
         state, index, pool = self._prewarm, self.index, self.pool
         if index is None or pool is None or self.slots is None:
             return 0
@@ -97,27 +106,60 @@ class DiskPrewarm:
         if fp is None or fp in state.planned_fps:
             return 0
         state.planned_fps.add(fp)
+        if not index.entries:
+            return 0
+        state.walks.append([ns, fp, list(reversed(index.entries)), 0, 0])
+        return self.prewarm_plan()
+
+    def prewarm_plan(self) -> int:
+        """One planning step (loop thread): examine at most PREWARM_PLAN_BATCH disk
+        index entries of the walks in progress, the hottest first; plan each chunk of
+        the walk's namespace the arena does not hold, while the arena's empty blocks
+        (less those planned) hold it. A walk ends at its last entry or when the room
+        is full. Returns how many chunks were planned."""
+        state, index, pool = self._prewarm, self.index, self.pool
+        if index is None or pool is None:
+            state.walks.clear()
+            return 0
         block_bytes = self.arena.block_bytes
-        room = pool.num_empty_blocks - state.pending_blocks
-        prefix = chunk_prefix(ns)
+        entries, cached = index.entries, pool.cached
+        budget = PREWARM_PLAN_BATCH
         planned = 0
-        for key in reversed(index.entries):  # most recently used first
-            if room <= 0:
-                break
-            if key[0] != fp or prefix + key[1] in pool.cached:
-                continue
-            need = -(-index.entries[key].record_bytes // block_bytes)
-            if need > room:
-                break
-            room -= need
-            state.pending.append((ns, key, need))
-            state.pending_blocks += need
-            planned += 1
-        if planned:
-            if state.state != "running":
-                state.state, state.started = "running", time.monotonic()
-            logger.info("disk tier %s: prewarming %d chunks of %s into the arena",
-                        self.directory, planned, self.layout_of(ns).model_name)
+        while state.walks and budget > 0:
+            walk = state.walks[0]
+            ns, fp, keys, pos, _ = walk
+            prefix = chunk_prefix(ns)
+            room = pool.num_empty_blocks - state.pending_blocks
+            end = min(len(keys), pos + budget)
+            full = False
+            while pos < end:
+                if room <= 0:
+                    full = True
+                    break
+                key = keys[pos]
+                pos += 1
+                entry = entries.get(key)
+                if key[0] != fp or entry is None or prefix + key[1] in cached:
+                    continue
+                need = -(-entry.record_bytes // block_bytes)
+                if need > room:
+                    full = True
+                    break
+                room -= need
+                state.pending.append((ns, key, need))
+                state.pending_blocks += need
+                walk[4] += 1
+                planned += 1
+                if state.state != "running":
+                    state.state, state.started = "running", time.monotonic()
+            budget -= pos - walk[3]
+            state.visited += pos - walk[3]
+            walk[3] = pos
+            if full or pos >= len(keys):
+                state.walks.popleft()
+                if walk[4]:
+                    logger.info("disk tier %s: prewarming %d chunks of %s into the arena",
+                                self.directory, walk[4], self.layout_of(ns).model_name)
         return planned
 
     def prewarm_pump(self) -> bool:
@@ -131,6 +173,10 @@ class DiskPrewarm:
         if (state.in_flight is not None or index is None or pool is None
                 or self._prewarm_reads.stopping):
             return False
+        if state.walks:
+            self.prewarm_plan()
+            if state.walks:
+                return False  # the reads keep the disk's order: they wait for the plan
         pending = state.pending
         while state.pending_blocks > pool.num_empty_blocks:
             state.pending_blocks -= pending.pop()[2]
@@ -198,7 +244,10 @@ class DiskPrewarm:
                            == item.key[0])
                 if item.failure is None and current and pool.commit(item.blocks,
                                                                     item.pool_key):
-                    pool.publish_stored(item.pool_key, b"", item.blocks[0].block_id)
+                    entry = index.get(item.key)
+                    pool.publish_stored(item.pool_key, entry.parent if entry is not None
+                                        and entry.slot == item.slot else b"",
+                                        item.blocks[0].block_id)
                     pool.free(item.blocks)  # unpinned, at the back of the LRU
                     state.chunks += 1
                     state.bytes += item.record_bytes
@@ -225,7 +274,8 @@ class DiskPrewarm:
     def _prewarm_ended(self) -> None:
         """Every planned chunk was read, skipped or dropped: `done` (logged once)."""
         state = self._prewarm
-        if state.in_flight is not None or state.pending or state.state != "running":
+        if (state.in_flight is not None or state.pending or state.walks
+                or state.state != "running"):
             return
         state.state = "done"
         state.elapsed_s = time.monotonic() - state.started
@@ -258,6 +308,7 @@ class DiskPrewarm:
         aborted, nothing more is read."""
         state = self._prewarm
         state.pending.clear()
+        state.walks.clear()
         state.pending_blocks = 0
         self._prewarm_reads.stop()
         left = self._prewarm_reads.join(deadline)

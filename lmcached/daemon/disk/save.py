@@ -111,7 +111,7 @@ class DiskSave:
                 why = "every slot the index could evict is being read"
                 break
             job = WriteJob(key, pool_key, slot, "save", sum(b.num_bytes for b in blocks),
-                           blocks)
+                           blocks, pool.parents.get(pool_key, b""))
             try:
                 self._write_value(job, page)
                 if slow_s:
@@ -122,7 +122,7 @@ class DiskSave:
                 self._count_error("write", exc)
                 self._erase([DiskEntry(slot, job.record_bytes)])
                 continue
-            if not index.insert(key, slot, job.record_bytes):
+            if not index.insert(key, slot, job.record_bytes, job.parent):
                 self._erase([DiskEntry(slot, job.record_bytes)])
                 continue
             result["written"] += 1

@@ -8,8 +8,14 @@ Why this file exists: it is the only code that reads and writes the disk tier's 
     | "LMCDISK1",   | envelope (64 B, the L2  | the record as in the     |
     |  version u32  |   value's: magic, len,  |   arena (header, token   |
     |  = 2, flags,  |   xxh3_64, ns fp,       |   ids, KV), then an      |
-    |  slot_bytes,  |   hash), zeros to the   |   undefined tail, up to  |
-    |  num_slots    |   page's end            |   round_up(block_bytes)  |
+    |  slot_bytes,  |   hash), the parent     |   undefined tail, up to  |
+    |  num_slots    |   hash (16 B), zeros    |   round_up(block_bytes)  |
+
+The parent hash (the chunk hash before this one in its chain; zero: the chain's first,
+or not known) is not part of the envelope (an L2 value has none): it is what the event
+feed announces a chunk read back after a restart with (lmcached/daemon/events.py), so
+that a router can chain it; nothing is served by it (a reader checks a chunk's token
+ids against its own request). A slot written before it existed reads as zero.
 
 A slot holds a spilled value (lmcached/daemon/spill/envelope.py) whose envelope and record lie
 in pages of their own: the record is page-aligned in the file, as an arena block is in
@@ -46,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lmcached.daemon.disk.directory import DiskDirectory
 from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, parse_envelope
+from lmcached.wire.protocol import HASH_BYTES
+from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
@@ -55,6 +63,8 @@ FILE_NAME = "slots.lmcached"
 SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, flags, slot_bytes, num_slots
 SUPERBLOCK_MAGIC = b"LMCDISK1"
 SUPERBLOCK_VERSION = 2  # 2: the record page-aligned after an envelope page
+PARENT_OFFSET = ENVELOPE_BYTES  # the parent hash's offset in a slot's envelope page
+_NO_PARENT = bytes(HASH_BYTES)
 SCAN_THREADS = 4
 SCAN_RANGE_SLOTS = 65536  # slots one scan task reads at most
 SCAN_PROGRESS_SLOTS = 4096  # progress is reported after every this many slots of a task
@@ -95,15 +105,18 @@ class SlotHeader:
         ns_fp: the namespace fingerprint, 16 bytes.
         chunk_hash: the chunk hash, 16 bytes.
         record_bytes: the record's length in bytes.
+        parent: the parent hash written beside the envelope (b"": none).
     """
 
-    __slots__ = ("slot", "ns_fp", "chunk_hash", "record_bytes")
+    __slots__ = ("slot", "ns_fp", "chunk_hash", "record_bytes", "parent")
 
-    def __init__(self, slot: int, ns_fp: bytes, chunk_hash: bytes, record_bytes: int) -> None:
+    def __init__(self, slot: int, ns_fp: bytes, chunk_hash: bytes, record_bytes: int,
+                 parent: bytes = b"") -> None:
         self.slot = slot
         self.ns_fp = ns_fp
         self.chunk_hash = chunk_hash
         self.record_bytes = record_bytes
+        self.parent = parent
 
 
 def read_superblock(directory: DiskDirectory) -> tuple[int, int] | None:
@@ -305,7 +318,7 @@ class SlotFile:
             f"record of {sum(v.nbytes for v in views)} bytes > slot; bug"
         self._pwrite([head, *views], self.slot_offset(slot))
 
-    def commit(self, slot: int, page: mmap.mmap, envelope: bytes) -> None:
+    def commit(self, slot: int, page: mmap.mmap, envelope: bytes, parent: bytes = b"") -> None:
         """Step 2 of a slot's write: its envelope page, the commit mark, last.
 
         Args:
@@ -313,6 +326,7 @@ class SlotFile:
             page: a page-aligned buffer of at least PAGE_BYTES; its first page is
                 overwritten.
             envelope: the slot's envelope (`envelope.encode_envelope` of the record).
+            parent: the chunk's parent hash, HASH_BYTES, or b"" (not known, or none).
 
         Raises:
             OSError: the write failed.
@@ -320,7 +334,40 @@ class SlotFile:
         head = memoryview(page)[:PAGE_BYTES]
         head[:] = _ZERO_PAGE
         head[:ENVELOPE_BYTES] = envelope
+        if parent:
+            head[PARENT_OFFSET:PARENT_OFFSET + HASH_BYTES] = parent
         self._pwrite([head], self.slot_offset(slot))
+
+    def read_token_ids(self, slot: int, chunk_hash: bytes, buffer: mmap.mmap) -> bytes:
+        """The token ids of the record in `slot` (int64 little-endian bytes) when its
+        header names `chunk_hash`, else b"": the record's first pages only (one read of
+        one page for a chunk of up to 504 tokens), no checksum (whoever uses them hashes
+        them: the event feed's subscribers).
+
+        Args:
+            slot: the slot number.
+            chunk_hash: the chunk it should hold.
+            buffer: a page-aligned buffer of at least `max_record_bytes`.
+
+        Raises:
+            OSError: the read failed.
+        """
+        offset = self.slot_offset(slot) + PAGE_BYTES
+        view = memoryview(buffer)
+        got = os.preadv(self._fd, [view[:PAGE_BYTES]], offset)
+        try:
+            header = read_header(view[:RECORD_HEADER_BYTES]) if got >= PAGE_BYTES else None
+        except ValueError:
+            return b""
+        if (header is None or header.chunk_hash != chunk_hash
+                or header.tokens_end > self.max_record_bytes):
+            return b""
+        end = header.tokens_end
+        if end > PAGE_BYTES:
+            length = round_up(end)
+            if os.preadv(self._fd, [view[:length]], offset) < end:
+                return b""
+        return bytes(view[RECORD_HEADER_BYTES:end])
 
     def write(self, slot: int, page: mmap.mmap, pieces: list, envelope: bytes) -> None:
         """`write_record` then `commit`: a slot's whole write, when nothing needs to be
@@ -420,7 +467,8 @@ class SlotFile:
                     if stopped:
                         break
                     try:
-                        data = os.pread(fd, ENVELOPE_BYTES, self.slot_offset(slot))
+                        data = os.pread(fd, PARENT_OFFSET + HASH_BYTES,
+                                        self.slot_offset(slot))
                     except OSError as exc:
                         failed.append(error_kind(exc))
                         errors += 1
@@ -452,7 +500,9 @@ class SlotFile:
         fields = parse_envelope(data)
         if fields is None or not 1 <= fields.record_bytes <= self.max_record_bytes:
             return None
-        return SlotHeader(slot, fields.ns_fp, fields.chunk_hash, fields.record_bytes)
+        parent = bytes(data[PARENT_OFFSET:PARENT_OFFSET + HASH_BYTES])
+        return SlotHeader(slot, fields.ns_fp, fields.chunk_hash, fields.record_bytes,
+                          b"" if parent == _NO_PARENT or len(parent) != HASH_BYTES else parent)
 
     def is_deleted(self) -> bool:
         """Whether the file was unlinked under the daemon (its slots still work through

@@ -348,6 +348,23 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
         """The tier's counters."""
         return self.counts
 
+    def read_token_ids(self, key: DiskKey) -> bytes:
+        """The token ids of the chunk `key` on disk (int64 little-endian bytes), or b""
+        (not on disk, its slot holds another record, or the read failed): one read of
+        its record's first pages on the calling thread (the event feed's snapshot, on
+        the loop thread, a bounded number a page), unverified: whoever uses them hashes
+        them (`SlotFile.read_token_ids`)."""
+        entry = self.index.get(key) if self.index is not None else None
+        if entry is None or self.slots is None:
+            return b""
+        buffer = getattr(self._local, "tokens", None)  # not a record's bounce buffer
+        if buffer is None or len(buffer) < self.slots.max_record_bytes:
+            buffer = self._local.tokens = aligned_buffer(self.slots.max_record_bytes)
+        try:
+            return self.slots.read_token_ids(entry.slot, key[1], buffer)
+        except OSError:
+            return b""
+
     # ------------------------------------------------------------ namespaces
     def _ns_fp(self, ns: int) -> bytes | None:
         """The fingerprint of namespace `ns` when its chunks may go to disk (not a

@@ -62,6 +62,8 @@ class WriteJob:
 
     Attributes:
         key: its disk key (namespace fingerprint, chunk hash); pool_key: its pool key.
+        parent: the chunk hash before it in its chain (`BlockPool.parents`; b"": not
+            known), kept in its slot.
         slot: the slot reserved for it.
         mode: "ahead", "pinned" or "erase".
         epoch: the tier's `clear` count when it was queued (a chunk queued before a
@@ -76,13 +78,15 @@ class WriteJob:
         busy_us: how long the writer worked on it, in microseconds.
     """
 
-    __slots__ = ("key", "pool_key", "slot", "mode", "record_bytes", "blocks", "cancelled",
-                 "evicted", "epoch", "error", "busy_us")
+    __slots__ = ("key", "pool_key", "parent", "slot", "mode", "record_bytes", "blocks",
+                 "cancelled", "evicted", "epoch", "error", "busy_us")
 
     def __init__(self, key: DiskKey | None, pool_key: bytes, slot: int, mode: str,
-                 record_bytes: int, blocks: list[KVCacheBlock] | None) -> None:
+                 record_bytes: int, blocks: list[KVCacheBlock] | None,
+                 parent: bytes = b"") -> None:
         self.key = key
         self.pool_key = pool_key
+        self.parent = parent
         self.slot = slot
         self.mode = mode
         self.record_bytes = record_bytes
@@ -193,7 +197,8 @@ class DiskWrites:
         if slot is None:
             stats.write_drops_busy += 1
             return False
-        job = WriteJob(key, pool_key, slot, mode, num_bytes, blocks)
+        job = WriteJob(key, pool_key, slot, mode, num_bytes, blocks,
+                       self.pool.parents.get(pool_key, b""))
         if mode == "pinned":
             self.pool.touch(blocks)
             self._pinned_bytes += num_bytes
@@ -325,7 +330,7 @@ class DiskWrites:
             job.cancelled = True  # evicted during the write: its bytes may be another's
             self.slots.erase(job.slot, page)  # the envelope of the chunk it evicted
             return
-        self.slots.commit(job.slot, page, envelope)
+        self.slots.commit(job.slot, page, envelope, job.parent)
 
     def _finish_writes(self, jobs: list[WriteJob]) -> None:
         """Index the written slots, give back the failed and cancelled ones, unpin
@@ -366,7 +371,7 @@ class DiskWrites:
                 self._erase([DiskEntry(job.slot, job.record_bytes)])
                 continue
             if job.epoch != self._epoch or not index.insert(job.key, job.slot,
-                                                            job.record_bytes):
+                                                            job.record_bytes, job.parent):
                 # Queued before a CLEAR, or the chunk is on disk in another slot
                 # meanwhile: erased, not indexed.
                 self._erase([DiskEntry(job.slot, job.record_bytes)])

@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 from conftest import start_daemon
+from test_tiers import DEVICE, block_view, drain_demotions, hello, tiered  # noqa: F401
 from lmcached.client import CacheEngine, KVLayout
 from lmcached.client.serving.events import EventRelay
 from lmcached.wire.connection import Connection
-from lmcached.wire.protocol import Clear, Evict
-from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens
+from lmcached.wire.protocol import Alloc, Clear, Commit, Events, Evict, Info, Ok, Subscribe
+from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens, write_header
 
 CHUNK, BLOCK = 16, 4
 
@@ -174,3 +175,176 @@ def test_a_relay_without_a_daemon_returns_nothing_and_retries_later(short_tmp):
                        socket=os.path.join(short_tmp, "none.sock"))
     assert relay.poll() == [] and relay.stats["errors"] == 1
     assert relay.poll() == [] and relay.stats["errors"] == 1  # no retry within a second
+
+
+def chained(events: list) -> list[tuple]:
+    """(block hashes, parent block hash) of each stored event, the relay's own terms."""
+    return [(tuple(e.block_hashes), e.parent_block_hash) for e in events if e.kind == "stored"]
+
+
+def poll_while(relay: EventRelay, done, timeout_s: float = 20.0) -> list:
+    events, deadline = [], time.monotonic() + timeout_s
+    while not done(events):
+        assert time.monotonic() < deadline, (chained(events), relay.stats)
+        events.extend(relay.poll())
+        time.sleep(0.01)
+    return events
+
+
+def test_after_a_restart_the_disk_and_the_prewarm_announce_every_chunk_chained(
+        daemon_factory, short_tmp):
+    """A 6-chunk prompt stored, the daemon stopped (its arena saved to disk) and started
+    again on the same disk: a relay attaching to it announces every chunk on "disk"
+    (the snapshot: token ids from the slots) and on "cpu" (the prewarm reads them back),
+    each with the block hashes and the parent another relay announced before the
+    restart: a router chains them as it chained the first announcement."""
+    disk = os.path.join(short_tmp, "disk")
+    os.mkdir(disk, 0o700)
+    args = ("--capacity", "1MiB", "--block-size", "4KiB", "--disk-path", disk,
+            "--disk-capacity", "4MiB")
+    tokens = list(range(3000, 3000 + 6 * CHUNK))
+    first = daemon_factory(*args)
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=first.socket)
+    try:
+        relay.poll()
+        store(first.socket, tokens)
+        before = chained(poll_until(relay, 6))
+    finally:
+        relay.close()
+    assert [h for hashes, _ in before for h in hashes] == own_hashes(tokens)
+    assert first.stop() == 0
+    second = daemon_factory(*args)
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=second.socket)
+    try:
+        events = poll_while(relay, lambda got: len(chained(got)) >= 12)
+        events.extend(relay.poll())
+    finally:
+        relay.close()
+    for medium in ("disk", "cpu"):  # the prewarm reads a chain back tail first
+        assert sorted(chained(e for e in events if e.medium == medium)) == sorted(before), \
+            medium
+    assert relay.stats["snapshot"] >= 6
+    assert not any(relay.stats[k] for k in ("unresolved_parent", "unresolved_tokens",
+                                            "unresolved_salt", "lost")), relay.stats
+
+
+def test_chunks_a_demotion_moves_to_the_arena_are_announced_chained(tiered):
+    """An 8-chunk chain stored in a device tier (one ALLOC: the daemon knows each chunk's
+    parent there), then its 4 least recently used chunks demoted to the arena: each
+    stored "cpu" event names the parent its ALLOC did, so a relay announces every
+    demoted chunk, in its own block hashes, chained from the one before."""
+    service, _ = tiered
+    session, _ = hello(service, [DEVICE])
+    watcher, _ = hello(service)
+    cursor = service.handle(watcher, Subscribe([1])).cursor
+    tokens = np.arange(9000, 9000 + 8 * CHUNK, dtype=np.int64)
+    hashes, parent = [], ROOT_HASH
+    for i in range(8):
+        parent = hash_block_tokens(parent, tokens[i * CHUNK:(i + 1) * CHUNK])
+        hashes.append(parent)
+    alloc = service.handle(session, Alloc(1, b"".join(hashes), [1000] * 8, 1))
+    for i, ref in enumerate(alloc.block_ids):
+        write_header(block_view(service, ref), 0, hashes[i], tokens[i * CHUNK:(i + 1) * CHUNK])
+    assert service.handle(session, Commit(alloc.block_ids)) == Ok()
+    drain_demotions(service)  # the reserve: one chunk
+    service.demoter.plan({1: 4})  # an ALLOC of 4 found the tier full: 3 more
+    drain_demotions(service)
+    assert service.demoter.stats.demotions == 4
+    reply = service.handle(watcher, Events(cursor, 0, True))
+    assert [(e.medium, e.chunk_hash) for e in reply.events] == [("cpu", h) for h in hashes[:4]]
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket="/nonexistent")
+    events = relay.translate(reply.events)
+    expected = own_hashes(tokens.tolist())
+    assert [h for e in events for h in e.block_hashes] == expected[:16]
+    assert [e.parent_block_hash for e in events] == [None] + [expected[4 * i - 1]
+                                                              for i in (1, 2, 3)]
+    assert relay.stats["unresolved_parent"] == relay.stats["unresolved_salt"] == 0
+
+
+class Announced:
+    """What a router learns from a relay's block events: the blocks announced now per
+    medium; a block announced twice without a removal between, or removed while not
+    announced, is recorded in `doubled` / `unknown_removals`."""
+
+    def __init__(self) -> None:
+        self.blocks: set[tuple[str, bytes]] = set()
+        self.doubled: list = []
+        self.unknown_removals: list = []
+
+    def apply(self, events) -> None:
+        for event in events:
+            for h in event.block_hashes:
+                key = (event.medium, h)
+                if event.kind == "stored":
+                    if key in self.blocks:
+                        self.doubled.append(key)
+                    self.blocks.add(key)
+                elif key in self.blocks:
+                    self.blocks.discard(key)
+                else:
+                    self.unknown_removals.append(key)
+
+
+def test_chunks_stored_while_a_relay_attaches_are_announced_once_paced_and_complete(
+        daemon_factory):
+    """The fault of 100k chunks stored while an instance attaches, at 6,400 chunks: 3,200
+    cached when a relay attaches with a snapshot, 3,200 more stored by another client
+    while its snapshot pages (the arena of 4,096 blocks evicts ~2,300 meanwhile). Each
+    poll reads at most `max_events` chunk events; at the end the relay has announced
+    exactly what a relay that followed the feed from the start announced (nothing lost),
+    each block once (nothing doubled), and nothing it announced has left the arena."""
+    import threading
+    daemon = daemon_factory("--capacity", "16MiB", "--block-size", "4KiB")
+    prompts = [list(range(p * 100_000, p * 100_000 + 100 * CHUNK)) for p in range(64)]
+    witness = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                         max_events=4096, snapshot=False)
+    witness.poll()
+    truth = Announced()
+    for tokens in prompts[:32]:
+        store(daemon.socket, tokens)
+        truth.apply(witness.poll())
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,
+                       max_events=256)
+    seen = Announced()
+
+    def writer() -> None:
+        engine = CacheEngine.connect(layout(), socket=daemon.socket, strict=True)
+        try:
+            kv = torch.zeros(layout().chunk_shape(100 * CHUNK), dtype=torch.bfloat16)
+            for tokens in prompts[32:]:
+                engine.store(torch.tensor(tokens), kv)
+        finally:
+            engine.close()
+
+    thread = threading.Thread(target=writer)
+    try:
+        seen.apply(relay.poll())  # subscribes: the snapshot's first page
+        thread.start()
+        deadline = time.monotonic() + 120
+        quiet = 0
+        while quiet < 3:  # the writer done, the snapshot paged, the feed drained
+            assert time.monotonic() < deadline, relay.stats
+            before = relay.stats["chunk_events"]
+            seen.apply(relay.poll())
+            truth.apply(witness.poll())
+            read = relay.stats["chunk_events"] - before
+            assert read <= 256
+            busy = thread.is_alive() or relay.snapshot_left or read
+            quiet = 0 if busy else quiet + 1
+            time.sleep(0.001)
+        thread.join()
+        truth.apply(witness.poll())
+        with Connection(daemon.socket) as conn:
+            cached = {k: v for s in conn.request(Info()).sections.values()
+                      for k, v in s.items()}["cached_values"]
+    finally:
+        thread.join()
+        relay.close()
+        witness.close()
+    assert relay.stats["snapshot"] > 1000 and relay.stats["removed"] > 1000, relay.stats
+    assert seen.doubled == [] and seen.unknown_removals == []
+    assert witness.stats["lost"] == relay.stats["lost"] == 0
+    assert not any(relay.stats[k] for k in ("unresolved_parent", "unresolved_tokens",
+                                            "unresolved_salt")), relay.stats
+    assert seen.blocks == truth.blocks
+    assert relay.num_announced_chunks == witness.num_announced_chunks == cached

@@ -117,3 +117,37 @@ def test_a_prewarmed_slot_that_fails_its_checks_is_counted_forgotten_and_given_b
         assert_nothing_held(service)
     finally:
         close_disk_service(service)
+
+
+def test_the_plan_walks_the_disk_index_in_bounded_steps_and_reads_after_it(
+        unique_name, tmp_path, monkeypatch):
+    """A namespace's registration examines at most PREWARM_PLAN_BATCH disk index
+    entries (the index may hold millions, most of them other namespaces'); each pump
+    examines that many more, and the reads start once the walk is over, so that the
+    arena ends in the disk's order (the hottest the most recent), as in one step."""
+    from lmcached.daemon.disk import prewarm
+
+    monkeypatch.setattr(prewarm, "PREWARM_PLAN_BATCH", 2)
+    layout, chunks = full_blocks(BLOCK_BYTES)
+    service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
+                                     layout)
+    try:
+        tier = service.disk
+        state = tier._prewarm
+        greeted(service, layout)
+        assert state.visited == 2 and tier.prewarm_info()["disk_prewarm_pending"] == 2
+        assert not tier.prewarm_pump() and state.visited == 4 and state.in_flight is None
+        assert tier.prewarm_pump() and state.visited == 6  # the walk is over: reads start
+
+        def done() -> bool:
+            tier.prewarm_pump()
+            return tier.prewarm_info()["disk_prewarm_state"] == "done"
+        settle(service, done)
+        assert tier.prewarm_info()["disk_prewarm_chunks"] == len(chunks)
+        assert state.visited == len(chunks)
+        prefix = chunk_prefix(1)
+        assert [key for key, _ in service.pool.lru_values(100)] == \
+            [prefix + h for _, h, _ in chunks]
+        assert_nothing_held(service)
+    finally:
+        close_disk_service(service)

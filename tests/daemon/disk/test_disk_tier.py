@@ -490,6 +490,10 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
     try:
         assert disk_info(service)["disk_direct_io"] == int(direct)
         assert service.disk.num_restored == NUM_BLOCKS
+        fp = namespace_fingerprint(layout)
+        for _, chunk_hash, record in chunks:  # the event feed's read of a chunk's tokens
+            assert service.disk.read_token_ids((fp, chunk_hash)) == record[64:64 + 16 * 8]
+        assert service.disk.read_token_ids((fp, chunks[1][1][::-1])) == b""  # not on disk
         assert bool(copies) != in_place, copies
         session = greeted(service, layout)
         hashes = b"".join(h for _, h, _ in chunks)
