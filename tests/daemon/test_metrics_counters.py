@@ -39,6 +39,18 @@ INFO_ONLY = {
               "fetch_errors"},
     DemotionStats: set(),
 }
+# The label values of each labelled family, as shipped (docs/metrics.md); each is read
+# from the field named `..._<label value>`.
+LABELS = {
+    "lmcached_disk_write_drops": ["queue_full", "oversize", "busy", "late"],
+    "lmcached_disk_fetch_rejects": ["verify_checksum", "verify_envelope", "verify_foreign",
+                                    "verify_tokens"],
+    "lmcached_disk_errors": ["nospace", "io", "readonly", "other"],
+    "lmcached_l2_write_drops": ["queue_full", "down", "oversize"],
+    "lmcached_l2_fetch_rejects": ["nospace", "oversize", "gone", "verify_envelope",
+                                  "verify_foreign", "verify_checksum", "verify_tokens"],
+    "lmcached_demotion_skips": ["deduplicated", "dropped", "aborted"],
+}
 
 
 def distinct_values(fields) -> dict[str, int]:
@@ -94,8 +106,13 @@ def test_every_tier_counter_is_one_sample_of_one_family_or_info_only(stats_type,
             assert not metric and family is None and not shown, name
         elif family is not None:
             assert shown == [(family.metric + "_total", {family.label: label})], name
+            assert name.endswith("_" + label) and label in LABELS[family.metric], name
         else:
             assert shown == [(metric + "_total", {})], name
+    for family in families(section):
+        if family.name in LABELS:
+            assert [[*s.labels.values()] for s in family.samples] == [
+                [label] for label in LABELS[family.name]], family.name
     exported = {n for n in names if n not in INFO_ONLY[stats_type]}
     assert exported == {n for n in names if declared(stats_type, n)[0]
                         or declared(stats_type, n)[1] is not None}
