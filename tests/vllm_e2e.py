@@ -17,9 +17,10 @@ Modes (the result JSON always has "startup_s" and "mode"):
              local + external prefix hits), "generate_s" and "num_steps" (engine
              steps) per call, and with --time-hooks "connector_s": time spent inside
              the connector's hooks per call. With --logprobs N, "logprobs": the first
-             generated token's top-N logprobs ({token id: logprob}) per prompt. In
-             in-process mode with the connector, "blend": the connector's CacheBlend
-             counters (refusals by reason, claimed requests, blended requests, ...).
+             generated token's top-N logprobs ({token id: logprob}) per prompt. With
+             the connector, "blend": the connector's CacheBlend counters (refusals by
+             reason, claimed requests, blended requests, ...) as vLLM's connector stats
+             carried them to its stats logger.
     ttft:    one generate(max_tokens=1) per prompt, in turn: "ttft_s" per prompt (the
              wall time of a one-token generate, i.e. the prefill) and "num_cached_tokens".
 Set VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING in the environment.
@@ -74,34 +75,45 @@ def time_connector_hooks() -> dict:
     return spent
 
 
-def blend_counters(llm) -> dict | None:
-    """The connector's CacheBlend counters (in-process mode only: None otherwise)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
-    scheduler = getattr(connector, "blend_scheduler", None)
-    if scheduler is None:
-        return None
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+BLEND_COUNTERS = ("claimed_requests", "store_only_requests", "blended_requests",
+                  "reused_tokens", "recomputed_tokens", "stored_segments", "skipped_stores",
+                  "dropped_stores", "failed_blends")
 
-    worker = getattr(get_kv_transfer_group(), "blend_worker", None)
-    counters = {"refusals": dict(scheduler.refusals),
-                "claimed_requests": scheduler.num_claimed_requests,
-                "store_only_requests": scheduler.num_store_only_requests}
-    if worker is not None:
-        counters.update(blended_requests=worker.num_blended_requests,
-                        reused_tokens=worker.num_reused_tokens,
-                        recomputed_tokens=worker.num_recomputed_tokens,
-                        stored_segments=worker.num_stored_segments,
-                        skipped_stores=worker.num_skipped_stores,
-                        dropped_stores=worker.num_dropped_stores,
-                        failed_blends=worker.num_failed_blends)
-    return counters
+
+def observe_connector_stats() -> dict:
+    """Sum what vLLM's stats logger receives of the connector's stats
+    (`KVConnectorLogging.observe`, each step: the scheduler's and the workers'
+    `get_kv_connector_stats`, carried in `SchedulerStats`), rebuilt with the connector's
+    own `build_kv_connector_stats` as vLLM rebuilds them: {"stats": the sum or None}."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    from lmcached.client.vllm.connector import LMCachedConnector
+
+    seen = {"stats": None}
+    inner = KVConnectorLogging.observe
+
+    def observe(self, data):
+        stats = LMCachedConnector.build_kv_connector_stats(data)
+        seen["stats"] = stats if seen["stats"] is None else seen["stats"].aggregate(stats)
+        return inner(self, data)
+
+    KVConnectorLogging.observe = observe
+    return seen
+
+
+def blend_counters(seen: dict) -> dict:
+    """The connector's CacheBlend counters as vLLM's connector stats reported them
+    (`observe_connector_stats`)."""
+    data = seen["stats"].data if seen["stats"] is not None else {}
+    return {"refusals": dict(data.get("refusals", {})),
+            **{name: data.get(name, 0) for name in BLEND_COUNTERS}}
 
 
 def run(args) -> dict:
     from vllm import LLM, SamplingParams
 
     hook_time = time_connector_hooks() if args.time_hooks else None
+    connector_stats = observe_connector_stats() if args.socket else None
 
     with open(args.prompts) as f:
         prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in json.load(f)]
@@ -117,6 +129,7 @@ def run(args) -> dict:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"socket": args.socket, "chunk_size": args.chunk_size},
         }
+        kwargs["disable_log_stats"] = False  # vLLM then carries the connector's stats
     if args.blend_model:
         kwargs["hf_overrides"] = {"architectures": ["LMCachedLlamaForCausalLM"]}
     if args.logprobs:
@@ -151,7 +164,7 @@ def run(args) -> dict:
             cached.append(out.num_cached_tokens)
         result.update(ttft_s=ttft, num_cached_tokens=cached)
         if args.socket:
-            result["blend"] = blend_counters(llm)
+            result["blend"] = blend_counters(connector_stats)
     else:
         engine, steps = llm.llm_engine, {"n": 0}
         inner_step = engine.step
@@ -181,7 +194,7 @@ def run(args) -> dict:
                 result["logprobs"] += [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
                                        for o in outs]
         if args.socket:
-            result["blend"] = blend_counters(llm)
+            result["blend"] = blend_counters(connector_stats)
     del llm
     return result
 

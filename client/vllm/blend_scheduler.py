@@ -12,7 +12,8 @@ work is invisible to vLLM's token budget, so the claimed tokens of one step are 
 (`blend_tokens_per_step`): beyond it the connector answers None ("ask again next step").
 
 Requests that asked for blending and are served normally have their reason counted in
-`refusals` (one warning per reason). vllm-free.
+`refusals` (one warning per reason). The counters reach vLLM's connector stats
+(`counters`, client/vllm/blend_stats.py). vllm-free.
 """
 
 import collections
@@ -196,6 +197,16 @@ class BlendScheduler:
             else:
                 self.num_store_only_requests += 1
         return specs
+
+    def counters(self) -> dict[str, Any]:
+        """The counters so far, as vLLM's connector stats carry them
+        (client/vllm/blend_stats.py): "claimed_requests", "claimed_tokens",
+        "store_only_requests", "deferred" and "refusals" (by reason)."""
+        return {"claimed_requests": self.num_claimed_requests,
+                "claimed_tokens": self.num_claimed_tokens,
+                "store_only_requests": self.num_store_only_requests,
+                "deferred": self.num_deferred,
+                "refusals": dict(self.refusals)}
 
     def request_finished(self, request) -> None:
         """Forget the request."""

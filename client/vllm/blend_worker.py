@@ -189,6 +189,17 @@ class BlendWorker:
                 logger.warning("lmcached blend: storing a document failed: %s: %s",
                                type(exc).__name__, exc)
 
+    def counters(self) -> dict[str, int]:
+        """The counters so far, as vLLM's connector stats carry them
+        (client/vllm/blend_stats.py), named as the attributes without `num_`."""
+        return {"blended_requests": self.num_blended_requests,
+                "reused_tokens": self.num_reused_tokens,
+                "recomputed_tokens": self.num_recomputed_tokens,
+                "stored_segments": self.num_stored_segments,
+                "skipped_stores": self.num_skipped_stores,
+                "dropped_stores": self.num_dropped_stores,
+                "failed_blends": self.num_failed_blends}
+
     def take_load_errors(self) -> set[int]:
         """vLLM blocks of failed blends since the last call."""
         errors, self._load_errors = self._load_errors, set()

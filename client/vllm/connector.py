@@ -88,6 +88,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
+from lmcached.client.vllm.blend_stats import CounterDeltas, LMCachedConnectorStats
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.kv_events import make_relay, to_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
@@ -188,6 +189,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         self.blend_worker: BlendWorker | None = None
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
         self._init_guarded_hooks()
+        self._blend_deltas = CounterDeltas()  # for `get_kv_connector_stats`
+        self._tp_rank = 0  # worker: this rank in the TP group
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -216,6 +219,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
         else:
             rank = tensor_parallel_rank()
+            self._tp_rank = rank
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
@@ -345,6 +349,24 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         at once (saves are synchronous)."""
         self._forget(request)
         return False, None
+
+    def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
+        """CacheBlend's counts since the last call, which vLLM makes every step
+        (client/vllm/blend_stats.py): the blend scheduler's, or the blend worker's of TP
+        rank 0 (every rank blends the same requests, and vLLM sums the workers'); None
+        without CacheBlend in this role."""
+        source = self.blend_scheduler or (self.blend_worker if self._tp_rank == 0 else None)
+        if source is None:
+            return None
+        return self._guarded("get_kv_connector_stats",
+                             lambda: self._blend_deltas.take(source.counters()))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> LMCachedConnectorStats:
+        """The stats of `data` (`LMCachedConnectorStats.data`, as vLLM carries it from
+        the scheduler and the workers to its stats loggers)."""
+        return LMCachedConnectorStats(data=dict(data) if data else {})
 
     def take_events(self) -> list:
         """vLLM's KV events for the chunks the daemon holds for this instance's

@@ -38,7 +38,7 @@ from lmcached.wire.logger import init_logger
 from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
 from lmcached.daemon.jobs import JobRunner
 from lmcached.daemon.memory_tiers import Tier, TierSet
-from lmcached.daemon.spill.counters import counter
+from lmcached.daemon.spill.counters import LabelledFamily, counter
 
 logger = init_logger(__name__)
 
@@ -47,18 +47,24 @@ MAX_INFLIGHT_DEMOTION_BYTES = 256 << 20  # ~5 ms of device-to-host copy at 50 GB
 # Copies into pageable memory are staged through the driver's own pinned buffer and run
 # at a fraction of pinned speed: a quarter is assumed (not measured: no GPU here yet).
 MAX_INFLIGHT_PAGEABLE_DEMOTION_BYTES = MAX_INFLIGHT_DEMOTION_BYTES // 4
+SKIPS = LabelledFamily("lmcached_demotion_skips", "LRU device chunks freed without a "
+                       "demotion, by reason.", "reason")
+
+
 @dataclasses.dataclass(slots=True)
 class DemotionStats:
     """The demotion counters, INFO `stats` fields of the same names (loop thread only);
-    a field with a metric is also that Prometheus counter (`spill.counters`)."""
+    a field with a metric is also that Prometheus counter, a field with a family one
+    sample of that labelled family (`spill.counters`)."""
 
     demotions: int = counter("lmcached_demotions", "Chunks moved from a device tier to the "
                              "host arena.")
     demoted_bytes: int = counter("lmcached_demoted_bytes", "Bytes of the chunks demoted.")
-    demotion_busy_us: int = counter()
-    demotions_deduplicated: int = counter()
-    demotions_dropped: int = counter()
-    demotions_aborted: int = counter()
+    demotion_busy_us: int = counter("lmcached_demotion_busy_seconds", "Time the demotion "
+                                    "thread spent copying.", divisor=1e6)
+    demotions_deduplicated: int = counter(family=SKIPS, label="deduplicated")
+    demotions_dropped: int = counter(family=SKIPS, label="dropped")
+    demotions_aborted: int = counter(family=SKIPS, label="aborted")
     errors_demotion: int = counter("lmcached_demotion_errors", "Demotion copies that failed "
                                    "(the tier is then marked failed).")
 

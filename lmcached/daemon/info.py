@@ -7,6 +7,7 @@ Building them from the daemon's state lives here, apart from the request semanti
 (`service.py`); the CLI's text rendering of the same fields is `stats.py`.
 """
 
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, Iterable, Protocol
@@ -103,9 +104,8 @@ def tenant_fields(counters: StatsSnapshot) -> InfoFields:
     fingerprint (16 hex digits)."""
     fields: InfoFields = {"tenants_tracked": len(counters.tenants) - 2,
                           "tenants_max": MAX_TENANTS}
-    for name, (hits, misses, lookups) in counters.tenants.items():
-        fields.update({f"tenant_{name}_hits": hits, f"tenant_{name}_misses": misses,
-                       f"tenant_{name}_lookups": lookups})
+    for name, row in counters.tenants.items():
+        fields.update(info_fields(row, f"tenant_{name}_"))
     return fields
 
 
@@ -205,6 +205,65 @@ def spill_tier_info(spill_tiers: "list[SpillTier]") -> dict[str, InfoFields]:
             for name in SPILL_SECTIONS}
 
 
+# States of a device tier's blocks: INFO `tier<i>_<state>_blocks`, label `state` of
+# lmcached_tier_blocks.
+TIER_BLOCK_STATES = ("free", "cached", "pinned", "writing", "detached", "demoting")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTierRow:
+    """One device tier's numbers at one instant (plain values): INFO's `tier<i>_*`
+    fields (`_device_tier_info`) and the lmcached_tier_* families
+    (`metrics.device_tier_families`) are both made from it.
+
+    Attributes:
+        tier_id: i >= 1 (the host arena is tier 0).
+        kind / device: the tier's kind and device (e.g. "cuda", "cuda:0").
+        failed: a device error marked it failed (it takes no new chunks).
+        capacity_bytes / stored_bytes: its size, and the bytes of its cached values.
+        num_blocks: its blocks (0 before its pool exists).
+        blocks: blocks by state, one per TIER_BLOCK_STATES, in that order.
+        hits: chunks it served to ACQUIRE.
+    """
+
+    tier_id: int
+    kind: str
+    device: str
+    failed: bool
+    capacity_bytes: int
+    stored_bytes: int
+    num_blocks: int
+    blocks: dict[str, int]
+    hits: int
+
+
+def device_tier_rows(service: DaemonState, counters: StatsSnapshot) -> list[DeviceTierRow]:
+    """A row per device tier of `service`, by tier id; [] without device tiers."""
+    demoter = service.demoter
+    rows = []
+    for tier in service.tiers.device_tiers:
+        pool = tier.pool
+        by_state = (pool.num_empty_blocks, pool.num_cached_blocks, pool.num_pinned_blocks,
+                    pool.num_writing_blocks, pool.num_detached_blocks) if pool else (0,) * 5
+        demoting = demoter.demoting_blocks[tier.tier_id] if demoter else 0
+        rows.append(DeviceTierRow(
+            tier_id=tier.tier_id, kind=tier.kind, device=tier.device, failed=tier.failed,
+            capacity_bytes=tier.size_bytes,
+            stored_bytes=pool.num_cached_bytes if pool else 0,
+            num_blocks=pool.num_blocks if pool else 0,
+            blocks=dict(zip(TIER_BLOCK_STATES, (*by_state, demoting))),
+            hits=counters.tier_hits[tier.tier_id]))
+    return rows
+
+
+def demotion_stats(service: DaemonState) -> DemotionStats | None:
+    """A copy of the demotion counters (zeros before a demoter exists), or None without
+    device tiers (INFO then shows none)."""
+    if not service.tiers.device_tiers:
+        return None
+    return dataclasses.replace(service.demoter.stats) if service.demoter else DemotionStats()
+
+
 def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
                       stats: InfoFields) -> tuple[InfoFields, InfoFields]:
     """The `memory` and `blocks` fields of each device tier (`tier<i>_...`, i >= 1),
@@ -212,35 +271,25 @@ def _device_tier_info(service: DaemonState, counters: StatsSnapshot,
     keep their names. Nothing without device tiers."""
     memory: InfoFields = {}
     blocks: InfoFields = {}
-    device_tiers = service.tiers.device_tiers
-    if not device_tiers:
+    rows = device_tier_rows(service, counters)
+    if not rows:
         return memory, blocks
-    memory["device_tiers"] = len(device_tiers)
-    demoter = service.demoter
-    for tier in device_tiers:
-        t, pool = f"tier{tier.tier_id}_", tier.pool
-        capacity = tier.size_bytes
-        stored = pool.num_cached_bytes if pool else 0
+    memory["device_tiers"] = len(rows)
+    for row in rows:
+        t = f"tier{row.tier_id}_"
         memory.update({
-            t + "kind": tier.kind,
-            t + "device": tier.device,
-            t + "state": "failed" if tier.failed else "ok",
-            t + "capacity_bytes": capacity,
-            t + "capacity_human": format_bytes(capacity),
-            t + "stored_bytes": stored,
-            t + "stored_human": format_bytes(stored),
+            t + "kind": row.kind,
+            t + "device": row.device,
+            t + "state": "failed" if row.failed else "ok",
+            t + "capacity_bytes": row.capacity_bytes,
+            t + "capacity_human": format_bytes(row.capacity_bytes),
+            t + "stored_bytes": row.stored_bytes,
+            t + "stored_human": format_bytes(row.stored_bytes),
         })
-        blocks.update({
-            t + "num_blocks": pool.num_blocks if pool else 0,
-            t + "free_blocks": pool.num_empty_blocks if pool else 0,
-            t + "cached_blocks": pool.num_cached_blocks if pool else 0,
-            t + "pinned_blocks": pool.num_pinned_blocks if pool else 0,
-            t + "writing_blocks": pool.num_writing_blocks if pool else 0,
-            t + "detached_blocks": pool.num_detached_blocks if pool else 0,
-            t + "demoting_blocks": demoter.demoting_blocks[tier.tier_id] if demoter else 0,
-        })
-        stats[t + "hits"] = counters.tier_hits[tier.tier_id]
-    stats.update(info_fields(demoter.stats if demoter else DemotionStats(), ""))
+        blocks[t + "num_blocks"] = row.num_blocks
+        blocks.update({f"{t}{state}_blocks": count for state, count in row.blocks.items()})
+        stats[t + "hits"] = row.hits
+    stats.update(info_fields(demotion_stats(service), ""))
     return memory, blocks
 
 

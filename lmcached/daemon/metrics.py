@@ -53,12 +53,25 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from lmcached.daemon.info import INFO_SECTIONS, InfoFields, info_sections
-from lmcached.daemon.stats import LATENCY_BUCKETS_S, StatsSnapshot
+from lmcached.daemon.info import (
+    INFO_SECTIONS,
+    DeviceTierRow,
+    InfoFields,
+    demotion_stats,
+    device_tier_rows,
+    info_sections,
+)
+from lmcached.daemon.stats import LATENCY_BUCKETS_S, StatsSnapshot, TenantRow
 from lmcached.daemon.demotion import DemotionStats
 from lmcached.daemon.disk.counters import DiskStats
+from lmcached.daemon.l2.counters import ERRORS as L2_ERRORS, ERROR_SAMPLES as L2_ERROR_SAMPLES
 from lmcached.daemon.l2.counters import L2Stats
-from lmcached.daemon.spill.counters import counter_families
+from lmcached.daemon.spill.counters import (
+    LabelledFamily,
+    counter_families,
+    info_fields,
+    labelled_families,
+)
 from lmcached.wire.logger import init_logger
 from lmcached.daemon.metrics_http import ScrapeServer
 
@@ -98,6 +111,9 @@ class Snapshot:
             a namespace was left out or freed).
         latency: `RequestLatency.copy()`, or {} when latency is not observed.
         start_time_s: when the daemon started (Unix time).
+        device_tiers: a row per device tier (`info.device_tier_rows`), [] without.
+        demotion: the demotion counters (`info.demotion_stats`), None without device
+            tiers.
     """
 
     info: dict[str, InfoFields]
@@ -105,6 +121,8 @@ class Snapshot:
     namespaces: list[NamespaceRow]
     latency: dict[str, tuple[list[int], float]]
     start_time_s: float
+    device_tiers: list[DeviceTierRow] = dataclasses.field(default_factory=list)
+    demotion: DemotionStats | None = None
 
 
 def take_snapshot(service) -> Snapshot:
@@ -112,7 +130,8 @@ def take_snapshot(service) -> Snapshot:
     latency = service.latency.copy() if service.latency is not None else {}
     counters = service.stats.snapshot([p.stats if p else None for p in service.tiers.pools])
     return Snapshot(info_sections(service, counters), counters, namespace_rows(service),
-                    latency, service.started_at)
+                    latency, service.started_at, device_tier_rows(service, counters),
+                    demotion_stats(service))
 
 
 def namespace_rows(service) -> list[NamespaceRow]:
@@ -215,17 +234,34 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+def _labelled(family: LabelledFamily, samples: tuple[tuple[str, str], ...],
+              section: InfoFields) -> CounterMetricFamily:
+    """`family` with one sample per (label value, INFO field of `section`)."""
+    metric = CounterMetricFamily(family.metric, family.doc, labels=[family.label])
+    for value, field in samples:
+        metric.add_metric([value], section[field])
+    return metric
+
+
+def labelled_counter_families(section: InfoFields, stats_type,
+                              prefix: str) -> Iterator[CounterMetricFamily]:
+    """The labelled families the fields of a stats dataclass name (`counter(family=)`),
+    read from its INFO section (`prefix` as `spill.counters.info_fields`')."""
+    for family, samples in labelled_families(stats_type, prefix):
+        yield _labelled(family, samples, section)
+
+
 # INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters"):
 # those of `L2Stats` that name a metric, and the store's reconnects.
 L2_COUNTERS = {
-    **{field: (name, doc) for field, name, doc in counter_families(L2Stats, "l2_")},
+    **{field: (name, doc) for field, name, doc, _ in counter_families(L2Stats, "l2_")},
     "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
 }
 
 # INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md): those
 # of `DiskStats` that name a metric, and the index's evictions.
 DISK_COUNTERS = {
-    **{field: (name, doc) for field, name, doc in counter_families(DiskStats, "disk_")},
+    **{field: (name, doc) for field, name, doc, _ in counter_families(DiskStats, "disk_")},
     "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU)."),
 }
 
@@ -241,24 +277,7 @@ def disk_families(disk: InfoFields) -> Iterator[Metric]:
     yield _gauge("lmcached_disk_slots", "Slots of the disk tier.", disk["disk_slots"])
     yield _gauge("lmcached_disk_stored_bytes", "Bytes of the chunks on disk.",
                  disk["disk_stored_bytes"])
-    drops = CounterMetricFamily("lmcached_disk_write_drops", "Chunk writes to disk dropped, "
-                                "by reason.", labels=["reason"])
-    for reason in ("queue_full", "oversize", "busy", "late"):
-        drops.add_metric([reason], disk[f"disk_write_drops_{reason}"])
-    yield drops
-    rejects = CounterMetricFamily("lmcached_disk_fetch_rejects", "Slots read back and not "
-                                  "served, by reason (verify_*: failed verification).",
-                                  labels=["reason"])
-    for field, value in disk.items():
-        if field.startswith("disk_fetch_verify_"):
-            rejects.add_metric([field[len("disk_fetch_"):]], value)
-    yield rejects
-    errors = CounterMetricFamily("lmcached_disk_errors", "Disk tier I/O errors by kind.",
-                                 labels=["kind"])
-    for field, value in disk.items():
-        if field.startswith("disk_errors_"):
-            errors.add_metric([field[len("disk_errors_"):]], value)
-    yield errors
+    yield from labelled_counter_families(disk, DiskStats, "disk_")
 
 
 def l2_families(l2: InfoFields) -> Iterator[Metric]:
@@ -273,37 +292,23 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
                  l2["l2_queue_bytes"])
     yield _gauge("lmcached_l2_queue_values", "Chunks waiting to be written to L2.",
                  l2["l2_queue_values"])
-    drops = CounterMetricFamily("lmcached_l2_write_drops", "Chunk writes dropped, by reason.",
-                                labels=["reason"])
-    drops.add_metric(["queue_full"], l2["l2_write_drops_queue_full"])
-    drops.add_metric(["down"], l2["l2_write_drops_down"])
-    drops.add_metric(["oversize"], l2["l2_write_drops_oversize"])
-    yield drops
-    rejects = CounterMetricFamily("lmcached_l2_fetch_rejects", "Fetched values not served, by "
-                                  "reason (verify_*: failed verification).", labels=["reason"])
-    for field, value in l2.items():
-        if field.startswith("l2_fetch_verify_") or field in ("l2_fetch_gone", "l2_fetch_nospace",
-                                                             "l2_fetch_oversize"):
-            rejects.add_metric([field[len("l2_fetch_"):]], value)
-    yield rejects
-    errors = CounterMetricFamily("lmcached_l2_errors", "L2 errors by kind.", labels=["kind"])
-    for field, value in l2.items():
-        if field.startswith("l2_errors_"):
-            errors.add_metric([field[len("l2_errors_"):]], value)
-    yield errors
+    yield from labelled_counter_families(l2, L2Stats, "l2_")
+    yield _labelled(L2_ERRORS, L2_ERROR_SAMPLES, l2)
 
 
-# INFO stats field -> (metric, help) of the demotion counters (lmcached/daemon/demotion.py).
-DEMOTION_COUNTERS = {field: (name, doc)
-                     for field, name, doc in counter_families(DemotionStats, "")}
+# The `code` of INFO's errors_demotion (`DemotionStats.errors_demotion`) in lmcached_errors.
+DEMOTION_ERROR_CODE = "demotion"
+# INFO stats field -> (metric, help, divisor) of the demotion counters
+# (lmcached/daemon/demotion.py).
+DEMOTION_COUNTERS = {field: (name, doc, divisor)
+                     for field, name, doc, divisor in counter_families(DemotionStats, "")}
 
 
-def device_tier_families(memory: InfoFields, blocks: InfoFields,
-                         stats: InfoFields) -> Iterator[Metric]:
-    """The lmcached_tier_* and lmcached_demotion* families of INFO's device tier fields
-    (`tier<i>_*`); none without device tiers."""
-    num_tiers = memory.get("device_tiers", 0)
-    if not num_tiers:
+def device_tier_families(rows: list[DeviceTierRow],
+                         demotion: DemotionStats | None) -> Iterator[Metric]:
+    """The lmcached_tier_* and lmcached_demotion* families of the device tiers (`rows`)
+    and the demotion counters; none without device tiers."""
+    if not rows:
         return
     labels = ["tier", "device"]
     capacity = GaugeMetricFamily("lmcached_tier_capacity_bytes", "Size of a device tier.",
@@ -317,25 +322,19 @@ def device_tier_families(memory: InfoFields, blocks: InfoFields,
                                  labels=[*labels, "state"])
     hits = CounterMetricFamily("lmcached_tier_hit_chunks", "Chunks a device tier served to "
                                "ACQUIRE.", labels=labels)
-    for i in range(1, num_tiers + 1):
-        t = f"tier{i}_"
-        tier_labels = [str(i), str(memory[t + "device"])]
-        capacity.add_metric(tier_labels, memory[t + "capacity_bytes"])
-        cached.add_metric(tier_labels, memory[t + "stored_bytes"])
-        up.add_metric(tier_labels, 1 if memory[t + "state"] == "ok" else 0)
-        for state in ("free", "cached", "pinned", "writing", "detached", "demoting"):
-            by_state.add_metric([*tier_labels, state], blocks[f"{t}{state}_blocks"])
-        hits.add_metric(tier_labels, stats[t + "hits"])
+    for row in rows:
+        tier_labels = [str(row.tier_id), str(row.device)]
+        capacity.add_metric(tier_labels, row.capacity_bytes)
+        cached.add_metric(tier_labels, row.stored_bytes)
+        up.add_metric(tier_labels, 0 if row.failed else 1)
+        for state, count in row.blocks.items():
+            by_state.add_metric([*tier_labels, state], count)
+        hits.add_metric(tier_labels, row.hits)
     yield from (capacity, cached, up, by_state, hits)
-    for field, (name, doc) in DEMOTION_COUNTERS.items():
-        yield _counter(name, doc, stats[field])
-    yield _counter("lmcached_demotion_busy_seconds", "Time the demotion thread spent copying.",
-                   stats["demotion_busy_us"] / 1e6)
-    skips = CounterMetricFamily("lmcached_demotion_skips", "LRU device chunks freed without "
-                                "a demotion, by reason.", labels=["reason"])
-    for reason in ("deduplicated", "dropped", "aborted"):
-        skips.add_metric([reason], stats["demotions_" + reason])
-    yield skips
+    counts = info_fields(demotion if demotion is not None else DemotionStats(), "")
+    for field, (name, doc, divisor) in DEMOTION_COUNTERS.items():
+        yield _counter(name, doc, counts[field] / divisor if divisor != 1 else counts[field])
+    yield from labelled_counter_families(counts, DemotionStats, "")
 
 
 # INFO stats field -> (metric, help, counter?) of the chunk event feed (docs/kv-events.md).
@@ -381,14 +380,12 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("lmcached_namespaces_sglang", "Namespaces alive of SGLang HiCache pages "
                  "(INFO namespaces_sglang).", clients["namespaces_sglang"])
     yield _counter("lmcached_lookups", "LOOKUP requests answered.", counters.lookups)
-    for i, (name, doc) in enumerate((("hit_chunks", "Chunks found by ACQUIRE"),
-                                     ("miss_chunks", "Chunks ACQUIRE did not find"),
-                                     ("lookups", "LOOKUP requests"))):
-        family = CounterMetricFamily(f"lmcached_tenant_{name}", f"{doc}, by tenant (a "
-                                     "salt's fingerprint, unsalted, other; INFO tenants).",
-                                     labels=["tenant"])
+    for field in dataclasses.fields(TenantRow):
+        family = CounterMetricFamily(field.metadata["metric"], f"{field.metadata['doc']}, by "
+                                     "tenant (a salt's fingerprint, unsalted, other; INFO "
+                                     "tenants).", labels=["tenant"])
         for tenant, row in counters.tenants.items():
-            family.add_metric([tenant], row[i])
+            family.add_metric([tenant], getattr(row, field.name))
         yield family
     yield _counter("lmcached_stores", "Values committed: chunks and PUT values (INFO stores).",
                    counters.stores)
@@ -421,9 +418,10 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
         yield family
     errors = CounterMetricFamily("lmcached_errors", "Refused requests and dropped connections, "
                                  "by error code (INFO errors_<code>).", labels=["code"])
-    for field, value in stats.items():  # INFO's errors_<code>, errors_demotion included
-        if field.startswith("errors_"):
-            errors.add_metric([field[len("errors_"):]], value)
+    for code in sorted(counters.errors):  # INFO's order (`info.stats_fields`)
+        errors.add_metric([code], counters.errors[code])
+    if snap.demotion is not None:  # INFO's errors_demotion, with device tiers
+        errors.add_metric([DEMOTION_ERROR_CODE], snap.demotion.errors_demotion)
     yield errors
     yield from event_families(stats)
     yield _gauge("lmcached_arena_capacity_bytes", "Size of the arena segment.",
@@ -447,7 +445,7 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
                  "stored_bytes).", memory["stored_bytes"])
     yield _gauge("lmcached_arena_fill_ratio", "Cached bytes / bytes of their blocks "
                  "(INFO fill_ratio).", memory["fill_ratio"])
-    yield from device_tier_families(memory, blocks, stats)
+    yield from device_tier_families(snap.device_tiers, snap.demotion)
     yield from l2_families(snap.info["l2"])
     yield from disk_families(snap.info["disk"])
     latency = HistogramMetricFamily("lmcached_request_duration_seconds", "Time the daemon's "

@@ -20,7 +20,7 @@ from lmcached.daemon.session import PendingValue, Session
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.replies import RequestError
-from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION
+from lmcached.daemon.stats import MAX_TENANTS_PER_SESSION, TenantRow
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.wire.units import format_bytes
 
@@ -50,7 +50,7 @@ class RequestChecks:
             )
         return num_chunks
 
-    def _tenant_row(self, session: Session, tenant: bytes, salted: bool = False) -> list[int]:
+    def _tenant_row(self, session: Session, tenant: bytes, salted: bool = False) -> TenantRow:
         """The counters (`TenantStats.row`) of a LOOKUP's or ACQUIRE's tenant
         fingerprint, after validating it (TENANT_BYTES, or empty: unsalted).
 

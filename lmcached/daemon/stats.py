@@ -90,21 +90,35 @@ OTHER = "other"
 _OTHER_KEY = b"other"  # never a fingerprint (those are TENANT_BYTES long)
 
 
+@dataclasses.dataclass(slots=True)
+class TenantRow:
+    """One tenant's counters (loop thread only). Each field is INFO field
+    `tenant_<name>_<field>` (`info.tenant_fields`) and a sample, labelled `tenant`, of
+    the counter family its metadata names (`metrics.metric_families`)."""
+
+    hits: int = dataclasses.field(default=0, metadata={
+        "metric": "lmcached_tenant_hit_chunks", "doc": "Chunks found by ACQUIRE"})
+    misses: int = dataclasses.field(default=0, metadata={
+        "metric": "lmcached_tenant_miss_chunks", "doc": "Chunks ACQUIRE did not find"})
+    lookups: int = dataclasses.field(default=0, metadata={
+        "metric": "lmcached_tenant_lookups", "doc": "LOOKUP requests"})
+
+
 class TenantStats:
     """Chunks hit and missed by ACQUIRE and LOOKUPs, per tenant fingerprint, in a table
     of at most MAX_TENANTS fingerprints plus "unsalted" and "other" (LMCache counts per
     cache salt; the bound is ours: a client chooses the fingerprints it sends).
 
-    Rows are `[hits, misses, lookups]`; `row` is the one lookup per request. LOOKUPs
-    of clients of before fingerprints (no `salted` flag there) count as unsalted.
+    Rows are `TenantRow`s; `row` is the one lookup per request. LOOKUPs of clients of
+    before fingerprints (no `salted` flag there) count as unsalted.
     """
 
     __slots__ = ("_rows",)
 
     def __init__(self) -> None:
-        self._rows: dict[bytes, list[int]] = {b"": [0, 0, 0], _OTHER_KEY: [0, 0, 0]}
+        self._rows: dict[bytes, TenantRow] = {b"": TenantRow(), _OTHER_KEY: TenantRow()}
 
-    def row(self, tenant: bytes, salted: bool = False) -> list[int]:
+    def row(self, tenant: bytes, salted: bool = False) -> TenantRow:
         """The counters of `tenant` (b"": unsalted, or "other" when `salted`: a client
         of before fingerprints), made on first sight while fewer than MAX_TENANTS are
         tracked, "other"'s otherwise."""
@@ -112,18 +126,19 @@ class TenantStats:
         if row is None:
             if len(self._rows) - 2 >= MAX_TENANTS:
                 return self._rows[_OTHER_KEY]
-            row = self._rows[tenant] = [0, 0, 0]
+            row = self._rows[tenant] = TenantRow()
         return row
 
-    def other(self) -> list[int]:
+    def other(self) -> TenantRow:
         """The counters of "other" (`row`'s answer past a bound)."""
         return self._rows[_OTHER_KEY]
 
-    def copy(self) -> dict[str, tuple[int, int, int]]:
-        """{"unsalted" | "other" | 16 hex digits: (hits, misses, lookups)}, unsalted and
-        other first, then the fingerprints in the order first seen."""
+    def copy(self) -> dict[str, TenantRow]:
+        """{"unsalted" | "other" | 16 hex digits: a copy of its row}, unsalted and other
+        first, then the fingerprints in the order first seen."""
         names = {b"": UNSALTED, _OTHER_KEY: OTHER}
-        return {names.get(key) or key.hex(): tuple(row) for key, row in self._rows.items()}
+        return {names.get(key) or key.hex(): dataclasses.replace(row)
+                for key, row in self._rows.items()}
 
 
 class DaemonStats:
@@ -208,17 +223,17 @@ class StatsSnapshot:
     invalidated_chunks: int
     errors: dict[str, int]
     tier_hits: tuple[int, ...]
-    tenants: dict[str, tuple[int, int, int]]
+    tenants: dict[str, TenantRow]
 
     @property
     def salted_hits(self) -> int:
         """Chunks hit by salted requests: every tenant's but "unsalted"."""
-        return sum(row[0] for name, row in self.tenants.items() if name != UNSALTED)
+        return sum(row.hits for name, row in self.tenants.items() if name != UNSALTED)
 
     @property
     def salted_misses(self) -> int:
         """Chunks missed by salted requests."""
-        return sum(row[1] for name, row in self.tenants.items() if name != UNSALTED)
+        return sum(row.misses for name, row in self.tenants.items() if name != UNSALTED)
 
     @property
     def hit_rate(self) -> float:

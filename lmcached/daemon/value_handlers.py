@@ -83,7 +83,7 @@ class ValueHandlers:
         self._require_pool()
         if not resumed:
             self.stats.lookups += 1
-            tenant[2] += 1
+            tenant.lookups += 1
         num_chunks = len(per_namespace[0])
         readable = session.readable
         for chunk_keys in per_namespace:
@@ -120,8 +120,8 @@ class ValueHandlers:
             pool.stats.misses += len(chunk_keys) - num_chunks
             self.stats.ns_hits[ns] += len(found)
             self.stats.ns_misses[ns] += len(chunk_keys) - len(found)
-            tenant[0] += len(found)
-            tenant[1] += len(chunk_keys) - len(found)
+            tenant.hits += len(found)
+            tenant.misses += len(chunk_keys) - len(found)
         return self._blocks_reply(self._lease(session, spans), spans)
 
     def _release(self, session: Session, req: Release) -> None:

@@ -39,7 +39,11 @@ from lmcached.daemon.metrics import (
     metric_families,
     take_snapshot,
 )
-from lmcached.daemon.demotion import DEMOTION_STATS
+from lmcached.daemon.demotion import DemotionStats
+from lmcached.daemon.disk.counters import DiskStats
+from lmcached.daemon.info import TIER_BLOCK_STATES, DeviceTierRow
+from lmcached.daemon.l2.counters import L2Stats, error_fields as l2_error_fields
+from lmcached.daemon.spill.counters import info_fields
 from lmcached.daemon.stats import LATENCY_BUCKETS_S, RequestLatency
 from lmcached.wire.protocol import (
     MAX_FRAME_BYTES,
@@ -380,21 +384,17 @@ def exposed_names(service) -> set[str]:
     """The names of every lmcached_* metric as a scrape writes them (counters with
     `_total`, the info metric with `_info`)."""
     l2_on = {"l2_enabled": 1, "l2_state": "up", "l2_queue_bytes": 0, "l2_queue_values": 0,
-             "l2_write_drops_queue_full": 0, "l2_write_drops_down": 0,
-             "l2_write_drops_oversize": 0,
+             **info_fields(L2Stats(), "l2_"), **l2_error_fields({}),
              **dict.fromkeys(L2_COUNTERS, 0)}  # the families of a daemon with --l2
     disk_on = {"disk_enabled": 1, "disk_used_slots": 0, "disk_slots": 0,
-               "disk_stored_bytes": 0, "disk_errors_io": 0, "disk_fetch_verify_checksum": 0,
-               **{f"disk_write_drops_{r}": 0 for r in ("queue_full", "oversize", "busy", "late")},
+               "disk_stored_bytes": 0, **info_fields(DiskStats(), "disk_"),
                **dict.fromkeys(DISK_COUNTERS, 0)}  # the families of a daemon with --disk-path
-    tier = {"tier1_device": "fake-0", "tier1_capacity_bytes": 0, "tier1_stored_bytes": 0,
-            "tier1_state": "ok"}
-    tier_blocks = {f"tier1_{state}_blocks": 0 for state in
-                   ("free", "cached", "pinned", "writing", "detached", "demoting")}
-    tier_stats = {"tier1_hits": 0, **dict.fromkeys(DEMOTION_STATS, 0)}
+    tier = DeviceTierRow(tier_id=1, kind="fake", device="fake-0", failed=False,
+                         capacity_bytes=0, stored_bytes=0, num_blocks=0,
+                         blocks=dict.fromkeys(TIER_BLOCK_STATES, 0), hits=0)
     families = [*metric_families(take_snapshot(service)), *DaemonCollector(
         SnapshotChannel()).collect(), *l2_families(l2_on),
-        *device_tier_families({"device_tiers": 1, **tier}, tier_blocks, tier_stats),
+        *device_tier_families([tier], DemotionStats()),
         *disk_families(disk_on)]
     suffix = {"counter": "_total", "info": "_info"}
     return {family.name + suffix.get(family.type, "") for family in families}

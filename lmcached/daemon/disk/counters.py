@@ -1,12 +1,19 @@
 """The disk tier's counters (INFO section `disk`, docs/operator.md "The disk tier"), typed.
 
 Each field is INFO field `disk_<name>`; a field with a metric is also that Prometheus
-counter (`lmcached.daemon.spill.counters`).
+counter, a field with a family one sample of that labelled family
+(`lmcached.daemon.spill.counters`).
 """
 
 import dataclasses
 
-from lmcached.daemon.spill.counters import counter
+from lmcached.daemon.spill.counters import LabelledFamily, counter
+
+WRITE_DROPS = LabelledFamily("lmcached_disk_write_drops", "Chunk writes to disk dropped, "
+                             "by reason.", "reason")
+FETCH_REJECTS = LabelledFamily("lmcached_disk_fetch_rejects", "Slots read back and not "
+                               "served, by reason (verify_*: failed verification).", "reason")
+ERRORS = LabelledFamily("lmcached_disk_errors", "Disk tier I/O errors by kind.", "kind")
 
 
 @dataclasses.dataclass(slots=True)
@@ -18,10 +25,10 @@ class DiskStats:
     write_bytes: int = counter("lmcached_disk_written_bytes", "Bytes of the chunks written "
                                "to disk.")
     write_busy_us: int = counter()
-    write_drops_queue_full: int = counter()
-    write_drops_oversize: int = counter()
-    write_drops_busy: int = counter()
-    write_drops_late: int = counter()
+    write_drops_queue_full: int = counter(family=WRITE_DROPS, label="queue_full")
+    write_drops_oversize: int = counter(family=WRITE_DROPS, label="oversize")
+    write_drops_busy: int = counter(family=WRITE_DROPS, label="busy")
+    write_drops_late: int = counter(family=WRITE_DROPS, label="late")
     write_failures: int = counter()
     spills_present: int = counter()
     spills_ahead: int = counter()
@@ -39,14 +46,14 @@ class DiskStats:
     fetch_waits_timed_out: int = counter("lmcached_disk_fetch_waits_timed_out", "Lookups "
                                          "answered before their disk fetch ended "
                                          "(--disk-fetch-wait).")
-    errors_nospace: int = counter()
-    errors_io: int = counter()
-    errors_readonly: int = counter()
-    errors_other: int = counter()
-    fetch_verify_checksum: int = counter()
-    fetch_verify_envelope: int = counter()
-    fetch_verify_foreign: int = counter()
-    fetch_verify_tokens: int = counter()
+    errors_nospace: int = counter(family=ERRORS, label="nospace")
+    errors_io: int = counter(family=ERRORS, label="io")
+    errors_readonly: int = counter(family=ERRORS, label="readonly")
+    errors_other: int = counter(family=ERRORS, label="other")
+    fetch_verify_checksum: int = counter(family=FETCH_REJECTS, label="verify_checksum")
+    fetch_verify_envelope: int = counter(family=FETCH_REJECTS, label="verify_envelope")
+    fetch_verify_foreign: int = counter(family=FETCH_REJECTS, label="verify_foreign")
+    fetch_verify_tokens: int = counter(family=FETCH_REJECTS, label="verify_tokens")
 
     def count_error(self, kind: str, count: int = 1) -> None:
         """I/O errors of `kind` (`slots.error_kind`: "nospace", "io", "readonly", "other")."""

@@ -56,6 +56,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from lmcached.daemon.l2.counters import ERROR_KINDS
 from lmcached.daemon.l2.values import GENERATION_KEY
 from lmcached.wire.logger import init_logger
 
@@ -64,7 +65,6 @@ logger = init_logger(__name__)
 URL_SCHEMES = ("redis://", "valkey://")
 BACKOFF_MIN_S = 0.1  # first wait after a failure
 BACKOFF_MAX_S = 5.0  # the wait doubles after each failed probe, up to this
-ERROR_KINDS = ("connection", "timeout", "full", "response", "protocol", "auth", "readonly")
 PEEK_BYTES = 64  # of a server's answer to PING shown when it does not speak RESP
 # An L2 that cannot answer now: raised by redis-py, or (cluster pipelines) returned in the
 # place of a command it re-sent alone. ClusterDownError: a master is gone (CLUSTERDOWN);

@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import time
 
-from lmcached.daemon.l2.counters import L2Stats
+from lmcached.daemon.l2.counters import L2Stats, error_fields
 from lmcached.daemon.l2.fetch import FetchJob, fetch_chain, install
 from lmcached.daemon.l2.redis_store import L2Unavailable, RedisL2
 from lmcached.daemon.l2.values import l2_key
@@ -500,8 +500,7 @@ class L2Tier(SpillTier):
             "l2_clear_pending": int(self._clear_pending),
             **info_fields(self.counts, "l2_"),  # every counter, 0 until it happens
         }
-        for kind, count in sorted(self.store.errors.items()):
-            out[f"l2_errors_{kind}"] = count
+        out.update(error_fields(self.store.errors))
         return out
 
     # --------------------------------------------------------------- teardown

@@ -199,6 +199,9 @@ def test_blend_with_tensor_parallel_ranks_each_blending_its_heads(rag, daemon_fa
                           multiprocessing=True, tensor_parallel_size=2, extra_args=BLEND_ARGS)
     assert second["outputs"][:3] == [reference["reordered"], reference["new_docs"],
                                      reference["plain1"]]
+    # vLLM's connector stats, summed over the workers, count each blend once (rank 0's)
+    assert second["blend"]["blended_requests"] == second["blend"]["claimed_requests"] == 3
+    assert second["blend"]["failed_blends"] == 0
     stats = daemon.info()
     # Both ranks pinned each cached segment of the three blends (4 + 1 + 4 segments, one
     # chunk each) and stored new_docs' two documents (all under SALT).
