@@ -7,13 +7,16 @@ changes anything; a bad request gets an `Error` reply and is counted, and the da
 goes on serving. What the keys of the block pool are is `keys.py`; the fields of INFO
 and CLIENTS are built in `info.py`.
 
-`CacheService` is written in parts, one responsibility each (after Redis's `t_*.c`):
-this file holds the state, the dispatch (one row per request type in `commands.py`,
-the command table), the sessions and the housekeeping;
-`namespaces.py` HELLO and the namespace registry (functions over the service and
-a registry object, not a part of it), `request_checks.py` validation and a
-session's room, `value_handlers.py` the value requests, `admin_handlers.py` the admin
-requests; `replies.py` the refusal (`RequestError`) and the waiting reply (`Deferred`).
+`CacheService` holds the daemon state and dispatches; the handlers are functions over
+that state, one module per responsibility (after Redis's `t_*.c` and its command
+table): this file holds the state, the dispatch (one row per request type in
+`commands.py`, the command table, whose rows name the handler functions), the
+sessions and the housekeeping; `namespaces.py` HELLO and the namespace registry,
+`request_checks.py` validation and a session's room, `value_handlers.py` the value
+requests, `admin_handlers.py` the admin requests, `events.py` the chunk event feed's.
+Each handler module names the parts of the state it reads and changes in a protocol
+(`CheckState`, `ValueState`, `AdminState`, `HelloState`); `replies.py` holds the
+refusal (`RequestError`) and the waiting reply (`Deferred`).
 """
 
 import functools
@@ -31,13 +34,10 @@ from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.memory_tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
-from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.commands import COMMANDS, Command
 from lmcached.daemon.events import EventFeed
 from lmcached.daemon.namespaces import NamespaceRegistry, end_namespaces, namespace_emptied
 from lmcached.daemon.replies import Deferred, RequestError
-from lmcached.daemon.request_checks import RequestChecks
-from lmcached.daemon.value_handlers import ValueHandlers
 
 if TYPE_CHECKING:
     from lmcached.daemon.demotion import Demoter
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
-    """The daemon's state and request handlers (single-threaded: no locks).
+class CacheService:
+    """The daemon's state and its dispatch (single-threaded: no locks).
 
     Args:
         config: effective configuration.
@@ -70,6 +70,8 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
             tier's threads; the server applies their completions
             (`JobRunner.process_completions`).
         sessions: session id -> Session.
+        next_lease: the id the next lease gets (`request_checks.new_lease`); daemon-wide,
+            so a lease of an ended session is never given again.
         ns_registry: the namespaces alive and their ids (`namespaces.NamespaceRegistry`):
             used by an open session or by a value cached in some tier. A freed id is
             given again, the smallest first, once no value and no session uses it.
@@ -104,7 +106,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.spill_tiers: "list[SpillTier]" = []  # under the arena, in lookup order
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
-        self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
+        self.next_lease = 1  # daemon-wide: a lease of an ended session is never reused
         self.ns_registry = NamespaceRegistry()
         self.namespaces: dict[Layout, int] = self.ns_registry.ids
         self._ns_layout: dict[int, Layout] = self.ns_registry.layouts
@@ -118,7 +120,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.work_units = 0
         self.latency = RequestLatency(COMMANDS) if config.metrics_port else None
         if arena.block_bytes:
-            self._make_pool()
+            self.make_pool()
 
     def start_loading(self, progress: "Loading") -> None:
         """Answer in the `loading` state until `loading` is set to None (the server does
@@ -163,7 +165,9 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
                 hook(key, blocks)
         return spill_everywhere
 
-    def _make_pool(self) -> None:
+    def make_pool(self) -> None:
+        """Cut the arena and the device tiers into blocks of the arena's block size, once
+        it is known (at start, or at the first HELLO, `namespaces.register_layout`)."""
         tiers = self.tiers
         tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
@@ -177,12 +181,12 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
-            self.demoter = Demoter(tiers, self.jobs, self._host_committed)
+            self.demoter = Demoter(tiers, self.jobs, self.host_committed)
         for tier in tiers.device_tiers:
             logger.info("device tier %d (%s %s): %d blocks of %d bytes", tier.tier_id,
                         tier.kind, tier.device, tier.memory.num_blocks, tier.memory.block_bytes)
 
-    def _host_committed(self, values: list) -> None:
+    def host_committed(self, values: list) -> None:
         """Values just committed in the host arena (by a COMMIT or a demotion): the
         write-through of each spill tier."""
         for tier in self.spill_tiers:
