@@ -63,9 +63,9 @@ class NamespaceRegistry:
     Attributes:
         ids: layout (as keyed, `_namespace_layout`) -> namespace id, of every namespace
             alive (the service's `namespaces`).
-        layouts: namespace id -> its layout (the service's `_ns_layout`).
+        layouts: namespace id -> its layout.
         prefixes: namespace id -> the block-pool key prefix of its chunks
-            (`keys.chunk_prefix`; the service's `_ns_prefix`).
+            (`keys.chunk_prefix`).
         num_sessions: namespace id -> open sessions that registered it (absent: none).
     """
 

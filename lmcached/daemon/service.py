@@ -76,7 +76,7 @@ class CacheService:
             used by an open session or by a value cached in some tier. A freed id is
             given again, the smallest first, once no value and no session uses it.
         namespaces: layout -> namespace id, of every namespace alive (the registry's
-            `ids`; `_ns_layout` and `_ns_prefix` are its `layouts` and `prefixes`).
+            `ids`).
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
         stats: every counter of the request semantics (`stats.DaemonStats`); the
             pools count their hits, misses and evictions (`stats.PoolStats`).
@@ -109,8 +109,6 @@ class CacheService:
         self.next_lease = 1  # daemon-wide: a lease of an ended session is never reused
         self.ns_registry = NamespaceRegistry()
         self.namespaces: dict[Layout, int] = self.ns_registry.ids
-        self._ns_layout: dict[int, Layout] = self.ns_registry.layouts
-        self._ns_prefix: dict[int, bytes] = self.ns_registry.prefixes
         self.started_at = time.time()
         self.load_progress: "Loading | None" = None
         self.loading: "Loading | None" = None
@@ -132,7 +130,7 @@ class CacheService:
         serving): lookups that miss in the arena read from the spill tiers in the order
         they were attached, and chunks evicted from the arena spill to each of them."""
         self.spill_tiers.append(tier)
-        tier.set_layouts(self._ns_layout.get)
+        tier.set_layouts(self.ns_registry.layouts.get)
         tier.set_events(self.events)
         for layout, ns in self.namespaces.items():
             tier.register_namespace(ns, layout)
