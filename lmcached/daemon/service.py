@@ -139,18 +139,10 @@ class CacheService:
             tier.set_pool(self.pool, self.arena.block_bytes)
 
     def spill_tier(self, name: str) -> "SpillTier | None":
-        """The attached spill tier called `name` ("disk", "l2"), or None."""
+        """The attached spill tier called `name` (`SpillTier.name`: "disk", "l2"), or
+        None: how a caller that needs one tier's own operations (the disk tier's index
+        rebuild and save on stop) finds it; the rest iterate `spill_tiers`."""
         return next((tier for tier in self.spill_tiers if tier.name == name), None)
-
-    @property
-    def disk(self):
-        """The disk tier, or None (the warm restart's index rebuild reads it)."""
-        return self.spill_tier("disk")
-
-    @property
-    def l2(self):
-        """The L2 tier, or None."""
-        return self.spill_tier("l2")
 
     def _evict_hook(self):
         """The host pool's `on_evict`: each spill tier's spill, in order; None without."""

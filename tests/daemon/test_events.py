@@ -359,7 +359,7 @@ def test_chunks_the_prewarm_installs_are_announced(unique_name, tmp_path):
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
                                      layout_)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         watcher = greeted(service, layout_)  # plans the prewarm
         cursor = service.handle(watcher, Subscribe([])).cursor
 
