@@ -1,8 +1,9 @@
-"""Request semantics of the daemon: one method per request type, no sockets.
+"""Request semantics of the daemon: its state and the dispatch of every request to one
+handler function per request type, no sockets.
 
-Why this file exists: it is everything the daemon decides, separated from how bytes
-arrive (`server.py`), so that the semantics of docs/architecture.md's request table can be read
-and tested in one place. Each handler validates its request completely before it
+Why this file exists: what the daemon decides is separated from how bytes arrive
+(`server.py`), so that the semantics of docs/architecture.md's request table can be read
+and tested without a socket. Each handler validates its request completely before it
 changes anything; a bad request gets an `Error` reply and is counted, and the daemon
 goes on serving. What the keys of the block pool are is `keys.py`; the fields of INFO
 and CLIENTS are built in `info.py`.
@@ -14,9 +15,10 @@ table): this file holds the state, the dispatch (one row per request type in
 sessions and the housekeeping; `namespaces.py` HELLO and the namespace registry,
 `request_checks.py` validation and a session's room, `value_handlers.py` the value
 requests, `admin_handlers.py` the admin requests, `events.py` the chunk event feed's.
-Each handler module names the parts of the state it reads and changes in a protocol
-(`CheckState`, `ValueState`, `AdminState`, `HelloState`); `replies.py` holds the
-refusal (`RequestError`) and the waiting reply (`Deferred`).
+The checks, value, admin and namespace modules name the parts of the state their
+functions read and change in a protocol each (`CheckState`, `ValueState`,
+`AdminState`, `HelloState`; tests/daemon/test_handler_state.py holds them to it);
+`replies.py` holds the refusal (`RequestError`) and the waiting reply (`Deferred`).
 """
 
 import functools
