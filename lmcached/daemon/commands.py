@@ -16,10 +16,8 @@ reads it from there rather than writing it a second time.
 import dataclasses
 from collections.abc import Callable
 
-from lmcached.daemon import events
-from lmcached.daemon.admin_handlers import AdminHandlers
+from lmcached.daemon import admin_handlers, events, value_handlers
 from lmcached.daemon.namespaces import hello
-from lmcached.daemon.value_handlers import ValueHandlers
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
     Abort,
@@ -53,9 +51,11 @@ class Command:
 
     Attributes:
         request_type: the request Struct (`lmcached.wire.protocol`).
-        handler: `handler(service, session, request)` -> the reply Struct, None (a
+        handler: `handler(state, session, request)` -> the reply Struct, None (a
             request without reply) or a `replies.Deferred`; raises `RequestError` to
-            refuse. `service` is the `CacheService`.
+            refuse. A function of its module (`value_handlers`, `admin_handlers`,
+            `namespaces`, `events`) over the daemon state, the `CacheService`, whose
+            parts the module names in its state protocol (`ValueState`, ...).
         name: the request's wire tag ("lookup", "config_get"): its label in the request
             latency metrics and in the frame of a malformed request.
         privileged: served to the daemon's uid and root only (SO_PEERCRED); any other
@@ -98,29 +98,29 @@ def _command(request_type: type, handler: Callable, *, privileged: bool = False,
 COMMAND_TABLE: tuple[Command, ...] = (
     # Sessions and the data path (namespaces.py, value_handlers.py).
     _command(Hello, hello, before_hello=True),
-    _command(Lookup, ValueHandlers._lookup, waits_for_fetch=True),
-    _command(Acquire, ValueHandlers._acquire, waits_for_fetch=True),
-    _command(Release, ValueHandlers._release),
-    _command(Alloc, ValueHandlers._alloc),
-    _command(Commit, ValueHandlers._commit),
-    _command(Abort, ValueHandlers._abort),
-    _command(Invalidate, ValueHandlers._invalidate),
-    _command(Put, ValueHandlers._put),
-    _command(Get, ValueHandlers._get),
-    _command(Delete, ValueHandlers._delete),
+    _command(Lookup, value_handlers.lookup, waits_for_fetch=True),
+    _command(Acquire, value_handlers.acquire, waits_for_fetch=True),
+    _command(Release, value_handlers.release),
+    _command(Alloc, value_handlers.alloc),
+    _command(Commit, value_handlers.commit),
+    _command(Abort, value_handlers.abort),
+    _command(Invalidate, value_handlers.invalidate),
+    _command(Put, value_handlers.put),
+    _command(Get, value_handlers.get),
+    _command(Delete, value_handlers.delete),
     # Admin requests (admin_handlers.py). SCAN and CLIENTS are priced by their work.
-    _command(Scan, AdminHandlers._scan),
-    _command(OpenTier, AdminHandlers._open_tier),
-    _command(Info, AdminHandlers._info, cost=8, while_loading=True, before_hello=True),
-    _command(Clients, AdminHandlers._clients, while_loading=True, before_hello=True),
-    _command(ConfigGet, AdminHandlers._config_get, while_loading=True, before_hello=True),
-    _command(Ping, AdminHandlers._ping, before_hello=True),
+    _command(Scan, admin_handlers.scan),
+    _command(OpenTier, admin_handlers.open_tier),
+    _command(Info, admin_handlers.info, cost=8, while_loading=True, before_hello=True),
+    _command(Clients, admin_handlers.clients, while_loading=True, before_hello=True),
+    _command(ConfigGet, admin_handlers.config_get, while_loading=True, before_hello=True),
+    _command(Ping, admin_handlers.ping, before_hello=True),
     # The chunk event feed (events.py), read by engines and `lmcached events`.
     _command(Subscribe, events.subscribe, before_hello=True),
     _command(Events, events.events, before_hello=True),
-    _command(Evict, AdminHandlers._evict, privileged=True, before_hello=True),
-    _command(Clear, AdminHandlers._clear, privileged=True, before_hello=True),
-    _command(Shutdown, AdminHandlers._shutdown, privileged=True, while_loading=True,
+    _command(Evict, admin_handlers.evict, privileged=True, before_hello=True),
+    _command(Clear, admin_handlers.clear, privileged=True, before_hello=True),
+    _command(Shutdown, admin_handlers.shutdown, privileged=True, while_loading=True,
              before_hello=True),
 )
 

@@ -444,7 +444,7 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
     snapshot = disk_snapshot = None
     if req.snapshot and service.pool is not None:
         snapshot = list(service.pool.cached)
-        disk = service.disk
+        disk = service.spill_tier("disk")
         index = disk.index if disk is not None else None
         if index is not None and index.entries:  # filtered as it is paged
             disk_snapshot = list(reversed(index.entries))  # most recently used first
@@ -465,7 +465,7 @@ def events(service, session, req: Events) -> EventsReply:
     fps = _fingerprints(service)
     ns_of_fp = {fp: ns for ns, fp in fps.items()}
     pool, arena = service.pool, service.arena
-    disk = service.disk
+    disk = service.spill_tier("disk")
 
     def resolve(event, with_tokens, sub):
         seq, kind, medium, key, parent, block_id = event

@@ -26,15 +26,12 @@ from lmcached.daemon.session import Session
 from lmcached.shm.arena import HEADER_BYTES
 from lmcached.shm.geometry import MIN_BLOCK_BYTES, min_block_bytes
 from lmcached.daemon.replies import RequestError
+from lmcached.daemon.request_checks import CheckState, check_record_fits
 from lmcached.wire.logger import init_logger
 from lmcached.wire.units import format_bytes
 
-if TYPE_CHECKING:  # named for the HelloState protocol only (no import at run time)
+if TYPE_CHECKING:  # named in annotations only (no import at run time)
     from lmcached.daemon.spill.tier import SpillTier
-    from lmcached.daemon.block_pool import BlockPool
-    from lmcached.daemon.server_config import ServerConfig
-    from lmcached.daemon.stats import DaemonStats
-    from lmcached.daemon.memory_tiers import TierSet
     from lmcached.shm.arena import Arena
 
 logger = init_logger(__name__)
@@ -66,9 +63,9 @@ class NamespaceRegistry:
     Attributes:
         ids: layout (as keyed, `_namespace_layout`) -> namespace id, of every namespace
             alive (the service's `namespaces`).
-        layouts: namespace id -> its layout (the service's `_ns_layout`).
+        layouts: namespace id -> its layout.
         prefixes: namespace id -> the block-pool key prefix of its chunks
-            (`keys.chunk_prefix`; the service's `_ns_prefix`).
+            (`keys.chunk_prefix`).
         num_sessions: namespace id -> open sessions that registered it (absent: none).
     """
 
@@ -118,24 +115,16 @@ class NamespaceRegistry:
         return unused
 
 
-class HelloState(Protocol):
+class HelloState(CheckState, Protocol):
     """The daemon state HELLO and the namespace functions read and change: the
     `CacheService` (service.py, which imports this module, so the attributes are named
-    here; see `CacheService` for each)."""
+    here; see `CacheService` for each), the checks' state and these."""
 
-    config: "ServerConfig"
-    arena: "Arena"
-    tiers: "TierSet"
-    pool: "BlockPool | None"
     spill_tiers: "list[SpillTier]"
-    stats: "DaemonStats"
     ns_registry: NamespaceRegistry
 
-    def _make_pool(self) -> None:
+    def make_pool(self) -> None:
         """Cut the arena into blocks of its block size, once it is known."""
-
-    def _check_record_fits(self, record_bytes: int) -> None:
-        """Refuse a layout whose chunk record no session could store."""
 
 
 def hello(service: HelloState, session: Session, req: Hello) -> HelloReply:
@@ -208,13 +197,13 @@ def register_layout(service: HelloState, layout: Layout) -> int:
             arena.set_block_bytes(block_bytes)
         except ValueError as exc:
             raise RequestError("too_large", str(exc)) from None
-        service._make_pool()
+        service.make_pool()
         if config.block_bytes:
             logger.info("block_bytes=%d (--block-size): %d blocks", block_bytes,
                         arena.num_blocks)
         else:
             _warn_derived_block_bytes(arena, layout)
-    service._check_record_fits(layout.record_bytes)
+    check_record_fits(service, layout.record_bytes)
     layout = _namespace_layout(layout)
     registry = service.ns_registry
     ns = registry.ids.get(layout)

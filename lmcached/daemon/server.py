@@ -158,7 +158,7 @@ class Server(ClientIO, ClientAccounting):
                 cannot be read.
             StartupInterrupted: a stop signal or a SHUTDOWN arrived.
         """
-        disk = self.service.disk
+        disk = self.service.spill_tier("disk")
         index = IndexProgress(disk.slots.num_slots) if disk and disk.needs_rebuild else None
         prefault = PrefaultProgress(self.config.capacity_bytes) if self.config.prefault else None
         phases = [p for p in (index, prefault) if p is not None]
@@ -358,10 +358,10 @@ class Server(ClientIO, ClientAccounting):
             self._metrics = None
         for conn in list(self._connections.values()):
             self._close(conn)
-        if self.service is not None and self.service.disk is not None:
+        disk = self.service.spill_tier("disk") if self.service is not None else None
+        if disk is not None:
             # No client can change the arena now: its hot chunks go to disk first.
-            self.service.disk.save_on_stop(self.config.disk_save_on_stop_s,
-                                           self.notifier.notify)
+            disk.save_on_stop(self.config.disk_save_on_stop_s, self.notifier.notify)
         if self.service is not None:  # their threads read and write the arena
             for tier in reversed(self.service.spill_tiers):
                 tier.close()

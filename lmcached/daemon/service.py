@@ -1,19 +1,24 @@
-"""Request semantics of the daemon: one method per request type, no sockets.
+"""Request semantics of the daemon: its state and the dispatch of every request to one
+handler function per request type, no sockets.
 
-Why this file exists: it is everything the daemon decides, separated from how bytes
-arrive (`server.py`), so that the semantics of docs/architecture.md's request table can be read
-and tested in one place. Each handler validates its request completely before it
+Why this file exists: what the daemon decides is separated from how bytes arrive
+(`server.py`), so that the semantics of docs/architecture.md's request table can be read
+and tested without a socket. Each handler validates its request completely before it
 changes anything; a bad request gets an `Error` reply and is counted, and the daemon
 goes on serving. What the keys of the block pool are is `keys.py`; the fields of INFO
 and CLIENTS are built in `info.py`.
 
-`CacheService` is written in parts, one responsibility each (after Redis's `t_*.c`):
-this file holds the state, the dispatch (one row per request type in `commands.py`,
-the command table), the sessions and the housekeeping;
-`namespaces.py` HELLO and the namespace registry (functions over the service and
-a registry object, not a part of it), `request_checks.py` validation and a
-session's room, `value_handlers.py` the value requests, `admin_handlers.py` the admin
-requests; `replies.py` the refusal (`RequestError`) and the waiting reply (`Deferred`).
+`CacheService` holds the daemon state and dispatches; the handlers are functions over
+that state, one module per responsibility (after Redis's `t_*.c` and its command
+table): this file holds the state, the dispatch (one row per request type in
+`commands.py`, the command table, whose rows name the handler functions), the
+sessions and the housekeeping; `namespaces.py` HELLO and the namespace registry,
+`request_checks.py` validation and a session's room, `value_handlers.py` the value
+requests, `admin_handlers.py` the admin requests, `events.py` the chunk event feed's.
+The checks, value, admin and namespace modules name the parts of the state their
+functions read and change in a protocol each (`CheckState`, `ValueState`,
+`AdminState`, `HelloState`; tests/daemon/test_handler_state.py holds them to it);
+`replies.py` holds the refusal (`RequestError`) and the waiting reply (`Deferred`).
 """
 
 import functools
@@ -31,13 +36,10 @@ from lmcached.shm.arena import Arena
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.memory_tiers import TierSet
 from lmcached.daemon.jobs import JobRunner
-from lmcached.daemon.admin_handlers import AdminHandlers
 from lmcached.daemon.commands import COMMANDS, Command
 from lmcached.daemon.events import EventFeed
 from lmcached.daemon.namespaces import NamespaceRegistry, end_namespaces, namespace_emptied
 from lmcached.daemon.replies import Deferred, RequestError
-from lmcached.daemon.request_checks import RequestChecks
-from lmcached.daemon.value_handlers import ValueHandlers
 
 if TYPE_CHECKING:
     from lmcached.daemon.demotion import Demoter
@@ -47,8 +49,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
-    """The daemon's state and request handlers (single-threaded: no locks).
+class CacheService:
+    """The daemon's state and its dispatch (single-threaded: no locks).
 
     Args:
         config: effective configuration.
@@ -70,11 +72,13 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
             tier's threads; the server applies their completions
             (`JobRunner.process_completions`).
         sessions: session id -> Session.
+        next_lease: the id the next lease gets (`request_checks.new_lease`); daemon-wide,
+            so a lease of an ended session is never given again.
         ns_registry: the namespaces alive and their ids (`namespaces.NamespaceRegistry`):
             used by an open session or by a value cached in some tier. A freed id is
             given again, the smallest first, once no value and no session uses it.
         namespaces: layout -> namespace id, of every namespace alive (the registry's
-            `ids`; `_ns_layout` and `_ns_prefix` are its `layouts` and `prefixes`).
+            `ids`).
         stop_requested: set by SHUTDOWN; the server loop then stops gracefully.
         stats: every counter of the request semantics (`stats.DaemonStats`); the
             pools count their hits, misses and evictions (`stats.PoolStats`).
@@ -104,11 +108,9 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.spill_tiers: "list[SpillTier]" = []  # under the arena, in lookup order
         self.sessions: dict[int, Session] = {}
         self._next_session_id = 1
-        self._next_lease = 1  # daemon-wide: a lease of an ended session is never reused
+        self.next_lease = 1  # daemon-wide: a lease of an ended session is never reused
         self.ns_registry = NamespaceRegistry()
         self.namespaces: dict[Layout, int] = self.ns_registry.ids
-        self._ns_layout: dict[int, Layout] = self.ns_registry.layouts
-        self._ns_prefix: dict[int, bytes] = self.ns_registry.prefixes
         self.started_at = time.time()
         self.load_progress: "Loading | None" = None
         self.loading: "Loading | None" = None
@@ -118,7 +120,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         self.work_units = 0
         self.latency = RequestLatency(COMMANDS) if config.metrics_port else None
         if arena.block_bytes:
-            self._make_pool()
+            self.make_pool()
 
     def start_loading(self, progress: "Loading") -> None:
         """Answer in the `loading` state until `loading` is set to None (the server does
@@ -130,7 +132,7 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         serving): lookups that miss in the arena read from the spill tiers in the order
         they were attached, and chunks evicted from the arena spill to each of them."""
         self.spill_tiers.append(tier)
-        tier.set_layouts(self._ns_layout.get)
+        tier.set_layouts(self.ns_registry.layouts.get)
         tier.set_events(self.events)
         for layout, ns in self.namespaces.items():
             tier.register_namespace(ns, layout)
@@ -139,18 +141,10 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
             tier.set_pool(self.pool, self.arena.block_bytes)
 
     def spill_tier(self, name: str) -> "SpillTier | None":
-        """The attached spill tier called `name` ("disk", "l2"), or None."""
+        """The attached spill tier called `name` (`SpillTier.name`: "disk", "l2"), or
+        None: how a caller that needs one tier's own operations (the disk tier's index
+        rebuild and save on stop) finds it; the rest iterate `spill_tiers`."""
         return next((tier for tier in self.spill_tiers if tier.name == name), None)
-
-    @property
-    def disk(self):
-        """The disk tier, or None (the warm restart's index rebuild reads it)."""
-        return self.spill_tier("disk")
-
-    @property
-    def l2(self):
-        """The L2 tier, or None."""
-        return self.spill_tier("l2")
 
     def _evict_hook(self):
         """The host pool's `on_evict`: each spill tier's spill, in order; None without."""
@@ -163,7 +157,9 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
                 hook(key, blocks)
         return spill_everywhere
 
-    def _make_pool(self) -> None:
+    def make_pool(self) -> None:
+        """Cut the arena and the device tiers into blocks of the arena's block size, once
+        it is known (at start, or at the first HELLO, `namespaces.register_layout`)."""
         tiers = self.tiers
         tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
@@ -177,12 +173,12 @@ class CacheService(RequestChecks, ValueHandlers, AdminHandlers):
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 
-            self.demoter = Demoter(tiers, self.jobs, self._host_committed)
+            self.demoter = Demoter(tiers, self.jobs, self.host_committed)
         for tier in tiers.device_tiers:
             logger.info("device tier %d (%s %s): %d blocks of %d bytes", tier.tier_id,
                         tier.kind, tier.device, tier.memory.num_blocks, tier.memory.block_bytes)
 
-    def _host_committed(self, values: list) -> None:
+    def host_committed(self, values: list) -> None:
         """Values just committed in the host arena (by a COMMIT or a demotion): the
         write-through of each spill tier."""
         for tier in self.spill_tiers:

@@ -361,7 +361,7 @@ def test_chunks_the_prewarm_installs_are_announced(unique_name, tmp_path):
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
                                      layout_)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         watcher = greeted(service, layout_)  # plans the prewarm
         cursor = service.handle(watcher, Subscribe([])).cursor
 
@@ -420,7 +420,7 @@ def test_a_snapshot_pages_the_disk_tiers_chunks_after_the_arenas_parents_first(
     try:
         monkeypatch.setattr(events_module, "SNAPSHOT_DISK_READS", 3)
         session = greeted(service, DISK_LAYOUT)
-        index, fp = service.disk.index, namespace_fingerprint(DISK_LAYOUT)
+        index, fp = service.spill_tier("disk").index, namespace_fingerprint(DISK_LAYOUT)
         assert not service.pool.cached and len(index.entries) == 8
         for _, chunk_hash, _ in chunks:  # the chain's last the most recently used
             index.touch((fp, chunk_hash))

@@ -190,8 +190,6 @@ class TierService:
 
     def __init__(self, name: str) -> None:
         self.stop_requested = False
-        self.l2 = None
-        self.disk = None
         self.spill_tiers = []  # the server's teardown closes them
         self.num_requests = 0
         self.work_units = 0  # fixed prices only (CacheService.work_units)
@@ -225,6 +223,9 @@ class TierService:
 
     def error(self, code: str, message: str) -> Error:
         return Error(code, message)
+
+    def spill_tier(self, name: str) -> None:
+        return None  # no disk tier to rebuild or save
 
     def close_session(self, session: Session) -> None:
         pass

@@ -180,9 +180,9 @@ def test_a_value_evicted_by_pressure_frees_its_namespace(make_service):
     new = greeted(service, layout(model_name="new"))
     assert new.namespaces == [2]
     store(service, new, 2, [3])
-    assert 1 in service._ns_layout  # one of its chunks is still cached
+    assert 1 in service.ns_registry.layouts  # one of its chunks is still cached
     store(service, new, 2, [4])  # evicts the old layout's last chunk
-    assert 1 not in service._ns_layout and service.namespaces == {layout(model_name="new"): 2}
+    assert 1 not in service.ns_registry.layouts and service.namespaces == {layout(model_name="new"): 2}
     assert_everything_returned(service)
 
 

@@ -29,8 +29,8 @@ def test_the_save_writes_the_arenas_chunks_and_keeps_their_lru_order(unique_name
         session = greeted(service, layout)
         for _, chunk_hash, record in chunks:
             store_chunk(service, session, chunk_hash, record)
-        settle(service, lambda: not service.disk._writing)
-        tier = service.disk
+        settle(service, lambda: not service.spill_tier("disk")._writing)
+        tier = service.spill_tier("disk")
         arena_order = [key[5:] for key, _ in service.pool.lru_values(100)]
         assert len(arena_order) == len(chunks)
         before = len(tier.index.entries)
@@ -54,7 +54,7 @@ def test_the_prewarm_fills_empty_blocks_only_hottest_last(unique_name, tmp_path)
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
                                      layout)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         session = greeted(service, layout)  # plans the prewarm of all 6 (6 empty blocks)
         assert tier.prewarm_info()["disk_prewarm_pending"] == len(chunks)
         assert tier.prewarm_info()["disk_prewarm_state"] == "running"
@@ -93,7 +93,7 @@ def test_a_prewarmed_slot_that_fails_its_checks_is_counted_forgotten_and_given_b
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
                                      layout)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         key = (namespace_fingerprint(layout), chunks[3][1])
         entry = tier.index.get(key)
         with open(tier.slots.path, "r+b") as f:  # a KV byte of chunk 3's record
@@ -132,7 +132,7 @@ def test_the_plan_walks_the_disk_index_in_bounded_steps_and_reads_after_it(
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), BLOCK_BYTES, chunks,
                                      layout)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         state = tier._prewarm
         greeted(service, layout)
         assert state.visited == 2 and tier.prewarm_info()["disk_prewarm_pending"] == 2

@@ -60,7 +60,7 @@ def open_disk_service(name: str, path: str, block_bytes: int = BLOCK_BYTES,
 
 
 def close_disk_service(service: CacheService) -> None:
-    service.disk.close()
+    service.spill_tier("disk").close()
     service.arena.close()
 
 
@@ -134,7 +134,7 @@ def store_both(service: CacheService, session, settled: bool = True) -> None:
     for _, chunk_hash, record in PROMPT_A + PROMPT_B:
         store_chunk(service, session, chunk_hash, record)
         if settled:
-            settle(service, lambda: not service.disk._writing)
+            settle(service, lambda: not service.spill_tier("disk")._writing)
 
 
 def lookup(service: CacheService, session) -> int:
@@ -148,13 +148,13 @@ def lookup(service: CacheService, session) -> int:
 
 
 def disk_info(service: CacheService) -> dict:
-    return service.disk.info()
+    return service.spill_tier("disk").info()
 
 
 def assert_nothing_held(service: CacheService) -> None:
     pool = service.pool
     assert pool.num_pinned_blocks == 0 and pool.num_writing_blocks == 0
-    assert not service.disk.index.reading
+    assert not service.spill_tier("disk").index.reading
     service.tiers.check_invariants()
 
 
@@ -171,7 +171,7 @@ def stored_and_settled(service: CacheService):
     """A session that stored prompts A then B; every disk write ended."""
     session = greeted(service, LAYOUT)
     store_both(service, session)
-    settle(service, lambda: not service.disk._writing)
+    settle(service, lambda: not service.spill_tier("disk")._writing)
     return session
 
 
@@ -196,10 +196,10 @@ def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_s
     service = disk_service
     session = greeted(service, LAYOUT)
     store_both(service, session)  # the arena is full: A0, next in line, is written ahead
-    fp = service.disk._ns_fp(1)
-    assert (fp, PROMPT_A[0][1]) in service.disk.index.entries
+    fp = service.spill_tier("disk")._ns_fp(1)
+    assert (fp, PROMPT_A[0][1]) in service.spill_tier("disk").index.entries
     for _ in range(4):  # each store evicts a chunk written ahead after the last one
-        settle(service, lambda: not service.disk._writing)
+        settle(service, lambda: not service.spill_tier("disk")._writing)
         before = disk_info(service)
         fresh = chain(1, KV_BYTES, first_token=50_000 + 100 * before["disk_writes"])
         (_, chunk_hash, record), = fresh
@@ -208,7 +208,7 @@ def test_chunks_next_in_line_are_written_ahead_and_evicted_without_a_copy(disk_s
         after = disk_info(service)
         assert after["disk_spills_present"] == before["disk_spills_present"] + 1
     assert disk_info(service)["disk_write_drops_late"] == 0
-    settle(service, lambda: not service.disk._writing)
+    settle(service, lambda: not service.spill_tier("disk")._writing)
     assert_nothing_held(service)
 
 
@@ -245,13 +245,13 @@ def test_a_burst_faster_than_the_writers_drops_chunks_and_never_copies_in_the_lo
     store_both(service, session, settled=False)  # B2 and B3 evict A0 and A1 unwritten
     assert writes.entered.wait(10)  # a write ahead is held before its data write
     writes.go.set()
-    settle(service, lambda: not service.disk._writing)
+    settle(service, lambda: not service.spill_tier("disk")._writing)
     info = disk_info(service)
     assert info["disk_write_drops_late"] == 2, info
     assert threading.current_thread().name not in writes.threads, "the loop wrote a chunk"
-    fp = service.disk._ns_fp(1)
-    assert not any((fp, h) in service.disk.index.entries for _, h, _ in PROMPT_A[:2])
-    index = service.disk.index
+    fp = service.spill_tier("disk")._ns_fp(1)
+    assert not any((fp, h) in service.spill_tier("disk").index.entries for _, h, _ in PROMPT_A[:2])
+    index = service.spill_tier("disk").index
     assert len(index.entries) + len(index.free_slots) == index.num_slots  # none leaked
     assert lookup(service, session) == 0  # A0 is gone: a miss, not an error
     assert_nothing_held(service)
@@ -263,18 +263,18 @@ def test_a_write_ahead_pass_walks_the_lru_order_only_once_few_writes_are_in_flig
     writes = GatedWrites(monkeypatch)  # the writers hold every write: none ends
     session = greeted(service, LAYOUT)
     store_both(service, session, settled=False)
-    in_flight = len(service.disk._ahead)
+    in_flight = len(service.spill_tier("disk")._ahead)
     assert in_flight >= 1
     walks = []
     walk = service.pool.lru_values
     monkeypatch.setattr(service.pool, "lru_values", lambda *args: walks.append(args) or walk(*args))
     monkeypatch.setattr(disk_writes, "AHEAD_REFILL_AT", in_flight - 1)
-    assert service.disk.write_ahead() == 0 and walks == []  # a commit's pass: no walk
+    assert service.spill_tier("disk").write_ahead() == 0 and walks == []  # a commit's pass: no walk
     monkeypatch.setattr(disk_writes, "AHEAD_REFILL_AT", in_flight)
-    service.disk.write_ahead()
+    service.spill_tier("disk").write_ahead()
     assert len(walks) == 1  # fell to the mark: one walk queues the next batch
     writes.go.set()
-    settle(service, lambda: not service.disk._writing)
+    settle(service, lambda: not service.spill_tier("disk")._writing)
     assert_nothing_held(service)
 
 
@@ -291,7 +291,8 @@ def test_a_chunk_evicted_during_its_write_ahead_is_never_committed(disk_service,
         store_chunk(service, session, chunk_hash, record)
     a0_key = b"c" + (1).to_bytes(4, "little") + PROMPT_A[0][1]
     a0_blocks = service.pool.cached[a0_key]
-    a0_write = service.disk._ahead[a0_key]  # A0, least recently used, is written first
+    # A0, least recently used, is written first
+    a0_write = service.spill_tier("disk")._ahead[a0_key]
     deadline = time.monotonic() + 10
     while a0_write.slot not in writes.slots:
         assert time.monotonic() < deadline, "A0's write ahead never started"
@@ -301,11 +302,11 @@ def test_a_chunk_evicted_during_its_write_ahead_is_never_committed(disk_service,
     _, chunk_hash, record = PROMPT_B[2]
     assert store_chunk(service, session, chunk_hash, record) == old_block.block_id
     writes.go.set()
-    settle(service, lambda: not service.disk._writing)
-    fp = service.disk._ns_fp(1)
-    assert (fp, PROMPT_A[0][1]) not in service.disk.index.entries, \
+    settle(service, lambda: not service.spill_tier("disk")._writing)
+    fp = service.spill_tier("disk")._ns_fp(1)
+    assert (fp, PROMPT_A[0][1]) not in service.spill_tier("disk").index.entries, \
         "B2's bytes were indexed under A0's key"
-    assert PROMPT_A[0][1] not in {h.chunk_hash for h in service.disk.slots.scan()}, \
+    assert PROMPT_A[0][1] not in {h.chunk_hash for h in service.spill_tier("disk").slots.scan()}, \
         "B2's bytes were committed on disk under A0's key: a restart would index them"
     info = disk_info(service)
     assert info["disk_write_drops_late"] == 1 and info["disk_writes"] >= 2, info
@@ -326,7 +327,8 @@ def test_a_failing_write_is_a_counted_drop(disk_service, monkeypatch, code, kind
     assert info[f"disk_errors_{kind}"] >= 1
     assert info["disk_write_failures"] == info[f"disk_errors_{kind}"]
     assert info["disk_writes"] == 0 and info["disk_used_slots"] == 0
-    index = service.disk.index  # every slot given back once erased (it may have held a chunk)
+    # every slot given back once erased (it may have held a chunk)
+    index = service.spill_tier("disk").index
     settle(service, lambda: len(index.free_slots) == index.num_slots)
     assert lookup(service, session) == arena_prefix(service) < 4  # a miss, not an error
     assert info["disk_fetches"] == 0
@@ -337,8 +339,8 @@ def test_a_failing_read_is_a_counted_miss_and_the_slot_is_forgotten(disk_service
     service = disk_service
     session = stored_and_settled(service)
     first_missing = arena_prefix(service)
-    fp = service.disk._ns_fp(1)
-    assert (fp, PROMPT_A[first_missing][1]) in service.disk.index.entries
+    fp = service.spill_tier("disk")._ns_fp(1)
+    assert (fp, PROMPT_A[first_missing][1]) in service.spill_tier("disk").index.entries
 
     def fail(self, *args):
         raise OSError(errno.EIO, "Input/output error")
@@ -346,7 +348,7 @@ def test_a_failing_read_is_a_counted_miss_and_the_slot_is_forgotten(disk_service
     assert lookup(service, session) == first_missing
     info = disk_info(service)
     assert info["disk_errors_io"] == 1 and info["disk_fetch_failures"] == 1
-    assert (fp, PROMPT_A[first_missing][1]) not in service.disk.index.entries, \
+    assert (fp, PROMPT_A[first_missing][1]) not in service.spill_tier("disk").index.entries, \
         "the slot that failed is never read again"
     assert_nothing_held(service)
 
@@ -356,7 +358,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
         disk_service, request_type):
     service = disk_service
     session = stored_and_settled(service)
-    tier = service.disk
+    tier = service.spill_tier("disk")
     on_disk = [h for _, h, _ in PROMPT_A if (tier._ns_fp(1), h) in tier.index.entries]
     assert on_disk
     if request_type == "clear":
@@ -391,10 +393,11 @@ def test_a_slot_that_cannot_be_read_at_start_is_skipped_counted_and_the_rest_res
     monkeypatch.setattr(os, "pread", failing_pread)
     service = open_disk_service(f"{unique_name}-3", directory)  # rebuilds the index
     try:
-        assert service.disk.num_restored == len(chunks) - 1
+        assert service.spill_tier("disk").num_restored == len(chunks) - 1
         assert disk_info(service)["disk_errors_io"] == 1
         assert "1 slot envelope(s) could not be read at start (io)" in caplog.text
-        assert len(service.disk.index.free_slots) == service.disk.index.num_slots - 3
+        index = service.spill_tier("disk").index
+        assert len(index.free_slots) == index.num_slots - 3
     finally:
         close_disk_service(service)
 
@@ -402,7 +405,7 @@ def test_a_slot_that_cannot_be_read_at_start_is_skipped_counted_and_the_rest_res
 def test_a_slot_file_deleted_under_the_daemon_is_reported_and_still_served(disk_service, caplog):
     service = disk_service
     session = stored_and_settled(service)
-    os.unlink(service.disk.slots.path)
+    os.unlink(service.spill_tier("disk").slots.path)
     service.housekeeping()
     assert disk_info(service)["disk_file_deleted"] == 1
     assert "the slot file was deleted" in caplog.text
@@ -430,7 +433,8 @@ def test_a_value_of_two_blocks_is_written_if_it_fits_a_slot_else_counted_once_wh
         info = disk_info(service)
         assert info["disk_write_drops_late"] == 0, info
         assert info["disk_write_drops_oversize"] == int(not on_disk), info
-        assert ((service.disk._ns_fp(2), big_hash) in service.disk.index.entries) == on_disk
+        disk = service.spill_tier("disk")
+        assert ((disk._ns_fp(2), big_hash) in disk.index.entries) == on_disk
         warnings = [r.getMessage() for r in caplog.records if "never written to disk" in
                     r.getMessage()]
         if on_disk:
@@ -459,7 +463,7 @@ def written_then_restarted(name: str, directory: str, block_bytes: int, chunks, 
         session = greeted(service, layout)
         for _, chunk_hash, record in chunks:  # one at a time: write-through pins 1/4
             store_chunk(service, session, chunk_hash, record)
-            settle(service, lambda: not service.disk._writing)
+            settle(service, lambda: not service.spill_tier("disk")._writing)
         assert disk_info(service)["disk_writes"] == len(chunks)
     finally:
         close_disk_service(service)
@@ -489,11 +493,12 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
     service = written_then_restarted(unique_name, directory, block_bytes, chunks, layout)
     try:
         assert disk_info(service)["disk_direct_io"] == int(direct)
-        assert service.disk.num_restored == NUM_BLOCKS
+        disk = service.spill_tier("disk")
+        assert disk.num_restored == NUM_BLOCKS
         fp = namespace_fingerprint(layout)
         for _, chunk_hash, record in chunks:  # the event feed's read of a chunk's tokens
-            assert service.disk.read_token_ids((fp, chunk_hash)) == record[64:64 + 16 * 8]
-        assert service.disk.read_token_ids((fp, chunks[1][1][::-1])) == b""  # not on disk
+            assert disk.read_token_ids((fp, chunk_hash)) == record[64:64 + 16 * 8]
+        assert disk.read_token_ids((fp, chunks[1][1][::-1])) == b""  # not on disk
         assert bool(copies) != in_place, copies
         session = greeted(service, layout)
         hashes = b"".join(h for _, h, _ in chunks)
@@ -523,7 +528,7 @@ def test_a_slot_that_fails_its_checks_in_the_arena_blocks_gives_them_back(unique
     directory = str(tmp_path / "disk")
     service = written_then_restarted(unique_name, directory, BLOCK_BYTES, chunks, layout)
     try:
-        tier = service.disk
+        tier = service.spill_tier("disk")
         entry = tier.index.get((namespace_fingerprint(layout), chunks[2][1]))
         with open(tier.slots.path, "r+b") as f:  # a KV byte of chunk 2's record
             f.seek(tier.slots.slot_offset(entry.slot) + 4096 + BLOCK_BYTES - 1)
@@ -590,7 +595,7 @@ def test_a_warm_restart_keeps_its_disk_tier_whichever_layout_attaches_first(
         assert service.arena.block_bytes == 2 * PAGE_BYTES
         for _, chunk_hash, record in PROMPT_A:
             store_chunk(service, session, chunk_hash, record)
-            settle(service, lambda: not service.disk._writing)
+            settle(service, lambda: not service.spill_tier("disk")._writing)
         assert disk_info(service)["disk_writes"] == len(PROMPT_A)
     finally:
         close_disk_service(service)
@@ -599,7 +604,7 @@ def test_a_warm_restart_keeps_its_disk_tier_whichever_layout_attaches_first(
     other = Layout("disk-other", 1, 0, "vllm", "bfloat16", 2, 2, 4, 16, other_record_bytes)
     service = open_derived_service(f"{unique_name}-2", path)
     try:
-        assert service.disk.num_restored == len(PROMPT_A)
+        assert service.spill_tier("disk").num_restored == len(PROMPT_A)
         session = greeted(service, other, LAYOUT)  # B first: it sets the block size
         assert service.arena.block_bytes == round_up(other_record_bytes)
         info = disk_info(service)
@@ -620,7 +625,8 @@ def test_a_warm_restart_keeps_its_disk_tier_whichever_layout_attaches_first(
             assert warnings == []
         else:
             assert len(warnings) == 1, warnings
-            assert (f"disk tier {service.disk.slots.path} keeps its slots of {slot_bytes} bytes"
+            path = service.spill_tier("disk").slots.path
+            assert (f"disk tier {path} keeps its slots of {slot_bytes} bytes"
                     in warnings[0] and "--block-size 8192 to keep this file" in warnings[0]), \
                 warnings[0]
         assert_nothing_held(service)
@@ -642,7 +648,7 @@ def test_spanned_records_go_to_disk_and_come_back_bit_exact_when_they_fit_a_slot
     service = written_then_restarted(unique_name, str(tmp_path / "disk"), block_bytes, chunks,
                                      layout, num_blocks=24)
     try:
-        assert service.disk.num_restored == len(chunks)
+        assert service.spill_tier("disk").num_restored == len(chunks)
         session = greeted(service, layout)
         hashes = b"".join(h for _, h, _ in chunks)
         reply = service.handle(session, Lookup([1], hashes))
@@ -664,7 +670,7 @@ def test_a_fetch_held_between_read_and_commit_installs_nothing_after_a_clear(
     service = disk_service
     session = stored_and_settled(service)
     store_chunk(service, session, PROMPT_A[0][1], PROMPT_A[0][2])  # the chain's arena part
-    settle(service, lambda: not service.disk._writing)
+    settle(service, lambda: not service.spill_tier("disk")._writing)
     assert 1 <= arena_prefix(service) < 4
     read_done, go_on = threading.Event(), threading.Event()
     read_item = DiskTier._read_item
@@ -695,7 +701,7 @@ def test_a_fetch_held_between_read_and_commit_installs_nothing_after_a_clear(
 def test_a_wrong_parent_is_the_requests_miss_and_never_forgets_the_slot(disk_service):
     service = disk_service
     session = stored_and_settled(service)
-    tier = service.disk
+    tier = service.spill_tier("disk")
     assert service.handle(session, Evict(key=PROMPT_A[0][1].hex())).count >= 1
     settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
     store_chunk(service, session, PROMPT_A[0][1], PROMPT_A[0][2])  # back in the arena only
@@ -717,7 +723,7 @@ def test_a_wrong_parent_is_the_requests_miss_and_never_forgets_the_slot(disk_ser
 def test_a_cancelled_write_ahead_erases_the_slot_of_the_chunk_it_evicted(disk_service):
     service = disk_service
     session = stored_and_settled(service)
-    tier = service.disk
+    tier = service.spill_tier("disk")
     index = tier.index
     num_unused = len(index.free_slots)
     index.free_slots.clear()  # every later write takes the slot of the disk LRU's chunk
@@ -741,7 +747,7 @@ def test_invalidate_forgets_and_erases_the_disk_copy_so_that_a_restart_does_not_
     service = disk_service
     session = greeted(service, LAYOUT)
     store_both(service, session)  # the arena is full: chunks next in line written ahead
-    tier = service.disk
+    tier = service.spill_tier("disk")
     fp = tier._ns_fp(1)
     pool_prefix = b"c" + (1).to_bytes(4, "little")
     both = [h for _, h, _ in PROMPT_A + PROMPT_B

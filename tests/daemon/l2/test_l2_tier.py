@@ -428,7 +428,7 @@ def test_a_fetch_larger_than_the_arena_keeps_its_head_and_stops(nodes):
     info = reader.tier.info()
     assert info["l2_fetch_nospace"] == 1 and info["l2_fetch_hit_chunks"] == 4
     pool = reader.service.pool
-    assert set(pool.cached) == {reader.service._ns_prefix[reader.ns] + h for h, _ in prompt[:4]}
+    assert set(pool.cached) == {reader.service.ns_registry.prefixes[reader.ns] + h for h, _ in prompt[:4]}
     assert pool.num_pinned_blocks == 0
     pool.check_invariants()
 
