@@ -310,22 +310,29 @@ class EventRelay:
 
     def _parent_of(self, event: ChunkEvent, tokens: np.ndarray):
         """(engine parent block hash or None, salt or None) of a new chunk; (False,
-        None) when it cannot be resolved (counted)."""
-        if event.parent and event.parent not in self._salts:
-            parent = self._chunks.get(event.parent)
-            if parent is None and event.seq == 0:
-                self._waiting.setdefault(event.parent, []).append(event)
-                return False, None  # its parent may come later in the snapshot
-            if parent is None or hash_block_tokens(event.parent, tokens) != event.chunk_hash:
-                self.stats["unresolved_parent"] += 1
-                return False, None
-            return parent.block_hashes[-1], None
+        None) when it cannot be resolved (counted).
+
+        The daemon names as a chunk's parent the chunk before it in the same ALLOC,
+        which is another request's when one ALLOC stores several requests' chunks (an
+        engine saves a step's new chunks together): a stated parent is followed only
+        when the chunk's hash chains from it, and a chunk that does not chain from it
+        may still be a chain's first (from the root or a noted salt's root)."""
+        stated = event.parent if event.parent and event.parent not in self._salts else None
+        if stated is not None:
+            parent = self._chunks.get(stated)
+            if parent is not None and hash_block_tokens(stated, tokens) == event.chunk_hash:
+                return parent.block_hashes[-1], None
         if hash_block_tokens(ROOT_HASH, tokens) == event.chunk_hash:
             return None, None
         for root, salt in self._salts.items():
             if hash_block_tokens(root, tokens) == event.chunk_hash:
                 return None, salt
-        self.stats["unresolved_salt"] += 1
+        if stated is None:
+            self.stats["unresolved_salt"] += 1
+        elif parent is None and event.seq == 0:
+            self._waiting.setdefault(stated, []).append(event)  # may come later in the snapshot
+        else:
+            self.stats["unresolved_parent"] += 1
         return False, None
 
     def _removed(self, chunk_hash: bytes, medium: str, out: list[BlockEvent]) -> None:
