@@ -409,10 +409,10 @@ def test_a_snapshot_pages_the_disk_tiers_chunks_after_the_arenas_parents_first(
         other = msgspec.structs.replace(DISK_LAYOUT, model_name="other-llama")
         session = greeted(first, DISK_LAYOUT, other)
         _stored_chain(first, session, chunks)
-        settle(first, lambda: not first.disk._writing)
+        settle(first, lambda: not first.spill_tier("disk")._writing)
         _stored_chain(first, session, PROMPT_B, ns=2)
-        settle(first, lambda: not first.disk._writing)
-        assert {h: e.parent for (_, h), e in first.disk.index.entries.items()} == {
+        settle(first, lambda: not first.spill_tier("disk")._writing)
+        assert {h: e.parent for (_, h), e in first.spill_tier("disk").index.entries.items()} == {
             h: b"" if p == ROOT_HASH else p for p, h, _ in chunks + PROMPT_B}
     finally:
         close_disk_service(first)
