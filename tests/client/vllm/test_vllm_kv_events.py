@@ -190,10 +190,10 @@ def test_prompts_stored_in_one_step_are_each_announced(model_dir, engine_factory
         listener.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="ALLOC names no parent for its first chunk: a chunk "
-                   "saved a step after the chunk before it (chunked prefill) has no parent in "
-                   "the daemon's feed, so the relay cannot hash it in the engine's terms")
 def test_a_chain_saved_over_several_steps_is_announced_whole(model_dir, engine_factory, daemon):
+    """Chunked prefill saves a prompt's chunks over two steps: the second step's ALLOC
+    names the first step's last chunk as its first chunk's parent, so the relay hashes
+    every block of the prompt in the engine's terms."""
     listener = events_instance(model_dir, daemon.socket)
     try:
         prompt = prompt_of(130, seed=21)
