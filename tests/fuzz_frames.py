@@ -3,9 +3,9 @@
 Why this file exists: the daemon must answer every frame a client can send with a reply
 or a counted refusal, never an internal error, and leave nothing pinned or being written
 once the clients are gone, whatever the client puts in the fields it chooses: chain
-`parent` hashes and ALLOC's `parents` (right, wrong, of the wrong length), tenant fingerprints (real, made
-up, of the wrong length, far more than the table holds), event feed subscriptions and
-polls (any namespaces, cursors, page sizes, snapshots), every integer at the edges
+`parent` hashes and ALLOC's `parents` (right, wrong, of the wrong length), tenant
+fingerprints (real, made up, of the wrong length, far more than the table holds), event
+feed subscriptions and polls (any namespaces, cursors, page sizes, snapshots), every integer at the edges
 msgpack can carry (2**63, 2**64 - 1, -1, -2**63, one past each bound), leases and block
 ids really held or not. CacheBlend's request parameters (`lmcached_blend`) go through
 the vLLM scheduler side's own parse path (`BlendScheduler.get_num_new_matched_tokens`,

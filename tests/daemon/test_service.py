@@ -517,7 +517,8 @@ def test_alloc_refuses_parents_that_are_not_one_hash_per_chunk(service, num_pare
         assert f"parents is {len(parents)} bytes" in reply.message, reply.message
         assert f"({2 * HASH_BYTES} bytes)" in reply.message, reply.message
     assert service.pool.num_writing_blocks == 0 and session.writing == {}
-    assert service.pool.stats.evictions == 0 and lookup(service, session, [1], range(NUM_BLOCKS)) == NUM_BLOCKS
+    assert service.pool.stats.evictions == 0
+    assert lookup(service, session, [1], range(NUM_BLOCKS)) == NUM_BLOCKS
     assert_everything_returned(service)
 
 
