@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from lmcached.client.chain import Chain, check_verify, chunk_ranges
+from lmcached.client.chain import Chain, chain_parents, check_verify, chunk_ranges
 from lmcached.client.cuda import synchronize_if_cuda
 from lmcached.client.daemon_link import DaemonLink
 from lmcached.client.engine_retrieve import EngineRetrieve
@@ -41,6 +41,7 @@ from lmcached.client.kv_io import ChunkCopier, KVSource, after_caller_stream, su
 from lmcached.client.layout import KVLayout
 from lmcached.client.retrieve import PinnedLookups
 from lmcached.wire.logger import init_logger
+from lmcached.wire.record_format import ROOT_HASH
 
 logger = init_logger(__name__)
 
@@ -350,7 +351,9 @@ class CacheEngine(EngineRetrieve):
         layout = self.layout
         first_chunk = skip // layout.chunk_size
         chunks = chunk_ranges(len(tokens), layout.chunk_size, first_chunk)
-        hashes = hash_request_tokens(layout.chunk_size, tokens, salt)[first_chunk:]
+        all_hashes = hash_request_tokens(layout.chunk_size, tokens, salt)
+        hashes = all_hashes[first_chunk:]
+        parent = all_hashes[first_chunk - 1] if first_chunk else ROOT_HASH  # salted or not
 
         def write(records, span: list[int], i: int) -> None:
             start, stop = chunks[i]
@@ -359,7 +362,8 @@ class CacheEngine(EngineRetrieve):
                           stop - kv_start)
 
         return self.chain.store(hashes, [stop - start for start, stop in chunks], write,
-                                functools.partial(synchronize_if_cuda, source.any_tensor))
+                                functools.partial(synchronize_if_cuda, source.any_tensor),
+                                chain_parents(hashes, parent))
 
     # -------------------------------------------------------------------- close
     def close(self) -> None:

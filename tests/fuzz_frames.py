@@ -3,9 +3,9 @@
 Why this file exists: the daemon must answer every frame a client can send with a reply
 or a counted refusal, never an internal error, and leave nothing pinned or being written
 once the clients are gone, whatever the client puts in the fields it chooses: chain
-`parent` hashes (right, wrong, of the wrong length), tenant fingerprints (real, made
-up, of the wrong length, far more than the table holds), event feed subscriptions and
-polls (any namespaces, cursors, page sizes, snapshots), every integer at the edges
+`parent` hashes and ALLOC's `parents` (right, wrong, of the wrong length), tenant
+fingerprints (real, made up, of the wrong length, far more than the table holds), event
+feed subscriptions and polls (any namespaces, cursors, page sizes, snapshots), every integer at the edges
 msgpack can carry (2**63, 2**64 - 1, -1, -2**63, one past each bound), leases and block
 ids really held or not. CacheBlend's request parameters (`lmcached_blend`) go through
 the vLLM scheduler side's own parse path (`BlendScheduler.get_num_new_matched_tokens`,
@@ -88,6 +88,15 @@ class Fuzzer:
                            chunk_hashes([rng.randrange(64)]), rng.randbytes(16),
                            rng.randbytes(rng.choice([1, 15, 17]))])
 
+    def parents(self, first: int, n: int) -> bytes:
+        """ALLOC's `parents`: the chain's (ROOT_HASH for chunk 0), made up, empty, or of
+        a wrong length."""
+        rng = self.rng
+        chain = b"".join(chunk_hashes([i - 1]) if i else b"\0" * 16
+                         for i in range(first, first + n))
+        return rng.choice([b"", chain, chain, rng.randbytes(16 * n),
+                           rng.randbytes(max(0, 16 * n + rng.choice([-16, -1, 1, 16])))])
+
     def namespaces(self) -> list[int]:
         rng = self.rng
         return rng.choice([[1], [2], [1, 2], [2, 1], [1, 1], [], [self.integer(3)]])
@@ -115,8 +124,9 @@ class Fuzzer:
             return ["release", [self.integer(held) for _ in range(rng.randrange(0, 3))]]
         if kind == 7:
             n = len(hashes) // 16
-            return ["alloc", self.integer(rng.choice([1, 2])), hashes,
-                    [self.integer(1000) for _ in range(n)], self.integer(0)]
+            alloc = ["alloc", self.integer(rng.choice([1, 2])), hashes,
+                     [self.integer(1000) for _ in range(n)], self.integer(0)]
+            return alloc if rng.random() < 0.3 else alloc + [self.parents(first, n)]
         if kind == 8:
             return [rng.choice(["commit", "abort"]),
                     [self.integer(block) for _ in range(rng.randrange(0, 3))]]

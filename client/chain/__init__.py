@@ -19,7 +19,7 @@ operations with the same guarantees, and copies written per caller had drifted a
 Callers import from here (`lmcached.client.chain`).
 """
 
-from lmcached.client.chain.core import Chain, ChunkWrite
+from lmcached.client.chain.core import Chain, ChunkWrite, chain_parents
 from lmcached.client.chain.frames import (
     acquire_chain,
     check_verify,
@@ -36,6 +36,7 @@ __all__ = [
     "PinnedChunks",
     "Pins",
     "acquire_chain",
+    "chain_parents",
     "check_verify",
     "chunk_ranges",
     "chunks_per_request",

@@ -35,6 +35,12 @@ logger = init_logger(__name__)
 ChunkWrite = Callable[[RecordIO | TieredRecords, list[int], int], None]
 
 
+def chain_parents(hashes: list[bytes], parent: bytes) -> list[bytes]:
+    """Per chunk of the chain run `hashes`, the hash before it (`Chain.store`'s
+    `parents`): `parent` (the hash before `hashes[0]`), then each chunk's predecessor."""
+    return [parent, *hashes[:-1]] if hashes else []
+
+
 class Chain:
     """One client's chunk chains of one layout, over its `DaemonLink`: lookup, ACQUIRE
     with record checks, and store (ALLOC -> fill -> COMMIT, or ABORT).
@@ -242,7 +248,8 @@ class Chain:
 
     # ------------------------------------------------------------------ store
     def store(self, hashes: list[bytes], num_tokens: list[int], write: ChunkWrite,
-              wait: Callable[[], None] = lambda: None) -> int:
+              wait: Callable[[], None] = lambda: None,
+              parents: list[bytes] | None = None) -> int:
         """Store the chunks of `hashes` that are not cached: ALLOC, fill, COMMIT.
 
         A store of more chunks than one request carries (`chunks_per_request`) is
@@ -260,17 +267,27 @@ class Chain:
                 land. Copies into a device tier are waited for here in any case
                 (`records.synchronize()`, whatever the source's device), so no COMMIT
                 publishes a header over KV still in flight.
+            parents: per chunk, the hash of the chunk before it in its chain, ROOT_HASH
+                for a chain's first chunk (salted or not), which the daemon publishes in
+                its KV event feed (ALLOC's `parents`); None: each chunk's parent is the
+                chunk before it in `hashes` (`chain_parents(hashes, ROOT_HASH)`).
 
         Returns:
             Chunks written and committed (0 when the daemon is unavailable or refused).
 
         Raises:
+            ValueError: `parents` is not one 16-byte hash per chunk.
             Whatever `write` or `wait` raises, after the ABORT of the request's blocks.
         """
-        return self._store_from(hashes, num_tokens, write, wait, 0)
+        if parents is None:
+            parents = chain_parents(hashes, ROOT_HASH)
+        if len(parents) != len(hashes) or any(len(p) != len(ROOT_HASH) for p in parents):
+            raise ValueError(f"store needs one {len(ROOT_HASH)}-byte parent hash per chunk: "
+                             f"{len(parents)} parents for {len(hashes)} chunks")
+        return self._store_from(hashes, num_tokens, write, wait, 0, parents)
 
     def _store_from(self, hashes: list[bytes], num_tokens: list[int], write: ChunkWrite,
-                    wait: Callable[[], None], pos: int) -> int:
+                    wait: Callable[[], None], pos: int, parents: list[bytes]) -> int:
         """`store` of the chunks from `pos` on."""
         layout, link = self.layout, self.link
 
@@ -278,7 +295,7 @@ class Chain:
             end = min(len(hashes), pos + chunks_per_request(layout, snapshot.block_bytes))
             num_bytes = [layout.record_bytes(n) for n in num_tokens[pos:end]]
             reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes[pos:end]), num_bytes,
-                                           snapshot.home_tier))
+                                           snapshot.home_tier, b"".join(parents[pos:end])))
             return reply, end, snapshot.generation, self.records(snapshot)
 
         allocated = link.call("ALLOC", alloc, None)
@@ -306,7 +323,7 @@ class Chain:
                 records.synchronize()
             self.copier.run(seals)  # checksums of the final bytes, before COMMIT
             if end < len(hashes) and not num_nospace:
-                num_later = self._store_from(hashes, num_tokens, write, wait, end)
+                num_later = self._store_from(hashes, num_tokens, write, wait, end, parents)
 
         if not fill_and_commit(link, reply.block_ids, generation, fill):
             return num_later

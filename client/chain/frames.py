@@ -43,11 +43,11 @@ def chunk_ranges(num_tokens: int, chunk_size: int, first_chunk: int,
 def chunks_per_request(layout: KVLayout, block_bytes: int, num_namespaces: int = 1) -> int:
     """Most chunks one LOOKUP / ACQUIRE / ALLOC of this layout may carry.
 
-    Bounded so that neither the request (ALLOC: a hash and a record size per chunk) nor
-    its reply (ACQUIRE: the block ids, span length and record size of each chunk in each
-    namespace), nor the COMMIT of the blocks an ALLOC returns, exceeds MAX_FRAME_BYTES,
-    and so that the daemon's MAX_CHUNKS_PER_REQUEST (over all namespaces) holds. Callers
-    split longer requests.
+    Bounded so that neither the request (ALLOC: a hash, a parent hash and a record size
+    per chunk) nor its reply (ACQUIRE: the block ids, span length and record size of
+    each chunk in each namespace), nor the COMMIT of the blocks an ALLOC returns,
+    exceeds MAX_FRAME_BYTES, and so that the daemon's MAX_CHUNKS_PER_REQUEST (over all
+    namespaces) holds. Callers split longer requests.
 
     Args:
         layout: the chunks' layout (their record size).
@@ -58,7 +58,7 @@ def chunks_per_request(layout: KVLayout, block_bytes: int, num_namespaces: int =
         A chunk count >= 1.
     """
     blocks_per_chunk = -(-layout.record_bytes(layout.chunk_size) // block_bytes)
-    request_bytes = HASH_BYTES + _INT_BYTES
+    request_bytes = 2 * HASH_BYTES + _INT_BYTES  # ALLOC: hash, parent hash, record size
     reply_bytes = num_namespaces * (_INT_BYTES + _BLOCK_ID_BYTES * (blocks_per_chunk + 1))
     fit = (MAX_FRAME_BYTES - _FRAME_OVERHEAD_BYTES) // max(request_bytes, reply_bytes)
     return max(1, min(MAX_CHUNKS_PER_REQUEST // num_namespaces, fit))

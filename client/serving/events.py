@@ -312,11 +312,12 @@ class EventRelay:
         """(engine parent block hash or None, salt or None) of a new chunk; (False,
         None) when it cannot be resolved (counted).
 
-        The daemon names as a chunk's parent the chunk before it in the same ALLOC,
-        which is another request's when one ALLOC stores several requests' chunks (an
-        engine saves a step's new chunks together): a stated parent is followed only
-        when the chunk's hash chains from it, and a chunk that does not chain from it
-        may still be a chain's first (from the root or a noted salt's root)."""
+        The daemon names as a chunk's parent the one its writer's ALLOC named, or, for a
+        writer that named none, the chunk before it in the same ALLOC, which is another
+        request's when one ALLOC stores several requests' chunks: a stated parent is
+        followed only when the chunk's hash chains from it, and a chunk that does not
+        chain from it may still be a chain's first (from the root or a noted salt's
+        root)."""
         stated = event.parent if event.parent and event.parent not in self._salts else None
         if stated is not None:
             parent = self._chunks.get(stated)

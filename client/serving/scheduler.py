@@ -24,6 +24,7 @@ from lmcached.client.chain import Pins, acquire_chain
 from lmcached.client.hashing import ChunkHash, hash_request_tokens, root_hash
 from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
+from lmcached.wire.record_format import ROOT_HASH
 
 logger = init_logger(__name__)
 
@@ -305,6 +306,7 @@ class ServingScheduler:
             saves.append(SaveSpec(
                 req_id, state.epoch, state.tokens[first * chunk : ready * chunk],
                 list(state.hashes[first:ready]), list(block_ids[first * bpc : ready * bpc]),
+                state.hashes[first - 1] if first else ROOT_HASH,
             ))
             state.num_saved_chunks = ready
         return self._step, loads, saves

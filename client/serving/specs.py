@@ -117,6 +117,11 @@ class SaveSpec:
         tokens: int64 `[num_chunks * chunk_size]` token ids of the chunks.
         hashes: the chunks' 16-byte prefix hashes.
         block_ids: `[num_chunks * blocks_per_chunk]` engine block ids holding them.
+        parent: the 16-byte hash of the chunk before `hashes[0]` in the request's
+            chain (saved in an earlier step), ROOT_HASH when `hashes[0]` is the chain's
+            first (salted or not: the daemon never learns a salt), which the daemon
+            publishes as the first chunk's parent in its KV event feed; None: not
+            known (the chunk stored before it in the same ALLOC stands in).
     """
 
     req_id: str
@@ -124,3 +129,4 @@ class SaveSpec:
     tokens: np.ndarray
     hashes: list[bytes]
     block_ids: list[int]
+    parent: bytes | None = None

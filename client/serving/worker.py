@@ -23,6 +23,7 @@ from lmcached.client.records import RecordIO
 from lmcached.client.serving.mover import KVMover
 from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.wire.logger import init_logger
+from lmcached.wire.record_format import ROOT_HASH
 
 logger = init_logger(__name__)
 
@@ -191,17 +192,23 @@ class ServingWorker:
 
         Chunks the daemon already holds are skipped (EXISTS), as are chunks of a
         request whose load failed in this epoch (their KV attended to bad blocks).
+        Each chunk's ALLOC names its parent in its own request's chain (`SaveSpec.parent`
+        for a save's first), so that the daemon's KV events chain across steps.
         """
         if self._mover is None:
             return
         chunk, bpc = self.settings.chunk_size, self.settings.blocks_per_chunk
-        entries, seen = [], set()
+        entries, parents, seen = [], [], set()
         for save in saves:
             if self._failed_epochs.get(save.req_id, -1) >= save.epoch:
                 continue
             for i, chunk_hash in enumerate(save.hashes):
                 if chunk_hash not in seen:
                     seen.add(chunk_hash)
+                    parent = save.hashes[i - 1] if i else save.parent
+                    if parent is None:  # not known: the chunk before it in this store
+                        parent = entries[-1][0] if entries else ROOT_HASH
+                    parents.append(parent)
                     entries.append((chunk_hash, save.tokens[i * chunk : (i + 1) * chunk],
                                     save.block_ids[i * bpc : (i + 1) * bpc]))
         if not entries:
@@ -220,7 +227,8 @@ class ServingWorker:
 
         # paged.wait: every record's bytes are in the arena before the seals and COMMIT
         self.num_saved_chunks += self.chain.store([h for h, _, _ in entries],
-                                                  [chunk] * len(entries), write, paged.wait)
+                                                  [chunk] * len(entries), write, paged.wait,
+                                                  parents)
 
     def request_finished(self, req_ids: set[str]) -> None:
         """Forget finished requests' failure epochs."""

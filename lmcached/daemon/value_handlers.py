@@ -164,6 +164,10 @@ def alloc(state: ValueState, session: Session, req: Alloc) -> AllocReply:
     checks.require_pool(state)
     if len(req.num_bytes) != len(keys) or any(n < 1 for n in req.num_bytes):
         raise RequestError("bad_request", "ALLOC needs one positive num_bytes per hash")
+    if len(req.parents) not in (0, HASH_BYTES * len(keys)):
+        raise RequestError("bad_request", f"ALLOC parents is {len(req.parents)} bytes: "
+                           f"one {HASH_BYTES}-byte parent hash per chunk "
+                           f"({HASH_BYTES * len(keys)} bytes), or empty")
     if keys:
         checks.check_value_sizes(state, session, req.ns, req.num_bytes)
     device_pool = _device_pool(state, session, req) if req.tier else None
@@ -175,8 +179,12 @@ def alloc(state: ValueState, session: Session, req: Alloc) -> AllocReply:
     status, block_ids, span_lengths = [], [], []
     held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
     no_space = False
-    parent = b""  # the chunk hash before `key` in this ALLOC's chain
-    for key, num_bytes in zip(keys, req.num_bytes):
+    # The chunk hash before `key` in its chain: the one `parents` names (ROOT_HASH for a
+    # chain's first), or, when it names none, the chunk before `key` in this ALLOC.
+    parent, stated = b"", req.parents
+    for i, (key, num_bytes) in enumerate(zip(keys, req.num_bytes)):
+        if stated:
+            parent = stated[i * HASH_BYTES : (i + 1) * HASH_BYTES]
         span = find(key)
         if span is not None:
             touch(span)

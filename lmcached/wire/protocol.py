@@ -179,12 +179,20 @@ class Alloc(msgspec.Struct, tag="alloc", array_like=True):
     `tier` is where the writer would like them: a device tier whose device is in the
     session's HELLO `devices` gets the chunks it has empty blocks for, the rest go to
     the host arena (tier 0, the default).
+
+    `parents`: per chunk of `hashes`, the HASH_BYTES hash of the chunk before it in its
+    chain, or ROOT_HASH (all zero) for a chain's first chunk, salted or not (the daemon
+    never learns a salt), back to back; the daemon keeps it with the chunk and
+    publishes it in the KV event feed (`ChunkEvent.parent`, b"" for ROOT_HASH). Empty
+    (a client of before the field): each chunk's parent is the chunk before it in this
+    ALLOC, the first has none.
     """
 
     ns: NamespaceId
     hashes: bytes
     num_bytes: list[Count]
     tier: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIERS)] = 0
+    parents: Annotated[bytes, msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST * HASH_BYTES)] = b""
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):

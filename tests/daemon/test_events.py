@@ -186,6 +186,23 @@ def test_a_chunk_after_cached_ones_names_the_cached_one_as_its_parent(service):
     assert [(e.chunk_hash[0], e.parent[:1]) for e in events] == [(10, b""), (11, bytes([10]))]
 
 
+def test_alloc_parents_name_each_chunks_parent_across_allocs_and_chains(service):
+    """An ALLOC that names its chunks' parents: its first chunk continues a chain stored
+    by an earlier ALLOC (a later step of a chunked prefill), its second starts another
+    chain (ROOT_HASH: announced with no parent), its third follows that one. The pool
+    keeps those parents (the disk tier and a snapshot read them there)."""
+    session, cursor = _subscribed(service, LAYOUT)
+    store(service, session, 1, [10])
+    parents = chunk_hashes([10]) + ROOT_HASH + chunk_hashes([20])
+    alloc = service.handle(session, Alloc(1, chunk_hashes([11, 20, 21]), [1000] * 3, 0, parents))
+    service.handle(session, Commit(alloc.block_ids))
+    events = _poll(service, session, cursor).events
+    assert [(e.chunk_hash[0], e.parent[:1]) for e in events] == [
+        (10, b""), (11, bytes([10])), (20, b""), (21, bytes([20]))]
+    assert sorted((k[5], p[:1]) for k, p in service.pool.parents.items()) == [
+        (11, bytes([10])), (21, bytes([20]))]
+
+
 def test_token_ids_are_read_from_the_record_only_when_asked(service):
     """Lazily, at EVENTS: the header the writer wrote names the chunk, so its token ids
     come back as int64 bytes; a record replaced since (another hash) gives none."""
@@ -409,10 +426,10 @@ def test_a_snapshot_pages_the_disk_tiers_chunks_after_the_arenas_parents_first(
         other = msgspec.structs.replace(DISK_LAYOUT, model_name="other-llama")
         session = greeted(first, DISK_LAYOUT, other)
         _stored_chain(first, session, chunks)
-        settle(first, lambda: not first.disk._writing)
+        settle(first, lambda: not first.spill_tier("disk")._writing)
         _stored_chain(first, session, PROMPT_B, ns=2)
-        settle(first, lambda: not first.disk._writing)
-        assert {h: e.parent for (_, h), e in first.disk.index.entries.items()} == {
+        settle(first, lambda: not first.spill_tier("disk")._writing)
+        assert {h: e.parent for (_, h), e in first.spill_tier("disk").index.entries.items()} == {
             h: b"" if p == ROOT_HASH else p for p, h, _ in chunks + PROMPT_B}
     finally:
         close_disk_service(first)

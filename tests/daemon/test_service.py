@@ -505,6 +505,23 @@ def test_alloc_refuses_num_bytes_that_are_not_one_positive_size_per_hash(service
     assert service.pool.num_writing_blocks == 0 and session.writing == {}
 
 
+@pytest.mark.parametrize("num_parents", [1, 3])
+def test_alloc_refuses_parents_that_are_not_one_hash_per_chunk(service, num_parents):
+    """`parents` is one HASH_BYTES hash per chunk or empty: any other length is refused
+    before anything is allocated or evicted, and the refusal names the sizes."""
+    session = greeted(service, LAYOUT)
+    store(service, session, 1, range(NUM_BLOCKS))  # full: an ALLOC would evict
+    for parents in (chunk_hashes(range(num_parents)), chunk_hashes([0, 1])[:-1]):
+        reply = service.handle(session, Alloc(1, chunk_hashes([50, 51]), [1, 1], 0, parents))
+        assert error_code(reply) == "bad_request"
+        assert f"parents is {len(parents)} bytes" in reply.message, reply.message
+        assert f"({2 * HASH_BYTES} bytes)" in reply.message, reply.message
+    assert service.pool.num_writing_blocks == 0 and session.writing == {}
+    assert service.pool.stats.evictions == 0
+    assert lookup(service, session, [1], range(NUM_BLOCKS)) == NUM_BLOCKS
+    assert_everything_returned(service)
+
+
 def test_alloc_refuses_a_namespace_that_is_not_this_sessions(service):
     session = greeted(service, TP2[0])
     greeted(service, TP2[1])

@@ -80,6 +80,29 @@ def test_stored_chunks_become_block_events_in_the_relays_terms(daemon):
         relay.close()
 
 
+def test_a_store_that_continues_a_chain_is_announced_chained(daemon):
+    """CacheEngine.store of a chain's continuation (a mask that skips its first chunk,
+    stored before): its ALLOC names the skipped chunk as the first new chunk's parent,
+    so the relay hashes the new blocks from the earlier chunk's last block."""
+    relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket)
+    engine = CacheEngine.connect(layout(), socket=daemon.socket, strict=True)
+    try:
+        assert relay.poll() == []
+        tokens = list(range(200, 248))  # 3 full chunks
+        kv = torch.zeros(layout().chunk_shape(len(tokens)), dtype=torch.bfloat16)
+        assert engine.store(torch.tensor(tokens[:CHUNK]), kv[:, :, :CHUNK]) == 1
+        first = poll_until(relay, 1)
+        mask = torch.arange(len(tokens)) >= CHUNK
+        assert engine.store(torch.tensor(tokens), kv, mask=mask) == 2
+        rest = poll_until(relay, 2)
+        assert [h for e in first + rest for h in e.block_hashes] == own_hashes(tokens)
+        assert rest[0].parent_block_hash == first[0].block_hashes[-1]
+        assert relay.stats["unresolved_parent"] == relay.stats["unresolved_salt"] == 0
+    finally:
+        engine.close()
+        relay.close()
+
+
 def test_a_chunk_whose_parent_was_never_seen_is_counted_not_guessed(daemon):
     store(daemon.socket, list(range(16)))  # before the relay subscribed, without a snapshot
     relay = EventRelay(layout().to_wire(), BLOCK, block_hash, socket=daemon.socket,

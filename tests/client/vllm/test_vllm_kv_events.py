@@ -51,7 +51,8 @@ from vllm import SamplingParams  # noqa: E402
 from lmcached.client import CacheEngine, KVLayout  # noqa: E402
 from lmcached.client.vllm.connector import LMCachedConnector  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
-from lmcached.wire.protocol import Clear  # noqa: E402
+from lmcached.client.hashing import hash_request_tokens  # noqa: E402
+from lmcached.wire.protocol import Clear, Events, Subscribe  # noqa: E402
 
 
 def events_instance(model_dir: str, socket: str, empty: bool = True) -> LMCachedConnector:
@@ -171,9 +172,9 @@ def test_a_salted_prompt_is_announced_with_the_salt_as_vllm_folds_it(
 
 
 def test_prompts_stored_in_one_step_are_each_announced(model_dir, engine_factory, daemon):
-    """Another instance saves two prompts' chunks in one step (one ALLOC, where the
-    daemon takes the chunk before each as its parent, the other prompt's for the second
-    prompt's first): each prompt is announced, in its own block hashes."""
+    """Another instance saves two prompts' chunks in one step (one ALLOC, which names
+    each chunk's parent in its own prompt's chain: none for each prompt's first, not the
+    other prompt's last): each prompt is announced, in its own block hashes."""
     listener = events_instance(model_dir, daemon.socket)
     try:
         first, second = prompt_of(70, seed=15), prompt_of(70, seed=16)
@@ -186,14 +187,19 @@ def test_prompts_stored_in_one_step_are_each_announced(model_dir, engine_factory
         announced = {h for e in stored for h in e.block_hashes}
         assert announced == set(own_block_hashes(first)[:4] + own_block_hashes(second)[:4])
         assert listener.event_relay.stats["unresolved_parent"] == 0
+        with Connection(daemon.socket) as watcher:  # the parents the daemon keeps
+            cursor = watcher.request(Subscribe([], 0, True)).cursor
+            parents = {e.chunk_hash: e.parent for e in watcher.request(Events(cursor)).events}
+        a, b = (hash_request_tokens(CHUNK, prompt)[:2] for prompt in (first, second))
+        assert parents == {a[0]: b"", a[1]: a[0], b[0]: b"", b[1]: b[0]}
     finally:
         listener.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="ALLOC names no parent for its first chunk: a chunk "
-                   "saved a step after the chunk before it (chunked prefill) has no parent in "
-                   "the daemon's feed, so the relay cannot hash it in the engine's terms")
 def test_a_chain_saved_over_several_steps_is_announced_whole(model_dir, engine_factory, daemon):
+    """Chunked prefill saves a prompt's chunks over two steps: the second step's ALLOC
+    names the first step's last chunk as its first chunk's parent, so the relay hashes
+    every block of the prompt in the engine's terms."""
     listener = events_instance(model_dir, daemon.socket)
     try:
         prompt = prompt_of(130, seed=21)
