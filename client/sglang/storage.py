@@ -28,7 +28,7 @@ Guarantees (as every lmcached client):
 """
 
 import functools
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -38,7 +38,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
+from lmcached.client.chain import Chain, chunks_per_request
+from lmcached.client.chain.frames import wire_parent
+from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.pages import (
@@ -52,13 +54,38 @@ from lmcached.client.sglang.pages import (
 )
 from lmcached.wire.connection import DaemonError
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import EXISTS, Alloc, Clear
+from lmcached.wire.protocol import EXISTS, Abort, Acquire, Alloc, Clear, Commit
+from lmcached.wire.record_format import ROOT_HASH
 from lmcached.wire.record_format import write_header
 
 logger = init_logger(__name__)
 
+# Pages of the first request of a pipelined batch (`pipeline_parts`), and of the last
+# of a store: the daemon allocates the rest while the first part is copied, and commits
+# all but the last part while the rest is copied.
+FIRST_PART_PAGES = 4
+LAST_STORE_PART_PAGES = 8
+
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")
+
+
+def pipeline_parts(num_pages: int, per_request: int,
+                   last: int | None = None) -> list[tuple[int, int]]:
+    """`[start, end)` pages of each pipelined request of a batch of `num_pages`: the
+    first FIRST_PART_PAGES (the daemon answers it while the client hashes the rest and
+    reads the page runs), then the rest in requests of at most `per_request`
+    (`chunks_per_request`); with `last`, the final part has at most `last` pages (a
+    store's last COMMIT is the one the caller waits for)."""
+    first = min(num_pages, FIRST_PART_PAGES, per_request)
+    parts = [(0, first)] if first else []
+    for start in range(first, num_pages, per_request):
+        end = min(num_pages, start + per_request)
+        if last and end == num_pages and end - start > last:
+            parts.append((start, end - last))
+            start = end - last
+        parts.append((start, end))
+    return parts
 
 
 class LmcachedStorage(HiCacheStorage):
@@ -192,8 +219,8 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not num_pages:
             return [False] * num_pages
         try:
-            runs = self._page_runs(host_indices, num_pages)
-            num_ok = self._read(keys, runs)
+            self._check_indices(host_indices, num_pages)
+            num_ok = self._read(keys, lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("get", exc, [False] * num_pages)
         self.num_hit_pages += num_ok
@@ -206,31 +233,85 @@ class LmcachedStorage(HiCacheStorage):
         Raises:
             ValueError: host_indices do not cover `num_pages` pages of page_size tokens.
         """
-        if host_indices.numel() != num_pages * self.page_size:
-            raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
-                             f"of {self.page_size} tokens")
+        self._check_indices(host_indices, num_pages)
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         m = self.runs_per_page
         return [list(zip(ptrs[i * m:(i + 1) * m], sizes[i * m:(i + 1) * m]))
                 for i in range(num_pages)]
 
-    def _read(self, keys: List[str], runs: list) -> int:
-        """ACQUIRE the pages of `keys`, check their records, copy the leading ones that
-        passed into `runs` (per page, its destination runs); how many were copied (0 when
-        the pins did not hold while copying: the bytes may be another page's)."""
+    @staticmethod
+    def _submit_parts(snapshot, tokens: np.ndarray, parts: list[tuple[int, int]],
+                      request: Callable[[list[bytes], int, int], Any]) -> list[bytes]:
+        """Hash the pages of `tokens` and submit `request(hashes, start, end)` for each
+        part: the first as soon as its pages are hashed, the others together after.
+        Returns the page hashes."""
+        hashes: list[bytes] = []
+        start, end = parts[0]
+        hashes += [page_hash(t) for t in tokens[start:end]]
+        snapshot.submit(request(hashes, start, end))
+        if len(parts) > 1:
+            hashes += [page_hash(t) for t in tokens[end:]]
+            snapshot.submit(*[request(hashes, a, b) for a, b in parts[1:]])
+        return hashes
+
+    def _check_indices(self, host_indices: torch.Tensor, num_pages: int) -> None:
+        """Raise ValueError unless host_indices cover `num_pages` pages of page_size."""
+        if host_indices.numel() != num_pages * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
+                             f"of {self.page_size} tokens")
+
+    def _read(self, keys: List[str], runs_of: Callable[[], list]) -> int:
+        """ACQUIRE the pages of `keys` (pipelined requests, `pipeline_parts`), check
+        their records, copy the leading ones that passed into their runs; how many were
+        copied (0 when the pins did not hold while copying: the bytes may be another
+        page's).
+
+        Each part's records are checked before any of its bytes is copied, and the copy
+        stops at the first page that is not held or fails its check (the later parts'
+        pins are released unread). `runs_of()` gives per page its destination runs; it
+        is called while the daemon answers the first request.
+        """
+        chain, layout = self.chain, self.chain.layout
         tokens = keys_tokens(keys)
-        hashes = [page_hash(t) for t in tokens]
-        run = self.chain.acquire(tokens.reshape(-1), 0, hashes)
+        flat = tokens.reshape(-1)
+        k = layout.chunk_size
+        copy = copy_runs  # looked up once per batch (tests replace it)
+
+        def acquire(snapshot) -> PinnedChunks:
+            parts = pipeline_parts(len(keys), chunks_per_request(
+                layout, snapshot.block_bytes, len(snapshot.namespaces)))
+            hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Acquire(
+                snapshot.namespaces, b"".join(hashes[start:end]),
+                wire_parent(hashes, start, ROOT_HASH)))
+            runs = runs_of()  # while the daemon answers the first part
+            records = chain.records(snapshot)
+            arena = records.arena
+            base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
+            kv_offset = layout.kv_offset
+            kv_end = kv_offset + self.page_bytes
+            verified: list[list[int]] = []
+            stopped = False
+            for start, end in parts:
+                spans = snapshot.collect(Acquire).spans()
+                if stopped:
+                    continue  # released with the others, unread
+                num_ok = chain.check(records, spans, hashes[start:start + len(spans)], flat,
+                                     [(i * k, (i + 1) * k)
+                                      for i in range(start, start + len(spans))],
+                                     snapshot.session_id)
+                for i, span in enumerate(spans[:num_ok], start):
+                    copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
+                                              kv_end))
+                verified += spans[:num_ok]
+                stopped = num_ok < end - start
+            return PinnedChunks(flat, 0, verified, hashes[:len(verified)], records,
+                                Pins.of(snapshot))
+
+        run = self.link.call("ACQUIRE", acquire, None)
         if run is None:
             return 0
         try:
-            arena = run.records.arena
-            kv_offset = self.chain.layout.kv_offset
-            for i, span in enumerate(run.spans):
-                copy_runs(runs[i], record_runs(arena.base_ptr, arena.block_offset,
-                                               arena.block_bytes, span, kv_offset,
-                                               kv_offset + self.page_bytes))
-            return len(run.spans) if run.holds_pins() else 0
+            return len(run.spans) if run.spans and run.holds_pins() else 0
         finally:
             run.release()
 
@@ -247,16 +328,9 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not num_pages:
             return [False] * num_pages
         try:
-            runs = self._page_runs(host_indices, num_pages)
-            results = [False] * num_pages
-            tokens = keys_tokens(keys)
-            hashes = [page_hash(t) for t in tokens]
-            per_request = self._pages_per_request()
-            for pos in range(0, num_pages, per_request):
-                end = min(num_pages, pos + per_request)
-                if not self._store(hashes[pos:end], tokens[pos:end], runs[pos:end],
-                                   results, pos):
-                    break
+            self._check_indices(host_indices, num_pages)
+            results = self._store(keys_tokens(keys),
+                                  lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("set", exc, [False] * num_pages)
         stored = sum(results)
@@ -264,44 +338,75 @@ class LmcachedStorage(HiCacheStorage):
         self.num_skipped_pages += num_pages - stored
         return results
 
-    def _pages_per_request(self) -> int:
-        reply = self.link.hello_reply
-        block_bytes = reply.block_bytes if reply is not None else self.page_bytes
-        return chunks_per_request(self.chain.layout, block_bytes)
+    def _store(self, tokens: np.ndarray, runs_of: Callable[[], list]) -> list[bool]:
+        """Store pages (their key ids `tokens`, their source runs `runs_of()`): ALLOC in
+        pipelined requests (`pipeline_parts`), and per part, as soon as its reply is in,
+        write its records and submit its COMMIT; the daemon allocates the next part
+        while this one is copied. Every ALLOC is sent before the first COMMIT, so a
+        batch never evicts its own first pages (they are WRITING) to make room for its
+        last ones.
 
-    def _store(self, hashes: list[bytes], tokens: np.ndarray, runs: list,
-               results: list[bool], pos: int) -> bool:
-        """ALLOC, fill and COMMIT one request's pages; sets `results[pos + i]`.
-        False when the daemon is unavailable or refused (the rest is not tried)."""
+        Returns:
+            Per page, True when it is now held (committed, or already there); all False
+            when the daemon is unavailable or refused (a part whose COMMIT failed is
+            False, the parts before it stay stored).
+
+        Raises:
+            Whatever writing a record raises, after the ABORT of what was allocated (or
+            the end of the session, which aborts it, when replies were in flight).
+        """
         chain, layout = self.chain, self.chain.layout
+        num_pages = len(tokens)
         record_bytes = layout.record_bytes(layout.chunk_size)
+        results = [False] * num_pages
 
-        def alloc(snapshot):
-            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes),
-                                           [record_bytes] * len(hashes), snapshot.home_tier))
-            return reply, snapshot.generation, chain.records(snapshot)
+        def store(snapshot) -> list[bool]:
+            parts = pipeline_parts(num_pages, chunks_per_request(layout, snapshot.block_bytes),
+                                   LAST_STORE_PART_PAGES)
+            hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Alloc(
+                snapshot.ns, b"".join(hashes[start:end]), [record_bytes] * (end - start),
+                snapshot.home_tier))
+            runs = runs_of()  # while the daemon answers the first part
+            in_flight = len(parts)
+            records = chain.records(snapshot)
+            committed = []  # (start, reply) of each part whose COMMIT was submitted
+            for start, end in parts:
+                reply = snapshot.collect(Alloc)
+                in_flight -= 1
+                spans = reply.spans()
+                for i, status in enumerate(reply.status, start):
+                    results[i] = status == EXISTS
+                if not reply.block_ids:
+                    continue
+                try:
+                    if not records.maps(reply.block_ids):
+                        raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} that "
+                                         "are not in the host arena this process maps")
+                    for i, span in enumerate(spans, start):
+                        if span is not None:
+                            self._write_page(records.arena, records.fingerprint, span,
+                                             hashes[i], tokens[i], runs[i])
+                            if self.verify == "checksum":
+                                records.seal(span, layout.chunk_size)
+                except BaseException:
+                    if not in_flight:  # else the session's end (DaemonLink.call) aborts
+                        snapshot.request(Abort(reply.block_ids))
+                    raise
+                snapshot.submit(Commit(reply.block_ids))
+                in_flight += 1
+                committed.append((start, reply))
+            for start, reply in committed:
+                try:
+                    snapshot.collect(Commit)
+                except DaemonError as exc:
+                    logger.warning("COMMIT refused, %d pages not stored: %s",
+                                   len(reply.status), exc)
+                    continue
+                for i, span in enumerate(reply.spans(), start):
+                    results[i] = results[i] or span is not None
+            return results
 
-        allocated = self.link.call("ALLOC", alloc, None)
-        if allocated is None:
-            return False
-        reply, generation, records = allocated
-        spans = reply.spans()
-        filled = [(i, span) for i, span in enumerate(spans) if span is not None]
-
-        def fill() -> None:
-            arena = records.arena
-            for i, span in filled:
-                self._write_page(arena, records.fingerprint, span, hashes[i], tokens[i],
-                                 runs[i])
-            if self.verify == "checksum":
-                for _, span in filled:
-                    records.seal(span, layout.chunk_size)
-
-        if filled and not fill_and_commit(self.link, reply.block_ids, generation, fill):
-            return False
-        for i, status in enumerate(reply.status):
-            results[pos + i] = spans[i] is not None or status == EXISTS
-        return True
+        return self.link.call("ALLOC", store, None) or [False] * num_pages
 
     def _write_page(self, arena, fingerprint: int, span: list[int], chunk_hash: bytes,
                     tokens: np.ndarray, runs: list[tuple[int, int]]) -> None:
@@ -338,7 +443,8 @@ class LmcachedStorage(HiCacheStorage):
                    or t.numel() * t.element_size() != self.page_bytes for t in targets):
                 raise ValueError(f"get targets must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page)")
-            num_ok = self._read(keys, [[(t.data_ptr(), self.page_bytes)] for t in targets])
+            num_ok = self._read(keys, lambda: [[(t.data_ptr(), self.page_bytes)]
+                                               for t in targets])
         except Exception as exc:
             return self._failed("get", exc, [None] * len(keys))
         return [targets[i] if i < num_ok else None for i in range(len(keys))]
@@ -362,11 +468,8 @@ class LmcachedStorage(HiCacheStorage):
                     or v.numel() * v.element_size() != self.page_bytes for v in values):
                 raise ValueError(f"set values must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page), one per key")
-            results = [False] * len(keys)
-            tokens = keys_tokens(keys)
-            hashes = [page_hash(t) for t in tokens]
-            runs = [[(v.data_ptr(), self.page_bytes)] for v in values]
-            self._store(hashes, tokens, runs, results, 0)
+            results = self._store(keys_tokens(keys),
+                                  lambda: [[(v.data_ptr(), self.page_bytes)] for v in values])
         except Exception as exc:
             return self._failed("set", exc, False)
         return all(results)
