@@ -56,7 +56,7 @@ from lmcached.wire.connection import DaemonError
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import EXISTS, Abort, Acquire, Alloc, Clear, Commit
 from lmcached.wire.record_format import ROOT_HASH
-from lmcached.wire.record_format import write_header
+from lmcached.wire.record_format import header_rows, write_header
 
 logger = init_logger(__name__)
 
@@ -141,6 +141,8 @@ class LmcachedStorage(HiCacheStorage):
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
         self.num_stored_pages = self.num_skipped_pages = 0
         self.hook_guard = HookGuard()
+        self._rows_arena = None  # the arena `_rows` views
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
 
     # ----------------------------------------------------------- namespace
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -382,12 +384,7 @@ class LmcachedStorage(HiCacheStorage):
                     if not records.maps(reply.block_ids):
                         raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} that "
                                          "are not in the host arena this process maps")
-                    for i, span in enumerate(spans, start):
-                        if span is not None:
-                            self._write_page(records.arena, records.fingerprint, span,
-                                             hashes[i], tokens[i], runs[i])
-                            if self.verify == "checksum":
-                                records.seal(span, layout.chunk_size)
+                    self._write_pages(records, spans, start, hashes, tokens, runs)
                 except BaseException:
                     if not in_flight:  # else the session's end (DaemonLink.call) aborts
                         snapshot.request(Abort(reply.block_ids))
@@ -407,6 +404,52 @@ class LmcachedStorage(HiCacheStorage):
             return results
 
         return self.link.call("ALLOC", store, None) or [False] * num_pages
+
+    def _write_pages(self, records, spans: list, start: int, hashes: list[bytes],
+                     tokens: np.ndarray, runs: list) -> None:
+        """Write the records of the pages `start + i` whose `spans[i]` is not None
+        (WRITING blocks of this session): all headers first (one scatter when every
+        record is in one block), then each page's runs, then the zero pads; sealed with
+        verify="checksum"."""
+        arena, layout = records.arena, self.chain.layout
+        filled = [(i, span) for i, span in enumerate(spans, start) if span is not None]
+        if not filled:
+            return
+        record_bytes = layout.record_bytes(layout.chunk_size)
+        if record_bytes > arena.block_bytes or any(len(span) != 1 for _, span in filled):
+            for i, span in filled:
+                self._write_page(arena, records.fingerprint, span, hashes[i], tokens[i],
+                                 runs[i])
+        else:
+            pages = [i for i, _ in filled]
+            blocks = [span[0] for _, span in filled]
+            heads = header_rows(records.fingerprint, [hashes[i] for i in pages], tokens[pages])
+            kv_offset, kv_end = layout.kv_offset, layout.kv_offset + self.page_bytes
+            self._block_rows(arena, 0, heads.shape[1])[blocks] = heads
+            base, offset_of = arena.base_ptr, arena.block_offset
+            copy = copy_runs
+            for i, block in zip(pages, blocks):
+                copy([(base + offset_of(block) + kv_offset, self.page_bytes)], runs[i])
+            if record_bytes > kv_end:
+                self._block_rows(arena, kv_end, record_bytes - kv_end)[blocks] = 0
+        if self.verify == "checksum":
+            for _, span in filled:
+                records.seal(span, layout.chunk_size)
+
+    def _block_rows(self, arena, start: int, length: int) -> np.ndarray:
+        """Writable uint8 `[num_blocks, length]`: bytes [start, start + length) of every
+        block of `arena` (start + length <= block_bytes), one row per block."""
+        key = (start, length)
+        if self._rows_arena is not arena:
+            self._rows_arena, self._rows = arena, {}
+        rows = self._rows.get(key)
+        if rows is None:
+            first = arena.block_offset(0)
+            rows = np.lib.stride_tricks.as_strided(
+                arena.numpy_view(first + start, arena.capacity_bytes - first - start),
+                shape=(arena.num_blocks, length), strides=(arena.block_bytes, 1))
+            self._rows[key] = rows
+        return rows
 
     def _write_page(self, arena, fingerprint: int, span: list[int], chunk_hash: bytes,
                     tokens: np.ndarray, runs: list[tuple[int, int]]) -> None:
@@ -511,6 +554,7 @@ class LmcachedStorage(HiCacheStorage):
 
     def close(self) -> None:
         """End the daemon session (the pages stay in the daemon)."""
+        self._rows_arena, self._rows = None, {}
         if self.link is not None:
             self.link.close()
 
