@@ -61,23 +61,24 @@ from lmcached.wire.record_format import header_rows, write_header
 logger = init_logger(__name__)
 
 # Pages of the first request of a pipelined batch (`pipeline_parts`), and of the last
-# of a store: the daemon allocates the rest while the first part is copied, and commits
-# all but the last part while the rest is copied.
-FIRST_PART_PAGES = 4
-LAST_STORE_PART_PAGES = 8
+# of a store: the daemon pins (allocates) the rest while the first part is copied, and
+# commits all but the last part while the last one is copied.
+FIRST_GET_PAGES = 4
+FIRST_STORE_PAGES = 8
+LAST_STORE_PAGES = 8
 
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")
 
 
-def pipeline_parts(num_pages: int, per_request: int,
+def pipeline_parts(num_pages: int, per_request: int, first: int,
                    last: int | None = None) -> list[tuple[int, int]]:
     """`[start, end)` pages of each pipelined request of a batch of `num_pages`: the
-    first FIRST_PART_PAGES (the daemon answers it while the client hashes the rest and
-    reads the page runs), then the rest in requests of at most `per_request`
+    first `first` (the daemon answers it while the client hashes the rest and reads the
+    page runs), then the rest in requests of at most `per_request`
     (`chunks_per_request`); with `last`, the final part has at most `last` pages (a
     store's last COMMIT is the one the caller waits for)."""
-    first = min(num_pages, FIRST_PART_PAGES, per_request)
+    first = min(num_pages, first, per_request)
     parts = [(0, first)] if first else []
     for start in range(first, num_pages, per_request):
         end = min(num_pages, start + per_request)
@@ -281,7 +282,7 @@ class LmcachedStorage(HiCacheStorage):
 
         def acquire(snapshot) -> PinnedChunks:
             parts = pipeline_parts(len(keys), chunks_per_request(
-                layout, snapshot.block_bytes, len(snapshot.namespaces)))
+                layout, snapshot.block_bytes, len(snapshot.namespaces)), FIRST_GET_PAGES)
             hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Acquire(
                 snapshot.namespaces, b"".join(hashes[start:end]),
                 wire_parent(hashes, start, ROOT_HASH)))
@@ -342,11 +343,11 @@ class LmcachedStorage(HiCacheStorage):
 
     def _store(self, tokens: np.ndarray, runs_of: Callable[[], list]) -> list[bool]:
         """Store pages (their key ids `tokens`, their source runs `runs_of()`): ALLOC in
-        pipelined requests (`pipeline_parts`), and per part, as soon as its reply is in,
-        write its records and submit its COMMIT; the daemon allocates the next part
-        while this one is copied. Every ALLOC is sent before the first COMMIT, so a
-        batch never evicts its own first pages (they are WRITING) to make room for its
-        last ones.
+        pipelined requests (`pipeline_parts`); each part is written as soon as its reply
+        is in (the daemon allocates the next part meanwhile); one COMMIT of every part
+        but the last goes out before the last part is written, and one of the last
+        after. Every ALLOC is sent before the first COMMIT, so a batch never evicts its
+        own first pages (they are WRITING) to make room for its last ones.
 
         Returns:
             Per page, True when it is now held (committed, or already there); all False
@@ -364,43 +365,49 @@ class LmcachedStorage(HiCacheStorage):
 
         def store(snapshot) -> list[bool]:
             parts = pipeline_parts(num_pages, chunks_per_request(layout, snapshot.block_bytes),
-                                   LAST_STORE_PART_PAGES)
+                                   FIRST_STORE_PAGES, LAST_STORE_PAGES)
             hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Alloc(
                 snapshot.ns, b"".join(hashes[start:end]), [record_bytes] * (end - start),
                 snapshot.home_tier))
             runs = runs_of()  # while the daemon answers the first part
             in_flight = len(parts)
             records = chain.records(snapshot)
-            committed = []  # (start, reply) of each part whose COMMIT was submitted
-            for start, end in parts:
+            written = []  # (start, reply) of the parts written, COMMIT not sent yet
+            committed = []  # the parts of each COMMIT sent
+            for n, (start, end) in enumerate(parts):
                 reply = snapshot.collect(Alloc)
                 in_flight -= 1
-                spans = reply.spans()
                 for i, status in enumerate(reply.status, start):
                     results[i] = status == EXISTS
-                if not reply.block_ids:
-                    continue
-                try:
-                    if not records.maps(reply.block_ids):
-                        raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} that "
-                                         "are not in the host arena this process maps")
-                    self._write_pages(records, spans, start, hashes, tokens, runs)
-                except BaseException:
-                    if not in_flight:  # else the session's end (DaemonLink.call) aborts
-                        snapshot.request(Abort(reply.block_ids))
-                    raise
-                snapshot.submit(Commit(reply.block_ids))
-                in_flight += 1
-                committed.append((start, reply))
-            for start, reply in committed:
+                if reply.block_ids:
+                    try:
+                        if not records.maps(reply.block_ids):
+                            raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} "
+                                             "that are not in the host arena this process "
+                                             "maps")
+                        self._write_pages(records, reply.spans(), start, hashes, tokens, runs)
+                    except BaseException:
+                        if not in_flight:  # else the session's end (DaemonLink.call) aborts
+                            snapshot.request(Abort(reply.block_ids + [
+                                ref for _, done in written for ref in done.block_ids]))
+                        raise
+                    written.append((start, reply))
+                if written and n >= len(parts) - 2:  # before the last part, and after it
+                    snapshot.submit(Commit([ref for _, done in written
+                                            for ref in done.block_ids]))
+                    in_flight += 1
+                    committed.append(written)
+                    written = []
+            for group in committed:
                 try:
                     snapshot.collect(Commit)
                 except DaemonError as exc:
                     logger.warning("COMMIT refused, %d pages not stored: %s",
-                                   len(reply.status), exc)
+                                   sum(len(reply.status) for _, reply in group), exc)
                     continue
-                for i, span in enumerate(reply.spans(), start):
-                    results[i] = results[i] or span is not None
+                for start, reply in group:
+                    for i, span in enumerate(reply.spans(), start):
+                        results[i] = results[i] or span is not None
             return results
 
         return self.link.call("ALLOC", store, None) or [False] * num_pages

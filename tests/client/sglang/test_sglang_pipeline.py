@@ -1,9 +1,9 @@
 """The SGLang backend's pipelined batches: a batch's requests are in flight while the
 client works, and every guarantee holds across its parts.
 
-`batch_get_v1` sends the ACQUIRE of its first FIRST_PART_PAGES pages alone and the rest
+`batch_get_v1` sends the ACQUIRE of its first FIRST_GET_PAGES pages alone and the rest
 together, and reads the host pool's page runs while the daemon answers; `batch_set_v1`
-does the same with ALLOC, and COMMITs each part once written. Checked here, against a
+does the same with ALLOC, and COMMITs all parts but the last before writing the last. Checked here, against a
 real daemon: the page runs are read while a request is in flight; a miss or a record
 that fails its check in a later part stops the batch there, copies nothing after it and
 leaves no pin; a store of three parts is read back bit-exact; a batch that fails half-way
@@ -26,7 +26,7 @@ from sglang_worker import build, page_keys  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-NUM_PAGES = 12  # parts [0, 4) and [4, 12): FIRST_PART_PAGES is 4
+NUM_PAGES = 12  # get: parts [0, 4) and [4, 12) (FIRST_GET_PAGES); set: [0, 8), [8, 12)
 
 
 def stored(daemon, num_pages: int, skip: tuple[int, ...] = ()):
@@ -112,7 +112,7 @@ def test_a_record_of_another_key_in_the_second_part_is_never_served(daemon, monk
 
 
 def test_a_store_of_three_parts_is_read_back_bit_exact(daemon):
-    num_pages = 20  # parts [0, 4), [4, 12), [12, 20): LAST_STORE_PART_PAGES is 8
+    num_pages = 24  # parts [0, 8), [8, 16), [16, 24): FIRST_ / LAST_STORE_PAGES are 8
     backend, pool, keys, src, dst = stored(daemon, num_pages)
     try:
         assert backend.get_stats()["stored_pages"] == num_pages
