@@ -19,9 +19,15 @@ Guarantees (as every lmcached client):
 - a page is verified on read: its record must hold its key (`pages.key_tokens`), so a
   key never returns another key's bytes; a page evicted between `batch_exists` and
   `batch_get_v1`, or whose pins did not hold while it was copied, is a miss;
-- one daemon request per batch for `batch_exists` (LOOKUP) and `batch_get_v1` (ACQUIRE;
-  its RELEASE is not waited for), two for `batch_set_v1` (ALLOC, COMMIT); one memcpy per
-  page run between the host pool and the arena;
+- `batch_exists` is one LOOKUP; `batch_get_v1` and `batch_set_v1` pipeline their
+  requests on the session (`pipeline_parts`): the ACQUIRE (ALLOC) of the first few pages
+  goes out alone and the rest's together, the host pool's page runs are read while the
+  daemon answers, and a part is copied while the daemon pins (allocates) the next; a
+  store sends one COMMIT of all parts but the last before it writes the last, and one
+  COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
+  between the host pool and the arena; each part's records are checked before any of
+  its bytes is copied. A batch holds the session (its replies are in flight) while it
+  copies: two SGLang threads' batches take turns;
 - a daemon that is down, loading or restarting is a miss (and a skipped store), never an
   exception in SGLang's cache controller: every method catches, logs once, and answers
   a miss.
@@ -208,7 +214,8 @@ class LmcachedStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Copy the pages of `keys` into the host pool at `host_indices` (one ACQUIRE).
+        """Copy the pages of `keys` into the host pool at `host_indices` (pipelined
+        ACQUIREs, `_read`).
 
         Args:
             keys: page keys.
