@@ -66,12 +66,15 @@ from lmcached.wire.record_format import header_rows, write_header
 
 logger = init_logger(__name__)
 
-# Pages of the first request of a pipelined batch (`pipeline_parts`), and of the last
-# of a store: the daemon pins (allocates) the rest while the first part is copied, and
-# commits all but the last part while the last one is copied.
-FIRST_GET_PAGES = 4
-FIRST_STORE_PAGES = 8
-LAST_STORE_PAGES = 8
+# Pages of a separate first request of a batch (`pipeline_parts`), and of a separate
+# last part of a store: the daemon would pin (allocate) the rest while the first part is
+# copied, and commit all but the last part while the last one is copied. 0: none, a
+# batch that fits one request is one (one ACQUIRE; ALLOC and COMMIT): each request
+# written apart wakes the daemon, and on this project's shared 2-core VM (load 3.5-5)
+# first parts of 4 / 8 pages made 64-page batches slower, not faster (docs/sglang.md).
+FIRST_GET_PAGES = 0
+FIRST_STORE_PAGES = 0
+LAST_STORE_PAGES = 0
 
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")

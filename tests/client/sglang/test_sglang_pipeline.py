@@ -1,9 +1,11 @@
 """The SGLang backend's pipelined batches: a batch's requests are in flight while the
 client works, and every guarantee holds across its parts.
 
-`batch_get_v1` sends the ACQUIRE of its first FIRST_GET_PAGES pages alone and the rest
-together, and reads the host pool's page runs while the daemon answers; `batch_set_v1`
-does the same with ALLOC, and COMMITs all parts but the last before writing the last. Checked here, against a
+With first parts set (FIRST_GET_PAGES, FIRST_STORE_PAGES, LAST_STORE_PAGES; by default
+a batch that fits one request is one), `batch_get_v1` sends the ACQUIRE of its first
+pages alone and the rest together, and reads the host pool's page runs while the daemon
+answers; `batch_set_v1` does the same with ALLOC, and COMMITs all parts but the last
+before writing the last. Checked here, against a
 real daemon: the page runs are read while a request is in flight; a miss or a record
 that fails its check in a later part stops the batch there, copies nothing after it and
 leaves no pin; a store of three parts is read back bit-exact; a batch that fails half-way
@@ -26,6 +28,14 @@ from sglang_worker import build, page_keys  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
+
+@pytest.fixture(autouse=True)
+def parts(monkeypatch):
+    """Batches in parts (the defaults send a batch that fits one request as one)."""
+    monkeypatch.setattr(storage, "FIRST_GET_PAGES", 4)
+    monkeypatch.setattr(storage, "FIRST_STORE_PAGES", 8)
+    monkeypatch.setattr(storage, "LAST_STORE_PAGES", 8)
+
 NUM_PAGES = 12  # get: parts [0, 4) and [4, 12) (FIRST_GET_PAGES); set: [0, 8), [8, 12)
 
 
@@ -47,7 +57,16 @@ def runs_per_page(pool, src, num_pages: int) -> int:
     return len(read_runs(pool, src)) // num_pages
 
 
-def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, monkeypatch):
+DEFAULT_PARTS = {name: getattr(storage, name)
+                 for name in ("FIRST_GET_PAGES", "FIRST_STORE_PAGES", "LAST_STORE_PAGES")}
+
+
+@pytest.mark.parametrize("in_parts", [True, False])
+def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, monkeypatch,
+                                                                     in_parts):
+    if not in_parts:
+        for name, value in DEFAULT_PARTS.items():
+            monkeypatch.setattr(storage, name, value)
     backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
     try:
         in_flight = []
@@ -61,7 +80,8 @@ def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, mon
         monkeypatch.setattr(type(pool), "get_page_buffer_meta", meta)
         assert backend.batch_get_v1(keys, dst) == [True] * NUM_PAGES
         assert backend.batch_set_v1(page_keys(NUM_PAGES, "more"), src) == [True] * NUM_PAGES
-        assert in_flight == [2, 2]  # both parts' ACQUIREs, then both parts' ALLOCs
+        # both parts' ACQUIREs, then both parts' ALLOCs; by default one of each
+        assert in_flight == ([2, 2] if in_parts else [1, 1])
         monkeypatch.setattr(type(pool), "get_page_buffer_meta", real)
         assert read_runs(pool, dst) == read_runs(pool, src)
     finally:
