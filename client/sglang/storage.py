@@ -26,8 +26,9 @@ Guarantees (as every lmcached client):
   store sends one COMMIT of all parts but the last before it writes the last, and one
   COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
   between the host pool and the arena; each part's records are checked before any of
-  its bytes is copied. A batch holds the session (its replies are in flight) while it
-  copies: two SGLang threads' batches take turns;
+  its bytes is copied. A batch holds the session while replies are in flight: a get
+  copies its last part (with the defaults, all of it) after letting go, a store holds
+  the session while it writes (two SGLang threads' stores take turns);
 - a daemon that is down, loading or restarting is a miss (and a skipped store), never an
   exception in SGLang's cache controller: every method catches, logs once, and answers
   a miss.
@@ -282,29 +283,27 @@ class LmcachedStorage(HiCacheStorage):
         Each part's records are checked before any of its bytes is copied, and the copy
         stops at the first page that is not held or fails its check (the later parts'
         pins are released unread). `runs_of()` gives per page its destination runs; it
-        is called while the daemon answers the first request.
+        is called while the daemon answers the first request. The last part is copied
+        after the session's lock is let go (no reply is in flight then), so that another
+        thread's batch need not wait for it.
         """
         chain, layout = self.chain, self.chain.layout
         tokens = keys_tokens(keys)
         flat = tokens.reshape(-1)
         k = layout.chunk_size
-        copy = copy_runs  # looked up once per batch (tests replace it)
 
-        def acquire(snapshot) -> PinnedChunks:
+        def acquire(snapshot):
             parts = pipeline_parts(len(keys), chunks_per_request(
                 layout, snapshot.block_bytes, len(snapshot.namespaces)), FIRST_GET_PAGES)
-            hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Acquire(
-                snapshot.namespaces, b"".join(hashes[start:end]),
-                wire_parent(hashes, start, ROOT_HASH)))
+            hashes = self._submit_parts(
+                snapshot, tokens, parts, lambda hashes, start, end: Acquire(
+                    snapshot.namespaces, b"".join(hashes[start:end]),
+                    wire_parent(hashes, start, ROOT_HASH)))
             runs = runs_of()  # while the daemon answers the first part
             records = chain.records(snapshot)
-            arena = records.arena
-            base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
-            kv_offset = layout.kv_offset
-            kv_end = kv_offset + self.page_bytes
             verified: list[list[int]] = []
             stopped = False
-            for start, end in parts:
+            for n, (start, end) in enumerate(parts):
                 spans = snapshot.collect(Acquire).spans()
                 if stopped:
                     continue  # released with the others, unread
@@ -312,18 +311,31 @@ class LmcachedStorage(HiCacheStorage):
                                      [(i * k, (i + 1) * k)
                                       for i in range(start, start + len(spans))],
                                      snapshot.session_id)
-                for i, span in enumerate(spans[:num_ok], start):
-                    copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
-                                              kv_end))
+                if n < len(parts) - 1:  # while the next parts' replies are in flight
+                    copy_pages(records, start, spans[:num_ok], runs)
                 verified += spans[:num_ok]
                 stopped = num_ok < end - start
-            return PinnedChunks(flat, 0, verified, hashes[:len(verified)], records,
-                                Pins.of(snapshot))
+            run = PinnedChunks(flat, 0, verified, hashes[:len(verified)], records,
+                               Pins.of(snapshot))
+            last = parts[-1][0]
+            return run, runs, last, verified[last:] if len(verified) > last else []
 
-        run = self.link.call("ACQUIRE", acquire, None)
-        if run is None:
+        def copy_pages(records, start: int, spans: list[list[int]], runs: list) -> None:
+            arena = records.arena
+            base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
+            kv_offset = layout.kv_offset
+            kv_end = kv_offset + self.page_bytes
+            copy = copy_runs  # looked up at each call (tests replace it)
+            for i, span in enumerate(spans, start):
+                copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
+                                          kv_end))
+
+        acquired = self.link.call("ACQUIRE", acquire, None)
+        if acquired is None:
             return 0
+        run, runs, last, spans = acquired
         try:
+            copy_pages(run.records, last, spans, runs)  # the last part: outside the lock
             return len(run.spans) if run.spans and run.holds_pins() else 0
         finally:
             run.release()
