@@ -27,8 +27,8 @@ Guarantees (as every lmcached client):
   COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
   between the host pool and the arena; each part's records are checked before any of
   its bytes is copied. A batch holds the session while replies are in flight: a get
-  copies its last part (with the defaults, all of it) after letting go, a store holds
-  the session while it writes (two SGLang threads' stores take turns);
+  copies its last part after letting go, a store holds the session while it writes
+  (two SGLang threads' stores take turns);
 - a daemon that is down, loading or restarting is a miss (and a skipped store), never an
   exception in SGLang's cache controller: every method catches, logs once, and answers
   a miss.
@@ -68,14 +68,13 @@ from lmcached.wire.record_format import header_rows, write_header
 logger = init_logger(__name__)
 
 # Pages of a separate first request of a batch (`pipeline_parts`), and of a separate
-# last part of a store: the daemon would pin (allocate) the rest while the first part is
-# copied, and commit all but the last part while the last one is copied. 0: none, a
-# batch that fits one request is one (one ACQUIRE; ALLOC and COMMIT): each request
-# written apart wakes the daemon, and on this project's shared 2-core VM (load 3.5-5)
-# first parts of 4 / 8 pages made 64-page batches slower, not faster (docs/sglang.md).
-FIRST_GET_PAGES = 0
-FIRST_STORE_PAGES = 0
-LAST_STORE_PAGES = 0
+# last part of a store: the daemon pins (allocates) the rest while the first part is
+# copied, and commits all but the last part while the last one is copied (0: none, a
+# batch that fits one request is one). On the shared 2-core VM this was faster with an
+# idle core for the daemon, slower when every core was busy (docs/sglang.md).
+FIRST_GET_PAGES = 4
+FIRST_STORE_PAGES = 8
+LAST_STORE_PAGES = 8
 
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")

@@ -1,8 +1,8 @@
 """The SGLang backend's pipelined batches: a batch's requests are in flight while the
 client works, and every guarantee holds across its parts.
 
-With first parts set (FIRST_GET_PAGES, FIRST_STORE_PAGES, LAST_STORE_PAGES; by default
-a batch that fits one request is one), `batch_get_v1` sends the ACQUIRE of its first
+With first parts set (FIRST_GET_PAGES, FIRST_STORE_PAGES, LAST_STORE_PAGES; 0 sends a
+batch that fits one request as one), `batch_get_v1` sends the ACQUIRE of its first
 pages alone and the rest together, and reads the host pool's page runs while the daemon
 answers; `batch_set_v1` does the same with ALLOC, and COMMITs all parts but the last
 before writing the last. Checked here, against a
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(autouse=True)
 def parts(monkeypatch):
-    """Batches in parts (the defaults send a batch that fits one request as one)."""
+    """Batches in these parts (the defaults' sizes, whatever they become)."""
     monkeypatch.setattr(storage, "FIRST_GET_PAGES", 4)
     monkeypatch.setattr(storage, "FIRST_STORE_PAGES", 8)
     monkeypatch.setattr(storage, "LAST_STORE_PAGES", 8)
@@ -57,16 +57,12 @@ def runs_per_page(pool, src, num_pages: int) -> int:
     return len(read_runs(pool, src)) // num_pages
 
 
-DEFAULT_PARTS = {name: getattr(storage, name)
-                 for name in ("FIRST_GET_PAGES", "FIRST_STORE_PAGES", "LAST_STORE_PAGES")}
-
-
 @pytest.mark.parametrize("in_parts", [True, False])
 def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, monkeypatch,
                                                                      in_parts):
-    if not in_parts:
-        for name, value in DEFAULT_PARTS.items():
-            monkeypatch.setattr(storage, name, value)
+    if not in_parts:  # a batch that fits one request is one
+        for name in ("FIRST_GET_PAGES", "FIRST_STORE_PAGES", "LAST_STORE_PAGES"):
+            monkeypatch.setattr(storage, name, 0)
     backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
     try:
         in_flight = []
@@ -80,7 +76,7 @@ def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, mon
         monkeypatch.setattr(type(pool), "get_page_buffer_meta", meta)
         assert backend.batch_get_v1(keys, dst) == [True] * NUM_PAGES
         assert backend.batch_set_v1(page_keys(NUM_PAGES, "more"), src) == [True] * NUM_PAGES
-        # both parts' ACQUIREs, then both parts' ALLOCs; by default one of each
+        # both parts' ACQUIREs, then both parts' ALLOCs; without parts one of each
         assert in_flight == ([2, 2] if in_parts else [1, 1])
         monkeypatch.setattr(type(pool), "get_page_buffer_meta", real)
         assert read_runs(pool, dst) == read_runs(pool, src)
