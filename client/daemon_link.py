@@ -285,17 +285,46 @@ class DaemonLink(ReconnectPolicy):
                 or answered out of protocol, and the request was not answered.
             DaemonError: the daemon refused the request (the session stays open).
         """
+        if type(message) in NO_REPLY_REQUESTS:
+            return self._on_session(type(message), generation,
+                                    lambda conn, t: conn.send(message, t))
+        return self._on_session(type(message), generation,
+                                lambda conn, t: conn.request(message, t))
+
+    def submit(self, messages: list, generation: int | None = None) -> None:
+        """Send requests (of one type) whose replies `collect` reads later, in one write
+        (`Connection.submit`: pipelining within one `call`, whose body collects every
+        reply it submitted).
+
+        Raises:
+            As `request` (the replies' failures come from `collect`).
+        """
+        self._on_session(type(messages[0]), generation,
+                         lambda conn, t: conn.submit(*messages, timeout_s=t))
+
+    def collect(self, message_type: type):
+        """The reply of the oldest request `submit`ted and not collected yet, of type
+        `message_type` (for the timeout).
+
+        Raises:
+            As `request`.
+        """
+        return self._on_session(message_type, None, lambda conn, t: conn.collect(t),
+                                answers=True)
+
+    def _on_session(self, message_type: type, generation: int | None, send: Callable,
+                    answers: bool = False):
+        """Run `send(connection, timeout_s)` for a request of `message_type` on the current
+        session, mapping failures as `request` says; `answers`: it reads a reply (ends an
+        outage)."""
         with self.lock:
             reply = self.ensure_connected()
             if generation is not None and reply.generation != generation:
                 raise CacheUnavailable("the daemon restarted: old block ids are void")
-            data_path = type(message) in DATA_PATH_REQUESTS
+            data_path = message_type in DATA_PATH_REQUESTS
             timeout_s = self.data_timeout_s if data_path else self.timeout_s
             try:
-                if type(message) in NO_REPLY_REQUESTS:
-                    self._conn.send(message, timeout_s)
-                    return None
-                answer = self._conn.request(message, timeout_s)
+                answer = send(self._conn, timeout_s)
             except DaemonError:
                 raise
             except Exception as exc:  # timeout, loss, a reply out of protocol, too large
@@ -304,6 +333,8 @@ class DaemonLink(ReconnectPolicy):
             except BaseException:  # interrupted half-way: the stream is out of step
                 self._drop_session()
                 raise
+            if answer is None and not answers:
+                return None
             self._last_request_at = time.monotonic()
             if self._down_reason is not None:
                 self._recovered()
@@ -357,6 +388,19 @@ class DaemonLink(ReconnectPolicy):
             except BaseException:
                 snapshot.release()
                 raise
+            finally:
+                self._drop_out_of_step(what)
+
+    def _drop_out_of_step(self, what: str) -> None:
+        """End the session when a `call` body left submitted replies uncollected (it
+        failed half-way through a pipeline): their leases are unknown here, and the next
+        request would read them as its own reply. The daemon releases the session's pins
+        and aborts its allocations; the next call opens a new session."""
+        conn = self._conn
+        if conn is not None and conn.awaiting:
+            logger.debug("%s left %d replies uncollected: closing session %d", what,
+                         conn.awaiting, self.hello_reply.session_id)
+            self._drop_session()
 
     def holds(self, session_id: int, generation: int) -> bool:
         """Whether session `session_id` of arena generation `generation` is still this

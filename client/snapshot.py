@@ -24,6 +24,12 @@ class SessionLink(Protocol):
     def release(self, leases: list[int], session_id: int) -> None:
         """RELEASE `leases` of session `session_id`, fire-and-forget (`DaemonLink.release`)."""
 
+    def submit(self, messages: list, generation: int | None = None) -> None:
+        """Send requests whose replies `collect` reads later (`DaemonLink.submit`)."""
+
+    def collect(self, message_type: type):
+        """The oldest submitted request's reply (`DaemonLink.collect`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
@@ -103,6 +109,29 @@ class Snapshot:
         leases = list(self.leases)
         self.leases.clear()
         self.link.release(leases, self.session_id)
+
+    def submit(self, *messages) -> None:
+        """Send requests (of one type, in one write) in this snapshot's generation without
+        waiting for their replies (pipelining): `collect` reads the replies in order. A
+        body that submits collects every reply before it returns (`DaemonLink.call` ends
+        a session left out of step).
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        self.link.submit(list(messages), self.generation)
+
+    def collect(self, message_type: type):
+        """The reply of the oldest submitted request (of `message_type`); an ACQUIRE's
+        lease is recorded in `leases`, as `acquire` does.
+
+        Raises:
+            CacheUnavailable, DaemonError: as `DaemonLink.request`.
+        """
+        reply = self.link.collect(message_type)
+        if message_type is Acquire and reply.lease:
+            self.leases.append(reply.lease)
+        return reply
 
     def acquire_value(self, key: str) -> BlocksReply:
         """GET the value under string `key` in the first namespace, recording its lease.

@@ -19,16 +19,23 @@ Guarantees (as every lmcached client):
 - a page is verified on read: its record must hold its key (`pages.key_tokens`), so a
   key never returns another key's bytes; a page evicted between `batch_exists` and
   `batch_get_v1`, or whose pins did not hold while it was copied, is a miss;
-- one daemon request per batch for `batch_exists` (LOOKUP) and `batch_get_v1` (ACQUIRE;
-  its RELEASE is not waited for), two for `batch_set_v1` (ALLOC, COMMIT); one memcpy per
-  page run between the host pool and the arena;
+- `batch_exists` is one LOOKUP; `batch_get_v1` and `batch_set_v1` pipeline their
+  requests on the session (`pipeline_parts`): the ACQUIRE (ALLOC) of the first few pages
+  goes out alone and the rest's together, the host pool's page runs are read while the
+  daemon answers, and a part is copied while the daemon pins (allocates) the next; a
+  store sends one COMMIT of all parts but the last before it writes the last, and one
+  COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
+  between the host pool and the arena; each part's records are checked before any of
+  its bytes is copied. A batch holds the session while replies are in flight: a get
+  copies its last part after letting go, a store holds the session while it writes
+  (two SGLang threads' stores take turns);
 - a daemon that is down, loading or restarting is a miss (and a skipped store), never an
   exception in SGLang's cache controller: every method catches, logs once, and answers
   a miss.
 """
 
 import functools
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -38,7 +45,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from lmcached.client.chain import Chain, chunks_per_request, fill_and_commit
+from lmcached.client.chain import Chain, chunks_per_request
+from lmcached.client.chain.frames import wire_parent
+from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.pages import (
@@ -52,13 +61,41 @@ from lmcached.client.sglang.pages import (
 )
 from lmcached.wire.connection import DaemonError
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import EXISTS, Alloc, Clear
-from lmcached.wire.record_format import write_header
+from lmcached.wire.protocol import EXISTS, Abort, Acquire, Alloc, Clear, Commit
+from lmcached.wire.record_format import ROOT_HASH
+from lmcached.wire.record_format import header_rows, write_header
 
 logger = init_logger(__name__)
 
+# Pages of a separate first request of a batch (`pipeline_parts`), and of a separate
+# last part of a store: the daemon pins (allocates) the rest while the first part is
+# copied, and commits all but the last part while the last one is copied (0: none, a
+# batch that fits one request is one). On the shared 2-core VM this was faster with an
+# idle core for the daemon, slower when every core was busy (docs/sglang.md).
+FIRST_GET_PAGES = 4
+FIRST_STORE_PAGES = 8
+LAST_STORE_PAGES = 8
+
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")
+
+
+def pipeline_parts(num_pages: int, per_request: int, first: int,
+                   last: int | None = None) -> list[tuple[int, int]]:
+    """`[start, end)` pages of each pipelined request of a batch of `num_pages`: the
+    first `first` (the daemon answers it while the client hashes the rest and reads the
+    page runs), then the rest in requests of at most `per_request`
+    (`chunks_per_request`); with `last`, the final part has at most `last` pages (a
+    store's last COMMIT is the one the caller waits for)."""
+    first = min(num_pages, first, per_request)
+    parts = [(0, first)] if first else []
+    for start in range(first, num_pages, per_request):
+        end = min(num_pages, start + per_request)
+        if last and end == num_pages and end - start > last:
+            parts.append((start, end - last))
+            start = end - last
+        parts.append((start, end))
+    return parts
 
 
 class LmcachedStorage(HiCacheStorage):
@@ -114,6 +151,8 @@ class LmcachedStorage(HiCacheStorage):
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
         self.num_stored_pages = self.num_skipped_pages = 0
         self.hook_guard = HookGuard()
+        self._rows_arena = None  # the arena `_rows` views
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
 
     # ----------------------------------------------------------- namespace
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -178,7 +217,8 @@ class LmcachedStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Copy the pages of `keys` into the host pool at `host_indices` (one ACQUIRE).
+        """Copy the pages of `keys` into the host pool at `host_indices` (pipelined
+        ACQUIREs, `_read`).
 
         Args:
             keys: page keys.
@@ -192,8 +232,8 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not num_pages:
             return [False] * num_pages
         try:
-            runs = self._page_runs(host_indices, num_pages)
-            num_ok = self._read(keys, runs)
+            self._check_indices(host_indices, num_pages)
+            num_ok = self._read(keys, lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("get", exc, [False] * num_pages)
         self.num_hit_pages += num_ok
@@ -206,31 +246,96 @@ class LmcachedStorage(HiCacheStorage):
         Raises:
             ValueError: host_indices do not cover `num_pages` pages of page_size tokens.
         """
-        if host_indices.numel() != num_pages * self.page_size:
-            raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
-                             f"of {self.page_size} tokens")
+        self._check_indices(host_indices, num_pages)
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         m = self.runs_per_page
         return [list(zip(ptrs[i * m:(i + 1) * m], sizes[i * m:(i + 1) * m]))
                 for i in range(num_pages)]
 
-    def _read(self, keys: List[str], runs: list) -> int:
-        """ACQUIRE the pages of `keys`, check their records, copy the leading ones that
-        passed into `runs` (per page, its destination runs); how many were copied (0 when
-        the pins did not hold while copying: the bytes may be another page's)."""
+    @staticmethod
+    def _submit_parts(snapshot, tokens: np.ndarray, parts: list[tuple[int, int]],
+                      request: Callable[[list[bytes], int, int], Any]) -> list[bytes]:
+        """Hash the pages of `tokens` and submit `request(hashes, start, end)` for each
+        part: the first as soon as its pages are hashed, the others together after.
+        Returns the page hashes."""
+        hashes: list[bytes] = []
+        start, end = parts[0]
+        hashes += [page_hash(t) for t in tokens[start:end]]
+        snapshot.submit(request(hashes, start, end))
+        if len(parts) > 1:
+            hashes += [page_hash(t) for t in tokens[end:]]
+            snapshot.submit(*[request(hashes, a, b) for a, b in parts[1:]])
+        return hashes
+
+    def _check_indices(self, host_indices: torch.Tensor, num_pages: int) -> None:
+        """Raise ValueError unless host_indices cover `num_pages` pages of page_size."""
+        if host_indices.numel() != num_pages * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
+                             f"of {self.page_size} tokens")
+
+    def _read(self, keys: List[str], runs_of: Callable[[], list]) -> int:
+        """ACQUIRE the pages of `keys` (pipelined requests, `pipeline_parts`), check
+        their records, copy the leading ones that passed into their runs; how many were
+        copied (0 when the pins did not hold while copying: the bytes may be another
+        page's).
+
+        Each part's records are checked before any of its bytes is copied, and the copy
+        stops at the first page that is not held or fails its check (the later parts'
+        pins are released unread). `runs_of()` gives per page its destination runs; it
+        is called while the daemon answers the first request. The last part is copied
+        after the session's lock is let go (no reply is in flight then), so that another
+        thread's batch need not wait for it.
+        """
+        chain, layout = self.chain, self.chain.layout
         tokens = keys_tokens(keys)
-        hashes = [page_hash(t) for t in tokens]
-        run = self.chain.acquire(tokens.reshape(-1), 0, hashes)
-        if run is None:
+        flat = tokens.reshape(-1)
+        k = layout.chunk_size
+
+        def acquire(snapshot):
+            parts = pipeline_parts(len(keys), chunks_per_request(
+                layout, snapshot.block_bytes, len(snapshot.namespaces)), FIRST_GET_PAGES)
+            hashes = self._submit_parts(
+                snapshot, tokens, parts, lambda hashes, start, end: Acquire(
+                    snapshot.namespaces, b"".join(hashes[start:end]),
+                    wire_parent(hashes, start, ROOT_HASH)))
+            runs = runs_of()  # while the daemon answers the first part
+            records = chain.records(snapshot)
+            verified: list[list[int]] = []
+            stopped = False
+            for n, (start, end) in enumerate(parts):
+                spans = snapshot.collect(Acquire).spans()
+                if stopped:
+                    continue  # released with the others, unread
+                num_ok = chain.check(records, spans, hashes[start:start + len(spans)], flat,
+                                     [(i * k, (i + 1) * k)
+                                      for i in range(start, start + len(spans))],
+                                     snapshot.session_id)
+                if n < len(parts) - 1:  # while the next parts' replies are in flight
+                    copy_pages(records, start, spans[:num_ok], runs)
+                verified += spans[:num_ok]
+                stopped = num_ok < end - start
+            run = PinnedChunks(flat, 0, verified, hashes[:len(verified)], records,
+                               Pins.of(snapshot))
+            last = parts[-1][0]
+            return run, runs, last, verified[last:] if len(verified) > last else []
+
+        def copy_pages(records, start: int, spans: list[list[int]], runs: list) -> None:
+            arena = records.arena
+            base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
+            kv_offset = layout.kv_offset
+            kv_end = kv_offset + self.page_bytes
+            copy = copy_runs  # looked up at each call (tests replace it)
+            for i, span in enumerate(spans, start):
+                copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
+                                          kv_end))
+
+        acquired = self.link.call("ACQUIRE", acquire, None)
+        if acquired is None:
             return 0
+        run, runs, last, spans = acquired
         try:
-            arena = run.records.arena
-            kv_offset = self.chain.layout.kv_offset
-            for i, span in enumerate(run.spans):
-                copy_runs(runs[i], record_runs(arena.base_ptr, arena.block_offset,
-                                               arena.block_bytes, span, kv_offset,
-                                               kv_offset + self.page_bytes))
-            return len(run.spans) if run.holds_pins() else 0
+            copy_pages(run.records, last, spans, runs)  # the last part: outside the lock
+            return len(run.spans) if run.spans and run.holds_pins() else 0
         finally:
             run.release()
 
@@ -247,16 +352,9 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not num_pages:
             return [False] * num_pages
         try:
-            runs = self._page_runs(host_indices, num_pages)
-            results = [False] * num_pages
-            tokens = keys_tokens(keys)
-            hashes = [page_hash(t) for t in tokens]
-            per_request = self._pages_per_request()
-            for pos in range(0, num_pages, per_request):
-                end = min(num_pages, pos + per_request)
-                if not self._store(hashes[pos:end], tokens[pos:end], runs[pos:end],
-                                   results, pos):
-                    break
+            self._check_indices(host_indices, num_pages)
+            results = self._store(keys_tokens(keys),
+                                  lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("set", exc, [False] * num_pages)
         stored = sum(results)
@@ -264,44 +362,122 @@ class LmcachedStorage(HiCacheStorage):
         self.num_skipped_pages += num_pages - stored
         return results
 
-    def _pages_per_request(self) -> int:
-        reply = self.link.hello_reply
-        block_bytes = reply.block_bytes if reply is not None else self.page_bytes
-        return chunks_per_request(self.chain.layout, block_bytes)
+    def _store(self, tokens: np.ndarray, runs_of: Callable[[], list]) -> list[bool]:
+        """Store pages (their key ids `tokens`, their source runs `runs_of()`): ALLOC in
+        pipelined requests (`pipeline_parts`); each part is written as soon as its reply
+        is in (the daemon allocates the next part meanwhile); one COMMIT of every part
+        but the last goes out before the last part is written, and one of the last
+        after. Every ALLOC is sent before the first COMMIT, so a batch never evicts its
+        own first pages (they are WRITING) to make room for its last ones.
 
-    def _store(self, hashes: list[bytes], tokens: np.ndarray, runs: list,
-               results: list[bool], pos: int) -> bool:
-        """ALLOC, fill and COMMIT one request's pages; sets `results[pos + i]`.
-        False when the daemon is unavailable or refused (the rest is not tried)."""
+        Returns:
+            Per page, True when it is now held (committed, or already there); all False
+            when the daemon is unavailable or refused (a part whose COMMIT failed is
+            False, the parts before it stay stored).
+
+        Raises:
+            Whatever writing a record raises, after the ABORT of what was allocated (or
+            the end of the session, which aborts it, when replies were in flight).
+        """
         chain, layout = self.chain, self.chain.layout
+        num_pages = len(tokens)
         record_bytes = layout.record_bytes(layout.chunk_size)
+        results = [False] * num_pages
 
-        def alloc(snapshot):
-            reply = snapshot.request(Alloc(snapshot.ns, b"".join(hashes),
-                                           [record_bytes] * len(hashes), snapshot.home_tier))
-            return reply, snapshot.generation, chain.records(snapshot)
+        def store(snapshot) -> list[bool]:
+            parts = pipeline_parts(num_pages, chunks_per_request(layout, snapshot.block_bytes),
+                                   FIRST_STORE_PAGES, LAST_STORE_PAGES)
+            hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Alloc(
+                snapshot.ns, b"".join(hashes[start:end]), [record_bytes] * (end - start),
+                snapshot.home_tier))
+            runs = runs_of()  # while the daemon answers the first part
+            in_flight = len(parts)
+            records = chain.records(snapshot)
+            written = []  # (start, reply) of the parts written, COMMIT not sent yet
+            committed = []  # the parts of each COMMIT sent
+            for n, (start, end) in enumerate(parts):
+                reply = snapshot.collect(Alloc)
+                in_flight -= 1
+                for i, status in enumerate(reply.status, start):
+                    results[i] = status == EXISTS
+                if reply.block_ids:
+                    try:
+                        if not records.maps(reply.block_ids):
+                            raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} "
+                                             "that are not in the host arena this process "
+                                             "maps")
+                        self._write_pages(records, reply.spans(), start, hashes, tokens, runs)
+                    except BaseException:
+                        if not in_flight:  # else the session's end (DaemonLink.call) aborts
+                            snapshot.request(Abort(reply.block_ids + [
+                                ref for _, done in written for ref in done.block_ids]))
+                        raise
+                    written.append((start, reply))
+                if written and n >= len(parts) - 2:  # before the last part, and after it
+                    snapshot.submit(Commit([ref for _, done in written
+                                            for ref in done.block_ids]))
+                    in_flight += 1
+                    committed.append(written)
+                    written = []
+            for group in committed:
+                try:
+                    snapshot.collect(Commit)
+                except DaemonError as exc:
+                    logger.warning("COMMIT refused, %d pages not stored: %s",
+                                   sum(len(reply.status) for _, reply in group), exc)
+                    continue
+                for start, reply in group:
+                    for i, span in enumerate(reply.spans(), start):
+                        results[i] = results[i] or span is not None
+            return results
 
-        allocated = self.link.call("ALLOC", alloc, None)
-        if allocated is None:
-            return False
-        reply, generation, records = allocated
-        spans = reply.spans()
-        filled = [(i, span) for i, span in enumerate(spans) if span is not None]
+        return self.link.call("ALLOC", store, None) or [False] * num_pages
 
-        def fill() -> None:
-            arena = records.arena
+    def _write_pages(self, records, spans: list, start: int, hashes: list[bytes],
+                     tokens: np.ndarray, runs: list) -> None:
+        """Write the records of the pages `start + i` whose `spans[i]` is not None
+        (WRITING blocks of this session): all headers first (one scatter when every
+        record is in one block), then each page's runs, then the zero pads; sealed with
+        verify="checksum"."""
+        arena, layout = records.arena, self.chain.layout
+        filled = [(i, span) for i, span in enumerate(spans, start) if span is not None]
+        if not filled:
+            return
+        record_bytes = layout.record_bytes(layout.chunk_size)
+        if record_bytes > arena.block_bytes or any(len(span) != 1 for _, span in filled):
             for i, span in filled:
                 self._write_page(arena, records.fingerprint, span, hashes[i], tokens[i],
                                  runs[i])
-            if self.verify == "checksum":
-                for _, span in filled:
-                    records.seal(span, layout.chunk_size)
+        else:
+            pages = [i for i, _ in filled]
+            blocks = [span[0] for _, span in filled]
+            heads = header_rows(records.fingerprint, [hashes[i] for i in pages], tokens[pages])
+            kv_offset, kv_end = layout.kv_offset, layout.kv_offset + self.page_bytes
+            self._block_rows(arena, 0, heads.shape[1])[blocks] = heads
+            base, offset_of = arena.base_ptr, arena.block_offset
+            copy = copy_runs
+            for i, block in zip(pages, blocks):
+                copy([(base + offset_of(block) + kv_offset, self.page_bytes)], runs[i])
+            if record_bytes > kv_end:
+                self._block_rows(arena, kv_end, record_bytes - kv_end)[blocks] = 0
+        if self.verify == "checksum":
+            for _, span in filled:
+                records.seal(span, layout.chunk_size)
 
-        if filled and not fill_and_commit(self.link, reply.block_ids, generation, fill):
-            return False
-        for i, status in enumerate(reply.status):
-            results[pos + i] = spans[i] is not None or status == EXISTS
-        return True
+    def _block_rows(self, arena, start: int, length: int) -> np.ndarray:
+        """Writable uint8 `[num_blocks, length]`: bytes [start, start + length) of every
+        block of `arena` (start + length <= block_bytes), one row per block."""
+        key = (start, length)
+        if self._rows_arena is not arena:
+            self._rows_arena, self._rows = arena, {}
+        rows = self._rows.get(key)
+        if rows is None:
+            first = arena.block_offset(0)
+            rows = np.lib.stride_tricks.as_strided(
+                arena.numpy_view(first + start, arena.capacity_bytes - first - start),
+                shape=(arena.num_blocks, length), strides=(arena.block_bytes, 1))
+            self._rows[key] = rows
+        return rows
 
     def _write_page(self, arena, fingerprint: int, span: list[int], chunk_hash: bytes,
                     tokens: np.ndarray, runs: list[tuple[int, int]]) -> None:
@@ -338,7 +514,8 @@ class LmcachedStorage(HiCacheStorage):
                    or t.numel() * t.element_size() != self.page_bytes for t in targets):
                 raise ValueError(f"get targets must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page)")
-            num_ok = self._read(keys, [[(t.data_ptr(), self.page_bytes)] for t in targets])
+            num_ok = self._read(keys, lambda: [[(t.data_ptr(), self.page_bytes)]
+                                               for t in targets])
         except Exception as exc:
             return self._failed("get", exc, [None] * len(keys))
         return [targets[i] if i < num_ok else None for i in range(len(keys))]
@@ -362,11 +539,8 @@ class LmcachedStorage(HiCacheStorage):
                     or v.numel() * v.element_size() != self.page_bytes for v in values):
                 raise ValueError(f"set values must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page), one per key")
-            results = [False] * len(keys)
-            tokens = keys_tokens(keys)
-            hashes = [page_hash(t) for t in tokens]
-            runs = [[(v.data_ptr(), self.page_bytes)] for v in values]
-            self._store(hashes, tokens, runs, results, 0)
+            results = self._store(keys_tokens(keys),
+                                  lambda: [[(v.data_ptr(), self.page_bytes)] for v in values])
         except Exception as exc:
             return self._failed("set", exc, False)
         return all(results)
@@ -408,6 +582,7 @@ class LmcachedStorage(HiCacheStorage):
 
     def close(self) -> None:
         """End the daemon session (the pages stay in the daemon)."""
+        self._rows_arena, self._rows = None, {}
         if self.link is not None:
             self.link.close()
 

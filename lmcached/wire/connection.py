@@ -6,6 +6,7 @@ reply in step and says when a connection can no longer be trusted; `hello` and
 `list_clients` are the two exchanges more than one of them needs.
 """
 
+import collections
 import os
 import select
 import socket
@@ -101,6 +102,7 @@ class Connection:
             raise
         self._header = bytearray(FRAME_LENGTH.size)
         self._broken: str | None = None
+        self._awaiting: collections.deque[type] = collections.deque()
 
     def request(self, message: msgspec.Struct, timeout_s: float | None = None) -> msgspec.Struct:
         """Send one request and return its reply.
@@ -138,20 +140,85 @@ class Connection:
         """
         return self._exchange(message, timeout_s, max_fds)
 
-    def _exchange(self, message: msgspec.Struct, timeout_s: float | None,
-                  max_fds: int) -> tuple[msgspec.Struct, list[int]]:
+    @property
+    def awaiting(self) -> int:
+        """Replies of `submit`ted requests not `collect`ed yet."""
+        return len(self._awaiting)
+
+    def submit(self, *messages: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Send requests whose replies `collect` reads later, in one write (pipelining:
+        the daemon answers a connection's requests in order, so the caller works while
+        it does).
+
+        Every submitted reply must be collected, in order, before the next `request`.
+
+        Args:
+            messages: request Structs that have a reply.
+            timeout_s: how long the send may wait, seconds (None: `timeout_s`).
+
+        Raises:
+            As `request` for the send (ValueError: too large or a NO_REPLY_REQUESTS
+            message, nothing sent).
+        """
+        self._check_usable()
+        for message in messages:
+            if type(message) in NO_REPLY_REQUESTS:
+                raise ValueError(f"{type(message).__name__} has no reply: use send()")
+        frame = b"".join([encode_frame(message) for message in messages])
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._send_request(frame)
+        except BaseException as exc:
+            if not isinstance(exc, DaemonError):
+                self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        self._awaiting.extend(type(message) for message in messages)
+
+    def collect(self, timeout_s: float | None = None) -> msgspec.Struct:
+        """The reply of the oldest `submit`ted request not collected yet.
+
+        Raises:
+            As `request`'s reply (DaemonError: that request was refused, the connection
+            stays usable); ConnectionError also when nothing was submitted.
+        """
+        self._check_usable()
+        if not self._awaiting:
+            raise ConnectionError("collect() with no submitted request awaiting its reply")
+        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
+        return self._receive_reply(self._awaiting.popleft(), 0)[0]
+
+    def _check_usable(self) -> None:
         if self._broken is not None:
             raise ConnectionError(
                 f"connection to {self.socket_path} is out of step after an earlier failure "
                 f"({self._broken}): open a new Connection"
             )
+
+    def _exchange(self, message: msgspec.Struct, timeout_s: float | None,
+                  max_fds: int) -> tuple[msgspec.Struct, list[int]]:
+        self._check_usable()
         if type(message) in NO_REPLY_REQUESTS:
             raise ValueError(f"{type(message).__name__} has no reply: use send()")
+        if self._awaiting:
+            self._broken = "a request sent before the replies of submitted ones were collected"
+            raise ConnectionError(f"{type(message).__name__} sent while {len(self._awaiting)} "
+                                  "submitted replies were not collected: the connection is "
+                                  "out of step")
         frame = encode_frame(message)
         self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
-        fds: list[int] = []
         try:
             self._send_request(frame)
+        except BaseException as exc:
+            if not isinstance(exc, DaemonError):
+                self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+        return self._receive_reply(type(message), max_fds)
+
+    def _receive_reply(self, request_type: type,
+                       max_fds: int) -> tuple[msgspec.Struct, list[int]]:
+        """Read the reply of a request of `request_type` (sent already)."""
+        fds: list[int] = []
+        try:
             if max_fds:
                 fds = self._recv_header_with_fds(max_fds)
             else:
@@ -169,10 +236,10 @@ class Connection:
                 ) from None
             if isinstance(reply, Error):
                 raise DaemonError(reply.code, reply.message)
-            expected = self.REPLY_TYPES.get(type(message))
+            expected = self.REPLY_TYPES.get(request_type)
             if expected is not None and not isinstance(reply, expected):
                 raise ConnectionError(
-                    f"the daemon answered {type(message).__name__} with "
+                    f"the daemon answered {request_type.__name__} with "
                     f"{type(reply).__name__}, expected {expected.__name__}"
                 )
         except BaseException as exc:

@@ -12,9 +12,10 @@ Chunk hash chain (after vLLM's `hash_block_tokens`)::
     h_i = xxh3_128(h_{i-1} || little-endian int64 token bytes of chunk i), seed FIXED_SEED
     h_{-1} = ROOT_HASH (16 zero bytes)
 
-Record header (docs/architecture.md, "Record layout"), written by `write_header` and
-parsed by `read_header` (and `record_matches`, on the readers' hot path) only: 64 bytes,
-then the token ids as int64 at offset RECORD_HEADER_BYTES::
+Record header (docs/architecture.md, "Record layout"), written by `write_header` (or,
+several at once, `header_rows`) and parsed by `read_header` (and `record_matches`, on
+the readers' hot path) only: 64 bytes, then the token ids as int64 at offset
+RECORD_HEADER_BYTES::
 
     identity (32): <IIQ16s  magic "LMK2", num_tokens, layout fingerprint, chunk hash
     integrity (16): <IIQ    checksum kind, reserved, checksum
@@ -94,6 +95,30 @@ def write_header(header: np.ndarray, fingerprint: int, chunk_hash: bytes,
     header[:RECORD_HEADER_BYTES] = 0
     RECORD_HEADER.pack_into(header, 0, RECORD_MAGIC, t, fingerprint, chunk_hash)
     header[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + 8 * t].view(np.int64)[:] = chunk_tokens
+
+
+def header_rows(fingerprint: int, chunk_hashes: list[bytes],
+                chunk_tokens: np.ndarray) -> np.ndarray:
+    """The header and token id bytes of several records of equal token counts, one row
+    each, as `write_header` writes them (every byte: the checksum kind is
+    CHECKSUM_NONE until the client seals a record).
+
+    Args:
+        fingerprint: the writer's layout fingerprint.
+        chunk_hashes: each chunk's 16-byte prefix hash.
+        chunk_tokens: `[len(chunk_hashes), num_tokens]` int64 token ids.
+
+    Returns:
+        uint8 `[len(chunk_hashes), RECORD_HEADER_BYTES + 8 * num_tokens]`, to be copied
+        to the start of each record.
+    """
+    n, t = chunk_tokens.shape
+    rows = np.zeros((n, RECORD_HEADER_BYTES + 8 * t), dtype=np.uint8)
+    rows[:, : RECORD_HEADER.size] = np.frombuffer(
+        b"".join([RECORD_HEADER.pack(RECORD_MAGIC, t, fingerprint, h) for h in chunk_hashes]),
+        dtype=np.uint8).reshape(n, RECORD_HEADER.size)
+    rows[:, RECORD_HEADER_BYTES:].view(np.int64)[:] = chunk_tokens
+    return rows
 
 
 def read_header(record) -> RecordHeader:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from lmcached.wire import record_format
 from lmcached.wire.record_format import (
     CHECKSUM_NONE,
     RECORD_CHECKSUM,
@@ -61,3 +62,16 @@ def test_record_matches_only_the_chunk_it_was_written_for():
     assert not record_matches(record, CHUNK_HASH, tokens, FINGERPRINT + 1)
     assert not record_matches(record, CHUNK_HASH, tokens[::-1].copy(), FINGERPRINT)
     assert not record_matches(record, CHUNK_HASH, tokens[:3].copy(), FINGERPRINT)
+
+
+def test_header_rows_are_byte_for_byte_what_write_header_writes():
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(-2**63, 2**63 - 1, size=(5, 9), dtype=np.int64)
+    hashes = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(5)]
+    rows = record_format.header_rows(0x1234_5678_9ABC_DEF0, hashes, tokens)
+    assert rows.shape == (5, record_format.RECORD_HEADER_BYTES + 8 * 9)
+    for row, h, t in zip(rows, hashes, tokens):
+        one = np.full(len(row), 0xEE, dtype=np.uint8)  # stale bytes: all overwritten
+        record_format.write_header(one, 0x1234_5678_9ABC_DEF0, h, t)
+        assert row.tobytes() == one.tobytes()
+        assert record_format.record_matches(row, h, t, 0x1234_5678_9ABC_DEF0)

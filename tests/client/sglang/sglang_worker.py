@@ -29,7 +29,7 @@ def page_keys(num_pages: int, salt: str) -> list[str]:
     return keys
 
 
-def build(socket: str, kind: str, layout: str, tp_rank: int, tp_size: int):
+def build(socket: str, kind: str, layout: str, tp_rank: int, tp_size: int, **geometry):
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=False,
@@ -37,7 +37,7 @@ def build(socket: str, kind: str, layout: str, tp_rank: int, tp_size: int):
         extra_config={"backend_name": "lmcached", "module_path": "lmcached.client.sglang",
                       "class_name": "LmcachedStorage", "interface_v1": 1,
                       "socket": socket})
-    pool = make_pool(kind, layout)
+    pool = make_pool(kind, layout, **geometry)
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     return backend, pool
