@@ -15,6 +15,7 @@ from lmcached.wire.protocol import (
     MAX_CHUNKS_PER_REQUEST,
     TENANT_BYTES,
     BlocksReply,
+    Layout,
     tier_of,
 )
 from lmcached.daemon.session import PendingValue, Session
@@ -33,10 +34,12 @@ if TYPE_CHECKING:  # named for the CheckState protocol only (no import at run ti
 
 
 class NamespacePrefixes(Protocol):
-    """What the checks read of the namespace registry (`namespaces.NamespaceRegistry`,
-    which imports this module): the block-pool key prefix of each namespace id."""
+    """What the checks and the value handlers read of the namespace registry
+    (`namespaces.NamespaceRegistry`, which imports this module): the block-pool key
+    prefix and the layout of each namespace id."""
 
     prefixes: dict[int, bytes]
+    layouts: dict[int, Layout]
 
 
 class CheckState(Protocol):

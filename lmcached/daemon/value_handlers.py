@@ -17,6 +17,7 @@ from lmcached.wire.protocol import (
     EXISTS,
     HASH_BYTES,
     NOSPACE,
+    UNCHAINED_FORMATS,
     Abort,
     Acquire,
     Alloc,
@@ -180,10 +181,14 @@ def alloc(state: ValueState, session: Session, req: Alloc) -> AllocReply:
     held = []  # existing values pinned for the duration, so this ALLOC cannot evict them
     no_space = False
     # The chunk hash before `key` in its chain: the one `parents` names (ROOT_HASH for a
-    # chain's first), or, when it names none, the chunk before `key` in this ALLOC.
+    # chain's first), or, when it names none, the chunk before `key` in this ALLOC; none
+    # in a namespace whose chunks are no chain (UNCHAINED_FORMATS: SGLang's pages).
     parent, stated = b"", req.parents
+    chained = state.ns_registry.layouts[req.ns].fmt not in UNCHAINED_FORMATS
     for i, (key, num_bytes) in enumerate(zip(keys, req.num_bytes)):
-        if stated:
+        if not chained:
+            parent = b""
+        elif stated:
             parent = stated[i * HASH_BYTES : (i + 1) * HASH_BYTES]
         span = find(key)
         if span is not None:

@@ -203,6 +203,18 @@ def test_alloc_parents_name_each_chunks_parent_across_allocs_and_chains(service)
         (11, bytes([10])), (21, bytes([20]))]
 
 
+def test_chunks_of_an_unchained_format_are_published_with_no_parent(service):
+    """SGLang's pages are no chain (UNCHAINED_FORMATS): an ALLOC of several, which
+    names no parents, gives none of them the page before it as its parent."""
+    sglang = msgspec.structs.replace(LAYOUT, fmt="sglang")
+    session, cursor = _subscribed(service, sglang)
+    alloc = service.handle(session, Alloc(1, chunk_hashes([30, 31, 32]), [1000] * 3))
+    service.handle(session, Commit(alloc.block_ids))
+    events = _poll(service, session, cursor).events
+    assert [(e.chunk_hash[0], e.parent) for e in events] == [(30, b""), (31, b""), (32, b"")]
+    assert service.pool.parents == {}
+
+
 def test_token_ids_are_read_from_the_record_only_when_asked(service):
     """Lazily, at EVENTS: the header the writer wrote names the chunk, so its token ids
     come back as int64 bytes; a record replaced since (another hash) gives none."""
