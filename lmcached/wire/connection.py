@@ -164,14 +164,7 @@ class Connection:
         for message in messages:
             if type(message) in NO_REPLY_REQUESTS:
                 raise ValueError(f"{type(message).__name__} has no reply: use send()")
-        frame = b"".join([encode_frame(message) for message in messages])
-        self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
-        try:
-            self._send_request(frame)
-        except BaseException as exc:
-            if not isinstance(exc, DaemonError):
-                self._broken = f"{type(exc).__name__}: {exc}"
-            raise
+        self._send_frame(b"".join([encode_frame(message) for message in messages]), timeout_s)
         self._awaiting.extend(type(message) for message in messages)
 
     def collect(self, timeout_s: float | None = None) -> msgspec.Struct:
@@ -204,7 +197,12 @@ class Connection:
             raise ConnectionError(f"{type(message).__name__} sent while {len(self._awaiting)} "
                                   "submitted replies were not collected: the connection is "
                                   "out of step")
-        frame = encode_frame(message)
+        self._send_frame(encode_frame(message), timeout_s)
+        return self._receive_reply(type(message), max_fds)
+
+    def _send_frame(self, frame: bytes, timeout_s: float | None) -> None:
+        """Send request frame(s); a failure other than a refusal leaves the connection
+        out of step (`_broken`)."""
         self._set_timeout(self.timeout_s if timeout_s is None else timeout_s)
         try:
             self._send_request(frame)
@@ -212,7 +210,6 @@ class Connection:
             if not isinstance(exc, DaemonError):
                 self._broken = f"{type(exc).__name__}: {exc}"
             raise
-        return self._receive_reply(type(message), max_fds)
 
     def _receive_reply(self, request_type: type,
                        max_fds: int) -> tuple[msgspec.Struct, list[int]]:
