@@ -66,6 +66,16 @@ def keys_tokens(keys: list[str]) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.int64).reshape(len(keys), KEY_TOKENS)
 
 
+def key_slots(tokens: np.ndarray) -> int:
+    """How many leading int64 slots of the key ids `tokens` (`keys_tokens`, `[n,
+    KEY_TOKENS]`) hold every key's identity (its length slot and its bytes, or its
+    digest); the slots after them are zero in every row."""
+    lengths = tokens[:, 0]
+    digest = (lengths & _DIGEST_FLAG) != 0
+    slots = np.where(digest, 1 + 32 // 8, 1 + (lengths + 7) // 8)
+    return int(slots.max()) if len(slots) else 1
+
+
 def page_hash(tokens: np.ndarray) -> bytes:
     """The 16-byte chunk hash of a page whose key ids are `tokens` (`key_tokens`)."""
     return hash_block_tokens(ROOT_HASH, tokens)

@@ -66,3 +66,20 @@ def test_a_batchs_key_ids_are_each_keys_own():
     assert batch[2, 0] == len(raw) and batch[2].tobytes()[8 : 8 + len(raw)] == raw
     assert batch[3, 0] == (1 << 62) | (pages.KEY_BYTES_MAX + 1)
     assert batch[3].tobytes()[8:40] == hashlib.sha256(keys[3].encode()).digest()
+
+
+@pytest.mark.parametrize("keys", [["a" * 64], ["a" * 65, "b"], ["", "é" * 10],
+                                  ["x" * (pages.KEY_BYTES_MAX + 1), "y"], ["z" * pages.KEY_BYTES_MAX]])
+def test_key_slots_hold_every_byte_of_every_key_and_only_zeros_follow(keys):
+    """The cheap page check compares `key_slots` slots: every key's length and bytes (or
+    digest) lie in them, and each row is zero after them."""
+    batch = pages.keys_tokens(keys)
+    slots = pages.key_slots(batch)
+    assert not batch[:, slots:].any()
+    for key, row in zip(keys, batch):
+        raw = key.encode()
+        held = row[:slots].tobytes()
+        if len(raw) > pages.KEY_BYTES_MAX:
+            assert held[8:40] == hashlib.sha256(raw).digest()
+        else:
+            assert held[8 : 8 + len(raw)] == raw
