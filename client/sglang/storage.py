@@ -322,12 +322,14 @@ class LmcachedStorage(HiCacheStorage):
         def copy_pages(records, start: int, spans: list[list[int]], runs: list) -> None:
             arena = records.arena
             base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
-            kv_offset = layout.kv_offset
-            kv_end = kv_offset + self.page_bytes
+            kv_offset, page_bytes = layout.kv_offset, self.page_bytes
+            kv_end = kv_offset + page_bytes
+            in_one_block = kv_end <= block_bytes  # the page lies in the span's first block
             copy = copy_runs  # looked up at each call (tests replace it)
             for i, span in enumerate(spans, start):
-                copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
-                                          kv_end))
+                copy(runs[i], [(base + offset_of(span[0]) + kv_offset, page_bytes)]
+                     if in_one_block else
+                     record_runs(base, offset_of, block_bytes, span, kv_offset, kv_end))
 
         acquired = self.link.call("ACQUIRE", acquire, None)
         if acquired is None:

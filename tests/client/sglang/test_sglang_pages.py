@@ -83,3 +83,16 @@ def test_key_slots_hold_every_byte_of_every_key_and_only_zeros_follow(keys):
             assert held[8:40] == hashlib.sha256(raw).digest()
         else:
             assert held[8 : 8 + len(raw)] == raw
+
+
+@pytest.mark.parametrize("keys", [[f"{i:064x}" for i in range(64)], ["é" * 5, "ab" * 5], ["", ""],
+                                  ["z" * pages.KEY_BYTES_MAX] * 2])
+def test_keys_of_one_length_get_their_length_and_bytes_then_zeros(keys):
+    """A batch of keys of one byte length (SGLang's: 64 hex digits) is encoded in one
+    copy; each row is the key's length, its bytes, then zeros, as for any other key."""
+    batch = pages.keys_tokens(keys)
+    assert batch.shape == (len(keys), pages.KEY_TOKENS) and batch.dtype == np.int64
+    for key, row in zip(keys, batch):
+        raw = key.encode()
+        expected = len(raw).to_bytes(8, "little") + raw
+        assert row.tobytes() == expected + bytes(8 * pages.KEY_TOKENS - len(expected))
