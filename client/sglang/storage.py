@@ -48,8 +48,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from lmcached.client.chain import Chain, chunks_per_request
 from lmcached.client.chain.frames import wire_parent
 from lmcached.client.chain.pins import PinnedChunks, Pins
-from lmcached.client.records import RecordIO
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.records import RecordIO
 from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.pages import (
     copy_runs,
