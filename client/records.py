@@ -243,6 +243,49 @@ class RecordIO:
         return self._verify_from(num_fast, spans, chunk_hashes, token_array, chunks,
                                  fingerprint)
 
+    def verify_leading_slots(self, block_ids: list[int], chunk_hashes: list[bytes],
+                             chunk_tokens: np.ndarray, num_slots: int) -> int:
+        """How many leading one-block full-chunk records at `block_ids` hold this header
+        (magic, token count, `self.fingerprint`, chunk hash) and these first `num_slots`
+        token ids; the token ids after them are not read.
+
+        For writers whose token ids past `num_slots` are zero padding of an identity
+        held in the first ones (SGLang's page keys, `client/sglang/pages.py`): then it
+        decides as `verify_prefix` on every record written as `write_header` writes
+        them, comparing `num_slots` token ids instead of `chunk_size`. One gather and
+        two comparisons for the whole batch.
+
+        Args:
+            block_ids: the one block of each record, as pinned by ACQUIRE.
+            chunk_hashes: each record's 16-byte chunk hash, aligned.
+            chunk_tokens: int64 `[len(block_ids), >= num_slots]` token ids, aligned.
+            num_slots: token ids compared per record, 0 < num_slots <= chunk_size.
+
+        Returns:
+            The count; a block this arena does not have stops it, as in `verify`.
+
+        Raises:
+            ValueError: num_slots out of range.
+        """
+        n = len(block_ids)
+        chunk_size = self.layout.chunk_size
+        if not 0 < num_slots <= chunk_size:
+            raise ValueError(f"num_slots={num_slots}: compare 1..{chunk_size} token ids")
+        num_blocks = self.arena.num_blocks
+        mapped = next((i for i, b in enumerate(block_ids) if not 0 <= b < num_blocks), n)
+        if mapped < n:  # a block this arena does not have: `verify` stops there
+            return self.verify_leading_slots(block_ids[:mapped], chunk_hashes[:mapped],
+                                             chunk_tokens[:mapped], num_slots)
+        rows = self._all_headers()[:, : RECORD_HEADER_BYTES + 8 * num_slots][block_ids]
+        fixed = np.frombuffer(RECORD_HEADER.pack(RECORD_MAGIC, chunk_size, self.fingerprint,
+                                                 bytes(16))[:16], dtype=np.uint8)
+        hashes = np.frombuffer(b"".join(chunk_hashes), dtype=np.uint8).reshape(n, 16)
+        ok = (rows[:, :16] == fixed).all(axis=1)
+        ok &= (rows[:, 16 : RECORD_HEADER.size] == hashes).all(axis=1)
+        ok &= (rows[:, RECORD_HEADER_BYTES:].view(np.int64)
+               == chunk_tokens[:, :num_slots]).all(axis=1)
+        return n if ok.all() else int(ok.argmin())
+
     def _verify_from(self, first: int, spans: list[list[int]], chunk_hashes: list[bytes],
                      token_array: np.ndarray, chunks: list[tuple[int, int]],
                      fingerprint: int) -> int:

@@ -24,6 +24,7 @@ KEY_BYTES_MAX bytes is represented by its SHA-256 digest.
 import ctypes
 import dataclasses
 import hashlib
+import operator
 
 import msgspec
 import numpy as np
@@ -39,6 +40,7 @@ KEY_TOKENS = 504
 KEY_BYTES_MAX = 8 * (KEY_TOKENS - 1)  # 4024: SGLang's keys (64 hex digits) fit
 _DIGEST_FLAG = 1 << 62  # length slot of a key kept as its SHA-256 digest
 MAX_NAME_CHARS = 256  # protocol.Layout.model_name
+_SIZE = operator.itemgetter(1)  # bytes of an (address, bytes) run
 
 
 def key_tokens(key: str) -> np.ndarray:
@@ -54,9 +56,17 @@ def keys_tokens(keys: list[str]) -> np.ndarray:
     """The int64 `[len(keys), KEY_TOKENS]` key ids of `keys` (`key_tokens` of each), in
     one buffer: a batch's rows, and its flat token array for the record checks."""
     row = 8 * KEY_TOKENS
+    raws = [key.encode() for key in keys]
+    length = len(raws[0]) if raws else 0
+    if raws and length <= KEY_BYTES_MAX and all(len(raw) == length for raw in raws):
+        rows = np.zeros((len(keys), row), dtype=np.uint8)  # keys of one length: one copy
+        rows[:, :8] = np.frombuffer(length.to_bytes(8, "little"), dtype=np.uint8)
+        rows[:, 8 : 8 + length] = np.frombuffer(b"".join(raws), dtype=np.uint8).reshape(
+            len(keys), length)
+        return rows.view(np.int64)
     buf = bytearray(row * len(keys))
-    for i, key in enumerate(keys):
-        raw, at = key.encode(), i * row
+    for i, raw in enumerate(raws):
+        at = i * row
         if len(raw) > KEY_BYTES_MAX:
             buf[at : at + 8] = (_DIGEST_FLAG | len(raw)).to_bytes(8, "little")
             buf[at + 8 : at + 40] = hashlib.sha256(raw).digest()
@@ -64,6 +74,16 @@ def keys_tokens(keys: list[str]) -> np.ndarray:
             buf[at : at + 8] = len(raw).to_bytes(8, "little")
             buf[at + 8 : at + 8 + len(raw)] = raw
     return np.frombuffer(buf, dtype=np.int64).reshape(len(keys), KEY_TOKENS)
+
+
+def key_slots(tokens: np.ndarray) -> int:
+    """How many leading int64 slots of the key ids `tokens` (`keys_tokens`, `[n,
+    KEY_TOKENS]`) hold every key's identity (its length slot and its bytes, or its
+    digest); the slots after them are zero in every row."""
+    lengths = tokens[:, 0]
+    digest = (lengths & _DIGEST_FLAG) != 0
+    slots = np.where(digest, 1 + 32 // 8, 1 + (lengths + 7) // 8)
+    return int(slots.max()) if len(slots) else 1
 
 
 def page_hash(tokens: np.ndarray) -> bytes:
@@ -145,9 +165,9 @@ def copy_runs(dst: list[tuple[int, int]], src: list[tuple[int, int]]) -> None:
     Raises:
         ValueError: the runs hold different numbers of bytes.
     """
-    if sum(n for _, n in dst) != sum(n for _, n in src):
-        raise ValueError(f"copy of {sum(n for _, n in src)} bytes into "
-                         f"{sum(n for _, n in dst)}: the page runs do not match the record")
+    if sum(map(_SIZE, dst)) != sum(map(_SIZE, src)):
+        raise ValueError(f"copy of {sum(map(_SIZE, src))} bytes into "
+                         f"{sum(map(_SIZE, dst))}: the page runs do not match the record")
     memmove = ctypes.memmove
     if len(src) == 1:  # a record in one block into the page's runs
         saddr = src[0][0]

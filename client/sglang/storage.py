@@ -49,9 +49,11 @@ from lmcached.client.chain import Chain, chunks_per_request
 from lmcached.client.chain.frames import wire_parent
 from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
+from lmcached.client.records import RecordIO
 from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.pages import (
     copy_runs,
+    key_slots,
     keys_tokens,
     namespace_name,
     page_hash,
@@ -289,7 +291,7 @@ class LmcachedStorage(HiCacheStorage):
         chain, layout = self.chain, self.chain.layout
         tokens = keys_tokens(keys)
         flat = tokens.reshape(-1)
-        k = layout.chunk_size
+        slots = key_slots(tokens)
 
         def acquire(snapshot):
             parts = pipeline_parts(len(keys), chunks_per_request(
@@ -306,10 +308,8 @@ class LmcachedStorage(HiCacheStorage):
                 spans = snapshot.collect(Acquire).spans()
                 if stopped:
                     continue  # released with the others, unread
-                num_ok = chain.check(records, spans, hashes[start:start + len(spans)], flat,
-                                     [(i * k, (i + 1) * k)
-                                      for i in range(start, start + len(spans))],
-                                     snapshot.session_id)
+                num_ok = self._check_pages(records, spans, hashes, tokens, start, slots,
+                                           snapshot.session_id)
                 if n < len(parts) - 1:  # while the next parts' replies are in flight
                     copy_pages(records, start, spans[:num_ok], runs)
                 verified += spans[:num_ok]
@@ -322,12 +322,14 @@ class LmcachedStorage(HiCacheStorage):
         def copy_pages(records, start: int, spans: list[list[int]], runs: list) -> None:
             arena = records.arena
             base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
-            kv_offset = layout.kv_offset
-            kv_end = kv_offset + self.page_bytes
+            kv_offset, page_bytes = layout.kv_offset, self.page_bytes
+            kv_end = kv_offset + page_bytes
+            in_one_block = kv_end <= block_bytes  # the page lies in the span's first block
             copy = copy_runs  # looked up at each call (tests replace it)
             for i, span in enumerate(spans, start):
-                copy(runs[i], record_runs(base, offset_of, block_bytes, span, kv_offset,
-                                          kv_end))
+                copy(runs[i], [(base + offset_of(span[0]) + kv_offset, page_bytes)]
+                     if in_one_block else
+                     record_runs(base, offset_of, block_bytes, span, kv_offset, kv_end))
 
         acquired = self.link.call("ACQUIRE", acquire, None)
         if acquired is None:
@@ -338,6 +340,32 @@ class LmcachedStorage(HiCacheStorage):
             return len(run.spans) if run.spans and run.holds_pins() else 0
         finally:
             run.release()
+
+    def _check_pages(self, records, spans: list[list[int]], hashes: list[bytes],
+                     tokens: np.ndarray, start: int, slots: int,
+                     session_id: int | None) -> int:
+        """How many leading records of `spans` (pages `start + i`) hold exactly their
+        page (`Chain.check`'s answer).
+
+        With verify="tokens" and one-block records, first compares only what identifies
+        a page: the header (magic, token count, fingerprint, key hash) and the first
+        `slots` key id slots (`pages.key_slots`: past them every key of the batch is zero
+        padding), for all of them at once (`RecordIO.verify_leading_slots`). Only when
+        that stops short, or otherwise, `Chain.check` decides (it compares every slot,
+        counts and warns about the failure, INVALIDATEs the record, checks checksums;
+        it also reads the records of a session that maps device tiers).
+        """
+        end = start + len(spans)
+        if (self.verify == "tokens" and isinstance(records, RecordIO)
+                and all(len(span) == 1 for span in spans)):
+            num_ok = records.verify_leading_slots([span[0] for span in spans],
+                                                  hashes[start:end], tokens[start:end], slots)
+            if num_ok == len(spans):
+                return num_ok
+        k = self.chain.layout.chunk_size
+        return self.chain.check(records, spans, hashes[start:end], tokens.reshape(-1),
+                                [(i * k, (i + 1) * k) for i in range(start, end)],
+                                session_id)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:

@@ -196,6 +196,56 @@ def test_a_record_holding_another_keys_page_is_never_served(daemon, monkeypatch)
         backend.close()
 
 
+def test_a_record_whose_key_differs_in_its_last_byte_is_a_miss(daemon, monkeypatch):
+    """Page 3 stored under its own key's hash but with key ids that differ only in the
+    key's last byte: the cheap batch check (header and key slots only) still stops
+    there, the pages before it are served, and no pin is left."""
+    backend, pool = build(daemon.socket, "mha", "page_first", 0, 1)
+    try:
+        keys = [f"{key}x" for key in page_keys(NUM_PAGES, "")]  # 65 bytes: a part slot
+        stored = keys[:3] + [keys[3][:-1] + "y"] + keys[4:]
+        real_hash = storage.page_hash
+        hash_of = {pages.key_tokens(s).tobytes(): real_hash(pages.key_tokens(k))
+                   for s, k in zip(stored, keys)}
+        src = page_indices(list(range(NUM_PAGES)), pool.page_size)
+        fill_pages(pool, src, 4)
+        monkeypatch.setattr(storage, "page_hash", lambda tokens: hash_of[tokens.tobytes()])
+        assert all(backend.batch_set_v1(stored, src))
+        monkeypatch.setattr(storage, "page_hash", real_hash)
+        assert backend.batch_exists(keys) == NUM_PAGES  # the index says so
+        dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3 + [False] * (NUM_PAGES - 3)
+        assert read_runs(pool, dst[: 3 * pool.page_size]) == read_runs(
+            pool, src[: 3 * pool.page_size])
+        assert backend.get_stats()["verify_failures"] == 1
+        assert daemon.info()["pinned_blocks"] == 0
+    finally:
+        backend.close()
+
+
+def test_a_hit_is_decided_by_the_batch_check_without_chain_check(daemon, monkeypatch):
+    """A batch of pages that all match is checked by one vectorised comparison of their
+    headers and key slots (`RecordIO.verify_leading_slots`), not `Chain.check`'s full
+    per-slot comparison; the bytes are the page's."""
+    backend, pool = build(daemon.socket, "mha", "page_first", 0, 1)
+    try:
+        keys = page_keys(NUM_PAGES, "")
+        src = page_indices(list(range(NUM_PAGES)), pool.page_size)
+        fill_pages(pool, src, 6)
+        assert all(backend.batch_set_v1(keys, src))
+        full_checks = []
+        check = backend.chain.check
+        monkeypatch.setattr(backend.chain, "check",
+                            lambda *args: full_checks.append(1) or check(*args))
+        dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
+        assert backend.batch_get_v1(keys, dst) == [True] * NUM_PAGES
+        assert read_runs(pool, dst) == read_runs(pool, src)
+        assert full_checks == []
+        assert daemon.info()["pinned_blocks"] == 0
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("op", ["get", "set"])
 def test_a_daemon_killed_mid_batch_is_a_miss_never_an_exception(daemon, monkeypatch, op):
     backend, pool = build(daemon.socket, "mha", "layer_first", 0, 1)

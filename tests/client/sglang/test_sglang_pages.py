@@ -66,3 +66,68 @@ def test_a_batchs_key_ids_are_each_keys_own():
     assert batch[2, 0] == len(raw) and batch[2].tobytes()[8 : 8 + len(raw)] == raw
     assert batch[3, 0] == (1 << 62) | (pages.KEY_BYTES_MAX + 1)
     assert batch[3].tobytes()[8:40] == hashlib.sha256(keys[3].encode()).digest()
+
+
+@pytest.mark.parametrize("keys", [["a" * 64], ["a" * 65, "b"], ["", "é" * 10],
+                                  ["x" * (pages.KEY_BYTES_MAX + 1), "y"], ["z" * pages.KEY_BYTES_MAX]])
+def test_key_slots_hold_every_byte_of_every_key_and_only_zeros_follow(keys):
+    """The cheap page check compares `key_slots` slots: every key's length and bytes (or
+    digest) lie in them, and each row is zero after them."""
+    batch = pages.keys_tokens(keys)
+    slots = pages.key_slots(batch)
+    assert not batch[:, slots:].any()
+    for key, row in zip(keys, batch):
+        raw = key.encode()
+        held = row[:slots].tobytes()
+        if len(raw) > pages.KEY_BYTES_MAX:
+            assert held[8:40] == hashlib.sha256(raw).digest()
+        else:
+            assert held[8 : 8 + len(raw)] == raw
+
+
+@pytest.mark.parametrize("keys", [[f"{i:064x}" for i in range(64)], ["é" * 5, "ab" * 5], ["", ""],
+                                  ["z" * pages.KEY_BYTES_MAX] * 2])
+def test_keys_of_one_length_get_their_length_and_bytes_then_zeros(keys):
+    """A batch of keys of one byte length (SGLang's: 64 hex digits) is encoded in one
+    copy; each row is the key's length, its bytes, then zeros, as for any other key."""
+    batch = pages.keys_tokens(keys)
+    assert batch.shape == (len(keys), pages.KEY_TOKENS) and batch.dtype == np.int64
+    for key, row in zip(keys, batch):
+        raw = key.encode()
+        expected = len(raw).to_bytes(8, "little") + raw
+        assert row.tobytes() == expected + bytes(8 * pages.KEY_TOKENS - len(expected))
+
+
+def test_the_batch_check_stops_at_the_first_page_that_is_not_its_keys(unique_name):
+    """`RecordIO.verify_leading_slots` over page records: every page that holds its key
+    passes; a wrong key hash, a key byte that differs, another fingerprint, or a block
+    this arena does not have stops the count there."""
+    from lmcached.client.records import RecordIO
+    from lmcached.shm.arena import HEADER_BYTES, Arena
+
+    layout = pages.page_layout("sglang/test", 1, 0, 1000)
+    block = -(-layout.record_bytes(layout.chunk_size) // 64) * 64
+    arena = Arena.create(unique_name, HEADER_BYTES + 8 * block, block, prefault=False)
+    try:
+        records = RecordIO(arena, layout)
+        keys = [f"{i:064x}" for i in range(5)]
+        tokens = pages.keys_tokens(keys)
+        hashes = [pages.page_hash(t) for t in tokens]
+        blocks = [6, 1, 3, 0, 7]
+        for b, h, t in zip(blocks, hashes, tokens):
+            records.write_with([b], h, t, lambda dst: dst.zero_())
+        slots = pages.key_slots(tokens)
+        assert records.verify_leading_slots(blocks, hashes, tokens, slots) == 5
+        assert records.verify_leading_slots(blocks, hashes[:2] + [hashes[3]] + hashes[3:],
+                                            tokens, slots) == 2
+        other = tokens.copy()
+        other[3, slots - 1] ^= 1 << 8  # the key's last slot: one byte differs
+        assert records.verify_leading_slots(blocks, hashes, other, slots) == 3
+        assert records.verify_leading_slots(blocks[:1] + [8] + blocks[2:], hashes, tokens,
+                                            slots) == 1  # block 8: not in this arena
+        assert RecordIO(arena, layout, fingerprint=layout.fingerprint ^ 1) \
+            .verify_leading_slots(blocks, hashes, tokens, slots) == 0
+        with pytest.raises(ValueError, match="num_slots=0"):
+            records.verify_leading_slots(blocks, hashes, tokens, 0)
+    finally:
+        arena.close()
