@@ -3,23 +3,31 @@ same pages, and against SGLang's own file backend (HiCacheFile) on /dev/shm and 
 
 One process, one host pool (page_first, SGLang's MHA pointer layout), one daemon started
 here. Each figure is GB/s of page bytes moved between the host pool and the store, best of
-`--repeat` runs of a batch of `--pages` pages (memcpy, get and set interleaved in
-rounds; `*_vs_memcpy` compares the bests, `*_vs_memcpy_median_round` is the median over
-rounds of each round's ratio to its own memcpy). The pool and the memcpy buffer start on
-4 KiB boundaries, as SGLang's pinned host pool and the arena's pages do:
+`--repeat` runs of a batch of `--pages` pages. The memcpys, get and set take turns in
+rounds, in a new random order each round; `*_vs_memcpy` compares the bests,
+`*_vs_<baseline>_median_round` is the median over rounds of each round's ratio to that
+round's baseline. The pool and the memcpy buffers start on 4 KiB boundaries, as SGLang's
+pinned host pool and the arena's pages do:
 
-- memcpy: one `np.copyto` of the batch's K runs and one of its V runs into a buffer
-  (the fastest copy of the same bytes);
+- memcpy: the faster, in each round, of one `np.copyto` of the batch's K runs and one of
+  its V runs, and one `memmove` per page run (the same runs the backend copies), into a
+  private buffer: the fastest copy of the same bytes;
+- memcpy_into_shm: one `memmove` per page run into a mapping of a /dev/shm file, the kind
+  of memory a set writes (the daemon's arena is a shared memory segment);
 - lmcached set/get: `batch_set_v1` (fresh keys each run) / `batch_get_v1`;
 - file set/get: what SGLang's generic page path does with HiCacheFile: per page,
   `get_data_page` + `set` / `get` into a flat page + `set_from_flat_data_page`.
 
-    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4 --repeat 15  # 1 MiB pages: 64 MiB a batch
+    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4 --repeat 30  # 1 MiB pages: 64 MiB a batch
 """
 
 import argparse
+import ctypes
+import itertools
 import json
+import mmap
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -80,6 +88,18 @@ def config(extra=None) -> HiCacheStorageConfig:
                                 extra_config=extra)
 
 
+def shm_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array of `nbytes` mapping a /dev/shm file (unlinked at once: nothing is
+    left behind), as the daemon's arena maps its segment."""
+    fd, path = tempfile.mkstemp(prefix="lmc-bench-", dir="/dev/shm")
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+        return np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    finally:
+        os.close(fd)
+
+
 def best(fn, repeat: int) -> float:
     times = []
     for i in range(repeat):
@@ -110,13 +130,29 @@ def main() -> None:
     results = {"pages": n, "page_bytes": page_bytes, "batch_bytes": batch_bytes}
 
     # memcpy of the same bytes: the batch's K runs and V runs are contiguous in page_first.
+    # Two ways, the faster one in each round is that round's memcpy: one np.copyto of
+    # each half (glibc may pick non-temporal stores for 32 MiB), one memmove per page run
+    # (512 KiB at the default shape: ordinary stores). And the page runs into a mapping of
+    # /dev/shm, the memory a set writes (the arena is a shared memory segment).
     out = aligned_empty(batch_bytes).numpy()
     flat = pool.kv_buffer.view(torch.uint8).numpy()
     half, v_offset = batch_bytes // 2, pool.size * pool.token_bytes
+    page_runs = pool.get_page_buffer_meta(src)
+    shm_out = shm_buffer(batch_bytes)
 
-    def memcpy(i):
+    def memcpy_copyto(i):
         np.copyto(out[:half], flat[:half])
         np.copyto(out[half:], flat[v_offset:v_offset + half])
+
+    def runs_copy(address: int, into: bool):
+        """Per page run, one memmove into (or out of) the buffer at `address`."""
+        def copy(i):
+            for ptr, size, offset in zip(*page_runs, itertools.accumulate(page_runs[1], initial=0)):
+                if into:
+                    ctypes.memmove(address + offset, ptr, size)
+                else:
+                    ctypes.memmove(ptr, address + offset, size)
+        return copy
 
     tmp = tempfile.mkdtemp(prefix="lmc-bench-", dir="/tmp")
     socket = os.path.join(tmp, "d.sock")
@@ -134,21 +170,35 @@ def main() -> None:
         assert all(ours.batch_set_v1(keys[-1], src))
         assert all(ours.batch_get_v1(keys[-1], dst))
         assert torch.equal(pool.kv[:, n * ps:], pool.kv[:, : n * ps])
-        memcpy(0)  # warm: the first touch of the memcpy buffer's pages
-        # The machine is shared (its memory bandwidth swings with other load): memcpy,
-        # get and set take turns in rounds; each round gives a ratio to its own memcpy.
-        # Fresh keys for each set (a key already held is not copied again); the arena
-        # evicts the least recently used batches to make room.
-        times = {"memcpy": [], "lmcached_get": [], "lmcached_set": []}
+        # The machine is shared (its memory bandwidth swings with other load): the
+        # memcpys, get and set take turns in rounds, in a new random order each round
+        # (what ran just before changes what the caches hold); each round gives a ratio
+        # to its own memcpy. Fresh keys for each set (a key already held is not copied
+        # again); the arena evicts the least recently used batches to make room.
+        ops = {"memcpy_copyto": memcpy_copyto,
+               "memcpy_runs": runs_copy(out.ctypes.data, True),
+               "memcpy_into_shm": runs_copy(shm_out.ctypes.data, True),
+               "memcpy_from_shm": runs_copy(shm_out.ctypes.data, False),
+               "lmcached_get": lambda i: ours.batch_get_v1(keys[-1], dst),
+               "lmcached_set": lambda i: ours.batch_set_v1(keys[i], src)}
+        for op in ops.values():  # warm: the first touch of each buffer's pages
+            op(len(keys) - 1)
+        order, shuffle = list(ops), random.Random(0).shuffle
+        times = {name: [] for name in ops}
         for i in range(args.repeat):
-            times["memcpy"].append(best(memcpy, 1))
-            times["lmcached_get"].append(best(lambda _: ours.batch_get_v1(keys[-1], dst), 1))
-            times["lmcached_set"].append(best(lambda _: ours.batch_set_v1(keys[i], src), 1))
+            shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                ops[name](i)
+                times[name].append(time.perf_counter() - start)
+        times["memcpy"] = list(map(min, times["memcpy_copyto"], times["memcpy_runs"]))
         for name, runs in times.items():
             results[f"{name}_gbps"] = gb / min(runs)
-        for name in ("lmcached_set", "lmcached_get"):
-            ratios = [m / t for m, t in zip(times["memcpy"], times[name])]
-            results[f"{name}_vs_memcpy_median_round"] = float(np.median(ratios))
+        for name, base in (("lmcached_set", "memcpy"), ("lmcached_get", "memcpy"),
+                           ("lmcached_set", "memcpy_into_shm"),
+                           ("lmcached_get", "memcpy_from_shm")):
+            ratios = [m / t for m, t in zip(times[base], times[name])]
+            results[f"{name}_vs_{base}_median_round"] = float(np.median(ratios))
         ours.close()
 
         for where, path in () if args.skip_file else (
