@@ -86,6 +86,15 @@ def key_slots(tokens: np.ndarray) -> int:
     return int(slots.max()) if len(slots) else 1
 
 
+def keys_slots(keys: list[str]) -> int:
+    """`key_slots(keys_tokens(keys))`, from the keys' byte lengths alone (right after a
+    batch's copies have flushed the caches, reading the first slot of each 4 KiB row
+    costs some 40 us, the lengths a few)."""
+    lengths = [len(key.encode()) for key in keys]
+    return max((1 + 32 // 8 if n > KEY_BYTES_MAX else 1 + (n + 7) // 8 for n in lengths),
+               default=1)
+
+
 def page_hash(tokens: np.ndarray) -> bytes:
     """The 16-byte chunk hash of a page whose key ids are `tokens` (`key_tokens`)."""
     return hash_block_tokens(ROOT_HASH, tokens)

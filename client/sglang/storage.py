@@ -51,9 +51,10 @@ from lmcached.client.chain.pins import PinnedChunks, Pins
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.records import RecordIO
 from lmcached.client.serving.hook_guard import HookGuard
+from lmcached.client.sglang.host_runs import HostPageRuns
 from lmcached.client.sglang.pages import (
     copy_runs,
-    key_slots,
+    keys_slots,
     keys_tokens,
     namespace_name,
     page_hash,
@@ -148,6 +149,7 @@ class LmcachedStorage(HiCacheStorage):
         self.link: DaemonLink | None = None
         self.chain: Chain | None = None
         self.page_size = 0
+        self.host_runs: HostPageRuns | None = None
         self.runs_per_page = 0
         self.page_bytes = 0
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
@@ -169,10 +171,10 @@ class LmcachedStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         cfg = self.storage_config
         self.page_size = mem_pool_host.page_size
-        first = torch.arange(self.page_size, dtype=torch.int64)
-        _, sizes = mem_pool_host.get_page_buffer_meta(first)
-        self.runs_per_page = len(sizes)
-        self.page_bytes = int(sum(sizes))
+        self.host_runs = HostPageRuns.learn(mem_pool_host)
+        sizes = self.host_runs.sizes
+        self.runs_per_page = self.host_runs.runs_per_page
+        self.page_bytes = self.host_runs.page_bytes
         parts = []
         if cfg.is_mla_model:
             world_size, worker_id = 1, 0
@@ -240,19 +242,17 @@ class LmcachedStorage(HiCacheStorage):
             return self._failed("get", exc, [False] * num_pages)
         self.num_hit_pages += num_ok
         self.num_miss_pages += num_pages - num_ok
-        return [i < num_ok for i in range(num_pages)]
+        return [True] * num_ok + [False] * (num_pages - num_ok)
 
     def _page_runs(self, host_indices: torch.Tensor, num_pages: int) -> list:
-        """Per page, its (address, bytes) runs in the host pool (`get_page_buffer_meta`).
+        """Per page, its (address, bytes) runs in the host pool (`HostPageRuns.runs`:
+        `get_page_buffer_meta`'s answer).
 
         Raises:
             ValueError: host_indices do not cover `num_pages` pages of page_size tokens.
         """
         self._check_indices(host_indices, num_pages)
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        m = self.runs_per_page
-        return [list(zip(ptrs[i * m:(i + 1) * m], sizes[i * m:(i + 1) * m]))
-                for i in range(num_pages)]
+        return self.host_runs.runs(host_indices, num_pages)
 
     @staticmethod
     def _submit_parts(snapshot, tokens: np.ndarray, parts: list[tuple[int, int]],
@@ -291,7 +291,7 @@ class LmcachedStorage(HiCacheStorage):
         chain, layout = self.chain, self.chain.layout
         tokens = keys_tokens(keys)
         flat = tokens.reshape(-1)
-        slots = key_slots(tokens)
+        slots = keys_slots(keys)
 
         def acquire(snapshot):
             parts = pipeline_parts(len(keys), chunks_per_request(
@@ -349,7 +349,7 @@ class LmcachedStorage(HiCacheStorage):
 
         With verify="tokens" and one-block records, first compares only what identifies
         a page: the header (magic, token count, fingerprint, key hash) and the first
-        `slots` key id slots (`pages.key_slots`: past them every key of the batch is zero
+        `slots` key id slots (`pages.keys_slots`: past them every key of the batch is zero
         padding), for all of them at once (`RecordIO.verify_leading_slots`). Only when
         that stops short, or otherwise, `Chain.check` decides (it compares every slot,
         counts and warns about the failure, INVALIDATEs the record, checks checksums;

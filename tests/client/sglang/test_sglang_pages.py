@@ -68,13 +68,15 @@ def test_a_batchs_key_ids_are_each_keys_own():
     assert batch[3].tobytes()[8:40] == hashlib.sha256(keys[3].encode()).digest()
 
 
-@pytest.mark.parametrize("keys", [["a" * 64], ["a" * 65, "b"], ["", "é" * 10],
-                                  ["x" * (pages.KEY_BYTES_MAX + 1), "y"], ["z" * pages.KEY_BYTES_MAX]])
+@pytest.mark.parametrize("keys", [["a" * 64], ["a" * 65, "b"], ["", "é" * 10], [""],
+                                  ["x" * (pages.KEY_BYTES_MAX + 1), "y"], ["z" * pages.KEY_BYTES_MAX],
+                                  ["x" * (pages.KEY_BYTES_MAX + 1), "y" * 100]])
 def test_key_slots_hold_every_byte_of_every_key_and_only_zeros_follow(keys):
     """The cheap page check compares `key_slots` slots: every key's length and bytes (or
     digest) lie in them, and each row is zero after them."""
     batch = pages.keys_tokens(keys)
     slots = pages.key_slots(batch)
+    assert pages.keys_slots(keys) == slots  # the same count from the keys alone
     assert not batch[:, slots:].any()
     for key, row in zip(keys, batch):
         raw = key.encode()

@@ -1,0 +1,82 @@
+"""`HostPageRuns`: a batch's page runs from the host pool's affine model equal the pool's
+own `get_page_buffer_meta` answer, and a pool the model does not fit (not affine, or
+whose buffers moved after registration) is asked instead."""
+
+import logging
+
+import pytest
+import torch
+
+from lmcached.client.sglang.host_runs import HostPageRuns
+from tests.client.sglang.sglang_pools import make_pool, page_indices
+
+POOLS = [("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"),
+         ("mla", "page_first")]
+
+
+def own_runs(pool, host_indices: torch.Tensor, num_pages: int) -> list:
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    m = len(ptrs) // num_pages
+    return [list(zip(ptrs[i * m:(i + 1) * m], sizes[i * m:(i + 1) * m]))
+            for i in range(num_pages)]
+
+
+@pytest.mark.parametrize("kind,layout", POOLS)
+def test_the_model_gives_the_pools_own_runs_for_pages_in_any_order(kind, layout):
+    pool = make_pool(kind, layout, size=64, page_size=4)
+    runs = HostPageRuns.learn(pool)
+    assert runs.base is not None  # SGLang's pools are affine
+    pages = [13, 0, 15, 2, 7, 7, 1]
+    indices = page_indices(pages, 4)
+    assert runs.runs(indices, len(pages)) == own_runs(pool, indices, len(pages))
+    assert runs.page_bytes == sum(n for _, n in own_runs(pool, indices[:4], 1)[0])
+
+
+class Shuffled:
+    """A pool whose pages lie in its buffer in a shuffled order (not affine)."""
+
+    def __init__(self, inner, order: list[int]):
+        self.inner, self.order = inner, order
+        self.size, self.page_size = inner.size, inner.page_size
+
+    def get_page_buffer_meta(self, indices):
+        ps = self.page_size
+        moved = torch.tensor([self.order[int(i) // ps] * ps + int(i) % ps for i in indices])
+        return self.inner.get_page_buffer_meta(moved)
+
+
+def test_a_pool_that_is_not_affine_is_asked_for_every_batch():
+    inner = make_pool("mha", "page_first", size=64, page_size=4)
+    pool = Shuffled(inner, [0, 1] + list(range(15, 1, -1)))  # pages 0 and 1 in place
+    runs = HostPageRuns.learn(pool)
+    assert runs.base is None
+    indices = page_indices([5, 0, 9], 4)
+    assert runs.runs(indices, 3) == own_runs(pool, indices, 3)
+
+
+def test_a_pool_whose_buffer_moved_is_asked_from_then_on(caplog):
+    pool = make_pool("mha", "layer_first", size=64, page_size=4)
+    runs = HostPageRuns.learn(pool)
+    pool.kv_buffer = torch.zeros_like(pool.kv_buffer)  # a new allocation
+    indices = page_indices([3, 4, 5], 4)
+    with caplog.at_level(logging.WARNING):
+        assert runs.runs(indices, 3) == own_runs(pool, indices, 3)
+    assert runs.base is None
+    assert "buffers moved" in caplog.text
+
+
+def test_indices_outside_the_pool_are_asked_of_the_pool():
+    pool = make_pool("mha", "page_first", size=64, page_size=4)
+    runs = HostPageRuns.learn(pool)
+    indices = page_indices([1, 40, 2], 4)  # page 40 of a 16-page pool
+    assert runs.runs(indices, 3) == own_runs(pool, indices, 3)
+    assert runs.base is None
+
+
+def test_a_pool_without_a_size_is_asked_for_every_batch():
+    pool = make_pool("mla", "page_first", size=64, page_size=4)
+    del pool.size
+    runs = HostPageRuns.learn(pool)
+    assert runs.base is None
+    indices = page_indices([6, 2], 4)
+    assert runs.runs(indices, 2) == own_runs(pool, indices, 2)
