@@ -1,17 +1,18 @@
 """SGLang HiCache storage: lmcached's `batch_get_v1` / `batch_set_v1` against memcpy of the
 same pages, and against SGLang's own file backend (HiCacheFile) on /dev/shm and on disk.
 
-One process, one host pool (page_first, SGLang's MHA pointer layout), one daemon started
-here. Each figure is GB/s of page bytes moved between the host pool and the store, best of
+One process, one host pool (SGLang's MHA pointer layouts, `--layout`), one daemon
+started here. Each figure is GB/s of page bytes moved between the host pool and the store, best of
 `--repeat` runs of a batch of `--pages` pages. The memcpys, get and set take turns in
 rounds, in a new random order each round; `*_vs_memcpy` compares the bests,
 `*_vs_<baseline>_median_round` is the median over rounds of each round's ratio to that
 round's baseline. The pool and the memcpy buffers start on 4 KiB boundaries, as SGLang's
 pinned host pool and the arena's pages do:
 
-- memcpy: the faster, in each round, of one `np.copyto` of the batch's K runs and one of
-  its V runs, and one `memmove` per page run (the same runs the backend copies), into a
-  private buffer: the fastest copy of the same bytes;
+- memcpy: the faster, in each round, of one `np.copyto` of the batch's KV (its K runs and
+  its V runs are contiguous: the batch is the pool's first pages), and one `memmove` per
+  page run (the same runs the backend copies), into a private buffer: the fastest copy
+  of the same bytes;
 - memcpy_into_shm: one `memmove` per page run into a mapping of a /dev/shm file, the kind
   of memory a set writes (the daemon's arena is a shared memory segment);
 - lmcached set/get: `batch_set_v1` (fresh keys each run) / `batch_get_v1`;
@@ -19,6 +20,7 @@ pinned host pool and the arena's pages do:
   `get_data_page` + `set` / `get` into a flat page + `set_from_flat_data_page`.
 
     python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4 --repeat 30  # 1 MiB pages: 64 MiB a batch
+    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 32 --repeat 12  # Llama-3-8B's KV: 8 MiB pages
 """
 
 import argparse
@@ -48,39 +50,56 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     return torch.from_numpy(raw[start : start + nbytes])
 
 
-class PageFirstPool:
-    """A host pool with SGLang's MHA page_first layout: KV `[2, size, layers, heads, dim]`,
-    flat, cpu; the methods the backends use, with SGLang's pointer arithmetic."""
+class HostPool:
+    """A host pool with SGLang's MHA layouts: KV `[2, size, layers, heads, dim]`
+    (page_first) or `[2, layers, size, heads, dim]` (layer_first), flat, cpu, bf16; the
+    methods the backends use, with SGLang's pointer arithmetic
+    (`MHATokenToKVPoolHost.get_page_buffer_meta`: per page, K then V, per layer in
+    layer_first)."""
 
-    layout = "page_first"
-
-    def __init__(self, num_pages: int, page_size: int, layers: int, heads: int, dim: int):
+    def __init__(self, layout: str, num_pages: int, page_size: int, layers: int, heads: int,
+                 dim: int):
+        self.layout = layout
         self.page_size, self.size = page_size, num_pages * page_size
         self.layer_num, self.head_num, self.head_dim = layers, heads, dim
         self.dtype = torch.bfloat16
+        shape = ((2, self.size, layers, heads, dim) if layout == "page_first"
+                 else (2, layers, self.size, heads, dim))
         # Page-aligned, as SGLang's pinned host pool is (torch's CPU allocator aligns to 64).
         self.kv = aligned_empty(2 * self.size * layers * heads * dim * 2).view(
-            torch.bfloat16).view(2, self.size, layers, heads, dim)
-        self.kv.copy_(torch.randn(2, self.size, layers, heads, dim))
+            torch.bfloat16).view(shape)
+        self.kv.copy_(torch.randn(shape))
         self.kv_buffer = self.kv.view(-1)
-        self.token_bytes = layers * heads * dim * 2  # one of K or V
+        self.token_bytes = layers * heads * dim * 2  # one of K or V, all layers
+
+    def tokens(self, start: int, end: int) -> torch.Tensor:
+        """The KV of tokens [start, end): `[2, n, ...]` or `[2, layers, n, ...]`."""
+        return (self.kv[:, start:end] if self.layout == "page_first"
+                else self.kv[:, :, start:end])
 
     def get_page_buffer_meta(self, indices):
         base, v_offset = self.kv_buffer.data_ptr(), self.size * self.token_bytes
         ptrs = []
+        if self.layout == "page_first":
+            for index in indices.tolist()[:: self.page_size]:
+                ptrs += [base + index * self.token_bytes, base + v_offset + index * self.token_bytes]
+            return ptrs, [self.page_size * self.token_bytes] * len(ptrs)
+        layer_token = self.token_bytes // self.layer_num
         for index in indices.tolist()[:: self.page_size]:
-            ptrs += [base + index * self.token_bytes, base + v_offset + index * self.token_bytes]
-        return ptrs, [self.page_size * self.token_bytes] * len(ptrs)
+            for layer in range(self.layer_num):
+                k = base + index * layer_token + layer * self.size * layer_token
+                ptrs += [k, k + v_offset]
+        return ptrs, [self.page_size * layer_token] * len(ptrs)
 
     def get_data_page(self, index, flat=True):
-        return self.kv[:, index : index + self.page_size].flatten()
+        return self.tokens(index, index + self.page_size).flatten()
 
     def get_dummy_flat_data_page(self):
         return torch.empty(2 * self.page_size * self.token_bytes // 2, dtype=self.dtype)
 
     def set_from_flat_data_page(self, index, data_page):
-        self.kv[:, index : index + self.page_size] = data_page.view(
-            2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+        view = self.tokens(index, index + self.page_size)
+        view.copy_(data_page.view(view.shape))
 
 
 def config(extra=None) -> HiCacheStorageConfig:
@@ -117,32 +136,35 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--layout", choices=("page_first", "layer_first"), default="page_first",
+                        help="the host pool's layout (layer_first: 2 * layers runs a page)")
     parser.add_argument("--disk-dir", default=None, help="file backend on disk (default: a temp dir under /tmp)")
     parser.add_argument("--skip-file", action="store_true", help="lmcached and memcpy only")
     args = parser.parse_args()
     n, ps = args.pages, args.page_size
-    pool = PageFirstPool(2 * n, ps, args.layers, args.heads, args.dim)
+    pool = HostPool(args.layout, 2 * n, ps, args.layers, args.heads, args.dim)
     page_bytes = 2 * ps * pool.token_bytes
     batch_bytes = n * page_bytes
     src = torch.arange(n * ps, dtype=torch.int64)
     dst = torch.arange(n * ps, 2 * n * ps, dtype=torch.int64)
     gb = batch_bytes / 1e9
-    results = {"pages": n, "page_bytes": page_bytes, "batch_bytes": batch_bytes}
+    results = {"layout": args.layout, "pages": n, "page_bytes": page_bytes,
+               "batch_bytes": batch_bytes}
 
-    # memcpy of the same bytes: the batch's K runs and V runs are contiguous in page_first.
-    # Two ways, the faster one in each round is that round's memcpy: one np.copyto of
-    # each half (glibc may pick non-temporal stores for 32 MiB), one memmove per page run
-    # (512 KiB at the default shape: ordinary stores). And the page runs into a mapping of
+    # memcpy of the same bytes: the batch's pages are the pool's first n, so its K runs and
+    # its V runs (of each layer, in layer_first) are contiguous. Two ways, the faster one
+    # in each round is that round's memcpy: one np.copyto of the batch's tokens (one
+    # memcpy per contiguous stretch: glibc may pick non-temporal stores for 32 MiB), one
+    # memmove per page run (512 KiB at the default shape: ordinary stores). And the page runs into a mapping of
     # /dev/shm, the memory a set writes (the arena is a shared memory segment).
     out = aligned_empty(batch_bytes).numpy()
-    flat = pool.kv_buffer.view(torch.uint8).numpy()
-    half, v_offset = batch_bytes // 2, pool.size * pool.token_bytes
+    batch_kv = pool.tokens(0, n * ps).view(torch.int16).numpy()  # numpy has no bfloat16
+    out_kv = out.view(np.int16).reshape(batch_kv.shape)
     page_runs = pool.get_page_buffer_meta(src)
     shm_out = shm_buffer(batch_bytes)
 
     def memcpy_copyto(i):
-        np.copyto(out[:half], flat[:half])
-        np.copyto(out[half:], flat[v_offset:v_offset + half])
+        np.copyto(out_kv, batch_kv)
 
     def runs_copy(address: int, into: bool):
         """Per page run, one memmove into (or out of) the buffer at `address`."""
@@ -169,7 +191,7 @@ def main() -> None:
         ours.batch_get_v1(keys[-1], dst)  # warm: the session, the arena mapping
         assert all(ours.batch_set_v1(keys[-1], src))
         assert all(ours.batch_get_v1(keys[-1], dst))
-        assert torch.equal(pool.kv[:, n * ps:], pool.kv[:, : n * ps])
+        assert torch.equal(pool.tokens(n * ps, 2 * n * ps), pool.tokens(0, n * ps))
         # The machine is shared (its memory bandwidth swings with other load): the
         # memcpys, get and set take turns in rounds, in a new random order each round
         # (what ran just before changes what the caches hold); each round gives a ratio

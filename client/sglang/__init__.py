@@ -4,6 +4,8 @@
                 loads (module_path "lmcached.client.sglang", class_name "LmcachedStorage")
     pages.py    a page as a chunk record: its namespace, key encoding and copies (no
                 SGLang import)
+    host_runs.py  where a batch's pages lie in the host pool: an affine model of its
+                `get_page_buffer_meta`, checked against the pool's own answers
 
 Importing this package imports SGLang (`sglang.srt.mem_cache.hicache_storage`); only
 this package does.
