@@ -20,6 +20,11 @@ from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Pages of a pool `HostPageRuns.learn` checks its model against, at most: SGLang's loop
+# costs ~0.7 us a run (a layer-first page of 32 layers has 64 runs), so at most about
+# 0.2 s at registration.
+LEARN_PAGES = 4096
+
 
 class HostPageRuns:
     """The runs of a host pool's pages (`get_page_buffer_meta`), computed from an affine
@@ -55,31 +60,35 @@ class HostPageRuns:
 
     @classmethod
     def learn(cls, pool) -> "HostPageRuns":
-        """Ask `pool` for the runs of all its pages (`pool.size` tokens; one call) and
-        keep the affine model when it gives exactly those runs.
+        """Ask `pool` for the runs of its pages (`pool.size` tokens; one call) and keep
+        the affine model when it gives exactly those runs.
 
-        Without a `size` attribute, with fewer than two pages, or with runs whose sizes
-        differ from page to page or whose addresses are not affine, every batch asks
-        the pool (logged once here, at debug level).
+        A pool of more than LEARN_PAGES pages (SGLang's page size may be 1 token) is
+        asked for LEARN_PAGES of them spread over the pool (its first and last among
+        them) and for its second page. Without a `size` attribute, with fewer than two
+        pages, or with runs whose sizes differ from page to page or whose addresses are
+        not affine, every batch asks the pool (logged here, at debug level).
         """
         page_size = int(pool.page_size)
         _, first_sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
         sizes = [int(n) for n in first_sizes]
+        m = len(sizes)
         num_pages = int(getattr(pool, "size", 0)) // page_size
         model = None
         if num_pages >= 2:
-            indices = torch.arange(num_pages * page_size, dtype=torch.int64)
+            pages = np.unique(np.concatenate([[0, 1], np.linspace(
+                0, num_pages - 1, min(num_pages, LEARN_PAGES), dtype=np.int64)]))
+            starts = pages * page_size
+            indices = torch.from_numpy(
+                (starts[:, None] + np.arange(page_size, dtype=np.int64)).reshape(-1))
             addresses, all_sizes = pool.get_page_buffer_meta(indices)
-            m = len(sizes)
-            table = np.asarray(addresses, dtype=np.int64).reshape(num_pages, m)
-            if (len(all_sizes) == num_pages * m
-                    and np.array_equal(np.asarray(all_sizes, dtype=np.int64).reshape(
-                        num_pages, m), np.broadcast_to(sizes, (num_pages, m)))):
+            if (len(addresses) == len(all_sizes) == len(pages) * m
+                    and all(int(n) == sizes[i % m] for i, n in enumerate(all_sizes))):
+                table = np.asarray(addresses, dtype=np.int64).reshape(len(pages), m)
                 base, step = table[0], table[1] - table[0]
                 if not (step % page_size).any():
                     stride = step // page_size
-                    starts = np.arange(num_pages, dtype=np.int64)[:, None] * page_size
-                    if np.array_equal(base + starts * stride, table):
+                    if np.array_equal(base + starts[:, None] * stride, table):
                         model = (base.copy(), stride, num_pages * page_size)
         if model is None:
             logger.debug("host pool %s: page runs are asked of the pool for every batch "

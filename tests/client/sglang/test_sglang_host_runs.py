@@ -80,3 +80,23 @@ def test_a_pool_without_a_size_is_asked_for_every_batch():
     assert runs.base is None
     indices = page_indices([6, 2], 4)
     assert runs.runs(indices, 2) == own_runs(pool, indices, 2)
+
+
+def test_a_large_pool_is_learnt_from_pages_spread_over_it(monkeypatch):
+    """Past LEARN_PAGES pages, the model is checked against a spread of them, its first
+    two and its last among them: a pool shuffled from its third page on is caught."""
+    import lmcached.client.sglang.host_runs as host_runs
+
+    monkeypatch.setattr(host_runs, "LEARN_PAGES", 4)
+    pool = make_pool("mha", "page_first", size=64, page_size=4)
+    runs = HostPageRuns.learn(pool)
+    assert runs.base is not None and runs.limit == 64
+    indices = page_indices([11, 3], 4)
+    assert runs.runs(indices, 2) == own_runs(pool, indices, 2)
+    asked = []
+    shuffled = Shuffled(make_pool("mha", "page_first", size=64, page_size=4),
+                        [0, 1] + list(range(15, 1, -1)))
+    real = shuffled.get_page_buffer_meta
+    shuffled.get_page_buffer_meta = lambda indices: asked.append(len(indices)) or real(indices)
+    assert HostPageRuns.learn(shuffled).base is None
+    assert max(asked) <= (4 + 1) * 4  # pages 0, 1, 5, 10 and 15 of 4 tokens, not all 16
