@@ -131,7 +131,8 @@ class HostPageRuns:
         model's."""
         ps = self.page_size
         for page in {0, num_pages - 1}:
-            addresses, _ = self.pool.get_page_buffer_meta(host_indices[page * ps:(page + 1) * ps])
+            page_indices = host_indices[page * ps:(page + 1) * ps]
+            addresses, _ = self.pool.get_page_buffer_meta(page_indices)
             if list(addresses) != (self.base + starts[page] * self.stride).tolist():
                 return False
         return True

@@ -13,15 +13,16 @@ path (docs/sglang.md)::
 and constructs it as `LmcachedStorage(storage_config, kwargs)`. It is glue only: the
 pages are chunk records of the client's chunk-chain core (`lmcached.client.chain`:
 LOOKUP, ACQUIRE with record checks, ALLOC -> fill -> COMMIT), laid out by
-`client/sglang/pages.py`.
+`client/sglang/pages.py`, moved in batches by `client/sglang/page_io.py`, found in the
+host pool by `client/sglang/host_runs.py`.
 
 Guarantees (as every lmcached client):
 - a page is verified on read: its record must hold its key (`pages.key_tokens`), so a
   key never returns another key's bytes; a page evicted between `batch_exists` and
   `batch_get_v1`, or whose pins did not hold while it was copied, is a miss;
 - `batch_exists` is one LOOKUP; `batch_get_v1` and `batch_set_v1` pipeline their
-  requests on the session (`pipeline_parts`): the ACQUIRE (ALLOC) of the first few pages
-  goes out alone and the rest's together, the host pool's page runs are read while the
+  requests on the session (`page_io.pipeline_parts`): the ACQUIRE (ALLOC) of the first
+  few pages goes out alone and the rest's together, the host pool's page runs are read while the
   daemon answers, and a part is copied while the daemon pins (allocates) the next; a
   store sends one COMMIT of all parts but the last before it writes the last, and one
   COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
@@ -34,10 +35,8 @@ Guarantees (as every lmcached client):
   a miss.
 """
 
-import functools
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -45,60 +44,20 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from lmcached.client.chain import Chain, chunks_per_request
-from lmcached.client.chain.frames import wire_parent
-from lmcached.client.chain.pins import PinnedChunks, Pins
+from lmcached.client.chain import Chain
 from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
-from lmcached.client.records import RecordIO
 from lmcached.client.serving.hook_guard import HookGuard
 from lmcached.client.sglang.host_runs import HostPageRuns
-from lmcached.client.sglang.pages import (
-    copy_runs,
-    keys_slots,
-    keys_tokens,
-    namespace_name,
-    page_hash,
-    page_layout,
-    record_runs,
-    zero_runs,
-)
+from lmcached.client.sglang.page_io import PageIO
+from lmcached.client.sglang.pages import keys_tokens, namespace_name, page_layout
 from lmcached.wire.connection import DaemonError
 from lmcached.wire.logger import init_logger
-from lmcached.wire.protocol import EXISTS, Abort, Acquire, Alloc, Clear, Commit
-from lmcached.wire.record_format import ROOT_HASH
-from lmcached.wire.record_format import header_rows, write_header
+from lmcached.wire.protocol import Clear
 
 logger = init_logger(__name__)
 
-# Pages of a separate first request of a batch (`pipeline_parts`), and of a separate
-# last part of a store: the daemon pins (allocates) the rest while the first part is
-# copied, and commits all but the last part while the last one is copied (0: none, a
-# batch that fits one request is one). On the shared 2-core VM this was faster with an
-# idle core for the daemon, slower when every core was busy (docs/sglang.md).
-FIRST_GET_PAGES = 4
-FIRST_STORE_PAGES = 8
-LAST_STORE_PAGES = 8
-
 EXTRA_CONFIG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "socket",
                      "daemon_name", "verify", "allow_clear")
-
-
-def pipeline_parts(num_pages: int, per_request: int, first: int,
-                   last: int | None = None) -> list[tuple[int, int]]:
-    """`[start, end)` pages of each pipelined request of a batch of `num_pages`: the
-    first `first` (the daemon answers it while the client hashes the rest and reads the
-    page runs), then the rest in requests of at most `per_request`
-    (`chunks_per_request`); with `last`, the final part has at most `last` pages (a
-    store's last COMMIT is the one the caller waits for)."""
-    first = min(num_pages, first, per_request)
-    parts = [(0, first)] if first else []
-    for start in range(first, num_pages, per_request):
-        end = min(num_pages, start + per_request)
-        if last and end == num_pages and end - start > last:
-            parts.append((start, end - last))
-            start = end - last
-        parts.append((start, end))
-    return parts
 
 
 class LmcachedStorage(HiCacheStorage):
@@ -155,8 +114,7 @@ class LmcachedStorage(HiCacheStorage):
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
         self.num_stored_pages = self.num_skipped_pages = 0
         self.hook_guard = HookGuard()
-        self._rows_arena = None  # the arena `_rows` views
-        self._rows: dict[tuple[int, int], np.ndarray] = {}
+        self.io: PageIO | None = None
 
     # ----------------------------------------------------------- namespace
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -193,6 +151,7 @@ class LmcachedStorage(HiCacheStorage):
         self.link = DaemonLink(self.socket, self.daemon_name, [layout.to_wire()],
                                client_name=f"sglang-tp{cfg.tp_rank}")
         self.chain = Chain(self.link, layout, self.verify)
+        self.io = PageIO(self.link, self.chain, self.page_bytes, self.verify)
         self.link.try_connect()
 
     @property
@@ -212,8 +171,7 @@ class LmcachedStorage(HiCacheStorage):
         if self.chain is None or not keys:
             return 0
         try:
-            hashes = [page_hash(t) for t in keys_tokens(keys)]
-            found = self.chain.lookup(hashes)
+            found = self.io.lookup(keys)
         except Exception as exc:  # never fail SGLang's prefetch
             return self._failed("exists", exc, 0)
         self.num_exists_pages += found
@@ -237,7 +195,7 @@ class LmcachedStorage(HiCacheStorage):
             return [False] * num_pages
         try:
             self._check_indices(host_indices, num_pages)
-            num_ok = self._read(keys, lambda: self._page_runs(host_indices, num_pages))
+            num_ok = self.io.read(keys, lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("get", exc, [False] * num_pages)
         self.num_hit_pages += num_ok
@@ -254,118 +212,11 @@ class LmcachedStorage(HiCacheStorage):
         self._check_indices(host_indices, num_pages)
         return self.host_runs.runs(host_indices, num_pages)
 
-    @staticmethod
-    def _submit_parts(snapshot, tokens: np.ndarray, parts: list[tuple[int, int]],
-                      request: Callable[[list[bytes], int, int], Any]) -> list[bytes]:
-        """Hash the pages of `tokens` and submit `request(hashes, start, end)` for each
-        part: the first as soon as its pages are hashed, the others together after.
-        Returns the page hashes."""
-        hashes: list[bytes] = []
-        start, end = parts[0]
-        hashes += [page_hash(t) for t in tokens[start:end]]
-        snapshot.submit(request(hashes, start, end))
-        if len(parts) > 1:
-            hashes += [page_hash(t) for t in tokens[end:]]
-            snapshot.submit(*[request(hashes, a, b) for a, b in parts[1:]])
-        return hashes
-
     def _check_indices(self, host_indices: torch.Tensor, num_pages: int) -> None:
         """Raise ValueError unless host_indices cover `num_pages` pages of page_size."""
         if host_indices.numel() != num_pages * self.page_size:
             raise ValueError(f"{host_indices.numel()} host indices for {num_pages} pages "
                              f"of {self.page_size} tokens")
-
-    def _read(self, keys: List[str], runs_of: Callable[[], list]) -> int:
-        """ACQUIRE the pages of `keys` (pipelined requests, `pipeline_parts`), check
-        their records, copy the leading ones that passed into their runs; how many were
-        copied (0 when the pins did not hold while copying: the bytes may be another
-        page's).
-
-        Each part's records are checked before any of its bytes is copied, and the copy
-        stops at the first page that is not held or fails its check (the later parts'
-        pins are released unread). `runs_of()` gives per page its destination runs; it
-        is called while the daemon answers the first request. The last part is copied
-        after the session's lock is let go (no reply is in flight then), so that another
-        thread's batch need not wait for it.
-        """
-        chain, layout = self.chain, self.chain.layout
-        tokens = keys_tokens(keys)
-        flat = tokens.reshape(-1)
-        slots = keys_slots(keys)
-
-        def acquire(snapshot):
-            parts = pipeline_parts(len(keys), chunks_per_request(
-                layout, snapshot.block_bytes, len(snapshot.namespaces)), FIRST_GET_PAGES)
-            hashes = self._submit_parts(
-                snapshot, tokens, parts, lambda hashes, start, end: Acquire(
-                    snapshot.namespaces, b"".join(hashes[start:end]),
-                    wire_parent(hashes, start, ROOT_HASH)))
-            runs = runs_of()  # while the daemon answers the first part
-            records = chain.records(snapshot)
-            verified: list[list[int]] = []
-            stopped = False
-            for n, (start, end) in enumerate(parts):
-                spans = snapshot.collect(Acquire).spans()
-                if stopped:
-                    continue  # released with the others, unread
-                num_ok = self._check_pages(records, spans, hashes, tokens, start, slots,
-                                           snapshot.session_id)
-                if n < len(parts) - 1:  # while the next parts' replies are in flight
-                    copy_pages(records, start, spans[:num_ok], runs)
-                verified += spans[:num_ok]
-                stopped = num_ok < end - start
-            run = PinnedChunks(flat, 0, verified, hashes[:len(verified)], records,
-                               Pins.of(snapshot))
-            last = parts[-1][0]
-            return run, runs, last, verified[last:] if len(verified) > last else []
-
-        def copy_pages(records, start: int, spans: list[list[int]], runs: list) -> None:
-            arena = records.arena
-            base, offset_of, block_bytes = arena.base_ptr, arena.block_offset, arena.block_bytes
-            kv_offset, page_bytes = layout.kv_offset, self.page_bytes
-            kv_end = kv_offset + page_bytes
-            in_one_block = kv_end <= block_bytes  # the page lies in the span's first block
-            copy = copy_runs  # looked up at each call (tests replace it)
-            for i, span in enumerate(spans, start):
-                copy(runs[i], [(base + offset_of(span[0]) + kv_offset, page_bytes)]
-                     if in_one_block else
-                     record_runs(base, offset_of, block_bytes, span, kv_offset, kv_end))
-
-        acquired = self.link.call("ACQUIRE", acquire, None)
-        if acquired is None:
-            return 0
-        run, runs, last, spans = acquired
-        try:
-            copy_pages(run.records, last, spans, runs)  # the last part: outside the lock
-            return len(run.spans) if run.spans and run.holds_pins() else 0
-        finally:
-            run.release()
-
-    def _check_pages(self, records, spans: list[list[int]], hashes: list[bytes],
-                     tokens: np.ndarray, start: int, slots: int,
-                     session_id: int | None) -> int:
-        """How many leading records of `spans` (pages `start + i`) hold exactly their
-        page (`Chain.check`'s answer).
-
-        With verify="tokens" and one-block records, first compares only what identifies
-        a page: the header (magic, token count, fingerprint, key hash) and the first
-        `slots` key id slots (`pages.keys_slots`: past them every key of the batch is zero
-        padding), for all of them at once (`RecordIO.verify_leading_slots`). Only when
-        that stops short, or otherwise, `Chain.check` decides (it compares every slot,
-        counts and warns about the failure, INVALIDATEs the record, checks checksums;
-        it also reads the records of a session that maps device tiers).
-        """
-        end = start + len(spans)
-        if (self.verify == "tokens" and isinstance(records, RecordIO)
-                and all(len(span) == 1 for span in spans)):
-            num_ok = records.verify_leading_slots([span[0] for span in spans],
-                                                  hashes[start:end], tokens[start:end], slots)
-            if num_ok == len(spans):
-                return num_ok
-        k = self.chain.layout.chunk_size
-        return self.chain.check(records, spans, hashes[start:end], tokens.reshape(-1),
-                                [(i * k, (i + 1) * k) for i in range(start, end)],
-                                session_id)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -381,7 +232,7 @@ class LmcachedStorage(HiCacheStorage):
             return [False] * num_pages
         try:
             self._check_indices(host_indices, num_pages)
-            results = self._store(keys_tokens(keys),
+            results = self.io.store(keys_tokens(keys),
                                   lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("set", exc, [False] * num_pages)
@@ -389,137 +240,6 @@ class LmcachedStorage(HiCacheStorage):
         self.num_stored_pages += stored
         self.num_skipped_pages += num_pages - stored
         return results
-
-    def _store(self, tokens: np.ndarray, runs_of: Callable[[], list]) -> list[bool]:
-        """Store pages (their key ids `tokens`, their source runs `runs_of()`): ALLOC in
-        pipelined requests (`pipeline_parts`); each part is written as soon as its reply
-        is in (the daemon allocates the next part meanwhile); one COMMIT of every part
-        but the last goes out before the last part is written, and one of the last
-        after. Every ALLOC is sent before the first COMMIT, so a batch never evicts its
-        own first pages (they are WRITING) to make room for its last ones.
-
-        Returns:
-            Per page, True when it is now held (committed, or already there); all False
-            when the daemon is unavailable or refused (a part whose COMMIT failed is
-            False, the parts before it stay stored).
-
-        Raises:
-            Whatever writing a record raises, after the ABORT of what was allocated (or
-            the end of the session, which aborts it, when replies were in flight).
-        """
-        chain, layout = self.chain, self.chain.layout
-        num_pages = len(tokens)
-        record_bytes = layout.record_bytes(layout.chunk_size)
-        results = [False] * num_pages
-
-        def store(snapshot) -> list[bool]:
-            parts = pipeline_parts(num_pages, chunks_per_request(layout, snapshot.block_bytes),
-                                   FIRST_STORE_PAGES, LAST_STORE_PAGES)
-            hashes = self._submit_parts(snapshot, tokens, parts, lambda hashes, start, end: Alloc(
-                snapshot.ns, b"".join(hashes[start:end]), [record_bytes] * (end - start),
-                snapshot.home_tier))
-            runs = runs_of()  # while the daemon answers the first part
-            in_flight = len(parts)
-            records = chain.records(snapshot)
-            written = []  # (start, reply) of the parts written, COMMIT not sent yet
-            committed = []  # the parts of each COMMIT sent
-            for n, (start, end) in enumerate(parts):
-                reply = snapshot.collect(Alloc)
-                in_flight -= 1
-                for i, status in enumerate(reply.status, start):
-                    results[i] = status == EXISTS
-                if reply.block_ids:
-                    try:
-                        if not records.maps(reply.block_ids):
-                            raise ValueError(f"ALLOC answered blocks {reply.block_ids[:4]} "
-                                             "that are not in the host arena this process "
-                                             "maps")
-                        self._write_pages(records, reply.spans(), start, hashes, tokens, runs)
-                    except BaseException:
-                        if not in_flight:  # else the session's end (DaemonLink.call) aborts
-                            snapshot.request(Abort(reply.block_ids + [
-                                ref for _, done in written for ref in done.block_ids]))
-                        raise
-                    written.append((start, reply))
-                if written and n >= len(parts) - 2:  # before the last part, and after it
-                    snapshot.submit(Commit([ref for _, done in written
-                                            for ref in done.block_ids]))
-                    in_flight += 1
-                    committed.append(written)
-                    written = []
-            for group in committed:
-                try:
-                    snapshot.collect(Commit)
-                except DaemonError as exc:
-                    logger.warning("COMMIT refused, %d pages not stored: %s",
-                                   sum(len(reply.status) for _, reply in group), exc)
-                    continue
-                for start, reply in group:
-                    for i, span in enumerate(reply.spans(), start):
-                        results[i] = results[i] or span is not None
-            return results
-
-        return self.link.call("ALLOC", store, None) or [False] * num_pages
-
-    def _write_pages(self, records, spans: list, start: int, hashes: list[bytes],
-                     tokens: np.ndarray, runs: list) -> None:
-        """Write the records of the pages `start + i` whose `spans[i]` is not None
-        (WRITING blocks of this session): all headers first (one scatter when every
-        record is in one block), then each page's runs, then the zero pads; sealed with
-        verify="checksum"."""
-        arena, layout = records.arena, self.chain.layout
-        filled = [(i, span) for i, span in enumerate(spans, start) if span is not None]
-        if not filled:
-            return
-        record_bytes = layout.record_bytes(layout.chunk_size)
-        if record_bytes > arena.block_bytes or any(len(span) != 1 for _, span in filled):
-            for i, span in filled:
-                self._write_page(arena, records.fingerprint, span, hashes[i], tokens[i],
-                                 runs[i])
-        else:
-            pages = [i for i, _ in filled]
-            blocks = [span[0] for _, span in filled]
-            heads = header_rows(records.fingerprint, [hashes[i] for i in pages], tokens[pages])
-            kv_offset, kv_end = layout.kv_offset, layout.kv_offset + self.page_bytes
-            self._block_rows(arena, 0, heads.shape[1])[blocks] = heads
-            base, offset_of = arena.base_ptr, arena.block_offset
-            copy = copy_runs
-            for i, block in zip(pages, blocks):
-                copy([(base + offset_of(block) + kv_offset, self.page_bytes)], runs[i])
-            if record_bytes > kv_end:
-                self._block_rows(arena, kv_end, record_bytes - kv_end)[blocks] = 0
-        if self.verify == "checksum":
-            for _, span in filled:
-                records.seal(span, layout.chunk_size)
-
-    def _block_rows(self, arena, start: int, length: int) -> np.ndarray:
-        """Writable uint8 `[num_blocks, length]`: bytes [start, start + length) of every
-        block of `arena` (start + length <= block_bytes), one row per block."""
-        key = (start, length)
-        if self._rows_arena is not arena:
-            self._rows_arena, self._rows = arena, {}
-        rows = self._rows.get(key)
-        if rows is None:
-            first = arena.block_offset(0)
-            rows = np.lib.stride_tricks.as_strided(
-                arena.numpy_view(first + start, arena.capacity_bytes - first - start),
-                shape=(arena.num_blocks, length), strides=(arena.block_bytes, 1))
-            self._rows[key] = rows
-        return rows
-
-    def _write_page(self, arena, fingerprint: int, span: list[int], chunk_hash: bytes,
-                    tokens: np.ndarray, runs: list[tuple[int, int]]) -> None:
-        """Write one page's record (header, key ids, the page's runs, zero pad) into
-        `span` (WRITING blocks of this session)."""
-        layout = self.chain.layout
-        kv_offset, record_end = layout.kv_offset, layout.record_bytes(layout.chunk_size)
-        write_header(arena.numpy_view(arena.block_offset(span[0]), kv_offset),
-                     fingerprint, chunk_hash, tokens)
-        end = kv_offset + self.page_bytes
-        place = functools.partial(record_runs, arena.base_ptr, arena.block_offset,
-                                  arena.block_bytes, span)
-        copy_runs(place(kv_offset, end), runs)
-        zero_runs(place(end, record_end))
 
     # ------------------------------------------------- HiCacheStorage (tensors)
     def get(self, key: str, target_location: Optional[Any] = None,
@@ -542,7 +262,7 @@ class LmcachedStorage(HiCacheStorage):
                    or t.numel() * t.element_size() != self.page_bytes for t in targets):
                 raise ValueError(f"get targets must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page)")
-            num_ok = self._read(keys, lambda: [[(t.data_ptr(), self.page_bytes)]
+            num_ok = self.io.read(keys, lambda: [[(t.data_ptr(), self.page_bytes)]
                                                for t in targets])
         except Exception as exc:
             return self._failed("get", exc, [None] * len(keys))
@@ -567,7 +287,7 @@ class LmcachedStorage(HiCacheStorage):
                     or v.numel() * v.element_size() != self.page_bytes for v in values):
                 raise ValueError(f"set values must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page), one per key")
-            results = self._store(keys_tokens(keys),
+            results = self.io.store(keys_tokens(keys),
                                   lambda: [[(v.data_ptr(), self.page_bytes)] for v in values])
         except Exception as exc:
             return self._failed("set", exc, False)
@@ -610,7 +330,8 @@ class LmcachedStorage(HiCacheStorage):
 
     def close(self) -> None:
         """End the daemon session (the pages stay in the daemon)."""
-        self._rows_arena, self._rows = None, {}
+        if self.io is not None:
+            self.io.forget_arena()
         if self.link is not None:
             self.link.close()
 

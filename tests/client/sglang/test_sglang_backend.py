@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
 
 from conftest import start_daemon  # noqa: E402
 from test_limits import wait_for  # noqa: E402
-from lmcached.client.sglang import LmcachedStorage, pages, storage  # noqa: E402
+from lmcached.client.sglang import LmcachedStorage, page_io, pages  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Clear  # noqa: E402
 from sglang_pools import fill_pages, page_indices, read_runs, sglang_method  # noqa: E402
@@ -182,11 +182,11 @@ def test_a_record_holding_another_keys_page_is_never_served(daemon, monkeypatch)
         keys = page_keys(2, "")
         src = page_indices([0], pool.page_size)
         fill_pages(pool, src, 9)
-        real_hash = storage.page_hash
+        real_hash = page_io.page_hash
         wrong = real_hash(pages.key_tokens(keys[1]))
-        monkeypatch.setattr(storage, "page_hash", lambda tokens: wrong)
+        monkeypatch.setattr(page_io, "page_hash", lambda tokens: wrong)
         assert backend.batch_set_v1([keys[0]], src) == [True]  # stored under keys[1]'s hash
-        monkeypatch.setattr(storage, "page_hash", real_hash)
+        monkeypatch.setattr(page_io, "page_hash", real_hash)
         assert backend.batch_exists([keys[1]]) == 1  # the index says so
         dst = page_indices([1], pool.page_size)
         assert backend.batch_get_v1([keys[1]], dst) == [False]
@@ -204,14 +204,14 @@ def test_a_record_whose_key_differs_in_its_last_byte_is_a_miss(daemon, monkeypat
     try:
         keys = [f"{key}x" for key in page_keys(NUM_PAGES, "")]  # 65 bytes: a part slot
         stored = keys[:3] + [keys[3][:-1] + "y"] + keys[4:]
-        real_hash = storage.page_hash
+        real_hash = page_io.page_hash
         hash_of = {pages.key_tokens(s).tobytes(): real_hash(pages.key_tokens(k))
                    for s, k in zip(stored, keys)}
         src = page_indices(list(range(NUM_PAGES)), pool.page_size)
         fill_pages(pool, src, 4)
-        monkeypatch.setattr(storage, "page_hash", lambda tokens: hash_of[tokens.tobytes()])
+        monkeypatch.setattr(page_io, "page_hash", lambda tokens: hash_of[tokens.tobytes()])
         assert all(backend.batch_set_v1(stored, src))
-        monkeypatch.setattr(storage, "page_hash", real_hash)
+        monkeypatch.setattr(page_io, "page_hash", real_hash)
         assert backend.batch_exists(keys) == NUM_PAGES  # the index says so
         dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
         assert backend.batch_get_v1(keys, dst) == [True] * 3 + [False] * (NUM_PAGES - 3)
@@ -254,7 +254,7 @@ def test_a_daemon_killed_mid_batch_is_a_miss_never_an_exception(daemon, monkeypa
     fill_pages(pool, src, 11)
     if op == "get":
         assert all(backend.batch_set_v1(keys, src))
-    real_copy = storage.copy_runs
+    real_copy = page_io.copy_runs
     calls = []
 
     def copy_then_kill(dst, src_runs):
@@ -264,7 +264,7 @@ def test_a_daemon_killed_mid_batch_is_a_miss_never_an_exception(daemon, monkeypa
         calls.append(1)
         real_copy(dst, src_runs)
 
-    monkeypatch.setattr(storage, "copy_runs", copy_then_kill)
+    monkeypatch.setattr(page_io, "copy_runs", copy_then_kill)
     try:
         dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
         if op == "get":
@@ -277,7 +277,7 @@ def test_a_daemon_killed_mid_batch_is_a_miss_never_an_exception(daemon, monkeypa
             assert read_runs(pool, dst)[: num_ok * m] == read_runs(pool, src)[: num_ok * m]
         else:
             assert backend.batch_set_v1(keys, src) == [False] * NUM_PAGES
-        monkeypatch.setattr(storage, "copy_runs", real_copy)
+        monkeypatch.setattr(page_io, "copy_runs", real_copy)
         # With no daemon: misses and skipped stores, no exception.
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get_v1(keys, dst) == [False] * NUM_PAGES

@@ -20,7 +20,7 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from conftest import start_daemon  # noqa: E402,F401
 from test_limits import wait_for  # noqa: E402
-from lmcached.client.sglang import pages, storage  # noqa: E402
+from lmcached.client.sglang import page_io, pages  # noqa: E402
 from lmcached.wire.connection import Connection  # noqa: E402
 from lmcached.wire.protocol import Ok, Ping  # noqa: E402
 from sglang_pools import fill_pages, page_indices, read_runs  # noqa: E402
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.sglang
 @pytest.fixture(autouse=True)
 def parts(monkeypatch):
     """Batches in these parts (the defaults' sizes, whatever they become)."""
-    monkeypatch.setattr(storage, "FIRST_GET_PAGES", 4)
-    monkeypatch.setattr(storage, "FIRST_STORE_PAGES", 8)
-    monkeypatch.setattr(storage, "LAST_STORE_PAGES", 8)
+    monkeypatch.setattr(page_io, "FIRST_GET_PAGES", 4)
+    monkeypatch.setattr(page_io, "FIRST_STORE_PAGES", 8)
+    monkeypatch.setattr(page_io, "LAST_STORE_PAGES", 8)
 
 NUM_PAGES = 12  # get: parts [0, 4) and [4, 12) (FIRST_GET_PAGES); set: [0, 8), [8, 12)
 
@@ -62,7 +62,7 @@ def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, mon
                                                                      in_parts):
     if not in_parts:  # a batch that fits one request is one
         for name in ("FIRST_GET_PAGES", "FIRST_STORE_PAGES", "LAST_STORE_PAGES"):
-            monkeypatch.setattr(storage, name, 0)
+            monkeypatch.setattr(page_io, name, 0)
     backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
     try:
         in_flight = []
@@ -110,12 +110,12 @@ def test_a_record_of_another_key_in_the_second_part_is_never_served(daemon, monk
         keys = page_keys(NUM_PAGES, "")
         src = page_indices(list(range(NUM_PAGES)), pool.page_size)
         fill_pages(pool, src, 4)
-        real_hash = storage.page_hash
+        real_hash = page_io.page_hash
         five, six = pages.key_tokens(keys[5]), real_hash(pages.key_tokens(keys[6]))
-        monkeypatch.setattr(storage, "page_hash",
+        monkeypatch.setattr(page_io, "page_hash",
                             lambda t: six if (t == five).all() else real_hash(t))
         assert backend.batch_set_v1(keys[5:6], src[5 * 4 : 6 * 4]) == [True]
-        monkeypatch.setattr(storage, "page_hash", real_hash)
+        monkeypatch.setattr(page_io, "page_hash", real_hash)
         backend.batch_set_v1(keys, src)  # page 6: EXISTS (the index says so)
         dst = page_indices(list(range(NUM_PAGES, 2 * NUM_PAGES)), pool.page_size)
         before = read_runs(pool, dst)
@@ -147,19 +147,19 @@ def test_a_batch_failing_mid_pipeline_ends_its_session_and_the_next_batch_works(
     backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
     try:
         session = backend.link.hello_reply.session_id
-        real_copy = storage.copy_runs
+        real_copy = page_io.copy_runs
 
         def fail(dst_runs, src_runs):
             raise RuntimeError("copy failed")
 
-        monkeypatch.setattr(storage, "copy_runs", fail)
+        monkeypatch.setattr(page_io, "copy_runs", fail)
         more = page_keys(NUM_PAGES, "more")
         if op == "get":
             assert backend.batch_get_v1(keys, dst) == [False] * NUM_PAGES
         else:
             assert backend.batch_set_v1(more, src) == [False] * NUM_PAGES
         assert backend.get_stats()["failures"] == 1
-        monkeypatch.setattr(storage, "copy_runs", real_copy)
+        monkeypatch.setattr(page_io, "copy_runs", real_copy)
         wait_for(lambda: daemon.pins_held() == 0 and daemon.info()["writing_blocks"] == 0)
         assert backend.batch_get_v1(keys, dst) == [True] * NUM_PAGES  # not a miss
         assert backend.link.hello_reply.session_id != session
