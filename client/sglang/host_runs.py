@@ -66,8 +66,9 @@ class HostPageRuns:
         A pool of more than LEARN_PAGES pages (SGLang's page size may be 1 token) is
         asked for LEARN_PAGES of them spread over the pool (its first and last among
         them) and for its second page. Without a `size` attribute, with fewer than two
-        pages, or with runs whose sizes differ from page to page or whose addresses are
-        not affine, every batch asks the pool (logged here, at debug level).
+        pages, when the pool refuses one of those pages, or with runs whose sizes differ
+        from page to page or whose addresses are not affine, every batch asks the pool
+        (logged here, at debug level).
         """
         page_size = int(pool.page_size)
         _, first_sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
@@ -81,8 +82,13 @@ class HostPageRuns:
             starts = pages * page_size
             indices = torch.from_numpy(
                 (starts[:, None] + np.arange(page_size, dtype=np.int64)).reshape(-1))
-            addresses, all_sizes = pool.get_page_buffer_meta(indices)
-            if (len(addresses) == len(all_sizes) == len(pages) * m
+            try:
+                addresses, all_sizes = pool.get_page_buffer_meta(indices)
+            except Exception as exc:  # a pool that refuses some of its own pages
+                logger.debug("host pool %s: get_page_buffer_meta of %d pages failed (%s)",
+                             type(pool).__name__, len(pages), exc)
+                addresses = all_sizes = []
+            if (addresses and len(addresses) == len(all_sizes) == len(pages) * m
                     and all(int(n) == sizes[i % m] for i, n in enumerate(all_sizes))):
                 table = np.asarray(addresses, dtype=np.int64).reshape(len(pages), m)
                 base, step = table[0], table[1] - table[0]

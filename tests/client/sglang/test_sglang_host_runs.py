@@ -100,3 +100,21 @@ def test_a_large_pool_is_learnt_from_pages_spread_over_it(monkeypatch):
     shuffled.get_page_buffer_meta = lambda indices: asked.append(len(indices)) or real(indices)
     assert HostPageRuns.learn(shuffled).base is None
     assert max(asked) <= (4 + 1) * 4  # pages 0, 1, 5, 10 and 15 of 4 tokens, not all 16
+
+
+def test_a_pool_that_refuses_some_of_its_pages_is_asked_for_every_batch():
+    """SGLang's MLA pool with decode context parallelism raises for pages outside its
+    logical size: registration must not fail for that."""
+    pool = make_pool("mha", "page_first", size=64, page_size=4)
+    real = pool.get_page_buffer_meta
+
+    def refusing(indices):
+        if len(indices) > 4 * 4:
+            raise IndexError("DCP L3 page is outside the host pool.")
+        return real(indices)
+
+    pool.get_page_buffer_meta = refusing
+    runs = HostPageRuns.learn(pool)
+    assert runs.base is None
+    indices = page_indices([2, 1], 4)
+    assert runs.runs(indices, 2) == own_runs(pool, indices, 2)
