@@ -71,9 +71,9 @@ class BlockPool:
             its key's group counted); None = no hook.
         events: the daemon's event feed (lmcached/daemon/events.py), told of every
             value that leaves the index (`EventFeed.removed`, O(1)) and of every chunk
-            `publish_stored` names; None = not told.
+            `commit` indexes; None = not told.
         parents: key -> the chunk hash before it in its chain, for each indexed chunk
-            whose writer named one (`publish_stored`): what a router chains an
+            whose writer named one (`commit`'s `parent`): what a router chains an
             announcement by, carried along when the chunk moves to another tier (a
             demotion, a disk slot). Dropped when the chunk leaves the index.
     """
@@ -246,17 +246,23 @@ class BlockPool:
         block.state = _FREE
 
     def commit(
-        self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False
+        self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False,
+        *, parent: bytes = b"",
     ) -> bool:
-        """Make WRITING blocks READY and index them under `block_hash`.
+        """Make WRITING blocks READY, index them under `block_hash` and announce them.
 
         The caller still holds its reference afterwards and releases it with `free`.
+        Every value indexed is announced here (`_publish_stored`: its parent kept in
+        `parents`, a stored event told to `events`): whatever installs a chunk (a
+        client's COMMIT, a disk or L2 fetch, the prewarm, a demotion) cannot forget to.
 
         Args:
             blocks: the value's blocks in order, all WRITING (from one `allocate`).
             block_hash: the value's key.
             replace: when the key is already cached, remove the old value from the index
                 (its readers keep their pins until they free them) instead of refusing.
+            parent: the chunk hash before it in its chain (b"" or ROOT_HASH: not known,
+                or the chain's first chunk).
 
         Returns:
             True when indexed; False when the key was already cached and `replace` is
@@ -265,23 +271,32 @@ class BlockPool:
         Raises:
             ValueError: a block is not in state WRITING, or `blocks` is empty.
         """
-        return self.commit_many([blocks], [block_hash], replace)[0]
+        return self.commit_many([blocks], [block_hash], replace, parents=[parent])[0]
 
     def commit_many(
         self,
         spans: list[list[KVCacheBlock]],
         block_hashes: list[BlockHash],
         replace: bool = False,
+        *,
+        parents: list[bytes] | None = None,
     ) -> list[bool]:
-        """`commit` for several values at once (one request's chunks), in order.
+        """`commit` for several values at once (one request's chunks), in order: each
+        value indexed is announced as it is indexed, so the stored events follow the
+        values' order.
 
         Every span is validated before any is committed, so a ValueError changes nothing.
+
+        Args:
+            parents: per value, its `commit` parent (None: b"" for every one).
 
         Returns:
             Per value, as `commit`.
         """
         if len(spans) != len(block_hashes):
             raise ValueError(f"{len(spans)} spans but {len(block_hashes)} hashes")
+        if parents is not None and len(parents) != len(spans):
+            raise ValueError(f"{len(spans)} spans but {len(parents)} parents")
         for blocks in spans:
             if not blocks:
                 raise ValueError("commit needs at least one block per value")
@@ -297,7 +312,8 @@ class BlockPool:
         results = []
         num_committed_blocks = 0
         num_committed_bytes = 0
-        for blocks, block_hash in zip(spans, block_hashes):
+        publish = self._publish_stored
+        for i, (blocks, block_hash) in enumerate(zip(spans, block_hashes)):
             replaced = block_hash in cached
             if replaced:
                 if not replace:
@@ -316,6 +332,7 @@ class BlockPool:
                 counts[group] = counts.get(group, 0) + 1
             num_committed_blocks += len(span)
             results.append(True)
+            publish(block_hash, parents[i] if parents is not None else b"", span[0].block_id)
         self.num_writing_blocks -= num_committed_blocks
         self.num_cached_blocks += num_committed_blocks
         self.num_pinned_blocks += num_committed_blocks
@@ -499,10 +516,9 @@ class BlockPool:
             self.evict(block_hash)
         return len(victims)
 
-    def publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
-        """A chunk just committed entered this pool (a client's COMMIT, a disk or L2
-        fetch, the prewarm, a demotion): keep its parent (`parents`) and tell the event
-        feed, if any. O(1).
+    def _publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
+        """A chunk just committed entered this pool (`commit_many`, whoever installs
+        it): keep its parent (`parents`) and tell the event feed, if any. O(1).
 
         Args:
             block_hash: the value's key.

@@ -27,7 +27,8 @@ from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
 from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.shm.arena import HEADER_BYTES, Arena
-from lmcached.wire.protocol import Acquire, BlocksReply, Clear, Lookup, LookupReply, Release
+from lmcached.wire.protocol import (Acquire, BlocksReply, Clear, Events, Lookup, LookupReply,
+                                    Release, Subscribe)
 from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 
 
@@ -238,3 +239,23 @@ def test_the_internals_check_finds_a_tier_picked_by_name():
                "entries = disk.index.entries if disk is not None else {}\n")
     assert tier_internals_named(planted) == [
         "service.spill_tier", "disk.index.entries", "disk.index"]
+
+
+def test_every_chunk_a_fetch_installs_is_announced_once(tiered):
+    """A fetch from any tier installs the chunks prompt A missed in the arena; each one
+    is a stored "cpu" event, once, and nothing else is (`BlockPool.commit` announces
+    whatever it indexes: no install path can forget to)."""
+    service, tier = tiered
+    session = store_a_then_b(service, tier)
+    before = set(service.pool.cached)
+    watcher = greeted(service, LAYOUT)
+    cursor = service.handle(watcher, Subscribe([1])).cursor
+    assert lookup_a(service, session) == len(PROMPT_A)
+    installed = [key[5:] for key in service.pool.cached if key not in before]
+    assert installed
+    reply = service.handle(watcher, Events(cursor, 0, False))
+    stored = [e.chunk_hash for e in reply.events if (e.kind, e.medium) == ("stored", "cpu")]
+    removed = {e.chunk_hash for e in reply.events if (e.kind, e.medium) == ("removed", "cpu")}
+    assert sorted(h for h in stored if h not in removed) == sorted(installed)
+    assert len(stored) == len(set(stored)) and set(stored) <= {h for _, h, _ in PROMPT_A}
+    assert_nothing_pinned(service)
