@@ -20,12 +20,12 @@ Popping a cached block from the free queue evicts its whole value (every block o
 span leaves the index and moves to the front of the queue as an empty block).
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 from lmcached.wire.protocol import block_ref
-from lmcached.wire.record_format import ROOT_HASH
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
+from lmcached.daemon.pool_bookkeeping import ValueBookkeeping
 from lmcached.daemon.pool_invariants import check_pool_invariants
 from lmcached.daemon.stats import PoolStats
 
@@ -33,7 +33,7 @@ from lmcached.daemon.stats import PoolStats
 _FREE, _WRITING, _READY = int(BlockState.FREE), int(BlockState.WRITING), int(BlockState.READY)
 
 
-class BlockPool:
+class BlockPool(ValueBookkeeping):
     """Metadata of `num_blocks` arena blocks: states, ref counts, hash index, LRU queue.
 
     After vLLM v1's `BlockPool`. Errors follow three kinds: pressure returns a value
@@ -57,25 +57,9 @@ class BlockPool:
             value, before its blocks are handed out, while their bytes and `num_bytes`
             are intact (the daemon's L2 tier copies them, lmcached/daemon/l2/tier.py); None = no
             hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
-        clear_generation: how many `clear`s this pool has seen. A tier that installs
-            values fetched in the background (disk, L2) notes it when a fetch starts and
-            commits nothing once it changed: a fetch started before a CLEAR never
-            installs after it.
-        group_of: maps a key to its group (the daemon: its namespace,
-            `keys.namespace_tag_of`), so that the pool counts the indexed values of
-            each group in `num_values_by_group`; None = no counting.
-        num_values_by_group: group -> values in the index now (groups with none are
-            absent).
-        on_group_empty: called as `on_group_empty(group)` when the last indexed value
-            of a group leaves the index (an eviction of any kind; a replacement keeps
-            its key's group counted); None = no hook.
-        events: the daemon's event feed (lmcached/daemon/events.py), told of every
-            value that leaves the index (`EventFeed.removed`, O(1)) and of every chunk
-            `publish_stored` names; None = not told.
-        parents: key -> the chunk hash before it in its chain, for each indexed chunk
-            whose writer named one (`publish_stored`): what a router chains an
-            announcement by, carried along when the chunk moves to another tier (a
-            demotion, a disk slot). Dropped when the chunk leaves the index.
+        clear_generation, group_of, num_values_by_group, on_group_empty, events,
+        parents: what the pool keeps and tells beside its index
+            (lmcached/daemon/pool_bookkeeping.py, `ValueBookkeeping`).
     """
 
     def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
@@ -93,12 +77,7 @@ class BlockPool:
         self.num_cached_bytes = 0  # sum of num_bytes over READY indexed blocks
         self.stats = PoolStats()
         self.on_evict: Callable[[BlockHash, list[KVCacheBlock]], None] | None = None
-        self.group_of: Callable[[BlockHash], Hashable] | None = None
-        self.num_values_by_group: dict[Hashable, int] = {}
-        self.on_group_empty: Callable[[Hashable], None] | None = None
-        self.clear_generation = 0
-        self.events = None  # an EventFeed (events.py, a layer above: not imported)
-        self.parents: dict[BlockHash, bytes] = {}
+        super().__init__()
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -183,37 +162,6 @@ class BlockPool:
         )
         return blocks
 
-    def lru_values(self, limit: int,
-                   max_blocks: int | None = None) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
-        """Up to `limit` unpinned cached values in eviction order (least recently used
-        first), without evicting them. No side effects.
-
-        Every value returned has ref_cnt 0 (only unpinned blocks are in the free queue),
-        so a caller that pins them before it lets go of the loop never moves a pinned
-        value.
-
-        Args:
-            limit: values wanted at most.
-            max_blocks: queued blocks visited at most, empty ones included (a bound on
-                the loop's work); None = no bound.
-
-        Returns:
-            (key, blocks) pairs, each value once.
-        """
-        found: dict[BlockHash, list[KVCacheBlock]] = {}
-        if limit <= 0:
-            return []
-        visited = 0
-        for block in self.free_block_queue:
-            if block.block_hash is not None and block.block_hash not in found:
-                found[block.block_hash] = block.span
-                if len(found) >= limit:
-                    break
-            visited += 1
-            if max_blocks is not None and visited >= max_blocks:
-                break
-        return list(found.items())
-
     def _evict_popped(self, block: KVCacheBlock) -> None:
         """Evict the value of `block`, just popped from the free queue."""
         if self.on_evict is not None:
@@ -246,17 +194,23 @@ class BlockPool:
         block.state = _FREE
 
     def commit(
-        self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False
+        self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False,
+        *, parent: bytes = b"",
     ) -> bool:
-        """Make WRITING blocks READY and index them under `block_hash`.
+        """Make WRITING blocks READY, index them under `block_hash` and announce them.
 
         The caller still holds its reference afterwards and releases it with `free`.
+        Every value indexed is announced here (`_publish_stored`: its parent kept in
+        `parents`, a stored event told to `events`): whatever installs a chunk (a
+        client's COMMIT, a disk or L2 fetch, the prewarm, a demotion) cannot forget to.
 
         Args:
             blocks: the value's blocks in order, all WRITING (from one `allocate`).
             block_hash: the value's key.
             replace: when the key is already cached, remove the old value from the index
                 (its readers keep their pins until they free them) instead of refusing.
+            parent: the chunk hash before it in its chain (b"" or ROOT_HASH: not known,
+                or the chain's first chunk).
 
         Returns:
             True when indexed; False when the key was already cached and `replace` is
@@ -265,23 +219,32 @@ class BlockPool:
         Raises:
             ValueError: a block is not in state WRITING, or `blocks` is empty.
         """
-        return self.commit_many([blocks], [block_hash], replace)[0]
+        return self.commit_many([blocks], [block_hash], replace, parents=[parent])[0]
 
     def commit_many(
         self,
         spans: list[list[KVCacheBlock]],
         block_hashes: list[BlockHash],
         replace: bool = False,
+        *,
+        parents: list[bytes] | None = None,
     ) -> list[bool]:
-        """`commit` for several values at once (one request's chunks), in order.
+        """`commit` for several values at once (one request's chunks), in order: each
+        value indexed is announced as it is indexed, so the stored events follow the
+        values' order.
 
         Every span is validated before any is committed, so a ValueError changes nothing.
+
+        Args:
+            parents: per value, its `commit` parent (None: b"" for every one).
 
         Returns:
             Per value, as `commit`.
         """
         if len(spans) != len(block_hashes):
             raise ValueError(f"{len(spans)} spans but {len(block_hashes)} hashes")
+        if parents is not None and len(parents) != len(spans):
+            raise ValueError(f"{len(spans)} spans but {len(parents)} parents")
         for blocks in spans:
             if not blocks:
                 raise ValueError("commit needs at least one block per value")
@@ -297,7 +260,8 @@ class BlockPool:
         results = []
         num_committed_blocks = 0
         num_committed_bytes = 0
-        for blocks, block_hash in zip(spans, block_hashes):
+        publish = self._publish_stored
+        for i, (blocks, block_hash) in enumerate(zip(spans, block_hashes)):
             replaced = block_hash in cached
             if replaced:
                 if not replace:
@@ -316,6 +280,7 @@ class BlockPool:
                 counts[group] = counts.get(group, 0) + 1
             num_committed_blocks += len(span)
             results.append(True)
+            publish(block_hash, parents[i] if parents is not None else b"", span[0].block_id)
         self.num_writing_blocks -= num_committed_blocks
         self.num_cached_blocks += num_committed_blocks
         self.num_pinned_blocks += num_committed_blocks
@@ -429,21 +394,6 @@ class BlockPool:
         self.num_pinned_blocks -= num_unpinned
 
     # ---------------------------------------------------------------- eviction
-    def evict(self, block_hash: BlockHash) -> bool:
-        """Remove a value from the index now.
-
-        Unpinned blocks become empty (front of the free queue); pinned blocks keep
-        their bytes for their current readers, are no longer found by anyone, and
-        become empty when freed.
-
-        Returns:
-            True when the key was cached.
-        """
-        if not self._unindex(block_hash):
-            return False
-        self.stats.evictions += 1
-        return True
-
     def _unindex(self, block_hash: BlockHash, replacing: bool = False) -> bool:
         span = self.cached.pop(block_hash, None)
         if span is None:
@@ -464,58 +414,6 @@ class BlockPool:
                 self.num_detached_blocks += 1
         self.num_cached_blocks -= len(span)
         return True
-
-    def _uncount(self, block_hash: BlockHash) -> None:
-        """Count a value that just left the index out of its group (`group_of`)."""
-        if self.group_of is None:
-            return
-        group = self.group_of(block_hash)
-        left = self.num_values_by_group[group] - 1
-        if left:
-            self.num_values_by_group[group] = left
-            return
-        del self.num_values_by_group[group]
-        if self.on_group_empty is not None:
-            self.on_group_empty(group)
-
-    def evict_lru(self, num_values: int) -> int:
-        """Evict up to `num_values` unpinned values, least recently used first.
-
-        Returns:
-            The number of values evicted.
-        """
-        victims = self.lru_values(num_values)
-        for block_hash, _ in victims:
-            self.evict(block_hash)
-        return len(victims)
-
-    def clear(self) -> int:
-        """Evict every cached value, pinned or not (as `evict`: a pinned value keeps its
-        bytes for its current readers, is found by no one, and becomes empty when freed),
-        and advance `clear_generation`. Returns how many values."""
-        self.clear_generation += 1
-        victims = list(self.cached)
-        for block_hash in victims:
-            self.evict(block_hash)
-        return len(victims)
-
-    def publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
-        """A chunk just committed entered this pool (a client's COMMIT, a disk or L2
-        fetch, the prewarm, a demotion): keep its parent (`parents`) and tell the event
-        feed, if any. O(1).
-
-        Args:
-            block_hash: the value's key.
-            parent: the chunk hash before it in its chain (b"" or ROOT_HASH: not known,
-                or the chain's first chunk).
-            block_id: its first block (the record header, read for token ids).
-        """
-        if parent == ROOT_HASH:
-            parent = b""
-        if parent:
-            self.parents[block_hash] = parent
-        if self.events is not None:
-            self.events.stored(block_hash, parent, block_id)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

@@ -225,12 +225,10 @@ class Demoter:
                 host.abort(job.host_blocks)  # evicted or cleared meanwhile: stay gone
                 self.stats.demotions_aborted += 1
                 continue
-            if not host.commit_many([job.host_blocks], [job.key])[0]:
+            if not host.commit(job.host_blocks, job.key, parent=pool.parents.get(job.key, b"")):
                 host.abort(job.host_blocks)  # a host copy was committed meanwhile
                 self.stats.demotions_deduplicated += 1
             else:
-                host.publish_stored(job.key, pool.parents.get(job.key, b""),
-                                    job.host_blocks[0].block_id)
                 committed.append((job.key, job.host_blocks))
                 self.stats.demotions += 1
                 self.stats.demoted_bytes += job.num_bytes

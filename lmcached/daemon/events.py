@@ -25,7 +25,8 @@ record header in the arena when a subscriber asks for them, at EVENTS time (lazy
 store pays nothing), while the arena still holds it; otherwise they are empty.
 
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
-`snapshot`): the keys the arena and the disk tier hold at that moment, copied once (a
+`snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
+their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
 list of references, 8 bytes a chunk), paged by its EVENTS as "stored" events of
 sequence number 0 before the live events from its cursor, so that nothing is lost or
 announced twice between the two: a chunk removed before its page is skipped (its
@@ -33,10 +34,11 @@ removal follows in the live events), one stored after the SUBSCRIBE is in the li
 events. The arena's chunks come first (in the order they were cached), then the disk's,
 most recently used first, but for a chunk's ancestors on disk, which are paged before
 it (the disk index's order is eviction's, a chain's tail first, or the order of
-writes), each with its parent hash (the pool's `parents`, the disk index's), so that
-a subscriber can chain them. A disk chunk's token ids are read from
-the arena when it is there too, else from its slot: one small read on the loop thread,
-at most SNAPSHOT_DISK_READS a page.
+writes), each with its parent hash (the pool's `parents`, the tier's
+`SpillTier.chunk_parent`), so that a subscriber can chain them. A disk chunk's token
+ids are read from the arena when it is there too, else from its tier
+(`SpillTier.token_ids`, from its slot): one small read on the loop thread, at most
+SNAPSHOT_DISK_READS a page. The feed knows the tiers through that interface only.
 
 Parents travel with a chunk: the arena pool keeps the parent its writer's ALLOC named
 (`BlockPool.parents`), a device tier's pool too (its demotion carries it to the arena),
@@ -86,7 +88,7 @@ class Subscriber:
         snapshot: the arena's keys when it subscribed with a snapshot, paged from
             `snapshot_pos` on (None: no snapshot, or all of it read).
         snapshot_pos: index in `snapshot` of the next key to page.
-        disk_snapshot: the disk tier's keys then, most recently used first, paged (those
+        disk_snapshot: the spill tiers' keys then, most recently used first, paged (those
             of its namespaces) after `snapshot` from `disk_pos` on (None: none left).
         disk_pos: index in `disk_snapshot` of the next key to page.
         disk_sent: disk keys of `disk_snapshot` paged already (sent ahead of their
@@ -210,7 +212,7 @@ class EventFeed:
             max_events: as `read`.
             arena_entry: `arena_entry(key) -> (block id, parent) | None`: the arena
                 holds it now (its first block, its parent hash or b"").
-            disk_entry: `disk_entry(disk key) -> (parent, from disk) | None`: the disk
+            disk_entry: `disk_entry(disk key) -> (parent, from disk) | None`: a spill
                 tier holds it now; `from disk`: its token ids are read from its slot
                 (the arena does not hold it).
             resolve: as `read`, given the event tuple of the chunk's stored event.
@@ -444,10 +446,8 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
     snapshot = disk_snapshot = None
     if req.snapshot and service.pool is not None:
         snapshot = list(service.pool.cached)
-        disk = service.spill_tier("disk")
-        index = disk.index if disk is not None else None
-        if index is not None and index.entries:  # filtered as it is paged
-            disk_snapshot = list(reversed(index.entries))  # most recently used first
+        disk_snapshot = [key for tier in service.spill_tiers  # filtered as it is paged
+                         for key in tier.snapshot_keys()] or None
     cursor = feed.subscribe(session.session_id, namespaces,
                             [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot,
                             disk_snapshot)
@@ -464,8 +464,15 @@ def events(service, session, req: Events) -> EventsReply:
                            "first (a new connection, or a restarted daemon, needs it again)")
     fps = _fingerprints(service)
     ns_of_fp = {fp: ns for ns, fp in fps.items()}
-    pool, arena = service.pool, service.arena
-    disk = service.spill_tier("disk")
+    pool, arena, tiers = service.pool, service.arena, service.spill_tiers
+
+    def holder(key):
+        """(the first spill tier holding `key`, its parent), or None."""
+        for tier in tiers:
+            parent = tier.chunk_parent(key)
+            if parent is not None:
+                return tier, parent
+        return None
 
     def resolve(event, with_tokens, sub):
         seq, kind, medium, key, parent, block_id = event
@@ -487,26 +494,25 @@ def events(service, session, req: Events) -> EventsReply:
                 block_id = span[0].block_id if span is not None else -1
             if block_id >= 0:
                 tokens = read_token_ids(arena, block_id, chunk_hash)
-            elif seq == 0 and medium == MEDIUM_DISK and disk is not None:
-                tokens = disk.read_token_ids(key)  # a snapshot's disk-only chunk
+            elif seq == 0 and medium == MEDIUM_DISK:  # a snapshot's chunk not in the arena
+                held = holder(key)
+                tokens = (held[0].token_ids(key) or b"") if held is not None else b""
         return ChunkEvent(seq, kind, medium, ns, fp, chunk_hash, parent, tokens)
 
     if sub.snapshot is not None or sub.disk_snapshot is not None:
         cached, parents = pool.cached, pool.parents
-        index = disk.index if disk is not None else None
-        entries = index.entries if index is not None else {}
 
         def arena_entry(key):
             span = cached.get(key)
             return None if span is None else (span[0].block_id, parents.get(key, b""))
 
         def disk_entry(key):
-            entry = entries.get(key)
-            if entry is None:
+            held = holder(key)
+            if held is None:
                 return None
             ns = ns_of_fp.get(key[0])
             in_arena = ns is not None and CHUNK_TAG + ns.to_bytes(4, "little") + key[1] in cached
-            return entry.parent, not in_arena
+            return held[1], not in_arena
 
         out = feed.read_snapshot(sub, req.max_events, arena_entry, disk_entry, resolve)
         service.work_units = 1 + feed.examined // EVENTS_PER_UNIT

@@ -265,12 +265,11 @@ def commit(state: ValueState, session: Session, req: Commit) -> Ok:
         group = [v for v in values if v.replace == replace]
         if not group:
             continue
-        indexed = pool.commit_many([v.blocks for v in group], [v.key for v in group], replace)
+        indexed = pool.commit_many([v.blocks for v in group], [v.key for v in group], replace,
+                                   parents=[v.parent for v in group])
         committed = []
-        publish = pool.publish_stored
         for value, ok in zip(group, indexed):
             if ok:
-                publish(value.key, value.parent, value.blocks[0].block_id)
                 committed.extend(value.blocks)
                 state.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
             else:  # another session committed the same chunk first
@@ -288,8 +287,7 @@ def _commit_device(state: ValueState, values: list[PendingValue]) -> None:
     pools = state.tiers.pools
     for value in values:
         pool = pools[value.tier_id]
-        if pool.commit_many([value.blocks], [value.key])[0]:
-            pool.publish_stored(value.key, value.parent, value.blocks[0].block_id)
+        if pool.commit(value.blocks, value.key, parent=value.parent):
             state.stats.stores += 1
             state.stats.stored_bytes += sum(b.num_bytes for b in value.blocks)
             pool.free(value.blocks)

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import BlockState
+from lmcached.wire.record_format import ROOT_HASH
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
@@ -411,4 +412,40 @@ def test_commit_many_validates_everything_before_committing_anything():
         pool.commit_many([[writing[0]], ready], ["a", "b"])
     assert writing[0].state == BlockState.WRITING and pool.get_cached("a") is None
     assert pool.commit_many([[writing[0]], [writing[1]]], ["a", "old"]) == [True, False]
+    pool.check_invariants()
+
+
+class RecordingFeed:
+    """Stands in for the daemon's event feed: the stored and removed calls, in order."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def stored(self, key, parent, block_id) -> None:
+        self.calls.append(("stored", key, parent, block_id))
+
+    def removed(self, key) -> None:
+        self.calls.append(("removed", key))
+
+
+def test_commit_announces_each_value_it_indexes_in_order_and_keeps_its_parent():
+    """Whatever commits (one value or many) announces what it indexed, with its parent
+    (ROOT_HASH spelled b""), in the values' order; a refused value announces nothing."""
+    pool = BlockPool(8)
+    pool.events = feed = RecordingFeed()
+    a, b, c = pool.allocate(1), pool.allocate(2), pool.allocate(1)
+    assert pool.commit_many([a, b], [b"ka", b"kb"], parents=[ROOT_HASH, b"pa"]) == [True, True]
+    assert pool.commit(c, b"ka") is False  # already cached: not indexed, not announced
+    pool.abort(c)
+    d = pool.allocate(1)
+    assert pool.commit(d, b"kd")  # no parent named
+    assert feed.calls == [("stored", b"ka", b"", a[0].block_id),
+                          ("stored", b"kb", b"pa", b[0].block_id),
+                          ("stored", b"kd", b"", d[0].block_id)]
+    assert pool.parents == {b"kb": b"pa"}
+    e = pool.allocate(1)
+    with pytest.raises(ValueError, match="1 spans but 2 parents"):
+        pool.commit_many([e], [b"ke"], parents=[b"", b""])
+    assert b"ke" not in pool.cached and len(feed.calls) == 3
+    pool.abort(e)
     pool.check_invariants()

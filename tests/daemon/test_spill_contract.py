@@ -7,7 +7,9 @@ The dict tier is written in its own folder and attached here by one line: that i
 these tests is what "a new tier is one folder and one line in the list" means.
 """
 
+import ast
 import dataclasses
+import os
 import time
 
 import pytest
@@ -23,8 +25,11 @@ from lmcached.daemon.l2.tier import L2Tier
 from lmcached.daemon.replies import Deferred
 from lmcached.daemon.server_config import ServerConfig
 from lmcached.daemon.service import CacheService
+from lmcached.daemon.spill.envelope import namespace_fingerprint
 from lmcached.shm.arena import HEADER_BYTES, Arena
-from lmcached.wire.protocol import Acquire, BlocksReply, Clear, Lookup, LookupReply, Release
+from lmcached.wire.protocol import (Acquire, BlocksReply, Clear, Events, Lookup, LookupReply,
+                                    Release, Subscribe)
+from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 
 
 def disk_tier(service: CacheService, tmp_path) -> DiskTier:
@@ -164,3 +169,93 @@ def test_stats_are_typed_and_every_counter_is_an_info_field(tiered):
     info = tier.info()
     assert {f"{tier.name}_{f.name}": getattr(stats, f.name) for f in fields}.items() \
         <= info.items()
+
+
+# Which tiers list the keys they hold for the event feed's snapshot (L2 cannot).
+LISTS_KEYS = {"disk": True, "l2": False, "dict": True}
+
+
+def test_a_tier_lists_what_it_holds_for_the_event_snapshot(tiered):
+    """`snapshot_keys`, `chunk_parent` and `token_ids` (what lmcached/daemon/events.py
+    knows of a tier): a tier that lists its keys lists those it holds, once each, each
+    with a parent and its record's token ids; a key it does not hold has
+    neither; L2 lists nothing and answers None."""
+    service, tier = tiered
+    store_a_then_b(service, tier)
+    fp = namespace_fingerprint(LAYOUT)
+    stored = [((fp, chunk_hash), record) for _, chunk_hash, record in PROMPT_A + PROMPT_B]
+    keys = list(tier.snapshot_keys())
+    if not LISTS_KEYS[tier.name]:
+        assert keys == []
+        assert all(tier.chunk_parent(key) is None and tier.token_ids(key) is None
+                   for key, _ in stored)
+        return
+    held = set(keys)
+    assert held and len(held) == len(keys)
+    assert held <= {key for key, _ in stored}
+    for key, record in stored:
+        if key in held:
+            assert isinstance(tier.chunk_parent(key), bytes)
+            assert tier.token_ids(key) == \
+                record[RECORD_HEADER_BYTES:read_header(record).tokens_end]
+        else:
+            assert tier.chunk_parent(key) is None and tier.token_ids(key) is None
+    unknown = (fp, PROMPT_A[0][1][::-1])
+    assert tier.chunk_parent(unknown) is None and tier.token_ids(unknown) is None
+    assert tier.chunk_parent((b"\0" * 16, keys[0][1])) is None  # another namespace's
+    service.handle(greeted(service, LAYOUT), Clear())
+    pump(service, lambda: IDLE[tier.name](tier))
+    assert list(tier.snapshot_keys()) == []
+    assert tier.chunk_parent(keys[0]) is None and tier.token_ids(keys[0]) is None
+
+
+EVENTS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "lmcached", "daemon", "events.py")
+
+
+def tier_internals_named(source: str) -> list[str]:
+    """What Python `source` names of one tier's internals: calls of `spill_tier(...)`
+    (a tier picked by name) and the attributes `index` / `entries` (the disk index)."""
+    named = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("spill_tier", "index", "entries"):
+            named.append(ast.unparse(node))
+        elif isinstance(node, ast.Name) and node.id == "spill_tier":
+            named.append(node.id)
+    return named
+
+
+def test_the_event_feed_knows_the_tiers_through_their_interface_only():
+    """lmcached/daemon/events.py iterates `spill_tiers` and asks `snapshot_keys`,
+    `chunk_parent` and `token_ids`: it picks no tier by name and reads no tier's index."""
+    with open(EVENTS_PY) as f:
+        source = f.read()
+    assert tier_internals_named(source) == []
+    assert "spill_tier(" not in source and ".index" not in source
+
+
+def test_the_internals_check_finds_a_tier_picked_by_name():
+    planted = ('disk = service.spill_tier("disk")\n'
+               "entries = disk.index.entries if disk is not None else {}\n")
+    assert tier_internals_named(planted) == [
+        "service.spill_tier", "disk.index.entries", "disk.index"]
+
+
+def test_every_chunk_a_fetch_installs_is_announced_once(tiered):
+    """A fetch from any tier installs the chunks prompt A missed in the arena; each one
+    is a stored "cpu" event, once, and nothing else is (`BlockPool.commit` announces
+    whatever it indexes: no install path can forget to)."""
+    service, tier = tiered
+    session = store_a_then_b(service, tier)
+    before = set(service.pool.cached)
+    watcher = greeted(service, LAYOUT)
+    cursor = service.handle(watcher, Subscribe([1])).cursor
+    assert lookup_a(service, session) == len(PROMPT_A)
+    installed = [key[5:] for key in service.pool.cached if key not in before]
+    assert installed
+    reply = service.handle(watcher, Events(cursor, 0, False))
+    stored = [e.chunk_hash for e in reply.events if (e.kind, e.medium) == ("stored", "cpu")]
+    removed = {e.chunk_hash for e in reply.events if (e.kind, e.medium) == ("removed", "cpu")}
+    assert sorted(h for h in stored if h not in removed) == sorted(installed)
+    assert len(stored) == len(set(stored)) and set(stored) <= {h for _, h, _ in PROMPT_A}
+    assert_nothing_pinned(service)

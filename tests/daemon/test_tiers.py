@@ -32,6 +32,7 @@ from lmcached.wire.protocol import (
     Clients,
     Commit,
     Error,
+    Events,
     Evict,
     Hello,
     HelloReply,
@@ -40,6 +41,7 @@ from lmcached.wire.protocol import (
     Lookup,
     OpenTier,
     Release,
+    Subscribe,
     TierHandle,
     TierInfo,
     block_ref,
@@ -531,3 +533,25 @@ def test_a_store_that_finds_the_tier_full_makes_room_for_the_next_one(tiered):
     refs = write_and_commit(service, gpu, [30, 31, 32, 33])
     assert [tier_of(r) for r in refs] == [1, 1, 1, 1]  # the newest chunks are on the device
     service.tiers.check_invariants()
+
+
+def test_a_demotion_announces_each_chunk_it_installs_on_the_host_with_its_parent(tiered):
+    """A device tier's COMMIT keeps the parents its ALLOC named (each chunk's the one
+    before it in the ALLOC); a demotion installs the chunk in the host arena with that
+    parent: one stored "cpu" event for each chunk demoted, none for the others."""
+    service, _ = tiered
+    gpu, _ = hello(service, [DEVICE])
+    cursor = service.handle(gpu, Subscribe([])).cursor
+    ids = list(range(1, DEVICE_BLOCKS + 1))
+    write_and_commit(service, gpu, ids)
+    assert {k: p for k, p in service.tiers.pools[1].parents.items()} == {
+        b"c" + (1).to_bytes(4, "little") + hashes([i]): hashes([i - 1]) for i in ids[1:]}
+    drain_demotions(service)
+    demoted = tier_keys(service, 0)
+    assert demoted
+    reply = service.handle(gpu, Events(cursor, 0, False))
+    stored = [(e.chunk_hash, e.parent) for e in reply.events
+              if (e.kind, e.medium) == ("stored", "cpu")]
+    assert sorted(stored) == sorted(
+        (key[5:], hashes([int.from_bytes(key[5:], "little") - 1])
+         if int.from_bytes(key[5:], "little") > 1 else b"") for key in demoted)

@@ -256,8 +256,8 @@ class DiskFetches:
                 self._ns_fp(ns) == fp for ns, fp in zip(job.namespaces, job.fps))
             for item in batch.items:
                 index.end_read(item.slot)
-                if item.failure is None and current and pool.commit(item.blocks, item.pool_key):
-                    pool.publish_stored(item.pool_key, item.parent, item.blocks[0].block_id)
+                if item.failure is None and current and pool.commit(item.blocks, item.pool_key,
+                                                                    parent=item.parent):
                     job.held.extend(item.blocks)
                     if item.key in index.entries:
                         index.touch(item.key)

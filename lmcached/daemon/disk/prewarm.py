@@ -242,12 +242,10 @@ class DiskPrewarm:
                 current = (state.generation == pool.clear_generation
                            and self._ns_fp(int.from_bytes(item.pool_key[1:5], "little"))
                            == item.key[0])
-                if item.failure is None and current and pool.commit(item.blocks,
-                                                                    item.pool_key):
-                    entry = index.get(item.key)
-                    pool.publish_stored(item.pool_key, entry.parent if entry is not None
-                                        and entry.slot == item.slot else b"",
-                                        item.blocks[0].block_id)
+                entry = index.get(item.key)
+                parent = entry.parent if entry is not None and entry.slot == item.slot else b""
+                if item.failure is None and current and pool.commit(item.blocks, item.pool_key,
+                                                                    parent=parent):
                     pool.free(item.blocks)  # unpinned, at the back of the LRU
                     state.chunks += 1
                     state.bytes += item.record_bytes
@@ -262,7 +260,6 @@ class DiskPrewarm:
                     self.counts.count_error(item.failure[len("errors_"):])
                 else:
                     self.counts.count_rejected(item.failure[len("verify_"):])
-                entry = index.get(item.key)
                 if entry is not None and entry.slot == item.slot:
                     index.forget(item.key)  # a slot that failed once is never read again
                     self._erase([entry])

@@ -48,7 +48,7 @@ space is still refused at start (lmcached/daemon/startup.py): that number is a m
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from lmcached.daemon.disk.counters import DiskStats
 from lmcached.daemon.disk.directory import DirectoryLock, DiskDirectory, DiskDirectoryError
@@ -348,22 +348,33 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
         """The tier's counters."""
         return self.counts
 
-    def read_token_ids(self, key: DiskKey) -> bytes:
-        """The token ids of the chunk `key` on disk (int64 little-endian bytes), or b""
+    # ------------------------------------------------- the event feed's snapshot
+    def snapshot_keys(self) -> Iterator[DiskKey]:
+        """The keys on disk, most recently used first (`SpillTier.snapshot_keys`)."""
+        return reversed(self.index.entries) if self.index is not None else iter(())
+
+    def chunk_parent(self, key: DiskKey) -> bytes | None:
+        """The parent hash its slot keeps of the chunk `key` on disk, or None (not on
+        disk): an index lookup (`SpillTier.chunk_parent`)."""
+        entry = self.index.get(key) if self.index is not None else None
+        return None if entry is None else entry.parent
+
+    def token_ids(self, key: DiskKey) -> bytes | None:
+        """The token ids of the chunk `key` on disk (int64 little-endian bytes), or None
         (not on disk, its slot holds another record, or the read failed): one read of
         its record's first pages on the calling thread (the event feed's snapshot, on
         the loop thread, a bounded number a page), unverified: whoever uses them hashes
         them (`SlotFile.read_token_ids`)."""
         entry = self.index.get(key) if self.index is not None else None
         if entry is None or self.slots is None:
-            return b""
+            return None
         buffer = getattr(self._local, "tokens", None)  # not a record's bounce buffer
         if buffer is None or len(buffer) < self.slots.max_record_bytes:
             buffer = self._local.tokens = aligned_buffer(self.slots.max_record_bytes)
         try:
-            return self.slots.read_token_ids(entry.slot, key[1], buffer)
+            return self.slots.read_token_ids(entry.slot, key[1], buffer) or None
         except OSError:
-            return b""
+            return None
 
     # ------------------------------------------------------------ namespaces
     def _ns_fp(self, ns: int) -> bytes | None:

@@ -187,9 +187,8 @@ def install(pool: BlockPool, arena: Arena, job: FetchJob, start: int,
                 block.num_bytes = min(block_bytes, num_bytes - i * block_bytes)
                 dst = arena.numpy_view(arena.block_offset(block.block_id), block.num_bytes)
                 np.copyto(dst, src[i * block_bytes : i * block_bytes + block.num_bytes])
-            pool.commit(blocks, pool_key)
-            pool.publish_stored(pool_key, job.hashes[start + offset - 1] if start + offset
-                                and job.chained else job.parent, blocks[0].block_id)
+            pool.commit(blocks, pool_key, parent=job.hashes[start + offset - 1]
+                        if start + offset and job.chained else job.parent)
             job.held.extend(blocks)  # the writer's reference, kept until the job ends
             stats.fetch_hit_chunks += 1
             stats.fetch_bytes += num_bytes

@@ -20,7 +20,7 @@ Every method runs on the daemon's loop thread; a tier does its I/O on its own th
 
 import abc
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from lmcached.wire.protocol import HASH_BYTES, Layout
@@ -28,6 +28,7 @@ from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 
 InfoFields = dict[str, int | float | str]
+SpillKey = tuple[bytes, bytes]  # (namespace fingerprint, chunk hash), 16 bytes each
 
 
 class FetchCounters(Protocol):
@@ -194,6 +195,34 @@ class SpillTier(abc.ABC):
     def evict(self, pool_key: bytes) -> bool:
         """Forget the chunk under `pool_key` (an EVICT or INVALIDATE); whether it held it."""
         return False
+
+    def snapshot_keys(self) -> Iterable[SpillKey]:
+        """The keys of the chunks the tier holds now, in the order a KV-event
+        subscriber's snapshot pages them (most recently used first;
+        lmcached/daemon/events.py), as (namespace fingerprint, chunk hash).
+
+        Returns:
+            An iterable over the tier's live index, O(1) to make: the caller copies it
+            at once, on the loop thread, before the tier changes. Nothing for a tier that
+            cannot list its keys (L2: a store shared by every node, whose keys are not
+            this node's to announce).
+        """
+        return ()
+
+    def chunk_parent(self, key: SpillKey) -> bytes | None:
+        """The parent hash of the chunk under `key` (b"": not known, or the root of its
+        chain) while the tier holds it, else None. O(1), no I/O: the event feed asks it
+        for each snapshot key as it pages it, and for its ancestors. None for a tier that
+        cannot list its keys."""
+        return None
+
+    def token_ids(self, key: SpillKey) -> bytes | None:
+        """The token ids (int64 little-endian bytes) of the chunk under `key`, or None
+        (the tier does not hold it, or cannot read them now). May do one small blocking
+        read on the calling thread (the loop thread: the event feed bounds how many a
+        page, `events.SNAPSHOT_DISK_READS`); unverified: whoever uses them hashes them.
+        None for a tier that cannot list its keys."""
+        return None
 
     @abc.abstractmethod
     def clear(self) -> int:

@@ -497,8 +497,8 @@ def test_records_move_between_the_arena_and_the_disk_in_place_and_bit_exact(
         assert disk.num_restored == NUM_BLOCKS
         fp = namespace_fingerprint(layout)
         for _, chunk_hash, record in chunks:  # the event feed's read of a chunk's tokens
-            assert disk.read_token_ids((fp, chunk_hash)) == record[64:64 + 16 * 8]
-        assert disk.read_token_ids((fp, chunks[1][1][::-1])) == b""  # not on disk
+            assert disk.token_ids((fp, chunk_hash)) == record[64:64 + 16 * 8]
+        assert disk.token_ids((fp, chunks[1][1][::-1])) is None  # not on disk
         assert bool(copies) != in_place, copies
         session = greeted(service, layout)
         hashes = b"".join(h for _, h, _ in chunks)

@@ -16,9 +16,11 @@ from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.free_queue import KVCacheBlock
 from lmcached.daemon.keys import CHUNK_TAG
 from lmcached.daemon.spill.counters import counter, info_fields
-from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillTier
+from lmcached.daemon.spill.envelope import namespace_fingerprint
+from lmcached.daemon.spill.tier import FetchJobs, FetchRequest, SpillKey, SpillTier
 from lmcached.shm.arena import Arena
 from lmcached.wire.protocol import Layout
+from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 
 MAX_FETCH_JOBS = 4
 
@@ -64,13 +66,41 @@ class DictTier(SpillTier):
         self._jobs = FetchJobs(MAX_FETCH_JOBS, self.counts)
         self._queued: list[DictFetch] = []
         self._namespaces: set[int] = set()
+        self._fingerprints: dict[int, bytes] = {}  # ns id -> its namespace fingerprint
+        self._ns_of_fp: dict[bytes, int] = {}
 
     def register_namespace(self, ns: int, layout: Layout) -> None:
         if layout.fmt != "kv":
             self._namespaces.add(ns)
+            fp = self._fingerprints[ns] = namespace_fingerprint(layout)
+            self._ns_of_fp[fp] = ns
 
     def unregister_namespace(self, ns: int) -> None:
         self._namespaces.discard(ns)
+        self._ns_of_fp.pop(self._fingerprints.pop(ns, b""), None)
+
+    def _pool_key(self, key: SpillKey) -> bytes | None:
+        ns = self._ns_of_fp.get(key[0])
+        return None if ns is None else CHUNK_TAG + ns.to_bytes(4, "little") + key[1]
+
+    def snapshot_keys(self):
+        """Its chunks of live namespaces, the last copied first (no parents kept)."""
+        fps = self._fingerprints
+        for pool_key in reversed(self.chunks):
+            fp = fps.get(int.from_bytes(pool_key[1:5], "little"))
+            if fp is not None:
+                yield fp, pool_key[5:]
+
+    def chunk_parent(self, key: SpillKey) -> bytes | None:
+        pool_key = self._pool_key(key)
+        return b"" if pool_key is not None and pool_key in self.chunks else None
+
+    def token_ids(self, key: SpillKey) -> bytes | None:
+        pool_key = self._pool_key(key)
+        record = self.chunks.get(pool_key) if pool_key is not None else None
+        if record is None:
+            return None
+        return record[RECORD_HEADER_BYTES:read_header(record).tokens_end]
 
     def _copy(self, pool_key: bytes, blocks: list[KVCacheBlock]) -> None:
         if pool_key[:1] != CHUNK_TAG or int.from_bytes(pool_key[1:5], "little") not in \
