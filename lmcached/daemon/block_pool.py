@@ -394,6 +394,73 @@ class BlockPool(ValueBookkeeping):
         self.num_pinned_blocks -= num_unpinned
 
     # ---------------------------------------------------------------- eviction
+    def lru_values(self, limit: int,
+                   max_blocks: int | None = None) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
+        """Up to `limit` unpinned cached values in eviction order (least recently used
+        first), without evicting them. No side effects.
+
+        Every value returned has ref_cnt 0 (only unpinned blocks are in the free queue),
+        so a caller that pins them before it lets go of the loop never moves a pinned
+        value.
+
+        Args:
+            limit: values wanted at most.
+            max_blocks: queued blocks visited at most, empty ones included (a bound on
+                the loop's work); None = no bound.
+
+        Returns:
+            (key, blocks) pairs, each value once.
+        """
+        found: dict[BlockHash, list[KVCacheBlock]] = {}
+        if limit <= 0:
+            return []
+        visited = 0
+        for block in self.free_block_queue:
+            if block.block_hash is not None and block.block_hash not in found:
+                found[block.block_hash] = block.span
+                if len(found) >= limit:
+                    break
+            visited += 1
+            if max_blocks is not None and visited >= max_blocks:
+                break
+        return list(found.items())
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Remove a value from the index now.
+
+        Unpinned blocks become empty (front of the free queue); pinned blocks keep
+        their bytes for their current readers, are no longer found by anyone, and
+        become empty when freed.
+
+        Returns:
+            True when the key was cached.
+        """
+        if not self._unindex(block_hash):
+            return False
+        self.stats.evictions += 1
+        return True
+
+    def evict_lru(self, num_values: int) -> int:
+        """Evict up to `num_values` unpinned values, least recently used first.
+
+        Returns:
+            The number of values evicted.
+        """
+        victims = self.lru_values(num_values)
+        for block_hash, _ in victims:
+            self.evict(block_hash)
+        return len(victims)
+
+    def clear(self) -> int:
+        """Evict every cached value, pinned or not (as `evict`: a pinned value keeps its
+        bytes for its current readers, is found by no one, and becomes empty when freed),
+        and advance `clear_generation`. Returns how many values."""
+        self.clear_generation += 1
+        victims = list(self.cached)
+        for block_hash in victims:
+            self.evict(block_hash)
+        return len(victims)
+
     def _unindex(self, block_hash: BlockHash, replacing: bool = False) -> bool:
         span = self.cached.pop(block_hash, None)
         if span is None:
