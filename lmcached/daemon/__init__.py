@@ -15,8 +15,8 @@ What lives here:
     keys.py                    the block pool's keys for chunks and string keys
     block_pool.py, free_queue.py  `BlockPool` and the LRU `FreeKVCacheBlockQueue` of
                                `KVCacheBlock`s (after vLLM's v1 core)
-    pool_bookkeeping.py        the pool's base `ValueBookkeeping`: parents, namespace counts,
-                               clear generation, stored / removed events, EVICT and CLEAR
+    pool_bookkeeping.py        `ValueLedger`, which each pool holds: chain parents, values
+                               per namespace, the stored / removed events it publishes
     pool_invariants.py         `check_pool_invariants`: every invariant of a block pool
     memory_tiers.py, demotion.py  device memory tiers and the demotion of their LRU chunks to host
     jobs.py                    the background job runner (worker threads, completions the

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from lmcached.wire.protocol import block_ref
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
-from lmcached.daemon.pool_bookkeeping import ValueBookkeeping
+from lmcached.daemon.pool_bookkeeping import ValueLedger
 from lmcached.daemon.pool_invariants import check_pool_invariants
 from lmcached.daemon.stats import PoolStats
 
@@ -33,7 +33,7 @@ from lmcached.daemon.stats import PoolStats
 _FREE, _WRITING, _READY = int(BlockState.FREE), int(BlockState.WRITING), int(BlockState.READY)
 
 
-class BlockPool(ValueBookkeeping):
+class BlockPool:
     """Metadata of `num_blocks` arena blocks: states, ref counts, hash index, LRU queue.
 
     After vLLM v1's `BlockPool`. Errors follow three kinds: pressure returns a value
@@ -41,12 +41,9 @@ class BlockPool(ValueBookkeeping):
     fix in the message, and a broken invariant is an `AssertionError` saying it is a bug.
 
     Args:
-        num_blocks: number of blocks in the arena, > 0.
+        num_blocks: number of blocks in the arena, > 0 (ValueError otherwise).
         tier_id: the tier these blocks belong to (0: the host arena); each block's
             `ref` is `block_ref(tier_id, block_id)` (lmcached/wire/protocol.py).
-
-    Raises:
-        ValueError: num_blocks < 1.
 
     Attributes:
         blocks: every block, indexed by block id.
@@ -57,9 +54,12 @@ class BlockPool(ValueBookkeeping):
             value, before its blocks are handed out, while their bytes and `num_bytes`
             are intact (the daemon's L2 tier copies them, lmcached/daemon/l2/tier.py); None = no
             hook. Evictions on request (`evict`, `evict_lru`, `clear`) do not call it.
-        clear_generation, group_of, num_values_by_group, on_group_empty, events,
-        parents: what the pool keeps and tells beside its index
-            (lmcached/daemon/pool_bookkeeping.py, `ValueBookkeeping`).
+        ledger: per value, what the pool keeps and tells beside its index (chain parents,
+            namespace counts, the event feed; lmcached/daemon/pool_bookkeeping.py), told
+            where a value enters (`ValueLedger.stored`) or leaves (`.removed`) the index.
+        clear_generation: how many `clear`s this pool has seen. A tier that installs
+            values fetched in the background (disk, L2) notes it when a fetch starts and
+            commits nothing once it changed: no fetch started before a CLEAR installs after.
     """
 
     def __init__(self, num_blocks: int, tier_id: int = 0) -> None:
@@ -77,7 +77,8 @@ class BlockPool(ValueBookkeeping):
         self.num_cached_bytes = 0  # sum of num_bytes over READY indexed blocks
         self.stats = PoolStats()
         self.on_evict: Callable[[BlockHash, list[KVCacheBlock]], None] | None = None
-        super().__init__()
+        self.ledger = ValueLedger()
+        self.clear_generation = 0
 
     # ------------------------------------------------------------------ gauges
     @property
@@ -88,12 +89,8 @@ class BlockPool(ValueBookkeeping):
     @property
     def num_empty_blocks(self) -> int:
         """Blocks in state FREE (no value at all)."""
-        return (
-            self.num_blocks
-            - self.num_writing_blocks
-            - self.num_cached_blocks
-            - self.num_detached_blocks
-        )
+        return (self.num_blocks - self.num_writing_blocks - self.num_cached_blocks
+                - self.num_detached_blocks)
 
     # -------------------------------------------------------------- allocation
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
@@ -139,18 +136,13 @@ class BlockPool(ValueBookkeeping):
         return out
 
     def allocate_empty(self, num_blocks: int) -> list[KVCacheBlock] | None:
-        """`allocate` from empty blocks only: never evicts a cached value.
+        """`allocate` from empty blocks only: never evicts a cached value. Returns None
+        (nothing changed) when fewer than `num_blocks` blocks are empty; ValueError when
+        num_blocks < 1.
 
         Empty blocks are always the front of the free queue, so these are the blocks
         `allocate` would hand out first. A device tier places new chunks this way and
         makes room by demotion instead (lmcached/daemon/demotion.py).
-
-        Returns:
-            The WRITING blocks, or None (nothing changed) when fewer than `num_blocks`
-            blocks are empty.
-
-        Raises:
-            ValueError: num_blocks < 1.
         """
         if num_blocks < 1:
             raise ValueError(f"allocate_empty needs num_blocks >= 1, got {num_blocks}")
@@ -158,19 +150,15 @@ class BlockPool(ValueBookkeeping):
             return None
         blocks = self.allocate(num_blocks)
         assert blocks is not None and all(b.block_hash is None for b in blocks), (
-            "allocate_empty evicted a cached value; this indicates a bug"
-        )
+            "allocate_empty evicted a cached value; this indicates a bug")
         return blocks
 
     def _evict_popped(self, block: KVCacheBlock) -> None:
         """Evict the value of `block`, just popped from the free queue."""
         if self.on_evict is not None:
             self.on_evict(block.block_hash, self.cached[block.block_hash])
-        if self.events is not None:
-            self.events.removed(block.block_hash)
-        self.parents.pop(block.block_hash, None)
         span = self.cached.pop(block.block_hash)
-        self._uncount(block.block_hash)
+        self.ledger.removed(block.block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         if len(span) > 1:
             for other in span:
@@ -193,16 +181,14 @@ class BlockPool(ValueBookkeeping):
         block.num_bytes = 0
         block.state = _FREE
 
-    def commit(
-        self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False,
-        *, parent: bytes = b"",
-    ) -> bool:
+    def commit(self, blocks: list[KVCacheBlock], block_hash: BlockHash, replace: bool = False,
+               *, parent: bytes = b"") -> bool:
         """Make WRITING blocks READY, index them under `block_hash` and announce them.
 
         The caller still holds its reference afterwards and releases it with `free`.
-        Every value indexed is announced here (`_publish_stored`: its parent kept in
-        `parents`, a stored event told to `events`): whatever installs a chunk (a
-        client's COMMIT, a disk or L2 fetch, the prewarm, a demotion) cannot forget to.
+        Every value indexed is told to `ledger` here (`ValueLedger.stored`: its parent
+        kept, a stored event published): whatever installs a chunk (a client's COMMIT,
+        a disk or L2 fetch, the prewarm, a demotion) cannot forget to.
 
         Args:
             blocks: the value's blocks in order, all WRITING (from one `allocate`).
@@ -221,16 +207,11 @@ class BlockPool(ValueBookkeeping):
         """
         return self.commit_many([blocks], [block_hash], replace, parents=[parent])[0]
 
-    def commit_many(
-        self,
-        spans: list[list[KVCacheBlock]],
-        block_hashes: list[BlockHash],
-        replace: bool = False,
-        *,
-        parents: list[bytes] | None = None,
-    ) -> list[bool]:
+    def commit_many(self, spans: list[list[KVCacheBlock]], block_hashes: list[BlockHash],
+                    replace: bool = False, *,
+                    parents: list[bytes] | None = None) -> list[bool]:
         """`commit` for several values at once (one request's chunks), in order: each
-        value indexed is announced as it is indexed, so the stored events follow the
+        value indexed is told to `ledger` as it is indexed, so the stored events follow the
         values' order.
 
         Every span is validated before any is committed, so a ValueError changes nothing.
@@ -250,17 +231,14 @@ class BlockPool(ValueBookkeeping):
                 raise ValueError("commit needs at least one block per value")
             for block in blocks:
                 if block.state != _WRITING:
-                    raise ValueError(
-                        f"commit of block {block.block_id} in state "
-                        f"{BlockState(block.state).name}: only blocks from allocate() "
-                        "(WRITING) can be committed"
-                    )
+                    raise ValueError(f"commit of block {block.block_id} in state "
+                                     f"{BlockState(block.state).name}: only blocks from "
+                                     "allocate() (WRITING) can be committed")
         cached = self.cached
-        group_of, counts = self.group_of, self.num_values_by_group
         results = []
         num_committed_blocks = 0
         num_committed_bytes = 0
-        publish = self._publish_stored
+        stored = self.ledger.stored
         for i, (blocks, block_hash) in enumerate(zip(spans, block_hashes)):
             replaced = block_hash in cached
             if replaced:
@@ -275,12 +253,10 @@ class BlockPool(ValueBookkeeping):
                 block.span = span
                 num_committed_bytes += block.num_bytes
             cached[block_hash] = span
-            if group_of is not None and not replaced:
-                group = group_of(block_hash)
-                counts[group] = counts.get(group, 0) + 1
             num_committed_blocks += len(span)
             results.append(True)
-            publish(block_hash, parents[i] if parents is not None else b"", span[0].block_id)
+            stored(block_hash, parents[i] if parents is not None else b"", span[0].block_id,
+                   replaced)
         self.num_writing_blocks -= num_committed_blocks
         self.num_cached_blocks += num_committed_blocks
         self.num_pinned_blocks += num_committed_blocks
@@ -288,17 +264,12 @@ class BlockPool(ValueBookkeeping):
         return results
 
     def abort(self, blocks: list[KVCacheBlock]) -> None:
-        """Return WRITING blocks to the pool as empty blocks (front of the free queue).
-
-        Raises:
-            ValueError: a block is not WRITING, or is held by more than its writer.
-        """
+        """Return WRITING blocks to the pool as empty blocks (front of the free queue);
+        ValueError when a block is not WRITING, or is held by more than its writer."""
         for block in blocks:
             if block.state != _WRITING or block.ref_cnt != 1:
-                raise ValueError(
-                    f"abort of {block!r}: only WRITING blocks held by their writer alone "
-                    "can be aborted"
-                )
+                raise ValueError(f"abort of {block!r}: only WRITING blocks held by their "
+                                 "writer alone can be aborted")
         for block in blocks:
             block.ref_cnt = 0
             self._reset(block)
@@ -320,9 +291,7 @@ class BlockPool(ValueBookkeeping):
             n += 1
         return n
 
-    def acquire_prefix(
-        self, block_hashes: list[BlockHash]
-    ) -> list[list[KVCacheBlock]]:
+    def acquire_prefix(self, block_hashes: list[BlockHash]) -> list[list[KVCacheBlock]]:
         """Pin the values of the longest cached prefix of `block_hashes`.
 
         Counts a hit per value found and a miss per value of the request not found.
@@ -344,10 +313,7 @@ class BlockPool(ValueBookkeeping):
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Add one reference to each READY block; a zero-ref block leaves the free queue.
-
-        Raises:
-            ValueError: a block is not READY.
-        """
+        ValueError when a block is not READY."""
         for block in blocks:
             if block.state != _READY:
                 raise ValueError(f"touch of {block!r}: only READY blocks can be pinned")
@@ -372,10 +338,8 @@ class BlockPool(ValueBookkeeping):
         """
         for block in blocks:
             if block.state != _READY or block.ref_cnt < 1:
-                raise ValueError(
-                    f"free of {block!r}: only pinned READY blocks can be freed "
-                    "(commit or abort WRITING blocks)"
-                )
+                raise ValueError(f"free of {block!r}: only pinned READY blocks can be freed "
+                                 "(commit or abort WRITING blocks)")
         queue = self.free_block_queue
         released = []  # cached blocks reaching ref_cnt 0, tail first
         num_unpinned = 0
@@ -394,15 +358,73 @@ class BlockPool(ValueBookkeeping):
         self.num_pinned_blocks -= num_unpinned
 
     # ---------------------------------------------------------------- eviction
+    def lru_values(self, limit: int,
+                   max_blocks: int | None = None) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
+        """Up to `limit` unpinned cached values in eviction order (least recently used
+        first), without evicting them. No side effects.
+
+        Every value returned has ref_cnt 0 (only unpinned blocks are in the free queue),
+        so a caller that pins them before it lets go of the loop never moves a pinned
+        value.
+
+        Args:
+            limit: values wanted at most.
+            max_blocks: queued blocks visited at most, empty ones included (a bound on
+                the loop's work); None = no bound.
+
+        Returns:
+            (key, blocks) pairs, each value once.
+        """
+        if limit <= 0:
+            return []
+        found: dict[BlockHash, list[KVCacheBlock]] = {}
+        visited = 0
+        for block in self.free_block_queue:
+            if block.block_hash is not None and block.block_hash not in found:
+                found[block.block_hash] = block.span
+                if len(found) >= limit:
+                    break
+            visited += 1
+            if max_blocks is not None and visited >= max_blocks:
+                break
+        return list(found.items())
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Remove a value from the index now; True when the key was cached.
+
+        Unpinned blocks become empty (front of the free queue); pinned blocks keep
+        their bytes for their current readers, are no longer found by anyone, and
+        become empty when freed.
+        """
+        if not self._unindex(block_hash):
+            return False
+        self.stats.evictions += 1
+        return True
+
+    def evict_lru(self, num_values: int) -> int:
+        """Evict up to `num_values` unpinned values, least recently used first; returns
+        how many."""
+        victims = self.lru_values(num_values)
+        for block_hash, _ in victims:
+            self.evict(block_hash)
+        return len(victims)
+
+    def clear(self) -> int:
+        """Evict every cached value, pinned or not (as `evict`: a pinned value keeps its
+        bytes for its current readers, is found by no one, and becomes empty when freed),
+        and advance `clear_generation`. Returns how many values."""
+        self.clear_generation += 1
+        victims = list(self.cached)
+        for block_hash in victims:
+            self.evict(block_hash)
+        return len(victims)
+
     def _unindex(self, block_hash: BlockHash, replacing: bool = False) -> bool:
         span = self.cached.pop(block_hash, None)
         if span is None:
             return False
         if not replacing:  # a replacement puts a value of the same key back at once
-            self._uncount(block_hash)
-            if self.events is not None:
-                self.events.removed(block_hash)
-            self.parents.pop(block_hash, None)
+            self.ledger.removed(block_hash)
         self.num_cached_bytes -= sum(b.num_bytes for b in span)
         for block in span:
             if block.ref_cnt == 0:
@@ -417,12 +439,8 @@ class BlockPool(ValueBookkeeping):
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Verify every invariant in O(num_blocks) (tests and debug builds): see
-        lmcached/daemon/pool_invariants.py.
-
-        Raises:
-            AssertionError: an invariant is broken (indicates a bug).
-        """
+        """Verify every invariant in O(num_blocks) (tests and debug builds): the blocks'
+        (lmcached/daemon/pool_invariants.py) and the ledger's; AssertionError (a bug)
+        when one is broken."""
         check_pool_invariants(self)
-        stale = self.parents.keys() - self.cached.keys()
-        assert not stale, f"parents kept for {len(stale)} keys no longer indexed (a bug)"
+        self.ledger.check_invariants(self.cached)

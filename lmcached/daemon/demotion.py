@@ -225,7 +225,8 @@ class Demoter:
                 host.abort(job.host_blocks)  # evicted or cleared meanwhile: stay gone
                 self.stats.demotions_aborted += 1
                 continue
-            if not host.commit(job.host_blocks, job.key, parent=pool.parents.get(job.key, b"")):
+            parent = pool.ledger.parents.get(job.key, b"")
+            if not host.commit(job.host_blocks, job.key, parent=parent):
                 host.abort(job.host_blocks)  # a host copy was committed meanwhile
                 self.stats.demotions_deduplicated += 1
             else:

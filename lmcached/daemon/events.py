@@ -41,7 +41,7 @@ ids are read from the arena when it is there too, else from its tier
 SNAPSHOT_DISK_READS a page. The feed knows the tiers through that interface only.
 
 Parents travel with a chunk: the arena pool keeps the parent its writer's ALLOC named
-(`BlockPool.parents`), a device tier's pool too (its demotion carries it to the arena),
+(`ValueLedger.parents`), a device tier's pool too (its demotion carries it to the arena),
 a disk slot keeps it beside its envelope (lmcached/daemon/disk/slots.py), so that a
 chunk a fetch, the prewarm after a restart or a demotion installs is announced with it.
 """
@@ -500,7 +500,7 @@ def events(service, session, req: Events) -> EventsReply:
         return ChunkEvent(seq, kind, medium, ns, fp, chunk_hash, parent, tokens)
 
     if sub.snapshot is not None or sub.disk_snapshot is not None:
-        cached, parents = pool.cached, pool.parents
+        cached, parents = pool.cached, pool.ledger.parents
 
         def arena_entry(key):
             span = cached.get(key)

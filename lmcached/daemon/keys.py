@@ -26,7 +26,7 @@ STRING_TAG = b"s"
 
 
 # The namespace id bytes of a key, chunk or string (`namespace_tag`): what the block
-# pool counts its values by (`BlockPool.group_of`), so that the daemon knows when no
+# pool counts its values by (`ValueLedger.group_of`), so that the daemon knows when no
 # cached value uses a namespace any more. In C: no Python frame per commit or eviction.
 namespace_tag_of = operator.itemgetter(slice(1, 5))
 

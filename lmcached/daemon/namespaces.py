@@ -237,7 +237,8 @@ def end_namespaces(service: HelloState, session: Session) -> None:
 
 
 def namespace_emptied(service: HelloState, tag: bytes) -> None:
-    """`BlockPool.on_group_empty`: a pool's last value of a namespace left it."""
+    """`ValueLedger.on_group_empty` (a pool's `ledger`): a pool's last value of a
+    namespace left it."""
     ns = int.from_bytes(tag, "little")
     if ns in service.ns_registry.layouts:
         free_namespace_if_unused(service, ns)
@@ -253,7 +254,7 @@ def free_namespace_if_unused(service: HelloState, ns: int) -> None:
     if ns in registry.num_sessions:
         return
     tag = keys.namespace_tag(ns)
-    if any(pool is not None and tag in pool.num_values_by_group
+    if any(pool is not None and tag in pool.ledger.num_values_by_group
            for pool in service.tiers.pools):
         return
     layout = registry.remove(ns)

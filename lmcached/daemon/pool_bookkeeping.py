@@ -1,73 +1,73 @@
-"""What the block pool keeps and tells beside its blocks, and the evictions asked of it.
+"""`ValueLedger`: what a block pool keeps and tells beside its blocks, per value.
 
 Why this file exists: `BlockPool` (lmcached/daemon/block_pool.py) moves blocks between
-FREE, WRITING and READY; around its index it also keeps per-value tables that the rest of
-the daemon reads (each chunk's chain parent, the values of each namespace, how many
-CLEARs it has seen) and tells the event feed of every value entering or leaving it. That
-bookkeeping, and the evictions a request asks for (EVICT, INVALIDATE, CLEAR, a tier's
-`evict_lru`, in the order `lru_values` gives, which the demotion and the disk's
-write-ahead read too), are written here, as `ValueBookkeeping`, the pool's base class:
-it works on the pool's `cached`, `free_block_queue`, `stats` and `_unindex`.
+FREE, WRITING and READY. Around its index the rest of the daemon reads per-value tables
+(each chunk's chain parent, the values of each namespace) and the event feed hears of
+every value entering or leaving it. The pool holds one `ValueLedger` (`pool.ledger`)
+and tells it, at the two places a value enters or leaves its index; the ledger keeps
+its own state and never looks into the pool:
 
-    commit_many --> _publish_stored   parents[key] = parent; events.stored(...)
-    a value leaves the index --> _uncount: num_values_by_group, on_group_empty;
-                                 events.removed(key); parents.pop(key)
-    clear --> clear_generation += 1; evict every value
+    BlockPool.commit_many --> ledger.stored(key, parent, block_id, replaced)
+                              count the key's group; parents[key] = parent;
+                              events.stored(key, parent, block_id)
+    a value leaves the index --> ledger.removed(key)
+    (eviction, EVICT, CLEAR)     events.removed(key); parents.pop(key);
+                                 count it out of its group, on_group_empty(group)
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 from lmcached.wire.record_format import ROOT_HASH
 
-from lmcached.daemon.free_queue import BlockHash, KVCacheBlock
+from lmcached.daemon.free_queue import BlockHash
 
 
-class ValueBookkeeping:
-    """The block pool's per-value tables, announcements and requested evictions.
+class ValueLedger:
+    """One block pool's per-value tables and announcements.
 
     Attributes:
-        clear_generation: how many `clear`s this pool has seen. A tier that installs
-            values fetched in the background (disk, L2) notes it when a fetch starts and
-            commits nothing once it changed: a fetch started before a CLEAR never
-            installs after it.
         group_of: maps a key to its group (the daemon: its namespace,
-            `keys.namespace_tag_of`), so that the pool counts the indexed values of
+            `keys.namespace_tag_of`), so that the ledger counts the indexed values of
             each group in `num_values_by_group`; None = no counting.
-        num_values_by_group: group -> values in the index now (groups with none are
-            absent).
+        num_values_by_group: group -> values in the pool's index now (groups with none
+            are absent).
         on_group_empty: called as `on_group_empty(group)` when the last indexed value
             of a group leaves the index (an eviction of any kind; a replacement keeps
             its key's group counted); None = no hook.
         events: the daemon's event feed (lmcached/daemon/events.py), told of every
             value that leaves the index (`EventFeed.removed`, O(1)) and of every chunk
-            `commit` indexes; None = not told.
+            the pool's `commit` indexes; None = not told.
         parents: key -> the chunk hash before it in its chain, for each indexed chunk
-            whose writer named one (`commit`'s `parent`): what a router chains an
-            announcement by, carried along when the chunk moves to another tier (a
+            whose writer named one (`BlockPool.commit`'s `parent`): what a router chains
+            an announcement by, carried along when the chunk moves to another tier (a
             demotion, a disk slot). Dropped when the chunk leaves the index.
     """
-
-    cached: dict[BlockHash, list[KVCacheBlock]]
 
     def __init__(self) -> None:
         self.group_of: Callable[[BlockHash], Hashable] | None = None
         self.num_values_by_group: dict[Hashable, int] = {}
         self.on_group_empty: Callable[[Hashable], None] | None = None
-        self.clear_generation = 0
         self.events = None  # an EventFeed (events.py, a layer above: not imported)
         self.parents: dict[BlockHash, bytes] = {}
 
-    # ------------------------------------------------------------ announcements
-    def _publish_stored(self, block_hash: BlockHash, parent: bytes, block_id: int) -> None:
-        """A chunk just committed entered this pool (`commit_many`, whoever installs
-        it): keep its parent (`parents`) and tell the event feed, if any. O(1).
+    def stored(self, block_hash: BlockHash, parent: bytes, block_id: int,
+               replaced: bool = False) -> None:
+        """A value just entered the pool's index (`BlockPool.commit_many`, whoever
+        installs it): count it in its group, keep its parent and tell the event feed,
+        if any. O(1).
 
         Args:
             block_hash: the value's key.
             parent: the chunk hash before it in its chain (b"" or ROOT_HASH: not known,
-                or the chain's first chunk).
+                or the chain's first chunk; b"" keeps the parent a replaced value had).
             block_id: its first block (the record header, read for token ids).
+            replaced: the key was indexed already and its old value was taken out of
+                the index without `removed` (a replacement): it stays counted once.
         """
+        if not replaced and self.group_of is not None:
+            group = self.group_of(block_hash)
+            counts = self.num_values_by_group
+            counts[group] = counts.get(group, 0) + 1
         if parent == ROOT_HASH:
             parent = b""
         if parent:
@@ -75,8 +75,13 @@ class ValueBookkeeping:
         if self.events is not None:
             self.events.stored(block_hash, parent, block_id)
 
-    def _uncount(self, block_hash: BlockHash) -> None:
-        """Count a value that just left the index out of its group (`group_of`)."""
+    def removed(self, block_hash: BlockHash) -> None:
+        """A value just left the pool's index (any eviction; not a replacement): tell
+        the event feed, forget its parent, count it out of its group and, when it was
+        the group's last, call `on_group_empty`. O(1)."""
+        if self.events is not None:
+            self.events.removed(block_hash)
+        self.parents.pop(block_hash, None)
         if self.group_of is None:
             return
         group = self.group_of(block_hash)
@@ -88,70 +93,20 @@ class ValueBookkeeping:
         if self.on_group_empty is not None:
             self.on_group_empty(group)
 
-    # ------------------------------------------------------ evictions on request
-    def lru_values(self, limit: int,
-                   max_blocks: int | None = None) -> list[tuple[BlockHash, list[KVCacheBlock]]]:
-        """Up to `limit` unpinned cached values in eviction order (least recently used
-        first), without evicting them. No side effects.
+    def check_invariants(self, indexed: Collection[BlockHash]) -> None:
+        """Verify the tables against the pool's indexed keys, `indexed`, in
+        O(len(indexed)) (`BlockPool.check_invariants`).
 
-        Every value returned has ref_cnt 0 (only unpinned blocks are in the free queue),
-        so a caller that pins them before it lets go of the loop never moves a pinned
-        value.
-
-        Args:
-            limit: values wanted at most.
-            max_blocks: queued blocks visited at most, empty ones included (a bound on
-                the loop's work); None = no bound.
-
-        Returns:
-            (key, blocks) pairs, each value once.
+        Raises:
+            AssertionError: a table disagrees with the index (indicates a bug).
         """
-        found: dict[BlockHash, list[KVCacheBlock]] = {}
-        if limit <= 0:
-            return []
-        visited = 0
-        for block in self.free_block_queue:
-            if block.block_hash is not None and block.block_hash not in found:
-                found[block.block_hash] = block.span
-                if len(found) >= limit:
-                    break
-            visited += 1
-            if max_blocks is not None and visited >= max_blocks:
-                break
-        return list(found.items())
-
-    def evict(self, block_hash: BlockHash) -> bool:
-        """Remove a value from the index now.
-
-        Unpinned blocks become empty (front of the free queue); pinned blocks keep
-        their bytes for their current readers, are no longer found by anyone, and
-        become empty when freed.
-
-        Returns:
-            True when the key was cached.
-        """
-        if not self._unindex(block_hash):
-            return False
-        self.stats.evictions += 1
-        return True
-
-    def evict_lru(self, num_values: int) -> int:
-        """Evict up to `num_values` unpinned values, least recently used first.
-
-        Returns:
-            The number of values evicted.
-        """
-        victims = self.lru_values(num_values)
-        for block_hash, _ in victims:
-            self.evict(block_hash)
-        return len(victims)
-
-    def clear(self) -> int:
-        """Evict every cached value, pinned or not (as `evict`: a pinned value keeps its
-        bytes for its current readers, is found by no one, and becomes empty when freed),
-        and advance `clear_generation`. Returns how many values."""
-        self.clear_generation += 1
-        victims = list(self.cached)
-        for block_hash in victims:
-            self.evict(block_hash)
-        return len(victims)
+        if self.group_of is not None:
+            groups: dict[Hashable, int] = {}
+            for block_hash in indexed:
+                group = self.group_of(block_hash)
+                groups[group] = groups.get(group, 0) + 1
+            assert groups == self.num_values_by_group, (
+                f"num_values_by_group {self.num_values_by_group} != {groups}; bug"
+            )
+        stale = [key for key in self.parents if key not in indexed]
+        assert not stale, f"parents kept for {len(stale)} keys no longer indexed (a bug)"

@@ -5,7 +5,6 @@ exact-order and model-based tests run it after every step), long enough to read 
 own; `BlockPool.check_invariants` calls it.
 """
 
-from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from lmcached.daemon.free_queue import BlockHash, BlockState, FreeKVCacheBlockQueue, KVCacheBlock
@@ -18,8 +17,6 @@ class PoolState(Protocol):
     blocks: list[KVCacheBlock]
     free_block_queue: FreeKVCacheBlockQueue
     cached: dict[BlockHash, list[KVCacheBlock]]
-    group_of: Callable[[BlockHash], Hashable] | None
-    num_values_by_group: dict[Hashable, int]
     num_cached_bytes: int
     num_writing_blocks: int
     num_cached_blocks: int
@@ -73,14 +70,6 @@ def check_pool_invariants(pool: PoolState) -> None:
     assert cached_bytes == pool.num_cached_bytes, (
         f"num_cached_bytes {pool.num_cached_bytes} != {cached_bytes}; bug"
     )
-    if pool.group_of is not None:
-        groups: dict[Hashable, int] = {}
-        for block_hash in pool.cached:
-            group = pool.group_of(block_hash)
-            groups[group] = groups.get(group, 0) + 1
-        assert groups == pool.num_values_by_group, (
-            f"num_values_by_group {pool.num_values_by_group} != {groups}; bug"
-        )
     assert counts == {
         "writing": pool.num_writing_blocks,
         "cached": pool.num_cached_blocks,

@@ -163,13 +163,13 @@ class CacheService:
         tiers = self.tiers
         tiers.make_pools(self._evict_hook())
         self.pool = tiers.pools[0]
-        self.pool.events = self.events
+        self.pool.ledger.events = self.events
         for tier in self.spill_tiers:
             tier.set_pool(self.pool, self.arena.block_bytes)
         for pool in tiers.pools:  # each counts its values by namespace
             if pool is not None:
-                pool.group_of = keys.namespace_tag_of
-                pool.on_group_empty = functools.partial(namespace_emptied, self)
+                pool.ledger.group_of = keys.namespace_tag_of
+                pool.ledger.on_group_empty = functools.partial(namespace_emptied, self)
         if any(pool is not None for pool in tiers.pools[1:]):
             from lmcached.daemon.demotion import Demoter
 

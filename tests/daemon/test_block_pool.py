@@ -183,22 +183,22 @@ def test_values_are_counted_by_group_and_an_emptied_group_is_reported():
     `on_group_empty` once."""
     pool = BlockPool(4)
     emptied = []
-    pool.group_of = lambda key: key[0]
-    pool.on_group_empty = emptied.append
+    pool.ledger.group_of = lambda key: key[0]
+    pool.ledger.on_group_empty = emptied.append
     store(pool, ("a", 1))
     store(pool, ("a", 2), num_blocks=2)
     store(pool, ("b", 1))
-    assert pool.num_values_by_group == {"a": 2, "b": 1}
+    assert pool.ledger.num_values_by_group == {"a": 2, "b": 1}
     replacement = pool.allocate(1)  # evicts ("a", 1), the least recently used
-    assert pool.num_values_by_group == {"a": 1, "b": 1} and emptied == []
+    assert pool.ledger.num_values_by_group == {"a": 1, "b": 1} and emptied == []
     pool.commit(replacement, ("b", 1), replace=True)  # a replacement: b stays counted
     pool.free(replacement)
-    assert pool.num_values_by_group == {"a": 1, "b": 1}
+    assert pool.ledger.num_values_by_group == {"a": 1, "b": 1}
     reader = pool.acquire_prefix([("a", 2)])[0]  # pinned: evicted later, detached
     assert pool.evict(("a", 2)) and emptied == ["a"]
     pool.free(reader)
     assert pool.clear() == 1 and emptied == ["a", "b"]
-    assert pool.num_values_by_group == {}
+    assert pool.ledger.num_values_by_group == {}
     pool.check_invariants()
 
 
@@ -432,7 +432,7 @@ def test_commit_announces_each_value_it_indexes_in_order_and_keeps_its_parent():
     """Whatever commits (one value or many) announces what it indexed, with its parent
     (ROOT_HASH spelled b""), in the values' order; a refused value announces nothing."""
     pool = BlockPool(8)
-    pool.events = feed = RecordingFeed()
+    pool.ledger.events = feed = RecordingFeed()
     a, b, c = pool.allocate(1), pool.allocate(2), pool.allocate(1)
     assert pool.commit_many([a, b], [b"ka", b"kb"], parents=[ROOT_HASH, b"pa"]) == [True, True]
     assert pool.commit(c, b"ka") is False  # already cached: not indexed, not announced
@@ -442,7 +442,7 @@ def test_commit_announces_each_value_it_indexes_in_order_and_keeps_its_parent():
     assert feed.calls == [("stored", b"ka", b"", a[0].block_id),
                           ("stored", b"kb", b"pa", b[0].block_id),
                           ("stored", b"kd", b"", d[0].block_id)]
-    assert pool.parents == {b"kb": b"pa"}
+    assert pool.ledger.parents == {b"kb": b"pa"}
     e = pool.allocate(1)
     with pytest.raises(ValueError, match="1 spans but 2 parents"):
         pool.commit_many([e], [b"ke"], parents=[b"", b""])

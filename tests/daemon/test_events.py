@@ -199,7 +199,7 @@ def test_alloc_parents_name_each_chunks_parent_across_allocs_and_chains(service)
     events = _poll(service, session, cursor).events
     assert [(e.chunk_hash[0], e.parent[:1]) for e in events] == [
         (10, b""), (11, bytes([10])), (20, b""), (21, bytes([20]))]
-    assert sorted((k[5], p[:1]) for k, p in service.pool.parents.items()) == [
+    assert sorted((k[5], p[:1]) for k, p in service.pool.ledger.parents.items()) == [
         (11, bytes([10])), (21, bytes([20]))]
 
 
@@ -212,7 +212,7 @@ def test_chunks_of_an_unchained_format_are_published_with_no_parent(service):
     service.handle(session, Commit(alloc.block_ids))
     events = _poll(service, session, cursor).events
     assert [(e.chunk_hash[0], e.parent) for e in events] == [(30, b""), (31, b""), (32, b"")]
-    assert service.pool.parents == {}
+    assert service.pool.ledger.parents == {}
 
 
 def test_token_ids_are_read_from_the_record_only_when_asked(service):
@@ -294,7 +294,7 @@ def test_a_subscriber_that_never_reads_changes_no_store(make_service):
 
 def test_a_lagging_subscriber_is_counted_in_info_and_told_on_its_next_poll(make_service):
     service = make_service()
-    service.events = service.pool.events = EventFeed(8)
+    service.events = service.pool.ledger.events = EventFeed(8)
     session, cursor = _subscribed(service, LAYOUT)
     store(service, session, 1, range(12))
     info = service.handle(session, Info("stats")).sections["stats"]
@@ -359,7 +359,7 @@ def test_a_snapshot_pages_the_cached_chunks_before_the_live_events(service):
     assert service.events.num_snapshot_events == 3
     assert service.handle(session, Info("stats")).sections["stats"]["events_snapshot_sent"] == 3
     service.handle(session, Clear())
-    assert service.pool.parents == {}
+    assert service.pool.ledger.parents == {}
 
 
 def test_chunks_a_disk_fetch_installs_are_announced_with_their_parents(disk_service):

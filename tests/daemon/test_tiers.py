@@ -544,7 +544,7 @@ def test_a_demotion_announces_each_chunk_it_installs_on_the_host_with_its_parent
     cursor = service.handle(gpu, Subscribe([])).cursor
     ids = list(range(1, DEVICE_BLOCKS + 1))
     write_and_commit(service, gpu, ids)
-    assert {k: p for k, p in service.tiers.pools[1].parents.items()} == {
+    assert {k: p for k, p in service.tiers.pools[1].ledger.parents.items()} == {
         b"c" + (1).to_bytes(4, "little") + hashes([i]): hashes([i - 1]) for i in ids[1:]}
     drain_demotions(service)
     demoted = tier_keys(service, 0)

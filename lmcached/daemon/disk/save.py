@@ -111,7 +111,7 @@ class DiskSave:
                 why = "every slot the index could evict is being read"
                 break
             job = WriteJob(key, pool_key, slot, "save", sum(b.num_bytes for b in blocks),
-                           blocks, pool.parents.get(pool_key, b""))
+                           blocks, pool.ledger.parents.get(pool_key, b""))
             try:
                 self._write_value(job, page)
                 if slow_s:

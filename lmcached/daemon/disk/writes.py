@@ -62,7 +62,7 @@ class WriteJob:
 
     Attributes:
         key: its disk key (namespace fingerprint, chunk hash); pool_key: its pool key.
-        parent: the chunk hash before it in its chain (`BlockPool.parents`; b"": not
+        parent: the chunk hash before it in its chain (`ValueLedger.parents`; b"": not
             known), kept in its slot.
         slot: the slot reserved for it.
         mode: "ahead", "pinned" or "erase".
@@ -198,7 +198,7 @@ class DiskWrites:
             stats.write_drops_busy += 1
             return False
         job = WriteJob(key, pool_key, slot, mode, num_bytes, blocks,
-                       self.pool.parents.get(pool_key, b""))
+                       self.pool.ledger.parents.get(pool_key, b""))
         if mode == "pinned":
             self.pool.touch(blocks)
             self._pinned_bytes += num_bytes
