@@ -40,8 +40,8 @@ class KVCacheBlock:
 
     Attributes:
         block_id: index of the block in its tier's memory, 0 <= block_id < num_blocks.
-        ref: the block's reference on the wire, `block_ref(tier, block_id)` (lmcached/wire/protocol.py)
-            (lmcached/wire/protocol.py `block_ref`); the block id itself in the host arena.
+        ref: the block's reference on the wire, `block_ref(tier, block_id)`
+            (lmcached/wire/protocol.py); the block id itself in the host arena.
         ref_cnt: number of holders (writers and readers). A block with ref_cnt > 0 is
             never handed out again.
         block_hash: key of the cached value this block belongs to, or None when the
