@@ -13,16 +13,7 @@ client/vllm/ is the only lmcached package that imports vllm. Enable it with (the
         "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket": "/run/lmcached/lmcached.sock", "chunk_size": 256}}'
 
-Extra config keys: `socket` (default: that of daemon `name`, found as the CLI finds it),
-`name` (default: $LMCACHED_NAME, else "default"),
-`chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
-in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
-("tokens": loads check each record's header and token ids; "checksum": saves also seal
-a payload checksum into every record, and loads check it: README, "Trust model"),
-`kv_load_failure_policy` ("fail": a load that fails finishes its request with an error;
-default "recompute"), `blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
-`kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
-served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
+The extra config keys, their defaults and meaning: client/vllm/extra_config.py.
 
 One engine step (the scheduler and the workers may be separate processes: they share
 only the pickled metadata, the daemon and its arena)::
@@ -73,80 +64,33 @@ its first block hash: it is cached under keys no other salt (and no unsalted req
 can hit, and the daemon counts its hits apart (INFO `salted_hits`).
 """
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_stats import CounterDeltas, LMCachedConnectorStats
+from lmcached.client.vllm.blend_stats import ConnectorStats, LMCachedConnectorStats
 from lmcached.client.vllm.blend_worker import BlendWorker
-from lmcached.client.vllm.kv_events import make_relay, to_vllm_events
+from lmcached.client.vllm.extra_config import chunk_size, connector_settings
+from lmcached.client.vllm.kv_events import make_relay, take_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
+from lmcached.client.vllm.metadata import LMCachedConnectorMetadata, LMCachedWorkerMetadata
 from lmcached.client.serving.guarded_hooks import GuardedHooks
 from lmcached.client.serving.hook_guard import claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
-from lmcached.client.vllm.blend_params import BlendSpec
-from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.tp_group import all_ranks_first_failure, blend_tp_group, tensor_parallel_rank
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
-
-DEFAULT_CHUNK_SIZE = 256
-DEFAULT_TIMEOUT_S = 5.0
-
-
-# ------------------------------------------------------------------------- metadata
-@dataclasses.dataclass
-class LMCachedConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the workers (pickled to every worker process).
-
-    `failed_loads`: req_id -> vLLM block ids vLLM was promised but the scheduler side
-    could not plan the load of (a hook failed, `HookGuard`): every worker reports them
-    as load errors (vLLM recomputes them) and saves nothing of that request this step.
-    """
-
-    step: int
-    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
-    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
-    blends: list[BlendSpec] = dataclasses.field(default_factory=list)
-    failed_loads: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, aggregated over TP ranks by vLLM.
-
-    Attributes:
-        loaded_steps: step -> number of ranks that finished (or failed) its loads.
-        failed_chunks: req_id -> index of the first chunk whose load failed.
-    """
-
-    loaded_steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    failed_chunks: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "LMCachedWorkerMetadata":
-        """Sum the ranks' loaded steps; keep the earliest failed chunk per request."""
-        loaded = dict(self.loaded_steps)
-        for step, count in other.loaded_steps.items():
-            loaded[step] = loaded.get(step, 0) + count
-        failed = dict(self.failed_chunks)
-        for req_id, chunk in other.failed_chunks.items():
-            failed[req_id] = min(chunk, failed.get(req_id, chunk))
-        return LMCachedWorkerMetadata(loaded, failed)
-
 
 class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
@@ -181,7 +125,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        self.chunk_size = int(transfer.get_from_extra_config("chunk_size", DEFAULT_CHUNK_SIZE))
+        self.chunk_size = chunk_size(transfer)
         apply_load_failure_policy(transfer)  # "recompute" unless the user chose "fail"
         self.scheduler_side: LMCachedConnectorScheduler | None = None
         self.worker_side: LMCachedConnectorWorker | None = None
@@ -189,24 +133,14 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         self.blend_worker: BlendWorker | None = None
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
         self._init_guarded_hooks()
-        self._blend_deltas = CounterDeltas()  # for `get_kv_connector_stats`
-        self._tp_rank = 0  # worker: this rank in the TP group
+        self.blend_stats = ConnectorStats()  # for `get_kv_connector_stats`
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
         except UnsupportedConfig as exc:
             self._disable(str(exc))
             return
-        self.settings = ConnectorSettings(
-            layouts=layouts,
-            chunk_size=self.chunk_size,
-            block_size=vllm_config.cache_config.block_size,
-            world_size=vllm_config.parallel_config.tensor_parallel_size,
-            socket=transfer.get_from_extra_config("socket", None),
-            daemon_name=transfer.get_from_extra_config("name", None),
-            timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
-            verify=transfer.get_from_extra_config("verify", "tokens"),
-        )
+        self.settings = connector_settings(vllm_config, layouts, self.chunk_size)
         blend_layouts = segment_layouts(vllm_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
         refusal = blend_refusal(vllm_config)
@@ -217,15 +151,16 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                 self.settings, blend_layouts[0], refusal,
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
+            self.blend_stats = ConnectorStats(blend_scheduler=self.blend_scheduler)
         else:
             rank = tensor_parallel_rank()
-            self._tp_rank = rank
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(
                     self.settings, blend_layouts[rank], vllm_config.model_config.hf_config,
                     tp_group, vllm_config.scheduler_config.max_num_batched_tokens)
+                self.blend_stats = ConnectorStats(blend_worker=self.blend_worker, tp_rank=rank)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -352,14 +287,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
         """CacheBlend's counts since the last call, which vLLM makes every step
-        (client/vllm/blend_stats.py): the blend scheduler's, or the blend worker's of TP
-        rank 0 (every rank blends the same requests, and vLLM sums the workers'); None
-        without CacheBlend in this role."""
-        source = self.blend_scheduler or (self.blend_worker if self._tp_rank == 0 else None)
-        if source is None:
-            return None
-        return self._guarded("get_kv_connector_stats",
-                             lambda: self._blend_deltas.take(source.counters()))
+        (`ConnectorStats.take`, client/vllm/blend_stats.py); None without CacheBlend in
+        this role."""
+        return self._guarded("get_kv_connector_stats", self.blend_stats.take)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
@@ -369,14 +299,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         return LMCachedConnectorStats(data=dict(data) if data else {})
 
     def take_events(self) -> list:
-        """vLLM's KV events for the chunks the daemon holds for this instance's
-        namespace, whichever process stored them (docs/kv-events.md): `BlockStored` /
-        `BlockRemoved` with medium "CPU" (arena) or "STORAGE" (disk tier), this
-        instance's block size and block hashes. Empty without `--kv-events-config`."""
-        if self.event_relay is None:
-            return []
-        return self._guarded("take_events",
-                             lambda: to_vllm_events(self.event_relay.poll())) or []
+        """vLLM's KV events since the last call (`take_vllm_events`,
+        client/vllm/kv_events.py); empty without `--kv-events-config`."""
+        return self._guarded("take_events", take_vllm_events, self.event_relay) or []
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
