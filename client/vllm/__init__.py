@@ -6,6 +6,7 @@ What lives here, after vLLM's NixlConnector split into roles:
   (users name it by the stable path `lmcached.client.vllm_connector`).
 - `metadata.py`: what the scheduler and the workers send each other once a step.
 - `extra_config.py`: the connector's extra config keys, their defaults, its settings.
+- `forward_context.py`: the attention layers' backends and bound KV tensors, read from vLLM.
 - `scheduler.py`: the scheduler role: vLLM's hooks as calls into the serving core
   (`lmcached.client.serving`: pinned lookups, step pins, epochs, worker reports).
 - `worker.py`: the worker role: vLLM's paged blocks (`PagedBlocks`) as the serving core's

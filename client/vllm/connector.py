@@ -79,6 +79,7 @@ from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, 
 from lmcached.client.vllm.blend_stats import ConnectorStats, LMCachedConnectorStats
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.extra_config import chunk_size, connector_settings
+from lmcached.client.vllm.forward_context import attention_backends, bound_kv_caches
 from lmcached.client.vllm.kv_events import make_relay, take_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
 from lmcached.client.vllm.metadata import LMCachedConnectorMetadata, LMCachedWorkerMetadata
@@ -309,11 +310,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         if self.worker_side is None:
             return
         group = self._kv_cache_config.kv_cache_groups[0]
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        backends = {}
-        for name in group.layer_names:
-            backend = getattr(forward_context.get(name), "attn_backend", None)
-            backends[name] = backend.get_name() if backend is not None else "?"
+        backends = attention_backends(self._vllm_config, group.layer_names)
         try:
             self.worker_side.register(kv_caches, list(group.layer_names), backends,
                                       group.kv_cache_spec.page_size_bytes)
@@ -343,14 +340,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         layers now (the same session; a no-op unless `unregister_kv_caches` ran)."""
         if self.worker_side is None or self.worker_side.registered:
             return
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        kv_caches = {}
         try:
-            for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
-                kv_cache = forward_context[name].kv_cache
-                # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
-                # virtual engine).
-                kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+            kv_caches = bound_kv_caches(self._vllm_config,
+                                        self._kv_cache_config.kv_cache_groups[0].layer_names)
         except Exception as exc:  # noqa: BLE001 - stays unregistered: loads are load errors
             self.hook_guard.caught("restore_kv_caches", exc,
                                    "no KV cache mapped: loads fail (recomputed), no saves")
