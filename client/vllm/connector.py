@@ -93,7 +93,7 @@ from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 
-class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
+class LMCachedConnector(KVConnectorBase_V1):
     """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
 
     The hooks delegate to LMCachedConnectorScheduler (client/vllm/scheduler.py) or
@@ -101,8 +101,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     No hook raises into vLLM: an exception is counted in `hook_guard` and served as a
     miss (0 tokens matched; tokens already promised are reported as load errors, so
     that vLLM recomputes them; a save skipped). The per-request bookkeeping around the
-    guarded hooks (`_guarded`, `_forget`, the claimed and failed blocks) is the serving
-    core's `GuardedHooks` (client/serving/guarded_hooks.py).
+    guarded hooks (`guarded`, `forget`, the claimed and failed blocks) is the serving
+    core's `GuardedHooks` (client/serving/guarded_hooks.py), held as `hooks`.
 
     Args:
         vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).
@@ -118,6 +118,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             and for both while the connector is inactive).
         num_matched_tokens / num_loaded_tokens / num_saved_chunks / num_load_errors:
             counters of the scheduler (matched) and the worker (loaded, saved, failed).
+        hooks: the guarded-hook bookkeeping (`GuardedHooks`).
         hook_guard: exceptions caught in the hooks, per hook (`HookGuard.failures`).
     """
 
@@ -133,7 +134,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         self.blend_scheduler: BlendScheduler | None = None
         self.blend_worker: BlendWorker | None = None
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
-        self._init_guarded_hooks()
+        self.hooks = GuardedHooks()  # failures caught, blocks promised or failed
+        self.hook_guard = self.hooks.hook_guard
         self.blend_stats = ConnectorStats()  # for `get_kv_connector_stats`
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
@@ -165,6 +167,10 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
+
+    def _forget(self, req_id: str, request=None) -> None:
+        """Drop what either scheduler side keeps for the request (and its pins); never raises."""
+        self.hooks.forget(req_id, (self.scheduler_side, self.blend_scheduler), request)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -206,7 +212,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         """
         if self.scheduler_side is None:
             return 0, False
-        self._local_hits[request.request_id] = num_computed_tokens
+        self.hooks.local_hits[request.request_id] = num_computed_tokens
         if self.event_relay is not None and request.cache_salt:
             self.event_relay.note_salt(request.cache_salt)
         try:
@@ -219,7 +225,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                 request, num_computed_tokens), False
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler: a miss
             self.hook_guard.caught("get_num_new_matched_tokens", exc, "0 tokens matched")
-            self._forget(request)
+            self._forget(request.request_id, request)
             return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -231,8 +237,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             return
         try:
             if num_external_tokens:
-                self._claims[request.request_id] = claimed_block_ids(
-                    blocks.get_block_ids()[0], self._local_hits.get(request.request_id, 0),
+                self.hooks.claims[request.request_id] = claimed_block_ids(
+                    blocks.get_block_ids()[0], self.hooks.local_hits.get(request.request_id, 0),
                     num_external_tokens, self.settings.block_size)
             if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
                 self.blend_scheduler.update_state_after_alloc(request, blocks,
@@ -243,10 +249,10 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
             self.hook_guard.caught("update_state_after_alloc", exc,
                                    "the promised blocks are recomputed (load errors)")
-            self._forget(request)
-            claimed = self._claims.pop(request.request_id, None)
+            self._forget(request.request_id, request)
+            claimed = self.hooks.claims.pop(request.request_id, None)
             if claimed:
-                self._failed_loads[request.request_id] = claimed
+                self.hooks.failed_loads[request.request_id] = claimed
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
         """This step's loads (allocated this step) and saves (full prompt chunks computed
@@ -256,8 +262,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         this step as a failed load (vLLM recomputes them)."""
         if self.scheduler_side is None:
             return LMCachedConnectorMetadata(0)
-        failed, self._failed_loads = self._failed_loads, {}
-        claims, self._claims = self._claims, {}
+        failed, self.hooks.failed_loads = self.hooks.failed_loads, {}
+        claims, self.hooks.claims = self.hooks.claims, {}
         try:
             meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
             if self.blend_scheduler is not None:
@@ -265,9 +271,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
             self.hook_guard.caught("build_connector_meta", exc,
                                    "the step's promised blocks are recomputed (load errors)")
-            self._guarded("build_connector_meta", self.scheduler_side.abandon_step)
+            self.hooks.guarded("build_connector_meta", self.scheduler_side.abandon_step)
             for req_id, block_ids in claims.items():
-                self._forget_id(req_id)
+                self._forget(req_id)
                 failed[req_id] = block_ids
             return LMCachedConnectorMetadata(0, failed_loads=failed)
         meta.failed_loads = failed
@@ -277,20 +283,20 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         """Release the pins of steps every rank has loaded; replan saves after failures."""
         meta = connector_output.kv_connector_worker_meta
         if self.scheduler_side is not None and isinstance(meta, LMCachedWorkerMetadata):
-            self._guarded("update_connector_output", self.scheduler_side.on_worker_report,
-                          meta.loaded_steps, meta.failed_chunks)
+            self.hooks.guarded("update_connector_output", self.scheduler_side.on_worker_report,
+                                meta.loaded_steps, meta.failed_chunks)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; unpin a load that never reached a step. Blocks are freed
         at once (saves are synchronous)."""
-        self._forget(request)
+        self._forget(request.request_id, request)
         return False, None
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
         """CacheBlend's counts since the last call, which vLLM makes every step
         (`ConnectorStats.take`, client/vllm/blend_stats.py); None without CacheBlend in
         this role."""
-        return self._guarded("get_kv_connector_stats", self.blend_stats.take)
+        return self.hooks.guarded("get_kv_connector_stats", self.blend_stats.take)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
@@ -302,7 +308,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     def take_events(self) -> list:
         """vLLM's KV events since the last call (`take_vllm_events`,
         client/vllm/kv_events.py); empty without `--kv-events-config`."""
-        return self._guarded("take_events", take_vllm_events, self.event_relay) or []
+        return self.hooks.guarded("take_events", take_vllm_events, self.event_relay) or []
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -333,7 +339,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         waited for). Until `restore_kv_caches`, a load fails as a load error (vLLM
         recomputes it) and a save is skipped. Idempotent."""
         if self.worker_side is not None:
-            self._guarded("unregister_kv_caches", self.worker_side.unregister)
+            self.hooks.guarded("unregister_kv_caches", self.worker_side.unregister)
 
     def restore_kv_caches(self) -> None:
         """After wake-up: map the layers' KV tensors again, as bound to the attention
@@ -356,7 +362,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             return
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         for block_ids in meta.failed_loads.values():
-            self._failed_blocks.update(block_ids)
+            self.hooks.failed_blocks.update(block_ids)
         if meta.loads:
             agree = all_ranks_first_failure if self.settings.world_size > 1 else None
             try:
@@ -366,7 +372,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                                        "the step's loads are recomputed (load errors)")
                 for load in meta.loads:
                     meta.failed_loads[load.req_id] = [b for ids in load.block_ids for b in ids]
-                    self._failed_blocks.update(meta.failed_loads[load.req_id])
+                    self.hooks.failed_blocks.update(meta.failed_loads[load.req_id])
         if self.blend_worker is not None and (meta.blends or self.blend_worker.num_pending_stores):
             try:
                 from lmcached.client.vllm.blend_models import registered_model
@@ -377,7 +383,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                                        "the step's blends are recomputed (load errors)")
                 for spec in meta.blends:
                     if not spec.store_only:
-                        self._failed_blocks.update(claimed_block_ids(
+                        self.hooks.failed_blocks.update(claimed_block_ids(
                             spec.block_ids, spec.num_local_tokens,
                             len(spec.tokens) - spec.num_local_tokens, self.settings.block_size))
 
@@ -386,13 +392,13 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        errors, self._failed_blocks = self._failed_blocks, set()
+        errors, self.hooks.failed_blocks = self.hooks.failed_blocks, set()
         if self.worker_side is not None:
-            errors |= self._guarded("get_block_ids_with_load_errors",
-                                    self.worker_side.take_load_errors) or set()
+            errors |= self.hooks.guarded("get_block_ids_with_load_errors",
+                                          self.worker_side.take_load_errors) or set()
         if self.blend_worker is not None:
-            errors |= self._guarded("get_block_ids_with_load_errors",
-                                    self.blend_worker.take_load_errors) or set()
+            errors |= self.hooks.guarded("get_block_ids_with_load_errors",
+                                          self.blend_worker.take_load_errors) or set()
         return errors
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
@@ -407,12 +413,13 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         # KV computed this step on top of a load that never happened is never saved.
         saves = [save for save in meta.saves if save.req_id not in meta.failed_loads]
         if saves:
-            self._guarded("wait_for_save", self.worker_side.save, saves)
+            self.hooks.guarded("wait_for_save", self.worker_side.save, saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing is asynchronous; forget finished requests' failure epochs."""
         if self.worker_side is not None:
-            self._guarded("get_finished", self.worker_side.request_finished, finished_req_ids)
+            self.hooks.guarded("get_finished", self.worker_side.request_finished,
+                               finished_req_ids)
         return None, None
 
     def build_connector_worker_meta(self) -> "LMCachedWorkerMetadata | None":
@@ -422,7 +429,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         if not meta.loads:
             return None
-        failed = self._guarded("build_connector_worker_meta", self.worker_side.take_failed_chunks)
+        failed = self.hooks.guarded("build_connector_worker_meta",
+                                    self.worker_side.take_failed_chunks)
         if failed is None:  # what failed is unknown: every load of the step is replanned
             failed = {load.req_id: load.first_chunk for load in meta.loads}
         for load in meta.loads:
@@ -436,6 +444,6 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         for side in (self.scheduler_side, self.worker_side, self.blend_scheduler,
                      self.blend_worker):
             if side is not None:
-                self._guarded("shutdown", side.shutdown)
+                self.hooks.guarded("shutdown", side.shutdown)
         if self.event_relay is not None:
-            self._guarded("shutdown", self.event_relay.close)
+            self.hooks.guarded("shutdown", self.event_relay.close)

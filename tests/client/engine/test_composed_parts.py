@@ -1,9 +1,11 @@
-"""`DaemonLink` holds its parts; it inherits none of ours.
+"""`DaemonLink` and the vLLM connector hold their parts; they inherit none of ours.
 
 A mixin shares its host's state through `self`: a reader of the mixin's file cannot know
-what an attribute is. The link's reconnect policy (client/link_reconnect.py) is an object
-with its own state, which the link holds (`link.reconnect`). The check reads the class's
-source and its method resolution order.
+what an attribute is. The link's reconnect policy (client/link_reconnect.py) and the
+connector's guarded-hook bookkeeping (client/serving/guarded_hooks.py) are objects with
+their own state, which the link and the connector hold (`link.reconnect`,
+`connector.hooks`). The check reads the classes' sources (the connector's needs no vLLM)
+and, where it can import them, their method resolution order.
 """
 
 import ast
@@ -45,6 +47,7 @@ def read(path: str) -> str:
 
 @pytest.mark.parametrize("path, module, name", [
     ("client/daemon_link.py", "lmcached.client.daemon_link", "DaemonLink"),
+    ("client/vllm/connector.py", "lmcached.client.vllm.connector", "LMCachedConnector"),
 ])
 def test_the_link_and_the_connector_inherit_no_part_of_ours(path, module, name):
     assert bases_from_our_code(read(path), name, module) == []
@@ -55,6 +58,15 @@ def test_the_link_holds_its_reconnect_policy():
     link = DaemonLink("/nonexistent/lmcached.sock", data_timeout_s=0.05)
     assert isinstance(link.reconnect, ReconnectPolicy)
     assert link.num_reconnects == 0
+
+
+def test_the_connector_holds_its_guarded_hooks():
+    pytest.importorskip("vllm", reason="vLLM is not installed here: the source check above "
+                                       "covers the connector")
+    from lmcached.client.vllm.connector import LMCachedConnector
+
+    assert [cls.__module__ for cls in LMCachedConnector.__mro__[1:]
+            if cls.__module__.startswith("lmcached")] == []
 
 
 def test_the_bases_check_finds_a_mixin():

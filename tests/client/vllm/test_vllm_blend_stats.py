@@ -13,7 +13,7 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm"
 )
 
-from lmcached.client.serving.hook_guard import HookGuard  # noqa: E402
+from lmcached.client.serving.guarded_hooks import GuardedHooks  # noqa: E402
 from lmcached.client.vllm.blend_stats import (  # noqa: E402
     ConnectorStats,
     CounterDeltas,
@@ -81,7 +81,8 @@ def connector(blend_scheduler=None, blend_worker=None, tp_rank=0) -> LMCachedCon
     """The attributes `get_kv_connector_stats` reads of a connector of one role."""
     conn = LMCachedConnector.__new__(LMCachedConnector)
     conn.blend_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank)
-    conn.hook_guard = HookGuard()
+    conn.hooks = GuardedHooks()
+    conn.hook_guard = conn.hooks.hook_guard
     return conn
 
 
