@@ -19,6 +19,7 @@ What lives here:
                                link_tiers.py (the device tiers a session maps) and
                                link_failures.py (outage or refusal: how a failure is named)
     layout.py, records.py      the key namespace and the chunk records in arena blocks
+    tiered_records.py          the records of a session's tiers, each read by its tier's reader
     hashing.py                 the xxh3_128 prefix chain of chunk hashes
     kv_io.py, views.py         KV formats in and out, zero-copy views of arena blocks
     tier_map.py                a CUDA device tier of the daemon mapped here, and its records

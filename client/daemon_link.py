@@ -30,11 +30,10 @@ not seconds; the first connect and admin requests wait `timeout_s` (10 s).
 
 import math
 import threading
-import time
 from typing import Callable, Sequence, TypeVar
 
 from lmcached.client.link_failures import CacheUnavailable, describe
-from lmcached.client.link_reconnect import BACKOFF_INITIAL_S, ReconnectPolicy
+from lmcached.client.link_reconnect import ReconnectPolicy
 from lmcached.client.link_tiers import TierUnusable, close_other, map_tiers
 from lmcached.client.snapshot import Snapshot
 from lmcached.shm.arena import Arena
@@ -94,7 +93,7 @@ def default_data_timeout_s() -> float:
 _WARNED_DEVICES: set[str] = set()
 
 
-class DaemonLink(ReconnectPolicy):
+class DaemonLink:
     """One session with the daemon plus the arena mapping, re-established after loss.
 
     Thread-safe: one lock serializes requests (a background store thread shares the
@@ -129,7 +128,7 @@ class DaemonLink(ReconnectPolicy):
         arena: the mapped arena of the current generation, or None.
         tiers: the mapped device tiers of the current generation, by tier id.
         failed_devices: devices whose tier could not be mapped (not asked for again).
-        num_reconnects: outages ended by an answered request after a reconnect.
+        reconnect: its outage and back-off policy (`ReconnectPolicy`).
     """
 
     def __init__(
@@ -160,13 +159,9 @@ class DaemonLink(ReconnectPolicy):
         self.failed_devices: set[str] = set()
         self.tiers: dict[int, object] = {}
         self.home_tier = 0
-        self.num_reconnects = 0
+        self.reconnect = ReconnectPolicy()
         self.lock = threading.RLock()
         self._conn: Connection | None = None
-        self._backoff_s = BACKOFF_INITIAL_S
-        self._next_attempt = 0.0
-        self._down_reason: str | None = None
-        self._last_request_at = 0.0
         self._closed = False
         # Called with each newly attached arena / before an arena is unmapped (e.g. to
         # page-lock it for CUDA).
@@ -247,6 +242,33 @@ class DaemonLink(ReconnectPolicy):
             home = [t for t in reply.tiers if devices and t.device == devices[0]]
             self.home_tier = home[0].tier_id if home and home[0].tier_id in tiers else 0
 
+
+    # ------------------------------------------------------------ reconnects
+    @property
+    def num_reconnects(self) -> int:
+        """Outages ended by an answered request after a reconnect."""
+        return self.reconnect.num_reconnects
+
+    def try_connect(self, strict: bool = False) -> bool:
+        """Connect now, or start disconnected (`ReconnectPolicy.try_connect`)."""
+        return self.reconnect.try_connect(self, strict)
+
+    def mark_down(self, reason: str, permanent: bool = False) -> None:
+        """Drop the session after a failure; schedule a retry (`ReconnectPolicy.mark_down`)."""
+        self.reconnect.mark_down(self, reason, permanent)
+
+    def connect_failed(self, exc: BaseException) -> None:
+        """`mark_down` after a failed connect (`ReconnectPolicy.connect_failed`)."""
+        self.reconnect.connect_failed(self, exc)
+
+    def ensure_connected(self) -> HelloReply:
+        """The current session, reconnecting if the back-off allows
+        (`ReconnectPolicy.ensure_connected`).
+
+        Raises:
+            CacheUnavailable: disconnected and not (yet) reconnectable.
+        """
+        return self.reconnect.ensure_connected(self)
 
     def _replace_tiers(self, tiers: dict) -> None:
         """Make `tiers` current and unmap the ones no longer in it (another generation)."""
@@ -335,16 +357,14 @@ class DaemonLink(ReconnectPolicy):
                 raise
             if answer is None and not answers:
                 return None
-            self._last_request_at = time.monotonic()
-            if self._down_reason is not None:
-                self._recovered()
+            self.reconnect.answered(self)
             return answer
 
     def snapshot(self) -> Snapshot | None:
         """The current session (reconnecting if the back-off allows), or None if there
         is none now. For readers that need the arena but send nothing."""
         with self.lock:
-            self._reopen_if_closed_while_idle()
+            self.reconnect.reopen_if_closed_while_idle(self)
             try:
                 return Snapshot(self, self.ensure_connected(), self.arena, [], self.tiers,
                                 self.home_tier)

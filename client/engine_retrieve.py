@@ -13,7 +13,7 @@ import torch
 from lmcached.client.chain import PinnedChunks
 from lmcached.client.hashing import Tokens, as_token_array, hash_request_tokens, root_hash
 from lmcached.client.kv_io import OrderedCopier, after_caller_stream, suffix_mask_skip
-from lmcached.client.records import TieredRecords
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.client.retrieve import copy_records_out
 from lmcached.client.views import RetrievedViews, SpannedRecord
 from lmcached.wire.logger import init_logger

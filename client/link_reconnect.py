@@ -6,20 +6,23 @@ warning per outage, then an exponentially growing back-off window, BACKOFF_INITI
 to BACKOFF_MAX_S, during which every call is a miss at once); a refusal that lasts until
 a setting changes (`permanent_refusal`, client/link_failures.py) logs one error and is
 retried only every PERMANENT_BACKOFF_S; `ensure_connected` reconnects once the window
-has passed; the first answered request after an outage ends it (`_recovered`); a session
+has passed; the first answered request after an outage ends it (`answered`); a session
 the daemon closed while the link was idle (`--idle-timeout`) is dropped before the next
-call so that it re-opens with no miss (`_reopen_if_closed_while_idle`).
+call so that it re-opens with no miss (`reopen_if_closed_while_idle`).
 
-`ReconnectPolicy` is a part of `DaemonLink`: its state is the link's (`lock`, `_conn`,
-`hello_reply`, `socket_path`, `data_timeout_s`, `num_reconnects`, `_closed`, `_backoff_s`,
-`_next_attempt`, `_down_reason`, `_last_request_at`, all set by `DaemonLink.__init__`),
-and it calls the link's `connect` and `_drop_session`. Its log lines keep the logger
-name of the link (lmcached.client.daemon_link), which docs/troubleshooting.md quotes.
+`ReconnectPolicy` is an object a `DaemonLink` holds (`link.reconnect`): its state is its
+own (the back-off, the next attempt, the outage's reason, the last answer's time, the
+outages ended), and each method takes the link it acts on, whose attributes it reads or
+changes are declared by `LinkSession`. Its log lines keep the logger name of the link
+(lmcached.client.daemon_link), which docs/troubleshooting.md quotes.
 """
 
+import threading
 import time
+from typing import Protocol
 
 from lmcached.client.link_failures import CacheUnavailable, describe, permanent_refusal
+from lmcached.wire.connection import Connection
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import HelloReply
 
@@ -33,13 +36,41 @@ PERMANENT_BACKOFF_S = 60.0  # after a refusal that only a change of settings lif
 IDLE_PROBE_S = 0.1
 
 
-class ReconnectPolicy:
-    """The outage, back-off and reconnect half of `DaemonLink` (see the module docstring)."""
+class LinkSession(Protocol):
+    """What `ReconnectPolicy` reads and changes of the link it acts on (`DaemonLink`)."""
 
-    def try_connect(self, strict: bool = False) -> bool:
-        """`connect()` now (timeout `timeout_s`); on any failure start disconnected.
+    lock: threading.RLock
+    socket_path: str
+    hello_reply: HelloReply | None
+    data_timeout_s: float
+    _conn: Connection | None
+    _closed: bool
+
+    def connect(self, timeout_s: float | None = None) -> None: ...
+
+    def _drop_session(self) -> None: ...
+
+
+class ReconnectPolicy:
+    """The outage, back-off and reconnect policy of one `DaemonLink` (see the module
+    docstring).
+
+    Attributes:
+        num_reconnects: outages ended by an answered request after a reconnect.
+    """
+
+    def __init__(self) -> None:
+        self.num_reconnects = 0
+        self._backoff_s = BACKOFF_INITIAL_S
+        self._next_attempt = 0.0
+        self._down_reason: str | None = None
+        self._last_request_at = 0.0
+
+    def try_connect(self, link: LinkSession, strict: bool = False) -> bool:
+        """`link.connect()` now (timeout `timeout_s`); on any failure start disconnected.
 
         Args:
+            link: the link to connect.
             strict: re-raise the failure instead (tests, tools that need the daemon).
 
         Returns:
@@ -50,16 +81,16 @@ class ReconnectPolicy:
             With strict=True only: whatever `connect` raises.
         """
         try:
-            self.connect()
+            link.connect()
         except Exception as exc:
             if strict:
                 raise
-            self.connect_failed(exc)
+            self.connect_failed(link, exc)
             return False
         return True
 
-    def mark_down(self, reason: str, permanent: bool = False) -> None:
-        """Drop the session after a failure; schedule a retry.
+    def mark_down(self, link: LinkSession, reason: str, permanent: bool = False) -> None:
+        """Drop the link's session after a failure; schedule a retry.
 
         Until the retry every request fails at once with `CacheUnavailable` instead of
         paying a timeout again. An outage warns once and retries after an exponentially
@@ -69,17 +100,18 @@ class ReconnectPolicy:
         again).
 
         Args:
+            link: the link that failed.
             reason: what failed, with its fix for a permanent refusal.
             permanent: the failure lasts until a setting changes (`permanent_refusal`).
         """
-        with self.lock:
-            self._drop_session()
+        with link.lock:
+            link._drop_session()
             if permanent:
                 if reason != self._down_reason:
                     logger.error(
                         "lmcached daemon at %s refuses this client (%s): serving without "
                         "the cache (misses, skipped stores); next try in %.0f s",
-                        self.socket_path, reason, PERMANENT_BACKOFF_S,
+                        link.socket_path, reason, PERMANENT_BACKOFF_S,
                     )
                 self._next_attempt = time.monotonic() + PERMANENT_BACKOFF_S
             else:
@@ -87,57 +119,64 @@ class ReconnectPolicy:
                     logger.warning(
                         "lmcached daemon at %s is unavailable (%s): serving without the "
                         "cache (misses, skipped stores) and reconnecting in the background",
-                        self.socket_path, reason,
+                        link.socket_path, reason,
                     )
                 self._next_attempt = time.monotonic() + self._backoff_s
                 self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
             self._down_reason = reason
 
-    def connect_failed(self, exc: BaseException) -> None:
+    def connect_failed(self, link: LinkSession, exc: BaseException) -> None:
         """`mark_down` after a failed connect: permanent when `permanent_refusal` says so."""
         refusal = permanent_refusal(exc)
-        self.mark_down(refusal or describe(exc), refusal is not None)
+        self.mark_down(link, refusal or describe(exc), refusal is not None)
 
-    def ensure_connected(self) -> HelloReply:
-        """The current session, reconnecting (timeout `data_timeout_s`) if the backoff allows.
+    def ensure_connected(self, link: LinkSession) -> HelloReply:
+        """The link's current session, reconnecting (timeout `data_timeout_s`) if the
+        backoff allows.
 
         Raises:
             CacheUnavailable: disconnected and not (yet) reconnectable; a failed
                 reconnect of any kind marks the link down again.
         """
-        reply = self.hello_reply
+        reply = link.hello_reply
         if reply is not None:
             return reply
-        with self.lock:
-            if self._closed:
+        with link.lock:
+            if link._closed:
                 raise CacheUnavailable("the engine is closed")
-            if self.hello_reply is not None:
-                return self.hello_reply
+            if link.hello_reply is not None:
+                return link.hello_reply
             if time.monotonic() < self._next_attempt:
                 raise CacheUnavailable(self._down_reason or "disconnected")
             try:
-                self.connect(self.data_timeout_s)
+                link.connect(link.data_timeout_s)
             except Exception as exc:  # any failure to open a session means "no cache now"
-                self.connect_failed(exc)
+                self.connect_failed(link, exc)
                 raise CacheUnavailable(describe(exc)) from None
-            return self.hello_reply
+            return link.hello_reply
 
-    def _reopen_if_closed_while_idle(self) -> None:
+    def reopen_if_closed_while_idle(self, link: LinkSession) -> None:
         """Drop a session unused for IDLE_PROBE_S that the daemon has closed meanwhile
         (`--idle-timeout`, or a daemon stopped since), so that `ensure_connected` opens a
         new one now instead of the next request failing on the old socket (a miss and
         an "unavailable" warning when the daemon was never down). One poll(2), only
         after IDLE_PROBE_S without a request: nothing on a busy link. The new session
         has a new id, so pins of the old one never look held (`holds`)."""
-        conn = self._conn
+        conn = link._conn
         if (conn is None or time.monotonic() - self._last_request_at < IDLE_PROBE_S
                 or not conn.peer_closed()):
             return
         logger.debug("lmcached daemon at %s closed idle session %d (--idle-timeout): "
-                     "opening a new one", self.socket_path, self.hello_reply.session_id)
-        self._drop_session()
+                     "opening a new one", link.socket_path, link.hello_reply.session_id)
+        link._drop_session()
 
-    def _recovered(self) -> None:
+    def answered(self, link: LinkSession) -> None:
+        """A reply was read on the link: note when, and end an outage if one was on."""
+        self._last_request_at = time.monotonic()
+        if self._down_reason is not None:
+            self._recovered(link)
+
+    def _recovered(self, link: LinkSession) -> None:
         """The first answer after an outage: end it, reset the back-off.
 
         Only an answered request ends an outage, not a successful HELLO: a daemon that
@@ -147,5 +186,5 @@ class ReconnectPolicy:
         self._backoff_s = BACKOFF_INITIAL_S
         self.num_reconnects += 1
         logger.info("lmcached daemon at %s is back (generation %d): caching again",
-                    self.socket_path, self.hello_reply.generation)
+                    link.socket_path, link.hello_reply.generation)
         self._down_reason = None

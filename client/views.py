@@ -18,8 +18,9 @@ import torch
 
 from lmcached.client.cuda import synchronize_devices
 from lmcached.client.kv_io import ChunkCopier, copy_tensor
-from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.records import RecordIO
 from lmcached.client.retrieve import copy_record
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)

@@ -6,11 +6,8 @@ deployed configs. The connector itself lives in `lmcached.client.vllm.connector`
 module only re-exports it (importing it imports vllm).
 """
 
-from lmcached.client.vllm.connector import (
-    LMCachedConnector,
-    LMCachedConnectorMetadata,
-    LMCachedWorkerMetadata,
-)
+from lmcached.client.vllm.connector import LMCachedConnector
+from lmcached.client.vllm.metadata import LMCachedConnectorMetadata, LMCachedWorkerMetadata
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 
 __all__ = [

@@ -20,9 +20,10 @@ from lmcached.client.daemon_link import CacheUnavailable, DaemonLink
 from lmcached.client.hashing import tenant_fingerprint
 from lmcached.client.kv_io import ChunkCopier
 from lmcached.client.layout import KVLayout
-from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.records import RecordIO
 from lmcached.client.snapshot import Snapshot
 from lmcached.client.tier_map import DeviceRecordIO
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.shm.arena import Arena
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import NOSPACE, Abort, Alloc, Invalidate, Lookup, tier_of

@@ -4,25 +4,24 @@ Why this file exists: a hook that fails must cost a miss (`HookGuard`, hook_guar
 what the failed hook had promised the engine must then be undone or reported, whatever the
 engine. This module holds that bookkeeping, apart from any engine's glue:
 
-- `_guarded(hook, call, *args)`: run one call of a hook; an exception is counted and
+- `guarded(hook, call, *args)`: run one call of a hook; an exception is counted and
   logged by `hook_guard` and served as None.
-- the state a connector keeps between its hooks (`_init_guarded_hooks`): the engine's own
-  prefix hit per request at the last lookup (`_local_hits`), the blocks promised to the
-  engine in this step (`_claims`), the promised blocks of a failed plan, sent to the
-  workers as load errors with the next step's metadata (`_failed_loads`), and, on a
-  worker, the blocks to report as load errors (`_failed_blocks`).
-- `_forget(request)` / `_forget_id(req_id)`: drop what the scheduler sides keep for a
-  request (and its pins), never raising.
+- the state a connector keeps between its hooks: the engine's own prefix hit per request
+  at the last lookup (`local_hits`), the blocks promised to the engine in this step
+  (`claims`), the promised blocks of a failed plan, sent to the workers as load errors
+  with the next step's metadata (`failed_loads`), and, on a worker, the blocks to report
+  as load errors (`failed_blocks`).
+- `forget(req_id, sides)`: drop what the scheduler sides keep for a request (and its
+  pins), never raising.
 
-`GuardedHooks` is a part of an engine's connector (client/vllm/connector.py's
-`LMCachedConnector`): the connector calls `_init_guarded_hooks()` in its `__init__` and
-has the attributes `scheduler_side` and `blend_scheduler`, each None or an object with
-`request_finished(request)` that reads only `request.request_id`. Engine-neutral: it
-imports no engine and no engine's glue.
+`GuardedHooks` is an object an engine's connector holds (client/vllm/connector.py's
+`LMCachedConnector.hooks`); the scheduler sides it forgets a request in are passed to
+`forget`, each None or an object with `request_finished(request)` that reads only
+`request.request_id`. Engine-neutral: it imports no engine and no engine's glue.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
 from lmcached.client.serving.hook_guard import HookGuard
 
@@ -30,32 +29,41 @@ from lmcached.client.serving.hook_guard import HookGuard
 class GuardedHooks:
     """The guarded-hook bookkeeping of an engine's connector (see the module docstring).
 
+    Starts with no failure counted and nothing promised, claimed or failed.
+
     Attributes:
         hook_guard: exceptions caught in the hooks, per hook (`HookGuard.failures`).
+        local_hits: req_id -> the engine's own prefix hit at the last lookup, tokens.
+        claims: req_id -> engine block ids promised in this step.
+        failed_loads: req_id -> promised block ids of a failed plan, for the next step's
+            metadata.
+        failed_blocks: worker: engine block ids to report as load errors.
     """
 
-    def _init_guarded_hooks(self) -> None:
-        """Start with no failure counted and nothing promised, claimed or failed."""
+    def __init__(self) -> None:
         self.hook_guard = HookGuard()
-        self._local_hits: dict[str, int] = {}  # req_id -> the engine's own hit at the last lookup
-        self._claims: dict[str, list[int]] = {}  # req_id -> blocks promised in this step
-        self._failed_loads: dict[str, list[int]] = {}  # for the next step's metadata
-        self._failed_blocks: set[int] = set()  # worker: blocks to report as load errors
+        self.local_hits: dict[str, int] = {}
+        self.claims: dict[str, list[int]] = {}
+        self.failed_loads: dict[str, list[int]] = {}
+        self.failed_blocks: set[int] = set()
 
-    def _forget(self, request) -> None:
-        """Drop what either scheduler side keeps for `request` (and its pins); never raises."""
-        self._forget_id(request.request_id, request)
+    def forget(self, req_id: str, sides: Iterable, request=None) -> None:
+        """Drop what each scheduler side in `sides` (None: skipped) keeps for request
+        `req_id` (and its pins), and its local hit; never raises.
 
-    def _forget_id(self, req_id: str, request=None) -> None:
-        self._local_hits.pop(req_id, None)
+        Args:
+            req_id: the request's id.
+            sides: the connector's scheduler sides, in order.
+            request: the engine's request, when at hand (else one carrying `req_id`).
+        """
+        self.local_hits.pop(req_id, None)
         if request is None:
             request = _RequestId(req_id)
-        if self.scheduler_side is not None:
-            self._guarded("request_finished", self.scheduler_side.request_finished, request)
-        if self.blend_scheduler is not None:
-            self._guarded("request_finished", self.blend_scheduler.request_finished, request)
+        for side in sides:
+            if side is not None:
+                self.guarded("request_finished", side.request_finished, request)
 
-    def _guarded(self, hook: str, call, *args) -> Any:
+    def guarded(self, hook: str, call, *args) -> Any:
         """`call(*args)`, or None (counted, logged) when it raises."""
         try:
             return call(*args)

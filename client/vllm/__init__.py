@@ -4,6 +4,9 @@ What lives here, after vLLM's NixlConnector split into roles:
 
 - `connector.py`: `LMCachedConnector`, the KV connector V1 class vLLM instantiates
   (users name it by the stable path `lmcached.client.vllm_connector`).
+- `metadata.py`: what the scheduler and the workers send each other once a step.
+- `extra_config.py`: the connector's extra config keys, their defaults, its settings.
+- `forward_context.py`: the attention layers' backends and bound KV tensors, read from vLLM.
 - `scheduler.py`: the scheduler role: vLLM's hooks as calls into the serving core
   (`lmcached.client.serving`: pinned lookups, step pins, epochs, worker reports).
 - `worker.py`: the worker role: vLLM's paged blocks (`PagedBlocks`) as the serving core's
@@ -22,11 +25,11 @@ What lives here, after vLLM's NixlConnector split into roles:
   namespace), `blend_scheduler.py` (which prompts to claim), `blend_worker.py`
   and `blend_layers.py` (the blend in `start_load_kv`, the document stores),
   `blend_flash.py` (FlashAttention over the paged cache for the selected rows, CUDA),
-  `blend_stats.py` (their counters as vLLM's connector stats).
+  `blend_stats.py` (their counters as vLLM's connector stats, `get_kv_connector_stats`).
 
 What it may import: the engine and its core in `lmcached.client` (engine, chain, daemon_link,
 records, layout, hashing, cuda, attention), `lmcached.client.serving`, `lmcached.client.blend`, `lmcached.wire`,
-`lmcached.shm`, and vllm. Only `connector.py`, `kv_events.py`, `namespaces.py`, `blend_models.py`,
+`lmcached.shm`, and vllm. Only `connector.py`, `metadata.py`, `kv_events.py`, `namespaces.py`, `blend_models.py`,
 `blend_stats.py`, `blend_plugin.py` (inside `register`), and lazily `tp_group.py` and `blend_flash.py`,
 import vllm (absolute imports: `import vllm` here is the real vLLM, never this
 package), so the scheduler and worker roles import and test without vllm installed. This `__init__`

@@ -95,3 +95,30 @@ class CounterDeltas:
         self._last = {key: dict(value) if key == REFUSALS else value
                       for key, value in counters.items()}
         return LMCachedConnectorStats(data=delta)
+
+
+class ConnectorStats:
+    """A connector's `get_kv_connector_stats`, which vLLM calls every step: the counts
+    since the last call of this role's CacheBlend side (the blend scheduler's, or the
+    blend worker's of TP rank 0: every rank blends the same requests, and vLLM sums the
+    workers'); nothing without CacheBlend in this role.
+
+    Args:
+        blend_scheduler / blend_worker: this role's CacheBlend side, None or an object
+            with `counters()` (`BlendScheduler.counters`, `BlendWorker.counters`).
+        tp_rank: this worker's rank in the TP group (0 on the scheduler).
+    """
+
+    def __init__(self, blend_scheduler=None, blend_worker=None, tp_rank: int = 0) -> None:
+        self.source = blend_scheduler or (blend_worker if tp_rank == 0 else None)
+        self._deltas = CounterDeltas()
+
+    def take(self) -> LMCachedConnectorStats | None:
+        """The source's increments since the last call; None without a source.
+
+        Raises:
+            Whatever the source's `counters()` raises (the connector guards its hook).
+        """
+        if self.source is None:
+            return None
+        return self._deltas.take(self.source.counters())

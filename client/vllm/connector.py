@@ -13,16 +13,7 @@ client/vllm/ is the only lmcached package that imports vllm. Enable it with (the
         "kv_connector_module_path": "lmcached.client.vllm_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket": "/run/lmcached/lmcached.sock", "chunk_size": 256}}'
 
-Extra config keys: `socket` (default: that of daemon `name`, found as the CLI finds it),
-`name` (default: $LMCACHED_NAME, else "default"),
-`chunk_size` (256 tokens, a multiple of vLLM's block size), `namespace` (the model id
-in the key namespace; default: vLLM's model path or name), `timeout_s` (5), `verify`
-("tokens": loads check each record's header and token ids; "checksum": saves also seal
-a payload checksum into every record, and loads check it: README, "Trust model"),
-`kv_load_failure_policy` ("fail": a load that fails finishes its request with an error;
-default "recompute"), `blend_tokens_per_step` (16384: prompt tokens one step may blend; CacheBlend requests,
-`kv_transfer_params={"lmcached_blend": ...}` with an `LMCached*ForCausalLM` model, are
-served by client/vllm/blend_*.py: docs/cacheblend.md, "Inside vLLM").
+The extra config keys, their defaults and meaning: client/vllm/extra_config.py.
 
 One engine step (the scheduler and the workers may be separate processes: they share
 only the pickled metadata, the daemon and its arena)::
@@ -73,82 +64,36 @@ its first block hash: it is cached under keys no other salt (and no unsalted req
 can hit, and the daemon counts its hits apart (INFO `salted_hits`).
 """
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_stats import CounterDeltas, LMCachedConnectorStats
+from lmcached.client.vllm.blend_stats import ConnectorStats, LMCachedConnectorStats
 from lmcached.client.vllm.blend_worker import BlendWorker
-from lmcached.client.vllm.kv_events import make_relay, to_vllm_events
+from lmcached.client.vllm.extra_config import chunk_size, connector_settings
+from lmcached.client.vllm.forward_context import attention_backends, bound_kv_caches
+from lmcached.client.vllm.kv_events import make_relay, take_vllm_events
 from lmcached.client.vllm.load_policy import apply_load_failure_policy
+from lmcached.client.vllm.metadata import LMCachedConnectorMetadata, LMCachedWorkerMetadata
 from lmcached.client.serving.guarded_hooks import GuardedHooks
 from lmcached.client.serving.hook_guard import claimed_block_ids
 from lmcached.client.vllm.namespaces import UnsupportedConfig, namespace_layouts
 from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
-from lmcached.client.vllm.blend_params import BlendSpec
-from lmcached.client.serving.specs import ConnectorSettings, LoadSpec, SaveSpec
 from lmcached.client.vllm.tp_group import all_ranks_first_failure, blend_tp_group, tensor_parallel_rank
 from lmcached.client.vllm.worker import LMCachedConnectorWorker
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 
-DEFAULT_CHUNK_SIZE = 256
-DEFAULT_TIMEOUT_S = 5.0
-
-
-# ------------------------------------------------------------------------- metadata
-@dataclasses.dataclass
-class LMCachedConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the workers (pickled to every worker process).
-
-    `failed_loads`: req_id -> vLLM block ids vLLM was promised but the scheduler side
-    could not plan the load of (a hook failed, `HookGuard`): every worker reports them
-    as load errors (vLLM recomputes them) and saves nothing of that request this step.
-    """
-
-    step: int
-    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
-    saves: list[SaveSpec] = dataclasses.field(default_factory=list)
-    blends: list[BlendSpec] = dataclasses.field(default_factory=list)
-    failed_loads: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class LMCachedWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, aggregated over TP ranks by vLLM.
-
-    Attributes:
-        loaded_steps: step -> number of ranks that finished (or failed) its loads.
-        failed_chunks: req_id -> index of the first chunk whose load failed.
-    """
-
-    loaded_steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    failed_chunks: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "LMCachedWorkerMetadata":
-        """Sum the ranks' loaded steps; keep the earliest failed chunk per request."""
-        loaded = dict(self.loaded_steps)
-        for step, count in other.loaded_steps.items():
-            loaded[step] = loaded.get(step, 0) + count
-        failed = dict(self.failed_chunks)
-        for req_id, chunk in other.failed_chunks.items():
-            failed[req_id] = min(chunk, failed.get(req_id, chunk))
-        return LMCachedWorkerMetadata(loaded, failed)
-
-
-class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
+class LMCachedConnector(KVConnectorBase_V1):
     """vLLM KV connector over an lmcached daemon (scheduler and worker roles).
 
     The hooks delegate to LMCachedConnectorScheduler (client/vllm/scheduler.py) or
@@ -156,8 +101,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     No hook raises into vLLM: an exception is counted in `hook_guard` and served as a
     miss (0 tokens matched; tokens already promised are reported as load errors, so
     that vLLM recomputes them; a save skipped). The per-request bookkeeping around the
-    guarded hooks (`_guarded`, `_forget`, the claimed and failed blocks) is the serving
-    core's `GuardedHooks` (client/serving/guarded_hooks.py).
+    guarded hooks (`guarded`, `forget`, the claimed and failed blocks) is the serving
+    core's `GuardedHooks` (client/serving/guarded_hooks.py), held as `hooks`.
 
     Args:
         vllm_config: the engine's VllmConfig (kv_transfer_config carries the extra config).
@@ -173,6 +118,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             and for both while the connector is inactive).
         num_matched_tokens / num_loaded_tokens / num_saved_chunks / num_load_errors:
             counters of the scheduler (matched) and the worker (loaded, saved, failed).
+        hooks: the guarded-hook bookkeeping (`GuardedHooks`).
         hook_guard: exceptions caught in the hooks, per hook (`HookGuard.failures`).
     """
 
@@ -181,32 +127,23 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        self.chunk_size = int(transfer.get_from_extra_config("chunk_size", DEFAULT_CHUNK_SIZE))
+        self.chunk_size = chunk_size(transfer)
         apply_load_failure_policy(transfer)  # "recompute" unless the user chose "fail"
         self.scheduler_side: LMCachedConnectorScheduler | None = None
         self.worker_side: LMCachedConnectorWorker | None = None
         self.blend_scheduler: BlendScheduler | None = None
         self.blend_worker: BlendWorker | None = None
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
-        self._init_guarded_hooks()
-        self._blend_deltas = CounterDeltas()  # for `get_kv_connector_stats`
-        self._tp_rank = 0  # worker: this rank in the TP group
+        self.hooks = GuardedHooks()  # failures caught, blocks promised or failed
+        self.hook_guard = self.hooks.hook_guard
+        self.blend_stats = ConnectorStats()  # for `get_kv_connector_stats`
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
         except UnsupportedConfig as exc:
             self._disable(str(exc))
             return
-        self.settings = ConnectorSettings(
-            layouts=layouts,
-            chunk_size=self.chunk_size,
-            block_size=vllm_config.cache_config.block_size,
-            world_size=vllm_config.parallel_config.tensor_parallel_size,
-            socket=transfer.get_from_extra_config("socket", None),
-            daemon_name=transfer.get_from_extra_config("name", None),
-            timeout_s=float(transfer.get_from_extra_config("timeout_s", DEFAULT_TIMEOUT_S)),
-            verify=transfer.get_from_extra_config("verify", "tokens"),
-        )
+        self.settings = connector_settings(vllm_config, layouts, self.chunk_size)
         blend_layouts = segment_layouts(vllm_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
         refusal = blend_refusal(vllm_config)
@@ -217,18 +154,23 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                 self.settings, blend_layouts[0], refusal,
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
+            self.blend_stats = ConnectorStats(blend_scheduler=self.blend_scheduler)
         else:
             rank = tensor_parallel_rank()
-            self._tp_rank = rank
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(
                     self.settings, blend_layouts[rank], vllm_config.model_config.hf_config,
                     tp_group, vllm_config.scheduler_config.max_num_batched_tokens)
+                self.blend_stats = ConnectorStats(blend_worker=self.blend_worker, tp_rank=rank)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
+
+    def _forget(self, req_id: str, request=None) -> None:
+        """Drop what either scheduler side keeps for the request (and its pins); never raises."""
+        self.hooks.forget(req_id, (self.scheduler_side, self.blend_scheduler), request)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -270,7 +212,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         """
         if self.scheduler_side is None:
             return 0, False
-        self._local_hits[request.request_id] = num_computed_tokens
+        self.hooks.local_hits[request.request_id] = num_computed_tokens
         if self.event_relay is not None and request.cache_salt:
             self.event_relay.note_salt(request.cache_salt)
         try:
@@ -283,7 +225,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                 request, num_computed_tokens), False
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler: a miss
             self.hook_guard.caught("get_num_new_matched_tokens", exc, "0 tokens matched")
-            self._forget(request)
+            self._forget(request.request_id, request)
             return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -295,8 +237,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             return
         try:
             if num_external_tokens:
-                self._claims[request.request_id] = claimed_block_ids(
-                    blocks.get_block_ids()[0], self._local_hits.get(request.request_id, 0),
+                self.hooks.claims[request.request_id] = claimed_block_ids(
+                    blocks.get_block_ids()[0], self.hooks.local_hits.get(request.request_id, 0),
                     num_external_tokens, self.settings.block_size)
             if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
                 self.blend_scheduler.update_state_after_alloc(request, blocks,
@@ -307,10 +249,10 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
             self.hook_guard.caught("update_state_after_alloc", exc,
                                    "the promised blocks are recomputed (load errors)")
-            self._forget(request)
-            claimed = self._claims.pop(request.request_id, None)
+            self._forget(request.request_id, request)
+            claimed = self.hooks.claims.pop(request.request_id, None)
             if claimed:
-                self._failed_loads[request.request_id] = claimed
+                self.hooks.failed_loads[request.request_id] = claimed
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
         """This step's loads (allocated this step) and saves (full prompt chunks computed
@@ -320,8 +262,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         this step as a failed load (vLLM recomputes them)."""
         if self.scheduler_side is None:
             return LMCachedConnectorMetadata(0)
-        failed, self._failed_loads = self._failed_loads, {}
-        claims, self._claims = self._claims, {}
+        failed, self.hooks.failed_loads = self.hooks.failed_loads, {}
+        claims, self.hooks.claims = self.hooks.claims, {}
         try:
             meta = LMCachedConnectorMetadata(*self.scheduler_side.build_step(scheduler_output))
             if self.blend_scheduler is not None:
@@ -329,9 +271,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         except Exception as exc:  # noqa: BLE001 - never into vLLM's scheduler
             self.hook_guard.caught("build_connector_meta", exc,
                                    "the step's promised blocks are recomputed (load errors)")
-            self._guarded("build_connector_meta", self.scheduler_side.abandon_step)
+            self.hooks.guarded("build_connector_meta", self.scheduler_side.abandon_step)
             for req_id, block_ids in claims.items():
-                self._forget_id(req_id)
+                self._forget(req_id)
                 failed[req_id] = block_ids
             return LMCachedConnectorMetadata(0, failed_loads=failed)
         meta.failed_loads = failed
@@ -341,25 +283,20 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         """Release the pins of steps every rank has loaded; replan saves after failures."""
         meta = connector_output.kv_connector_worker_meta
         if self.scheduler_side is not None and isinstance(meta, LMCachedWorkerMetadata):
-            self._guarded("update_connector_output", self.scheduler_side.on_worker_report,
-                          meta.loaded_steps, meta.failed_chunks)
+            self.hooks.guarded("update_connector_output", self.scheduler_side.on_worker_report,
+                                meta.loaded_steps, meta.failed_chunks)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; unpin a load that never reached a step. Blocks are freed
         at once (saves are synchronous)."""
-        self._forget(request)
+        self._forget(request.request_id, request)
         return False, None
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
         """CacheBlend's counts since the last call, which vLLM makes every step
-        (client/vllm/blend_stats.py): the blend scheduler's, or the blend worker's of TP
-        rank 0 (every rank blends the same requests, and vLLM sums the workers'); None
-        without CacheBlend in this role."""
-        source = self.blend_scheduler or (self.blend_worker if self._tp_rank == 0 else None)
-        if source is None:
-            return None
-        return self._guarded("get_kv_connector_stats",
-                             lambda: self._blend_deltas.take(source.counters()))
+        (`ConnectorStats.take`, client/vllm/blend_stats.py); None without CacheBlend in
+        this role."""
+        return self.hooks.guarded("get_kv_connector_stats", self.blend_stats.take)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
@@ -369,14 +306,9 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         return LMCachedConnectorStats(data=dict(data) if data else {})
 
     def take_events(self) -> list:
-        """vLLM's KV events for the chunks the daemon holds for this instance's
-        namespace, whichever process stored them (docs/kv-events.md): `BlockStored` /
-        `BlockRemoved` with medium "CPU" (arena) or "STORAGE" (disk tier), this
-        instance's block size and block hashes. Empty without `--kv-events-config`."""
-        if self.event_relay is None:
-            return []
-        return self._guarded("take_events",
-                             lambda: to_vllm_events(self.event_relay.poll())) or []
+        """vLLM's KV events since the last call (`take_vllm_events`,
+        client/vllm/kv_events.py); empty without `--kv-events-config`."""
+        return self.hooks.guarded("take_events", take_vllm_events, self.event_relay) or []
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -384,11 +316,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         if self.worker_side is None:
             return
         group = self._kv_cache_config.kv_cache_groups[0]
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        backends = {}
-        for name in group.layer_names:
-            backend = getattr(forward_context.get(name), "attn_backend", None)
-            backends[name] = backend.get_name() if backend is not None else "?"
+        backends = attention_backends(self._vllm_config, group.layer_names)
         try:
             self.worker_side.register(kv_caches, list(group.layer_names), backends,
                                       group.kv_cache_spec.page_size_bytes)
@@ -411,21 +339,16 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         waited for). Until `restore_kv_caches`, a load fails as a load error (vLLM
         recomputes it) and a save is skipped. Idempotent."""
         if self.worker_side is not None:
-            self._guarded("unregister_kv_caches", self.worker_side.unregister)
+            self.hooks.guarded("unregister_kv_caches", self.worker_side.unregister)
 
     def restore_kv_caches(self) -> None:
         """After wake-up: map the layers' KV tensors again, as bound to the attention
         layers now (the same session; a no-op unless `unregister_kv_caches` ran)."""
         if self.worker_side is None or self.worker_side.registered:
             return
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        kv_caches = {}
         try:
-            for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
-                kv_cache = forward_context[name].kv_cache
-                # vLLM 0.32 and 0.33 bind one tensor per layer (older releases a list per
-                # virtual engine).
-                kv_caches[name] = kv_cache[0] if isinstance(kv_cache, list) else kv_cache
+            kv_caches = bound_kv_caches(self._vllm_config,
+                                        self._kv_cache_config.kv_cache_groups[0].layer_names)
         except Exception as exc:  # noqa: BLE001 - stays unregistered: loads are load errors
             self.hook_guard.caught("restore_kv_caches", exc,
                                    "no KV cache mapped: loads fail (recomputed), no saves")
@@ -439,7 +362,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
             return
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         for block_ids in meta.failed_loads.values():
-            self._failed_blocks.update(block_ids)
+            self.hooks.failed_blocks.update(block_ids)
         if meta.loads:
             agree = all_ranks_first_failure if self.settings.world_size > 1 else None
             try:
@@ -449,7 +372,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                                        "the step's loads are recomputed (load errors)")
                 for load in meta.loads:
                     meta.failed_loads[load.req_id] = [b for ids in load.block_ids for b in ids]
-                    self._failed_blocks.update(meta.failed_loads[load.req_id])
+                    self.hooks.failed_blocks.update(meta.failed_loads[load.req_id])
         if self.blend_worker is not None and (meta.blends or self.blend_worker.num_pending_stores):
             try:
                 from lmcached.client.vllm.blend_models import registered_model
@@ -460,7 +383,7 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
                                        "the step's blends are recomputed (load errors)")
                 for spec in meta.blends:
                     if not spec.store_only:
-                        self._failed_blocks.update(claimed_block_ids(
+                        self.hooks.failed_blocks.update(claimed_block_ids(
                             spec.block_ids, spec.num_local_tokens,
                             len(spec.tokens) - spec.num_local_tokens, self.settings.block_size))
 
@@ -469,13 +392,13 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        errors, self._failed_blocks = self._failed_blocks, set()
+        errors, self.hooks.failed_blocks = self.hooks.failed_blocks, set()
         if self.worker_side is not None:
-            errors |= self._guarded("get_block_ids_with_load_errors",
-                                    self.worker_side.take_load_errors) or set()
+            errors |= self.hooks.guarded("get_block_ids_with_load_errors",
+                                          self.worker_side.take_load_errors) or set()
         if self.blend_worker is not None:
-            errors |= self._guarded("get_block_ids_with_load_errors",
-                                    self.blend_worker.take_load_errors) or set()
+            errors |= self.hooks.guarded("get_block_ids_with_load_errors",
+                                          self.blend_worker.take_load_errors) or set()
         return errors
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
@@ -490,12 +413,13 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         # KV computed this step on top of a load that never happened is never saved.
         saves = [save for save in meta.saves if save.req_id not in meta.failed_loads]
         if saves:
-            self._guarded("wait_for_save", self.worker_side.save, saves)
+            self.hooks.guarded("wait_for_save", self.worker_side.save, saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing is asynchronous; forget finished requests' failure epochs."""
         if self.worker_side is not None:
-            self._guarded("get_finished", self.worker_side.request_finished, finished_req_ids)
+            self.hooks.guarded("get_finished", self.worker_side.request_finished,
+                               finished_req_ids)
         return None, None
 
     def build_connector_worker_meta(self) -> "LMCachedWorkerMetadata | None":
@@ -505,7 +429,8 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         meta: LMCachedConnectorMetadata = self._get_connector_metadata()
         if not meta.loads:
             return None
-        failed = self._guarded("build_connector_worker_meta", self.worker_side.take_failed_chunks)
+        failed = self.hooks.guarded("build_connector_worker_meta",
+                                    self.worker_side.take_failed_chunks)
         if failed is None:  # what failed is unknown: every load of the step is replanned
             failed = {load.req_id: load.first_chunk for load in meta.loads}
         for load in meta.loads:
@@ -519,6 +444,6 @@ class LMCachedConnector(KVConnectorBase_V1, GuardedHooks):
         for side in (self.scheduler_side, self.worker_side, self.blend_scheduler,
                      self.blend_worker):
             if side is not None:
-                self._guarded("shutdown", side.shutdown)
+                self.hooks.guarded("shutdown", side.shutdown)
         if self.event_relay is not None:
-            self._guarded("shutdown", self.event_relay.close)
+            self.hooks.guarded("shutdown", self.event_relay.close)

@@ -73,6 +73,21 @@ def to_vllm_events(events: list[BlockEvent]) -> list[KVCacheEvent]:
     return out
 
 
+def take_vllm_events(relay: EventRelay | None) -> list[KVCacheEvent]:
+    """The connector's `take_events()`: vLLM's KV events for the chunks the daemon holds
+    for this instance's namespace, whichever process stored them (docs/kv-events.md):
+    `BlockStored` / `BlockRemoved` with medium "CPU" (arena) or "STORAGE" (disk tier),
+    this instance's block size and block hashes. Empty without a relay (no
+    `--kv-events-config`).
+
+    Raises:
+        Whatever the relay's `poll()` raises (the connector guards its hook).
+    """
+    if relay is None:
+        return []
+    return to_vllm_events(relay.poll())
+
+
 def make_relay(vllm_config, settings) -> EventRelay | None:
     """The connector's relay when vLLM publishes KV events (`--kv-events-config` with
     enable_kv_cache_events) and the connector's extra config does not say

@@ -21,7 +21,8 @@ from lmcached.client import engine as engine_module
 from lmcached.client import engine_retrieve, retrieve
 from lmcached.client.chain import Chain
 from lmcached.client.kv_io import after_caller_stream
-from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.records import RecordIO
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.client.tier_map import DeviceRecordIO
 from lmcached.shm.arena import HEADER_BYTES, Arena
 from lmcached.wire.protocol import tier_of

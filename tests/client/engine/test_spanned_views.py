@@ -10,7 +10,8 @@ import torch
 
 from lmcached.client import CacheEngine, KVLayout, hash_request_tokens
 from lmcached.client.kv_io import KVSource
-from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.records import RecordIO
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.client.views import SpannedRecord
 from lmcached.shm.arena import Arena
 from test_engine import make_kv

@@ -24,7 +24,8 @@ from engine_worker import prompt_kv, small_layout
 from lmcached.client import CacheEngine, hash_request_tokens
 from lmcached.client import daemon_link, link_tiers
 from lmcached.client.kv_io import KVSource
-from lmcached.client.records import RecordIO, TieredRecords
+from lmcached.client.records import RecordIO
+from lmcached.client.tiered_records import TieredRecords
 from lmcached.wire.protocol import block_ref, tier_of
 from lmcached.shm.arena import Arena
 

@@ -13,8 +13,12 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm"
 )
 
-from lmcached.client.serving.hook_guard import HookGuard  # noqa: E402
-from lmcached.client.vllm.blend_stats import CounterDeltas, LMCachedConnectorStats  # noqa: E402
+from lmcached.client.serving.guarded_hooks import GuardedHooks  # noqa: E402
+from lmcached.client.vllm.blend_stats import (  # noqa: E402
+    ConnectorStats,
+    CounterDeltas,
+    LMCachedConnectorStats,
+)
 from lmcached.client.vllm.connector import LMCachedConnector  # noqa: E402
 
 
@@ -76,8 +80,9 @@ class Counting:
 def connector(blend_scheduler=None, blend_worker=None, tp_rank=0) -> LMCachedConnector:
     """The attributes `get_kv_connector_stats` reads of a connector of one role."""
     conn = LMCachedConnector.__new__(LMCachedConnector)
-    conn.blend_scheduler, conn.blend_worker, conn._tp_rank = blend_scheduler, blend_worker, tp_rank
-    conn._blend_deltas, conn.hook_guard = CounterDeltas(), HookGuard()
+    conn.blend_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank)
+    conn.hooks = GuardedHooks()
+    conn.hook_guard = conn.hooks.hook_guard
     return conn
 
 
