@@ -1,14 +1,20 @@
 """`HostPageRuns`: a batch's page runs from the host pool's affine model equal the pool's
 own `get_page_buffer_meta` answer, and a pool the model does not fit (not affine, or
-whose buffers moved after registration) is asked instead."""
+whose buffers moved after registration) is asked instead. Skipped where SGLang is not
+installed (`make test-sglang` installs it)."""
 
 import logging
 
 import pytest
-import torch
 
-from lmcached.client.sglang.host_runs import HostPageRuns
-from tests.client.sglang.sglang_pools import make_pool, page_indices
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+import torch  # noqa: E402
+
+from lmcached.client.sglang.host_runs import HostPageRuns  # noqa: E402
+from tests.client.sglang.sglang_pools import make_pool, page_indices  # noqa: E402
+
+pytestmark = pytest.mark.sglang
 
 POOLS = [("mha", "layer_first"), ("mha", "page_first"), ("mla", "layer_first"),
          ("mla", "page_first")]
