@@ -251,27 +251,35 @@ def labelled_counter_families(section: InfoFields, stats_type,
         yield _labelled(family, samples, section)
 
 
-# INFO l2 field -> (metric, help) of the L2 tier's counters (docs/l2.md, "Counters"):
-# those of `L2Stats` that name a metric, and the store's reconnects.
+# INFO l2 field -> (metric, help, divisor) of the L2 tier's counters (docs/l2.md,
+# "Counters"): those of `L2Stats` that name a metric, and the store's reconnects.
 L2_COUNTERS = {
-    **{field: (name, doc) for field, name, doc, _ in counter_families(L2Stats, "l2_")},
-    "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage."),
+    **{field: (name, doc, divisor)
+       for field, name, doc, divisor in counter_families(L2Stats, "l2_")},
+    "l2_reconnects": ("lmcached_l2_reconnects", "Times L2 answered again after an outage.", 1),
 }
 
-# INFO disk field -> (metric, help) of the disk tier's counters (docs/operator.md): those
-# of `DiskStats` that name a metric, and the index's evictions.
+# INFO disk field -> (metric, help, divisor) of the disk tier's counters
+# (docs/operator.md): those of `DiskStats` that name a metric, and the index's evictions.
 DISK_COUNTERS = {
-    **{field: (name, doc) for field, name, doc, _ in counter_families(DiskStats, "disk_")},
-    "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU)."),
+    **{field: (name, doc, divisor)
+       for field, name, doc, divisor in counter_families(DiskStats, "disk_")},
+    "disk_evictions": ("lmcached_disk_evictions", "Chunks evicted from the disk tier (LRU).",
+                       1),
 }
+
+
+def _scaled(value: int, divisor: float) -> float:
+    """A counter in its metric's unit (`counter(divisor=)`: microseconds -> seconds)."""
+    return value / divisor if divisor != 1 else value
 
 
 def disk_families(disk: InfoFields) -> Iterator[Metric]:
     """The lmcached_disk_* families of INFO's `disk` section; none without a disk tier."""
     if not disk.get("disk_enabled"):
         return
-    for field, (name, doc) in DISK_COUNTERS.items():
-        yield _counter(name, doc, disk[field])
+    for field, (name, doc, divisor) in DISK_COUNTERS.items():
+        yield _counter(name, doc, _scaled(disk[field], divisor))
     yield _gauge("lmcached_disk_used_slots", "Slots of the disk tier holding a chunk.",
                  disk["disk_used_slots"])
     yield _gauge("lmcached_disk_slots", "Slots of the disk tier.", disk["disk_slots"])
@@ -286,8 +294,8 @@ def l2_families(l2: InfoFields) -> Iterator[Metric]:
         return
     yield _gauge("lmcached_l2_up", "1 when the last L2 operation succeeded, 0 when L2 is "
                  "down or not reached yet.", 1 if l2["l2_state"] == "up" else 0)
-    for field, (name, doc) in L2_COUNTERS.items():
-        yield _counter(name, doc, l2[field])
+    for field, (name, doc, divisor) in L2_COUNTERS.items():
+        yield _counter(name, doc, _scaled(l2[field], divisor))
     yield _gauge("lmcached_l2_queue_bytes", "Bytes of chunks waiting to be written to L2.",
                  l2["l2_queue_bytes"])
     yield _gauge("lmcached_l2_queue_values", "Chunks waiting to be written to L2.",
@@ -333,7 +341,7 @@ def device_tier_families(rows: list[DeviceTierRow],
     yield from (capacity, cached, up, by_state, hits)
     counts = info_fields(demotion if demotion is not None else DemotionStats(), "")
     for field, (name, doc, divisor) in DEMOTION_COUNTERS.items():
-        yield _counter(name, doc, counts[field] / divisor if divisor != 1 else counts[field])
+        yield _counter(name, doc, _scaled(counts[field], divisor))
     yield from labelled_counter_families(counts, DemotionStats, "")
 
 

@@ -1,5 +1,6 @@
 """Garbage on the socket never crashes the daemon (hypothesis-generated inputs)."""
 
+import http.client
 import os
 import signal
 import socket
@@ -213,12 +214,34 @@ def test_a_stream_of_mutated_frames_through_the_socket_leaves_no_pins(daemon):
     admin.close()
 
 
+def allocated_bytes(segment: str) -> int:
+    """Bytes of /dev/shm/`segment` backed by pages: how far its prefault has reserved."""
+    return os.stat(os.path.join("/dev/shm", segment)).st_blocks * 512
+
+
+def wait_until_stopped(pid: int, deadline_s: float = 10.0) -> None:
+    """Wait until process `pid` is stopped (SIGSTOP is delivered asynchronously)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 def test_sigterm_during_the_prefault_stops_cleanly_while_scrapes_run(unique_name, short_tmp):
     """A stop while the arena is prefaulted (systemd stops a daemon that is starting;
     Prometheus scrapes it meanwhile and gets lmcached_up 0): exit status 0 within
     seconds, the half-built arena unlinked, the port and socket released. Without the
     handlers installed before the prefault, SIGTERM killed the process and left the
-    whole arena in /dev/shm."""
+    whole arena in /dev/shm.
+
+    No timing assumption: the daemon is frozen (SIGSTOP) once its prefault has reserved
+    part of the arena and not all of it, so at least one prefault step, and the stop
+    check after it, still lies ahead when SIGTERM and SIGCONT arrive, however loaded the
+    machine. Scrapes start only until then: one that started later could reach another
+    process that took the port after the daemon released it."""
     port = free_port()
     socket_path = os.path.join(short_tmp, "d.sock")
     log_path = os.path.join(short_tmp, "d.log")
@@ -228,30 +251,40 @@ def test_sigterm_during_the_prefault_stops_cleanly_while_scrapes_run(unique_name
              socket_path, "--capacity", "2GiB", "--metrics-port", str(port)],
             stdout=log, stderr=subprocess.STDOUT)
     ups = []
-    stop = threading.Event()
+    stop_scraping = threading.Event()
 
     def scrape_while_starting() -> None:
-        while not stop.is_set():
+        while not stop_scraping.is_set():
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
                                             timeout=10) as reply:
                     ups.append("lmcached_up 0.0" in reply.read().decode())
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not listening yet, or cut by the exit
                 time.sleep(0.01)
 
     scraper = threading.Thread(target=scrape_while_starting)
     scraper.start()
     try:
-        deadline = time.monotonic() + 30
-        while not (ups and list_segments(unique_name)):  # prefaulting, scraped
-            assert proc.poll() is None and time.monotonic() < deadline
+        deadline = time.monotonic() + 60
+        while True:  # scraped, and the prefault has reserved more than the header's page
+            segments = list_segments(unique_name)
+            if ups and segments and allocated_bytes(segments[0]) > 1 << 20:
+                break
+            assert proc.poll() is None, "the daemon exited during its start-up"
+            assert time.monotonic() < deadline, "no scrape answered, or no prefault began"
             time.sleep(0.005)
-        started = time.monotonic()
+        proc.send_signal(signal.SIGSTOP)
+        wait_until_stopped(proc.pid)
+        reserved = allocated_bytes(segments[0])
+        assert reserved < 2 << 30, "the prefault ended before the daemon was frozen"
+        stop_scraping.set()  # a scrape in flight is answered during the stop, or cut
         proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGCONT)
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - started < 10
     finally:
-        stop.set()
+        stop_scraping.set()
         scraper.join()
         if proc.poll() is None:
             proc.kill()
@@ -259,7 +292,7 @@ def test_sigterm_during_the_prefault_stops_cleanly_while_scrapes_run(unique_name
     with open(log_path) as f:
         log_text = f.read()
     assert "received SIGTERM during start-up: stopped" in log_text, log_text[-2000:]
-    assert all(ups)  # every scrape during the start-up said lmcached_up 0
+    assert ups and all(ups)  # every scrape during the start-up said lmcached_up 0
     assert list_segments(unique_name) == []
     assert not os.path.exists(socket_path)
     with socket.socket() as probe:  # nothing listens on the metrics port any more

@@ -29,15 +29,19 @@ from lmcached.daemon.metrics import (
 from lmcached.daemon.spill.counters import LabelledFamily, counter, info_fields
 from lmcached.daemon.stats import StatsSnapshot, TenantRow
 
-# Counters INFO shows and no metric family does (a new counter is either exported, by
-# `counter(metric=)` or `counter(family=, label=)`, or added here).
+# Counters INFO shows and no metric family does, each with why (a new counter is either
+# exported, by `counter(metric=)` or `counter(family=, label=)`, or added here).
 INFO_ONLY = {
-    DiskStats: {"write_busy_us", "write_failures", "spills_present", "spills_ahead",
-                "fetches_joined", "fetches_skipped", "read_busy_us", "fetch_nospace",
-                "fetch_failures"},
-    L2Stats: {"clears", "clear_failures", "fetches_joined", "fetches_skipped", "fetch_down",
-              "fetch_errors"},
-    DemotionStats: set(),
+    DiskStats: {
+        "spills_present": "an eviction that needed no write: how writes are saved, no fault",
+        "spills_ahead": "an eviction its write ahead had covered: the same, no fault",
+        "fetches_joined": "a lookup that shared a read in flight: no cost, no fault",
+    },
+    L2Stats: {
+        "clears": "CLEARs run here: an operator's own commands, not the daemon's health",
+        "fetches_joined": "a lookup that shared a fetch in flight: no cost, no fault",
+    },
+    DemotionStats: {},
 }
 # The label values of each labelled family, as shipped (docs/metrics.md); each is read
 # from the field named `..._<label value>`.

@@ -24,25 +24,31 @@ class DiskStats:
     writes: int = counter("lmcached_disk_writes", "Chunks written to the disk tier.")
     write_bytes: int = counter("lmcached_disk_written_bytes", "Bytes of the chunks written "
                                "to disk.")
-    write_busy_us: int = counter()
+    write_busy_us: int = counter("lmcached_disk_write_busy_seconds", "Time the disk "
+                                 "writers spent writing chunks.", divisor=1e6)
     write_drops_queue_full: int = counter(family=WRITE_DROPS, label="queue_full")
     write_drops_oversize: int = counter(family=WRITE_DROPS, label="oversize")
     write_drops_busy: int = counter(family=WRITE_DROPS, label="busy")
     write_drops_late: int = counter(family=WRITE_DROPS, label="late")
-    write_failures: int = counter()
+    write_failures: int = counter("lmcached_disk_write_failures", "Chunk writes to disk "
+                                  "that failed (an I/O error: lmcached_disk_errors).")
     spills_present: int = counter()
     spills_ahead: int = counter()
     fetches: int = counter("lmcached_disk_fetches", "Disk fetches started by lookups that "
                            "missed in the arena.")
     fetches_joined: int = counter()
-    fetches_skipped: int = counter()
+    fetches_skipped: int = counter("lmcached_disk_fetches_skipped", "Disk fetches not "
+                                   "started (too many in flight): answered as misses.")
     fetch_hit_chunks: int = counter("lmcached_disk_hit_chunks", "Chunks read from disk into "
                                     "the arena.")
     fetch_bytes: int = counter("lmcached_disk_fetched_bytes", "Bytes of the chunks read from "
                                "disk.")
-    read_busy_us: int = counter()
-    fetch_nospace: int = counter()
-    fetch_failures: int = counter()
+    read_busy_us: int = counter("lmcached_disk_read_busy_seconds", "Time the disk readers "
+                                "spent reading chunks.", divisor=1e6)
+    fetch_nospace: int = counter("lmcached_disk_fetch_nospace", "Disk fetches stopped "
+                                 "because the arena had no evictable room.")
+    fetch_failures: int = counter("lmcached_disk_fetch_failures", "Chunk reads from disk "
+                                  "that failed (an I/O error: lmcached_disk_errors).")
     fetch_waits_timed_out: int = counter("lmcached_disk_fetch_waits_timed_out", "Lookups "
                                          "answered before their disk fetch ended "
                                          "(--disk-fetch-wait).")

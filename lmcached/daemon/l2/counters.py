@@ -34,7 +34,9 @@ class L2Stats:
     """Counters of `L2Tier`, in INFO's order (loop thread only)."""
 
     clears: int = counter()
-    clear_failures: int = counter()
+    clear_failures: int = counter("lmcached_l2_clear_failures", "CLEARs whose INCR of the "
+                                  "L2's clear generation failed (retried; no fetch from L2 "
+                                  "meanwhile).")
     writes: int = counter("lmcached_l2_writes", "Chunks written to L2.")
     write_bytes: int = counter("lmcached_l2_written_bytes", "Bytes of the chunks written to L2.")
     write_drops_queue_full: int = counter(family=WRITE_DROPS, label="queue_full")
@@ -45,7 +47,8 @@ class L2Stats:
     fetches: int = counter("lmcached_l2_fetches", "Fetches started by lookups that missed "
                            "in the arena.")
     fetches_joined: int = counter()
-    fetches_skipped: int = counter()
+    fetches_skipped: int = counter("lmcached_l2_fetches_skipped", "Fetches not started "
+                                   "(L2 down, too many in flight): answered as misses.")
     fetch_hit_chunks: int = counter("lmcached_l2_hit_chunks", "Chunks fetched from L2 into "
                                     "the arena.")
     fetch_miss_chunks: int = counter("lmcached_l2_miss_chunks", "Chunks asked of L2 that it "
@@ -54,8 +57,10 @@ class L2Stats:
                                "from L2.")
     fetch_nospace: int = counter(family=FETCH_REJECTS, label="nospace")
     fetch_oversize: int = counter(family=FETCH_REJECTS, label="oversize")
-    fetch_down: int = counter()
-    fetch_errors: int = counter()
+    fetch_down: int = counter("lmcached_l2_fetch_down", "Fetches that failed because L2 "
+                              "was down.")
+    fetch_errors: int = counter("lmcached_l2_fetch_errors", "Fetches that failed for "
+                                "another reason (the daemon log says which).")
     fetch_gone: int = counter(family=FETCH_REJECTS, label="gone")
     fetch_waits_timed_out: int = counter("lmcached_l2_fetch_waits_timed_out", "Lookups "
                                          "answered before their fetch ended (--l2-fetch-wait).")

@@ -15,7 +15,9 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import types
+import uuid
 
 import numpy as np
 import pytest
@@ -48,6 +50,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from conftest import VLLM_SEGMENT_PREFIX, leaked_segments, our_segments  # noqa: E402
+from test_segment_leak_check import FOREIGN_HOLDER  # noqa: E402
+from test_segment_leak_check import _wait_for as wait_for_file  # noqa: E402
 from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnector,
     LMCachedConnectorMetadata,
@@ -618,13 +623,21 @@ def test_sleep_mode_fails_loads_while_asleep_and_loads_into_the_new_caches_after
 # ------------------------------------------------------------------ end to end
 E2E_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "vllm_e2e.py")
 E2E_TIMEOUT_S = 300
-VLLM_SEGMENT_PREFIX = "vllm_dist_"
 PREFIX_TOKENS, SUFFIX_TOKENS, NUM_PROMPTS = 520, 40, 3  # 2 full 256-token chunks shared
 
 
-def vllm_segments() -> set[str]:
-    """vLLM's shared-memory segments in /dev/shm (its TP message queues)."""
-    return {e for e in os.listdir("/dev/shm") if e.startswith(VLLM_SEGMENT_PREFIX)}
+def remove_vllm_segments_left(before: set[str]) -> set[str]:
+    """Unlink the vLLM segments (its TP message queues) that an instance of this test run
+    left in /dev/shm, as tests/conftest.py's leak check tells them: made since `before`
+    (an `our_segments()` snapshot) and held by no process outside this run. Another
+    run's live vLLM segment is left alone. Returns the names unlinked."""
+    left = {s for s in leaked_segments(before) if s.startswith(VLLM_SEGMENT_PREFIX)}
+    for entry in left:
+        try:
+            os.unlink(os.path.join("/dev/shm", entry))
+        except FileNotFoundError:
+            pass
+    return left
 
 
 def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | None = None,
@@ -652,7 +665,7 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
         cmd += ["--cache-salt", cache_salt]
     cmd += list(extra_args)
     log_path = os.path.join(tmp, f"{name}.log")
-    before = vllm_segments()
+    before = our_segments()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -663,16 +676,40 @@ def run_instance(tmp: str, name: str, model: str, prompts: list, socket: str | N
         proc.wait()
     # vLLM's TP workers leave their shared-memory broadcast segments behind when the
     # instance exits; they are vLLM's, made by this instance: remove them.
-    for entry in vllm_segments() - before:
-        try:
-            os.unlink(os.path.join("/dev/shm", entry))
-        except FileNotFoundError:
-            pass
+    remove_vllm_segments_left(before)
     with open(log_path, errors="replace") as log:
         tail = log.read()[-4000:]
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{tail}"
     with open(out_path) as f:
         return json.load(f)
+
+
+def test_the_clean_up_after_an_instance_spares_a_segment_another_process_holds(tmp_path):
+    """`run_instance`'s clean-up unlinks a vLLM segment this run left (unheld, new), and
+    never one that a process outside this run holds (another test run's live vLLM)."""
+    before = our_segments()
+    foreign = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
+    mine = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
+    pid_path = str(tmp_path / "holder.pid")
+    subprocess.run([sys.executable, "-c", FOREIGN_HOLDER, f"/dev/shm/{foreign}", pid_path],
+                   check=True, timeout=30)
+    holder = int(wait_for_file(pid_path))
+    try:
+        os.close(os.open(f"/dev/shm/{mine}", os.O_CREAT | os.O_RDWR, 0o600))
+        removed = remove_vllm_segments_left(before)
+        assert mine in removed and not os.path.exists(f"/dev/shm/{mine}")
+        assert foreign not in removed and os.path.exists(f"/dev/shm/{foreign}"), \
+            "the clean-up unlinked a segment another process holds"
+    finally:
+        os.kill(holder, 9)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for name in (mine, foreign):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
 
 
 @pytest.fixture(scope="module")
