@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch lies on these machines' disk; a plain `torch` pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: gpu-wheels test test-fast test-hf-latest test-vllm test-sglang test-vllm-033 bench-vllm demo bench bench-quick clean install-test install-hf
+.PHONY: gpu-wheels lint-imports test test-fast test-hf-latest test-vllm test-sglang test-vllm-033 bench-vllm demo bench bench-quick clean install-test install-hf
 
 # Each install step says what it does, then lets pip report its progress (no --quiet).
 # pip prints nothing while it unpacks a large wheel (torch: the longest step), so the
@@ -46,6 +46,12 @@ install-hf: $(VENV)/.installed-hf
 ## make test: create .venv if missing, install torch==2.13.0 and .[test,hf,l2], run every test.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest
+
+## make lint-imports: import-linter's contracts (pyproject.toml) by hand, as
+## tests/docs/test_layers.py runs them: over a copy of the tree laid out as installed
+## (a bare `lint-imports` at the root cannot see shm/, client/ and examples/).
+lint-imports: $(VENV)/.installed-test
+	$(PY) tests/docs/test_layers.py
 
 ## make test-fast: skip the slow multi-process suites.
 test-fast: $(VENV)/.installed-test
@@ -98,7 +104,7 @@ test-vllm: $(VLLM_VENV)/.installed-vllm
 		tests/client/vllm/test_vllm_blend.py \
 		tests/client/vllm/test_vllm_conformance.py tests/client/vllm/test_vllm_salts.py \
 		tests/client/vllm/test_vllm_hook_guard.py tests/client/vllm/test_vllm_kv_events.py \
-		tests/docs/test_doc_blocks.py
+		tests/client/vllm/test_vllm_blend_stats.py tests/docs/test_doc_blocks.py
 
 ## make test-sglang: create .venv-sglang (torch==2.13.0, then sglang==0.5.23 without its
 ## dependencies and the few pure-Python packages its HiCache storage modules import, then

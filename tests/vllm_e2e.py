@@ -6,7 +6,8 @@ Runs in its own process (vLLM's multiprocessing mode spawns, hence the __main__ 
     python tests/vllm_e2e.py run --model DIR --prompts P.json --out R.json \\
         [--socket S --chunk-size 256] [--max-tokens 8] [--mode outputs|ttft] [--batch N] \\
         [--blend-model] [--logprobs N] [--dtype bfloat16] [--cache-salt SALT] \\
-        [--no-prefix-caching] [--max-num-batched-tokens N --max-num-seqs N]
+        [--no-prefix-caching] [--max-num-batched-tokens N --max-num-seqs N] \\
+        [--fail-once HOOK]
 
 A prompt is a list of token ids, or a dict {"prompt_token_ids": [...], "cache_salt": str,
 "kv_transfer_params": {...}} (CacheBlend requests: docs/cacheblend.md).
@@ -20,7 +21,12 @@ Modes (the result JSON always has "startup_s" and "mode"):
              generated token's top-N logprobs ({token id: logprob}) per prompt. With
              the connector, "blend": the connector's CacheBlend counters (refusals by
              reason, claimed requests, blended requests, ...) as vLLM's connector stats
-             carried them to its stats logger.
+             carried them to its stats logger; "connector_stats": every count of the
+             connector's stats summed (their data layout, client/vllm/blend_stats.py);
+             "prometheus": what vLLM's Prometheus registry holds of the connector's
+             counters (`LLM.get_metrics()`, `vllm:lmcached_*`: [name, labels, value]);
+             "block_size": vLLM's. With --fail-once HOOK (in-process mode), the
+             scheduler side's HOOK raises at its first call.
     ttft:    one generate(max_tokens=1) per prompt, in turn: "ttft_s" per prompt (the
              wall time of a one-token generate, i.e. the prefill) and "num_cached_tokens".
 Set VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING in the environment.
@@ -101,6 +107,30 @@ def observe_connector_stats() -> dict:
     return seen
 
 
+def fail_once(hook: str) -> None:
+    """Make the connector's scheduler side raise at its first call of `hook` (e.g.
+    "update_state_after_alloc"), as a bug would (in-process mode: the scheduler lives
+    here)."""
+    from lmcached.client.vllm.scheduler import LMCachedConnectorScheduler
+
+    inner, calls = getattr(LMCachedConnectorScheduler, hook), {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OverflowError(f"{hook} failed on purpose (tests/vllm_e2e.py --fail-once)")
+        return inner(self, *args, **kwargs)
+
+    setattr(LMCachedConnectorScheduler, hook, failing)
+
+
+def connector_metrics(llm) -> list:
+    """The connector's counters in vLLM's Prometheus registry, as vLLM reads it
+    (`LLM.get_metrics()`): [name, labels, value] per sample of `vllm:lmcached_*`."""
+    return [[m.name, dict(m.labels), m.value] for m in llm.get_metrics()
+            if m.name.startswith("vllm:lmcached_")]
+
+
 def blend_counters(seen: dict) -> dict:
     """The connector's CacheBlend counters as vLLM's connector stats reported them
     (`observe_connector_stats`)."""
@@ -114,6 +144,8 @@ def run(args) -> dict:
 
     hook_time = time_connector_hooks() if args.time_hooks else None
     connector_stats = observe_connector_stats() if args.socket else None
+    if args.fail_once:
+        fail_once(args.fail_once)
 
     with open(args.prompts) as f:
         prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in json.load(f)]
@@ -195,6 +227,11 @@ def run(args) -> dict:
                                        for o in outs]
         if args.socket:
             result["blend"] = blend_counters(connector_stats)
+    if args.socket:
+        result["connector_stats"] = (connector_stats["stats"].data
+                                     if connector_stats["stats"] is not None else {})
+        result["prometheus"] = connector_metrics(llm)
+        result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     del llm
     return result
 
@@ -235,6 +272,9 @@ def main() -> int:
     gen.add_argument("--no-prefix-caching", action="store_true",
                      help="turn vLLM's own prefix cache off (each request computed or "
                      "blended from scratch, never from another request's blocks)")
+    gen.add_argument("--fail-once", metavar="HOOK",
+                     help="the connector's scheduler side raises at its first call of HOOK "
+                     "(in-process mode only)")
     args = parser.parse_args()
     if args.command == "build-model":
         build_model(args.path, args.layers, args.dtype, args.hidden)

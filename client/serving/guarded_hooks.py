@@ -13,6 +13,9 @@ engine. This module holds that bookkeeping, apart from any engine's glue:
   as load errors (`failed_blocks`).
 - `forget(req_id, sides)`: drop what the scheduler sides keep for a request (and its
   pins), never raising.
+- `counters()`: what the hooks recorded so far, as an engine's stats carry it (the local
+  hit tokens, the blocks claimed, the claimed blocks of failed plans, the blocks reported
+  as load errors, the failures caught per hook).
 
 `GuardedHooks` is an object an engine's connector holds (client/vllm/connector.py's
 `LMCachedConnector.hooks`); the scheduler sides it forgets a request in are passed to
@@ -38,6 +41,12 @@ class GuardedHooks:
         failed_loads: req_id -> promised block ids of a failed plan, for the next step's
             metadata.
         failed_blocks: worker: engine block ids to report as load errors.
+        num_local_hit_tokens: the engine's own prefix hits, summed over lookups, tokens.
+        num_claimed_blocks: engine blocks promised to the engine (`claim`).
+        num_failed_load_blocks: promised blocks of failed plans, sent to the workers as
+            load errors (`count_failed_loads`).
+        num_load_error_blocks: worker: engine blocks reported as load errors, any cause
+            (`count_load_errors`).
     """
 
     def __init__(self) -> None:
@@ -46,6 +55,57 @@ class GuardedHooks:
         self.claims: dict[str, list[int]] = {}
         self.failed_loads: dict[str, list[int]] = {}
         self.failed_blocks: set[int] = set()
+        self.num_local_hit_tokens = 0
+        self.num_claimed_blocks = 0
+        self.num_failed_load_blocks = 0
+        self.num_load_error_blocks = 0
+
+    def note_local_hit(self, req_id: str, num_tokens: int) -> None:
+        """Record the engine's own prefix hit of request `req_id` at a lookup, tokens."""
+        self.local_hits[req_id] = num_tokens
+        self.num_local_hit_tokens += num_tokens
+
+    def claim(self, req_id: str, block_ids: list[int]) -> None:
+        """Record the engine blocks promised to request `req_id` in this step."""
+        self.claims[req_id] = block_ids
+        self.num_claimed_blocks += len(block_ids)
+
+    def fail_claim(self, req_id: str) -> None:
+        """The plan of request `req_id` failed: its claimed blocks (if any) go to the
+        workers as load errors with the next step's metadata (`failed_loads`)."""
+        claimed = self.claims.pop(req_id, None)
+        if claimed:
+            self.failed_loads[req_id] = claimed
+
+    def count_failed_loads(self, failed_loads: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Count the promised blocks of failed plans a step's metadata sends to the
+        workers (req_id -> engine block ids); returns them."""
+        self.num_failed_load_blocks += sum(len(block_ids) for block_ids in failed_loads.values())
+        return failed_loads
+
+    def count_load_errors(self, block_ids: set[int]) -> set[int]:
+        """Count the engine blocks a worker reports as load errors; returns them."""
+        self.num_load_error_blocks += len(block_ids)
+        return block_ids
+
+    def counters(self, with_blocks: bool = True) -> dict[str, Any]:
+        """The counts so far (cumulative), as an engine's connector stats carry them:
+        "local_hit_tokens", "claimed_blocks", "failed_load_blocks", "load_error_blocks"
+        and "hook_failures" ({hook: exceptions caught}).
+
+        Args:
+            with_blocks: False leaves the four block and token counts out (a TP rank
+                other than 0: every rank reports the same blocks, and an engine sums the
+                workers'); the failures caught are each rank's own.
+        """
+        counts: dict[str, Any] = {}
+        if with_blocks:
+            counts.update(local_hit_tokens=self.num_local_hit_tokens,
+                          claimed_blocks=self.num_claimed_blocks,
+                          failed_load_blocks=self.num_failed_load_blocks,
+                          load_error_blocks=self.num_load_error_blocks)
+        counts["hook_failures"] = dict(self.hook_guard.failures)
+        return counts
 
     def forget(self, req_id: str, sides: Iterable, request=None) -> None:
         """Drop what each scheduler side in `sides` (None: skipped) keeps for request

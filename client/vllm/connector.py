@@ -76,7 +76,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_stats import ConnectorStats, LMCachedConnectorStats
+from lmcached.client.vllm.blend_stats import (
+    ConnectorStats,
+    LMCachedConnectorStats,
+    LMCachedPromMetrics,
+)
 from lmcached.client.vllm.blend_worker import BlendWorker
 from lmcached.client.vllm.extra_config import chunk_size, connector_settings
 from lmcached.client.vllm.forward_context import attention_backends, bound_kv_caches
@@ -136,7 +140,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
         self.hooks = GuardedHooks()  # failures caught, blocks promised or failed
         self.hook_guard = self.hooks.hook_guard
-        self.blend_stats = ConnectorStats()  # for `get_kv_connector_stats`
+        self.blend_stats = ConnectorStats(hooks=self.hooks)  # for `get_kv_connector_stats`
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -154,16 +158,19 @@ class LMCachedConnector(KVConnectorBase_V1):
                 self.settings, blend_layouts[0], refusal,
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
-            self.blend_stats = ConnectorStats(blend_scheduler=self.blend_scheduler)
+            self.blend_stats = ConnectorStats(blend_scheduler=self.blend_scheduler,
+                                              hooks=self.hooks)
         else:
             rank = tensor_parallel_rank()
+            self.blend_stats = ConnectorStats(tp_rank=rank, hooks=self.hooks)
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(
                     self.settings, blend_layouts[rank], vllm_config.model_config.hf_config,
                     tp_group, vllm_config.scheduler_config.max_num_batched_tokens)
-                self.blend_stats = ConnectorStats(blend_worker=self.blend_worker, tp_rank=rank)
+                self.blend_stats = ConnectorStats(blend_worker=self.blend_worker, tp_rank=rank,
+                                                  hooks=self.hooks)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -212,7 +219,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         """
         if self.scheduler_side is None:
             return 0, False
-        self.hooks.local_hits[request.request_id] = num_computed_tokens
+        self.hooks.note_local_hit(request.request_id, num_computed_tokens)
         if self.event_relay is not None and request.cache_salt:
             self.event_relay.note_salt(request.cache_salt)
         try:
@@ -237,9 +244,9 @@ class LMCachedConnector(KVConnectorBase_V1):
             return
         try:
             if num_external_tokens:
-                self.hooks.claims[request.request_id] = claimed_block_ids(
+                self.hooks.claim(request.request_id, claimed_block_ids(
                     blocks.get_block_ids()[0], self.hooks.local_hits.get(request.request_id, 0),
-                    num_external_tokens, self.settings.block_size)
+                    num_external_tokens, self.settings.block_size))
             if self.blend_scheduler is not None and self.blend_scheduler.handles(request):
                 self.blend_scheduler.update_state_after_alloc(request, blocks,
                                                               num_external_tokens)
@@ -250,9 +257,7 @@ class LMCachedConnector(KVConnectorBase_V1):
             self.hook_guard.caught("update_state_after_alloc", exc,
                                    "the promised blocks are recomputed (load errors)")
             self._forget(request.request_id, request)
-            claimed = self.hooks.claims.pop(request.request_id, None)
-            if claimed:
-                self.hooks.failed_loads[request.request_id] = claimed
+            self.hooks.fail_claim(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> "LMCachedConnectorMetadata":
         """This step's loads (allocated this step) and saves (full prompt chunks computed
@@ -275,8 +280,9 @@ class LMCachedConnector(KVConnectorBase_V1):
             for req_id, block_ids in claims.items():
                 self._forget(req_id)
                 failed[req_id] = block_ids
-            return LMCachedConnectorMetadata(0, failed_loads=failed)
-        meta.failed_loads = failed
+            return LMCachedConnectorMetadata(
+                0, failed_loads=self.hooks.count_failed_loads(failed))
+        meta.failed_loads = self.hooks.count_failed_loads(failed)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -293,9 +299,9 @@ class LMCachedConnector(KVConnectorBase_V1):
         return False, None
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
-        """CacheBlend's counts since the last call, which vLLM makes every step
-        (`ConnectorStats.take`, client/vllm/blend_stats.py); None without CacheBlend in
-        this role."""
+        """The guarded hooks' and CacheBlend's counts since the last call, which vLLM
+        makes every step (`ConnectorStats.take`, client/vllm/blend_stats.py); None when
+        nothing was counted since."""
         return self.hooks.guarded("get_kv_connector_stats", self.blend_stats.take)
 
     @classmethod
@@ -304,6 +310,16 @@ class LMCachedConnector(KVConnectorBase_V1):
         """The stats of `data` (`LMCachedConnectorStats.data`, as vLLM carries it from
         the scheduler and the workers to its stats loggers)."""
         return LMCachedConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> LMCachedPromMetrics:
+        """The connector's counters on vLLM's Prometheus output
+        (`LMCachedPromMetrics`, client/vllm/blend_stats.py: `vllm:lmcached_*_total`),
+        which vLLM's stats logger makes once and feeds every step's connector stats."""
+        return LMCachedPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
 
     def take_events(self) -> list:
         """vLLM's KV events since the last call (`take_vllm_events`,
@@ -399,7 +415,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         if self.blend_worker is not None:
             errors |= self.hooks.guarded("get_block_ids_with_load_errors",
                                           self.blend_worker.take_load_errors) or set()
-        return errors
+        return self.hooks.count_load_errors(errors)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:

@@ -5,12 +5,21 @@ lmcached.client, examples/ -> lmcached.examples), which grimp cannot follow in a
 editable install. So the test copies the package as installed into a temporary folder
 and runs `lint-imports` there, with that folder first on PYTHONPATH. A second test
 imports the request semantics in a fresh interpreter and checks what came with them.
+
+Run as a script (`make lint-imports`), it does the same by hand and prints
+import-linter's report; its arguments go to `lint-imports` (e.g. `--contract layers`):
+
+    python tests/docs/test_layers.py [--contract ID] [--verbose]
+
+A bare `lint-imports` at the repository root fails ("Missing layer 'lmcached.examples'"):
+it sees only the lmcached/ folder, without shm/, client/ and examples/.
 """
 
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -36,14 +45,14 @@ def installed_tree(root: str) -> str:
     return root
 
 
-def lint_imports(tree: str) -> subprocess.CompletedProcess:
+def lint_imports(tree: str, *args: str) -> subprocess.CompletedProcess:
     """`lint-imports` with pyproject.toml's contracts over the copied tree (run as this
-    interpreter's module, so the test's own import-linter checks it)."""
+    interpreter's module, so the test's own import-linter checks it); `args` go to it."""
     pytest.importorskip("importlinter", reason="pip install 'lmcached[test]'")
     code = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
     env = {**os.environ, "PYTHONPATH": tree}
     return subprocess.run(
-        [sys.executable, "-c", code, "--no-cache", os.path.join(REPO, "pyproject.toml")],
+        [sys.executable, "-c", code, "--no-cache", *args, os.path.join(REPO, "pyproject.toml")],
         cwd=tree, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -102,3 +111,21 @@ def test_a_wrong_import_breaks_the_blend_contract(tmp_path, wrong_import):
     result = lint_imports(tree)
     assert result.returncode != 0, result.stdout
     assert f"lmcached.client.blend.layer_loop -> {wrong_import}" in result.stdout, result.stdout
+
+
+def main(args: list[str]) -> int:
+    """`make lint-imports`: the contracts over a copy of the tree laid out as installed,
+    in a temporary folder (removed after); prints import-linter's report.
+
+    Returns:
+        lint-imports' exit status (0: every contract kept).
+    """
+    with tempfile.TemporaryDirectory(prefix="lmcached-lint-imports-") as root:
+        result = lint_imports(installed_tree(root), *args)
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
