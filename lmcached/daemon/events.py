@@ -27,7 +27,8 @@ store pays nothing), while the arena still holds it; otherwise they are empty.
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
 `snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
 their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
-list of references, 8 bytes a chunk), paged by its EVENTS as "stored" events of
+list of references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that
+follow while its index holds still, so a storm of them costs one copy), paged by its EVENTS as "stored" events of
 sequence number 0 before the live events from its cursor, so that nothing is lost or
 announced twice between the two: a chunk removed before its page is skipped (its
 removal follows in the live events), one stored after the SUBSCRIBE is in the live
@@ -92,7 +93,8 @@ class Subscriber:
         delivered: events it was sent.
         lost: events that fell off the ring before it read them.
         snapshot: the arena's keys when it subscribed with a snapshot, paged from
-            `snapshot_pos` on (None: no snapshot, or all of it read).
+            `snapshot_pos` on (None: no snapshot, or all of it read); read-only, shared
+            with the sessions that subscribed while the index held still.
         snapshot_pos: index in `snapshot` of the next key to page.
         disk_snapshot: the spill tiers' keys then, most recently used first, paged (those
             of its namespaces) after `snapshot` from `disk_pos` on (None: none left).
