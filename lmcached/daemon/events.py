@@ -28,9 +28,9 @@ A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSC
 `snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
 their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
 list of references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that
-follow while its index holds still, so a storm of them costs one copy), paged by its EVENTS as "stored" events of
-sequence number 0 before the live events from its cursor, so that nothing is lost or
-announced twice between the two: a chunk removed before its page is skipped (its
+follow while its index holds still, so a storm of them costs one copy), paged by its
+EVENTS as "stored" events of sequence number 0 before the live events from its
+cursor, so that nothing is lost or announced twice between the two: a chunk removed before its page is skipped (its
 removal follows in the live events), one stored after the SUBSCRIBE is in the live
 events. The arena's chunks come first (in the order they were cached), then the disk's,
 most recently used first, but for a chunk's ancestors on disk, which are paged before

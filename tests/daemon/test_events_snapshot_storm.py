@@ -7,14 +7,13 @@ benchmarks/engine/bench_snapshot_storm.py measures what a storm costs another cl
 import os
 
 from test_events_hostile import _store_record
-from test_service import (  # noqa: F401 (make_service and service are fixtures)
+from test_service import (  # noqa: F401 (make_service is a fixture)
     HEADER_BYTES,
     LAYOUT,
     error_code,
     greeted,
     layout,
     make_service,
-    service,
     store,
 )
 from lmcached.daemon.events import (
