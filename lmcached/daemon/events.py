@@ -30,9 +30,9 @@ their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
 list of references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that
 follow while its index holds still, so a storm of them costs one copy), paged by its
 EVENTS as "stored" events of sequence number 0 before the live events from its
-cursor, so that nothing is lost or announced twice between the two: a chunk removed before its page is skipped (its
-removal follows in the live events), one stored after the SUBSCRIBE is in the live
-events. The arena's chunks come first (in the order they were cached), then the disk's,
+cursor, so that nothing is lost or announced twice between the two: a chunk removed
+before its page is skipped (its removal follows in the live events), one stored after
+the SUBSCRIBE is in the live events. The arena's chunks come first (in the order they were cached), then the disk's,
 most recently used first, but for a chunk's ancestors on disk, which are paged before
 it (the disk index's order is eviction's, a chain's tail first, or the order of
 writes), each with its parent hash (the pool's `parents`, the tier's
