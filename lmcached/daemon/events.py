@@ -26,20 +26,20 @@ store pays nothing), while the arena still holds it; otherwise they are empty.
 
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
 `snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
-their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
-list of references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that
-follow while its index holds still, so a storm of them costs one copy), paged by its
-EVENTS as "stored" events of sequence number 0 before the live events from its
-cursor, so that nothing is lost or announced twice between the two: a chunk removed
-before its page is skipped (its removal follows in the live events), one stored after
-the SUBSCRIBE is in the live events. The arena's chunks come first (in the order they were cached), then the disk's,
-most recently used first, but for a chunk's ancestors on disk, which are paged before
-it (the disk index's order is eviction's, a chain's tail first, or the order of
+their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a list of
+references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that follow
+while its index holds still, so a storm of them costs one copy), paged by its EVENTS as
+"stored" events of sequence number 0 before the live events from its cursor, so that
+nothing is lost or announced twice between the two: a chunk removed before its page is
+skipped (its removal follows in the live events), one stored after the SUBSCRIBE is in
+the live events. The arena's chunks come first (in the order they were cached), then the
+disk's, most recently used first, but for a chunk's ancestors on disk, which are paged
+before it (the disk index's order is eviction's, a chain's tail first, or the order of
 writes), each with its parent hash (the pool's `parents`, the tier's
-`SpillTier.chunk_parent`), so that a subscriber can chain them. A disk chunk's token
-ids are read from the arena when it is there too, else from its tier
-(`SpillTier.token_ids`, from its slot): one small read on the loop thread, at most
-SNAPSHOT_DISK_READS a page. The feed knows the tiers through that interface only.
+`SpillTier.chunk_parent`), so that a subscriber can chain them. A disk chunk's token ids
+are read from the arena when it is there too, else from its tier (`SpillTier.token_ids`,
+from its slot): one small read on the loop thread, at most SNAPSHOT_DISK_READS a page.
+The feed knows the tiers through that interface only.
 
 Parents travel with a chunk: the arena pool keeps the parent its writer's ALLOC named
 (`ValueLedger.parents`), a device tier's pool too (its demotion carries it to the arena),
