@@ -26,19 +26,20 @@ store pays nothing), while the arena still holds it; otherwise they are empty.
 
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
 `snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
-their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a
-list of references, 8 bytes a chunk), paged by its EVENTS as "stored" events of
-sequence number 0 before the live events from its cursor, so that nothing is lost or
-announced twice between the two: a chunk removed before its page is skipped (its
-removal follows in the live events), one stored after the SUBSCRIBE is in the live
-events. The arena's chunks come first (in the order they were cached), then the disk's,
-most recently used first, but for a chunk's ancestors on disk, which are paged before
-it (the disk index's order is eviction's, a chain's tail first, or the order of
+their keys: the disk tier; `SpillTier.snapshot_keys`), copied once (a list of
+references, 8 bytes a chunk; the arena's copy is shared by the SUBSCRIBEs that follow
+while its index holds still, so a storm of them costs one copy), paged by its EVENTS as
+"stored" events of sequence number 0 before the live events from its cursor, so that
+nothing is lost or announced twice between the two: a chunk removed before its page is
+skipped (its removal follows in the live events), one stored after the SUBSCRIBE is in
+the live events. The arena's chunks come first (in the order they were cached), then the
+disk's, most recently used first, but for a chunk's ancestors on disk, which are paged
+before it (the disk index's order is eviction's, a chain's tail first, or the order of
 writes), each with its parent hash (the pool's `parents`, the tier's
-`SpillTier.chunk_parent`), so that a subscriber can chain them. A disk chunk's token
-ids are read from the arena when it is there too, else from its tier
-(`SpillTier.token_ids`, from its slot): one small read on the loop thread, at most
-SNAPSHOT_DISK_READS a page. The feed knows the tiers through that interface only.
+`SpillTier.chunk_parent`), so that a subscriber can chain them. A disk chunk's token ids
+are read from the arena when it is there too, else from its tier (`SpillTier.token_ids`,
+from its slot): one small read on the loop thread, at most SNAPSHOT_DISK_READS a page.
+The feed knows the tiers through that interface only.
 
 Parents travel with a chunk: the arena pool keeps the parent its writer's ALLOC named
 (`ValueLedger.parents`), a device tier's pool too (its demotion carries it to the arena),
@@ -69,6 +70,12 @@ RING_SCAN_FACTOR = 2  # ring slots examined per event an EVENTS page may return
 EVENTS_PER_UNIT = 1024  # events or keys examined per unit of the per-pass budget
 SNAPSHOT_DISK_READS = 64  # disk chunks one snapshot page reads token ids of from disk
 SNAPSHOT_MAX_WALK = 4096  # ancestors a disk snapshot page looks up for one chunk at most
+# A page's price grows with what it sends too: each event is read (token ids from its
+# record), built and encoded, ~3 us here against ~20 us for one unit (admin_handlers.py).
+EVENTS_SENT_PER_UNIT = 8  # events one unit of the per-pass budget pays for
+TOKEN_BYTES_PER_UNIT = 32 << 10  # token id bytes one unit pays for
+DISK_READS_PER_UNIT = 1  # snapshot token reads from disk one unit pays for (~20-100 us)
+MAX_SNAPSHOTS_PER_PEER = 16  # snapshots being paged at once per peer uid (`busy` beyond)
 
 STORED, REMOVED = "stored", "removed"
 MEDIUM_ARENA, MEDIUM_DISK = "cpu", "disk"
@@ -86,13 +93,16 @@ class Subscriber:
         delivered: events it was sent.
         lost: events that fell off the ring before it read them.
         snapshot: the arena's keys when it subscribed with a snapshot, paged from
-            `snapshot_pos` on (None: no snapshot, or all of it read).
+            `snapshot_pos` on (None: no snapshot, or all of it read); read-only, shared
+            with the sessions that subscribed while the index held still.
         snapshot_pos: index in `snapshot` of the next key to page.
         disk_snapshot: the spill tiers' keys then, most recently used first, paged (those
             of its namespaces) after `snapshot` from `disk_pos` on (None: none left).
         disk_pos: index in `disk_snapshot` of the next key to page.
         disk_sent: disk keys of `disk_snapshot` paged already (sent ahead of their
             place with a child that came first).
+        peer: the uid whose MAX_SNAPSHOTS_PER_PEER its snapshot counts against while it
+            is paged (None: none counted).
     """
 
     namespaces: frozenset[int]
@@ -105,6 +115,7 @@ class Subscriber:
     disk_snapshot: list[tuple[bytes, bytes]] | None = None
     disk_pos: int = 0
     disk_sent: set = dataclasses.field(default_factory=set)
+    peer: int | None = None
 
     @property
     def snapshot_left(self) -> int:
@@ -134,6 +145,13 @@ class EventFeed:
         num_snapshot_events: snapshot events sent, summed over subscribers.
         examined: ring slots or snapshot keys the last `read` / `read_snapshot`
             examined, filtered ones included: what the request costs the loop.
+        sent_token_bytes, disk_reads: token id bytes the last `read` / `read_snapshot`
+            sent, and token reads from a spill tier it did (its price too).
+        arena_version: changes of the arena's index told to the feed (`stored`,
+            `removed`: every key, string keys too), so that SUBSCRIBEs while it holds
+            still share one copy of its keys (`arena_keys`).
+        num_snapshot_copies: copies of the arena's keys made for snapshots.
+        snapshots_by_peer: uid -> its snapshots being paged now.
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -148,6 +166,12 @@ class EventFeed:
         self.num_snapshot_events = 0
         self.fingerprints: dict = {}  # ns id -> (layout, its fingerprint) (`_fingerprints`)
         self.examined = 0  # events or snapshot keys the last read examined (its price)
+        self.sent_token_bytes = 0
+        self.disk_reads = 0
+        self.arena_version = 0
+        self.num_snapshot_copies = 0
+        self._arena_copy: tuple | None = None  # (index, version, its keys then)
+        self.snapshots_by_peer: dict[int, int] = {}
 
     # ------------------------------------------------------------- publishing
     def _publish(self, event: tuple) -> None:
@@ -165,11 +189,13 @@ class EventFeed:
             parent: the chunk hash before it in its chain (b"": not known, or the root).
             block_id: its first arena block, where its record header is.
         """
+        self.arena_version += 1
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, STORED, MEDIUM_ARENA, key, parent, block_id))
 
     def removed(self, key: bytes) -> None:
         """A chunk left the arena's index (eviction, EVICT, CLEAR, INVALIDATE). O(1)."""
+        self.arena_version += 1
         if key[0] == _CHUNK_TAG:
             self._publish((self.head, REMOVED, MEDIUM_ARENA, key, b"", -1))
 
@@ -183,18 +209,57 @@ class EventFeed:
         self._publish((self.head, REMOVED, MEDIUM_DISK, key, b"", -1))
 
     # ------------------------------------------------------------ subscribers
+    def arena_keys(self, cached: dict) -> tuple[list[bytes], bool]:
+        """The keys of the arena's index `cached` now, in its order, for a snapshot:
+        (keys, copied). Read-only and shared: while the index holds still (no `stored` /
+        `removed` since) every SUBSCRIBE gets the same list, O(1); after a change, one
+        copy (8 bytes a key, at C speed) that the next ones share."""
+        last = self._arena_copy
+        if last is not None and last[0] is cached and last[1] == self.arena_version:
+            return last[2], False
+        keys = list(cached)
+        self._arena_copy = (cached, self.arena_version, keys)
+        self.num_snapshot_copies += 1
+        return keys, True
+
+    def snapshots_of(self, peer: int, session_id: int) -> int:
+        """Snapshots of uid `peer` being paged now, but for session `session_id`'s own
+        (a SUBSCRIBE replaces it)."""
+        held = self.snapshots_by_peer.get(peer, 0)
+        own = self.subscribers.get(session_id)
+        return held - (own is not None and own.peer == peer)
+
+    def _snapshot_over(self, sub: Subscriber) -> None:
+        """`sub`'s snapshot no longer counts against its peer (read, replaced, ended)."""
+        if sub.peer is None:
+            return
+        left = self.snapshots_by_peer[sub.peer] - 1
+        if left:
+            self.snapshots_by_peer[sub.peer] = left
+        else:
+            del self.snapshots_by_peer[sub.peer]
+        sub.peer = None
+
     def subscribe(self, session_id: int, namespaces: list[int], fingerprints: list[bytes],
                   cursor: int, snapshot: list[bytes] | None = None,
-                  disk_snapshot: list[tuple[bytes, bytes]] | None = None) -> int:
+                  disk_snapshot: list[tuple[bytes, bytes]] | None = None,
+                  peer: int | None = None) -> int:
         """(Re)subscribe a session; returns the cursor it starts at: `cursor` when it
         is still readable or lost (the next EVENTS says how many), `head` for 0.
         `snapshot`, `disk_snapshot`: the arena's and the disk tier's keys now, paged
-        before the live events (`read_snapshot`)."""
+        before the live events (`read_snapshot`; not modified, `snapshot` may be
+        shared); `peer`: the uid it counts against (`snapshots_of`) while paged."""
         start = self.head if cursor == 0 else min(cursor, self.head)
-        self.subscribers[session_id] = Subscriber(frozenset(namespaces),
-                                                  frozenset(fingerprints), start,
-                                                  snapshot=snapshot or None,
-                                                  disk_snapshot=disk_snapshot or None)
+        old = self.subscribers.get(session_id)
+        if old is not None:
+            self._snapshot_over(old)
+        sub = self.subscribers[session_id] = Subscriber(frozenset(namespaces),
+                                                        frozenset(fingerprints), start,
+                                                        snapshot=snapshot or None,
+                                                        disk_snapshot=disk_snapshot or None)
+        if peer is not None and (sub.snapshot is not None or sub.disk_snapshot is not None):
+            sub.peer = peer
+            self.snapshots_by_peer[peer] = self.snapshots_by_peer.get(peer, 0) + 1
         return start
 
     def read_snapshot(self, sub: Subscriber, max_events: int, arena_entry, disk_entry,
@@ -227,6 +292,7 @@ class EventFeed:
         token_bytes = 0
         full = False  # the next event would take the reply past MAX_REPLY_TOKEN_BYTES
         examined = 0
+        reads = 0
         keys, pos = sub.snapshot, sub.snapshot_pos
         if keys is not None:
             end = min(len(keys), pos + scan_left)
@@ -257,7 +323,6 @@ class EventFeed:
             first = pos
             end = min(len(keys), pos + max(scan_left, 0))
             sent, wanted = sub.disk_sent, sub.fingerprints
-            reads = 0
             while pos < end and len(out) < limit and not full and reads < SNAPSHOT_DISK_READS:
                 key = keys[pos]
                 found = None
@@ -301,13 +366,19 @@ class EventFeed:
             if pos >= len(keys):
                 sub.disk_snapshot, sub.disk_pos, sub.disk_sent = None, 0, set()
         self.examined = examined
+        self.sent_token_bytes = token_bytes
+        self.disk_reads = reads
+        if sub.snapshot is None and sub.disk_snapshot is None:
+            self._snapshot_over(sub)
         sub.delivered += len(out)
         self.num_snapshot_events += len(out)
         return out
 
     def unsubscribe(self, session_id: int) -> None:
         """Forget a session's subscription (it ended); nothing if it had none."""
-        self.subscribers.pop(session_id, None)
+        sub = self.subscribers.pop(session_id, None)
+        if sub is not None:
+            self._snapshot_over(sub)
 
     def read(self, sub: Subscriber, cursor: int, max_events: int, with_tokens: bool,
              resolve) -> tuple[list[ChunkEvent], int, int]:
@@ -352,6 +423,8 @@ class EventFeed:
                 token_bytes += len(event.token_ids)
             cursor += 1
         self.examined = cursor - first
+        self.sent_token_bytes = token_bytes
+        self.disk_reads = 0
         sub.cursor = cursor
         sub.delivered += len(out)
         sub.lost += newly_lost
@@ -435,7 +508,13 @@ def subscribed_namespaces(session, namespaces: list[int]) -> list[int]:
 
 def subscribe(service, session, req: Subscribe) -> SubscribeReply:
     """SUBSCRIBE: (re)subscribe the session to the feed, for `req.namespaces`
-    (`subscribed_namespaces`); priced by the snapshot's keys copied."""
+    (`subscribed_namespaces`); priced by the snapshot's keys copied (none when the
+    arena's index did not change since the last snapshot: `EventFeed.arena_keys`).
+
+    Raises:
+        RequestError: as `subscribed_namespaces`; `bad_namespace`; `busy`, a snapshot
+            asked for while MAX_SNAPSHOTS_PER_PEER others of the same uid are paged.
+    """
     fps = _fingerprints(service)
     unknown = [ns for ns in req.namespaces if ns not in fps]
     if unknown:
@@ -444,15 +523,35 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
     namespaces = subscribed_namespaces(session, req.namespaces)
     feed = service.events
     snapshot = disk_snapshot = None
+    copied = 0
     if req.snapshot and service.pool is not None:
-        snapshot = list(service.pool.cached)
+        held = feed.snapshots_of(session.uid, session.session_id)
+        if held >= MAX_SNAPSHOTS_PER_PEER:
+            raise RequestError(
+                "busy", f"SUBSCRIBE with a snapshot: uid {session.uid} has {held} snapshots "
+                f"being paged by other sessions, the limit (MAX_SNAPSHOTS_PER_PEER = "
+                f"{MAX_SNAPSHOTS_PER_PEER}); page them to their end with EVENTS or close "
+                "those sessions, retry later, or SUBSCRIBE without a snapshot")
+        snapshot, fresh = feed.arena_keys(service.pool.cached)
+        copied = len(snapshot) if fresh else 0
         disk_snapshot = [key for tier in service.spill_tiers  # filtered as it is paged
                          for key in tier.snapshot_keys()] or None
+        copied += len(disk_snapshot or ())
     cursor = feed.subscribe(session.session_id, namespaces,
                             [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot,
-                            disk_snapshot)
-    service.work_units = 1 + (len(snapshot or ()) + len(disk_snapshot or ())) // EVENTS_PER_UNIT
+                            disk_snapshot, session.uid)
+    service.work_units = 1 + copied // EVENTS_PER_UNIT
     return SubscribeReply(cursor, service.arena.generation, feed.capacity)
+
+
+def _page_price(feed: EventFeed, num_events: int) -> int:
+    """What the last EVENTS page costs in the per-pass budget: the ring slots or
+    snapshot keys it examined, the events it sent and their token ids, its reads from
+    disk (EVENTS_PER_UNIT, EVENTS_SENT_PER_UNIT, TOKEN_BYTES_PER_UNIT,
+    DISK_READS_PER_UNIT)."""
+    return (1 + feed.examined // EVENTS_PER_UNIT + num_events // EVENTS_SENT_PER_UNIT
+            + feed.sent_token_bytes // TOKEN_BYTES_PER_UNIT
+            + feed.disk_reads // DISK_READS_PER_UNIT)
 
 
 def events(service, session, req: Events) -> EventsReply:
@@ -515,8 +614,8 @@ def events(service, session, req: Events) -> EventsReply:
             return held[1], not in_arena
 
         out = feed.read_snapshot(sub, req.max_events, arena_entry, disk_entry, resolve)
-        service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
+        service.work_units = _page_price(feed, len(out))
         return EventsReply(out, sub.cursor, 0, sub.snapshot_left)
     out, cursor, lost = feed.read(sub, req.cursor, req.max_events, req.token_ids, resolve)
-    service.work_units = 1 + feed.examined // EVENTS_PER_UNIT
+    service.work_units = _page_price(feed, len(out))
     return EventsReply(out, cursor, lost)

@@ -327,7 +327,9 @@ class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
     of sequence number 0 paged by EVENTS before any event from `cursor` on, every chunk
     of those namespaces the arena holds now (in the order they were cached: parents
     first, but for a parent cached again later), then every chunk the disk tier holds
-    (medium "disk", its ancestors on disk first). Reply: `SubscribeReply`.
+    (medium "disk", its ancestors on disk first). Reply: `SubscribeReply`; error `busy`
+    for a snapshot while the peer's uid has `MAX_SNAPSHOTS_PER_PEER` others being paged
+    (lmcached/daemon/events.py, docs/kv-events.md).
     """
 
     namespaces: list[NamespaceId] = []
