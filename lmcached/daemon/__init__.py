@@ -30,6 +30,8 @@ What lives here:
     info.py                    INFO / CLIENTS fields
     events.py                  the chunk event feed for routers (SUBSCRIBE / EVENTS): a
                                bounded ring of chunks entering and leaving arena and disk
+    event_handlers.py          the SUBSCRIBE / EVENTS requests: what a session may
+                               subscribe to, each page's token ids and price
     metrics.py, metrics_http.py  the Prometheus endpoint (--metrics-port), bounded against
                                hostile local processes
     notify.py, progress.py     systemd's notify protocol, start-up progress

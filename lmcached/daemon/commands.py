@@ -16,7 +16,7 @@ reads it from there rather than writing it a second time.
 import dataclasses
 from collections.abc import Callable
 
-from lmcached.daemon import admin_handlers, events, value_handlers
+from lmcached.daemon import admin_handlers, event_handlers, value_handlers
 from lmcached.daemon.namespaces import hello
 from lmcached.wire.protocol import (
     NO_REPLY_REQUESTS,
@@ -54,7 +54,7 @@ class Command:
         handler: `handler(state, session, request)` -> the reply Struct, None (a
             request without reply) or a `replies.Deferred`; raises `RequestError` to
             refuse. A function of its module (`value_handlers`, `admin_handlers`,
-            `namespaces`, `events`) over the daemon state, the `CacheService`, whose
+            `namespaces`, `event_handlers`) over the daemon state, the `CacheService`, whose
             parts the module names in its state protocol (`ValueState`, ...).
         name: the request's wire tag ("lookup", "config_get"): its label in the request
             latency metrics and in the frame of a malformed request.
@@ -115,9 +115,10 @@ COMMAND_TABLE: tuple[Command, ...] = (
     _command(Clients, admin_handlers.clients, while_loading=True, before_hello=True),
     _command(ConfigGet, admin_handlers.config_get, while_loading=True, before_hello=True),
     _command(Ping, admin_handlers.ping, before_hello=True),
-    # The chunk event feed (events.py), read by engines and `lmcached events`.
-    _command(Subscribe, events.subscribe, before_hello=True),
-    _command(Events, events.events, before_hello=True),
+    # The chunk event feed (events.py; its requests: event_handlers.py), read by engines
+    # and `lmcached events`.
+    _command(Subscribe, event_handlers.subscribe, before_hello=True),
+    _command(Events, event_handlers.events, before_hello=True),
     _command(Evict, admin_handlers.evict, privileged=True, before_hello=True),
     _command(Clear, admin_handlers.clear, privileged=True, before_hello=True),
     _command(Shutdown, admin_handlers.shutdown, privileged=True, while_loading=True,

@@ -209,8 +209,9 @@ def test_a_tier_lists_what_it_holds_for_the_event_snapshot(tiered):
     assert tier.chunk_parent(keys[0]) is None and tier.token_ids(keys[0]) is None
 
 
-EVENTS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "lmcached", "daemon", "events.py")
+DAEMON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "lmcached", "daemon")
+FEED_MODULES = ("events.py", "event_handlers.py")  # the feed and its requests
 
 
 def tier_internals_named(source: str) -> list[str]:
@@ -225,10 +226,12 @@ def tier_internals_named(source: str) -> list[str]:
     return named
 
 
-def test_the_event_feed_knows_the_tiers_through_their_interface_only():
-    """lmcached/daemon/events.py iterates `spill_tiers` and asks `snapshot_keys`,
-    `chunk_parent` and `token_ids`: it picks no tier by name and reads no tier's index."""
-    with open(EVENTS_PY) as f:
+@pytest.mark.parametrize("module", FEED_MODULES)
+def test_the_event_feed_knows_the_tiers_through_their_interface_only(module):
+    """lmcached/daemon/events.py and event_handlers.py iterate `spill_tiers` and ask
+    `snapshot_keys`, `chunk_parent` and `token_ids`: they pick no tier by name and read
+    no tier's index."""
+    with open(os.path.join(DAEMON_DIR, module)) as f:
         source = f.read()
     assert tier_internals_named(source) == []
     assert "spill_tier(" not in source and ".index" not in source
