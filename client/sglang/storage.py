@@ -27,9 +27,10 @@ Guarantees (as every lmcached client):
   store sends one COMMIT of all parts but the last before it writes the last, and one
   COMMIT of the last after. The RELEASE is not waited for. One memcpy per page run
   between the host pool and the arena; each part's records are checked before any of
-  its bytes is copied. A batch holds the session while replies are in flight: a get
-  copies its last part after letting go, a store holds the session while it writes
-  (two SGLang threads' stores take turns);
+  its bytes is copied. Gets and stores go through two sessions of their own: a get
+  never waits for a store, which holds its session while it writes (two SGLang
+  threads' stores take turns); a get copies its last part after letting go of its
+  session;
 - a daemon that is down, loading or restarting is a miss (and a skipped store), never an
   exception in SGLang's cache controller: every method catches, logs once, and answers
   a miss.
@@ -105,7 +106,8 @@ class LmcachedStorage(HiCacheStorage):
         self.socket = extra.get("socket")
         self.daemon_name = extra.get("daemon_name", "default")
         self.allow_clear = bool(extra.get("allow_clear", False))
-        self.link: DaemonLink | None = None
+        self.link: DaemonLink | None = None  # gets, lookups, CLEAR
+        self.store_link: DaemonLink | None = None  # stores: their own session
         self.chain: Chain | None = None
         self.page_size = 0
         self.host_runs: HostPageRuns | None = None
@@ -114,7 +116,8 @@ class LmcachedStorage(HiCacheStorage):
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
         self.num_stored_pages = self.num_skipped_pages = 0
         self.hook_guard = HookGuard()
-        self.io: PageIO | None = None
+        self.io: PageIO | None = None  # over `link`
+        self.store_io: PageIO | None = None  # over `store_link`
 
     # ----------------------------------------------------------- namespace
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -123,8 +126,10 @@ class LmcachedStorage(HiCacheStorage):
         The namespace (`pages.namespace_name`): the model, the pool's layout and dtype,
         the page size and the byte sizes of a page's runs, and the ranks: TP rank and
         size (MLA: none, one copy for every TP rank, as SGLang's own backends), PP,
-        attention CP and DCP where they are more than one. A daemon that is not up yet
-        is tried again at the next call (a miss until then).
+        attention CP and DCP where they are more than one. Two sessions: one for gets
+        and lookups, one for stores, so that a get (SGLang's prefetch thread) never
+        waits for a store (its backup thread) copying its pages with the session held.
+        A daemon that is not up yet is tried again at the next call (a miss until then).
         """
         super().register_mem_pool_host(mem_pool_host)
         cfg = self.storage_config
@@ -152,7 +157,12 @@ class LmcachedStorage(HiCacheStorage):
                                client_name=f"sglang-tp{cfg.tp_rank}")
         self.chain = Chain(self.link, layout, self.verify)
         self.io = PageIO(self.link, self.chain, self.page_bytes, self.verify)
+        self.store_link = DaemonLink(self.socket, self.daemon_name, [layout.to_wire()],
+                                     client_name=f"sglang-tp{cfg.tp_rank}-store")
+        self.store_io = PageIO(self.store_link, Chain(self.store_link, layout, self.verify),
+                               self.page_bytes, self.verify)
         self.link.try_connect()
+        self.store_link.try_connect()
 
     @property
     def namespace(self) -> str | None:
@@ -232,8 +242,8 @@ class LmcachedStorage(HiCacheStorage):
             return [False] * num_pages
         try:
             self._check_indices(host_indices, num_pages)
-            results = self.io.store(keys_tokens(keys),
-                                  lambda: self._page_runs(host_indices, num_pages))
+            results = self.store_io.store(keys_tokens(keys),
+                                        lambda: self._page_runs(host_indices, num_pages))
         except Exception as exc:
             return self._failed("set", exc, [False] * num_pages)
         stored = sum(results)
@@ -287,8 +297,8 @@ class LmcachedStorage(HiCacheStorage):
                     or v.numel() * v.element_size() != self.page_bytes for v in values):
                 raise ValueError(f"set values must be contiguous cpu tensors of "
                                  f"{self.page_bytes} bytes (one page), one per key")
-            results = self.io.store(keys_tokens(keys),
-                                  lambda: [[(v.data_ptr(), self.page_bytes)] for v in values])
+            results = self.store_io.store(
+                keys_tokens(keys), lambda: [[(v.data_ptr(), self.page_bytes)] for v in values])
         except Exception as exc:
             return self._failed("set", exc, False)
         return all(results)
@@ -315,10 +325,12 @@ class LmcachedStorage(HiCacheStorage):
         return True
 
     def get_stats(self) -> dict:
-        """This backend's counters (pages), and whether the daemon is connected."""
+        """This backend's counters (pages), and whether the daemon is connected (both
+        sessions: gets and stores)."""
         return {
             "namespace": self.namespace,
-            "connected": self.link is not None and self.link.hello_reply is not None,
+            "connected": all(link is not None and link.hello_reply is not None
+                             for link in (self.link, self.store_link)),
             "exists_pages": self.num_exists_pages,
             "hit_pages": self.num_hit_pages,
             "miss_pages": self.num_miss_pages,
@@ -329,11 +341,13 @@ class LmcachedStorage(HiCacheStorage):
         }
 
     def close(self) -> None:
-        """End the daemon session (the pages stay in the daemon)."""
-        if self.io is not None:
-            self.io.forget_arena()
-        if self.link is not None:
-            self.link.close()
+        """End the daemon sessions (the pages stay in the daemon)."""
+        for io in (self.io, self.store_io):
+            if io is not None:
+                io.forget_arena()
+        for link in (self.link, self.store_link):
+            if link is not None:
+                link.close()
 
     def _failed(self, what: str, exc: BaseException, default):
         """Count a failure that is not the daemon's absence (`HookGuard`: logged at most

@@ -14,6 +14,8 @@ through its pipeline ends its session (its pins go with it) and the next batch w
 replies await.
 """
 
+import threading
+
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
@@ -68,9 +70,9 @@ def test_the_page_runs_are_read_while_the_first_request_is_in_flight(daemon, mon
         in_flight = []
         real = type(pool).get_page_buffer_meta
 
-        def meta(self, indices):
-            conn = backend.link._conn
-            in_flight.append(getattr(conn, "awaiting", 0))
+        def meta(self, indices):  # the get's session, then the store's
+            in_flight.append(max(getattr(link._conn, "awaiting", 0)
+                                 for link in (backend.link, backend.store_link)))
             return real(self, indices)
 
         monkeypatch.setattr(type(pool), "get_page_buffer_meta", meta)
@@ -146,7 +148,8 @@ def test_a_batch_failing_mid_pipeline_ends_its_session_and_the_next_batch_works(
         daemon, monkeypatch, op):
     backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
     try:
-        session = backend.link.hello_reply.session_id
+        link = backend.link if op == "get" else backend.store_link  # the op's session
+        session = link.hello_reply.session_id
         real_copy = page_io.copy_runs
 
         def fail(dst_runs, src_runs):
@@ -162,9 +165,51 @@ def test_a_batch_failing_mid_pipeline_ends_its_session_and_the_next_batch_works(
         monkeypatch.setattr(page_io, "copy_runs", real_copy)
         wait_for(lambda: daemon.pins_held() == 0 and daemon.info()["writing_blocks"] == 0)
         assert backend.batch_get_v1(keys, dst) == [True] * NUM_PAGES  # not a miss
-        assert backend.link.hello_reply.session_id != session
+        if op == "set":
+            assert backend.batch_set_v1(more[:1], src[:pool.page_size]) == [True]
+        assert link.hello_reply.session_id != session
         assert read_runs(pool, dst) == read_runs(pool, src)
-        assert backend.batch_exists(more) == 0
+        assert backend.batch_exists(more) == (1 if op == "set" else 0)
+    finally:
+        backend.close()
+
+
+def test_a_get_never_waits_for_a_store_being_copied(daemon, monkeypatch):
+    """SGLang's prefetch thread gets while its backup thread stores: a store copying its
+    pages (held here until released) does not hold up a get of other pages, and both
+    land whole."""
+    backend, pool, keys, src, dst = stored(daemon, NUM_PAGES)
+    real_copy = page_io.copy_runs
+    copying, release = threading.Event(), threading.Event()
+
+    def held_copy(dst_runs, src_runs):
+        if threading.current_thread().name == "store":
+            copying.set()
+            assert release.wait(60)
+        real_copy(dst_runs, src_runs)
+
+    monkeypatch.setattr(page_io, "copy_runs", held_copy)
+    more = page_keys(NUM_PAGES, "more")
+    stored_pages, got = [], []
+    store = threading.Thread(target=lambda: stored_pages.append(backend.batch_set_v1(more, src)),
+                             name="store")
+    get = threading.Thread(target=lambda: got.append(backend.batch_get_v1(keys, dst)))
+    try:
+        store.start()
+        assert copying.wait(30)
+        get.start()
+        get.join(30)
+        assert not get.is_alive(), "the get waited for the store's copy"
+        assert got == [[True] * NUM_PAGES]
+        assert read_runs(pool, dst) == read_runs(pool, src)
+    finally:
+        release.set()
+        store.join(60)
+        get.join(60)
+    try:
+        assert stored_pages == [[True] * NUM_PAGES]
+        assert backend.batch_exists(more) == NUM_PAGES
+        wait_for(lambda: daemon.pins_held() == 0 and daemon.info()["writing_blocks"] == 0)
     finally:
         backend.close()
 
