@@ -207,7 +207,9 @@ SETTINGS: dict[str, Setting] = {
     "shm_mode": Setting(
         str | int,  # "0660", or an integer such as 0o660 in TOML
         _parse_mode, 'octal permission bits as a string, e.g. "0660" (0o660 in TOML)', "MODE",
-        "Octal permissions of the arena segment; bits for others are refused.",
+        "Octal permissions of the arena segment; bits for others are refused. "
+        "Without group read, --allow-group members cannot map the arena, and the event "
+        "feed sends them no token ids.",
         None, "0600; 0660 with --allow-group"),
     "log_level": Setting(
         str,

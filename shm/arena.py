@@ -323,6 +323,28 @@ class Arena:
         finally:
             shm.close_fd()
 
+    def stat(self) -> os.stat_result:
+        """The file status of the segment now (`st_mode`, `st_uid`, `st_gid`: who may map
+        it; the owner, or root, may have changed them since `create`), or of an anonymous
+        arena's descriptor (its owner's).
+
+        Raises:
+            FileNotFoundError: the named segment is gone (unlinked).
+            ValueError: the arena is closed.
+        """
+        if self._mmap is None:
+            raise ValueError(f"arena {self.segment_name} is closed")
+        if self._memfd is not None:
+            return os.fstat(self._memfd)
+        try:
+            shm = posix_ipc.SharedMemory(self.segment_name, read_only=True)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"arena segment {self.segment_name} is gone") from None
+        try:
+            return os.fstat(shm.fd)
+        finally:
+            shm.close_fd()
+
     def _reserve(self, fd: int, progress: ProgressCallback | None) -> None:
         """Prefault with every page reserved in the segment's file `fd`, one daemon at a
         time (`pages.reservation_lock`: progress(0, capacity) while another reserves)."""

@@ -5,6 +5,7 @@ What lives here:
                                server_io.py (a connection's bytes), server_clients.py
                                (accept, limits, drops) are parts of the server
     startup.py                 the start-up steps before the loop serves
+    peers.py                   what a peer's credentials (SO_PEERCRED) let it reach
     server_config.py           `ServerConfig`, what the daemon runs with (built by
                                `lmcached.config`, which the daemon never imports)
     service.py, session.py     request semantics (no sockets) and what each session holds;

@@ -5,7 +5,8 @@ Why this file exists: the feed (events.py) is the ring, the subscribers' cursors
 snapshots, told of every chunk by the pool and the tiers; these are the requests a
 client sends to read it, in the command table (commands.py) beside the other handlers:
 which namespaces a session may subscribe to, the token ids of a page's chunks (from the
-arena, or from a spill tier for a snapshot's disk chunks), and each page's price.
+arena, or from a spill tier for a snapshot's disk chunks; to a peer that can read the
+arena only), and each page's price.
 """
 
 import os
@@ -23,9 +24,14 @@ from lmcached.daemon.events import (
     read_token_ids,
 )
 from lmcached.daemon.keys import CHUNK_TAG
+from lmcached.daemon.peers import can_read_arena
 from lmcached.daemon.replies import RequestError
 from lmcached.daemon.spill.envelope import namespace_fingerprint
+from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import ChunkEvent, Events, EventsReply, Subscribe, SubscribeReply
+
+logger = init_logger(__name__)
+
 
 def _fingerprints(service) -> dict[int, bytes]:
     """Namespace id -> its fingerprint, of every namespace alive. Cached per namespace id
@@ -70,6 +76,10 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
     """SUBSCRIBE: (re)subscribe the session to the feed, for `req.namespaces`
     (`subscribed_namespaces`); priced by the snapshot's keys copied (none when the
     arena's index did not change since the last snapshot: `EventFeed.arena_keys`).
+    A peer that cannot read the arena (peers.py `can_read_arena`: a member of
+    --allow-group the segment's mode leaves out) gets its events without token ids,
+    which only the arena holds; SubscribeReply has no field to say so: it is logged,
+    at info, at the session's first SUBSCRIBE.
 
     Raises:
         RequestError: as `subscribed_namespaces`; `bad_namespace`; `busy`, a snapshot
@@ -97,9 +107,14 @@ def subscribe(service, session, req: Subscribe) -> SubscribeReply:
         disk_snapshot = [key for tier in service.spill_tiers  # filtered as it is paged
                          for key in tier.snapshot_keys()] or None
         copied += len(disk_snapshot or ())
+    token_ids = can_read_arena(session.uid, session.gid, service.arena)
+    if not token_ids and session.session_id not in feed.subscribers:
+        logger.info("session %d (pid %d uid %d gid %d) cannot read the arena's segment "
+                    "(--shm-mode): its events carry no token ids", session.session_id,
+                    session.pid, session.uid, session.gid)
     cursor = feed.subscribe(session.session_id, namespaces,
                             [fps[ns] for ns in namespaces if ns in fps], req.cursor, snapshot,
-                            disk_snapshot, session.uid)
+                            disk_snapshot, session.uid, token_ids)
     service.work_units = 1 + copied // EVENTS_PER_UNIT
     return SubscribeReply(cursor, service.arena.generation, feed.capacity)
 
@@ -147,7 +162,7 @@ def events(service, session, req: Events) -> EventsReply:
                 return None
             ns = ns_of_fp.get(fp, 0)
         tokens = b""
-        if with_tokens and kind == STORED and pool is not None:
+        if with_tokens and sub.token_ids and kind == STORED and pool is not None:
             if medium == MEDIUM_DISK:  # still in the arena: read it there
                 span = pool.cached.get(CHUNK_TAG + ns.to_bytes(4, "little") + chunk_hash)
                 block_id = span[0].block_id if span is not None else -1

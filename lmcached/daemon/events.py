@@ -22,7 +22,9 @@ fails to do costs a store anything.
 
 Events never carry a chunk's bytes. The token ids of a stored chunk are read from its
 record header in the arena when a subscriber asks for them, at EVENTS time (lazy: the
-store pays nothing), while the arena still holds it; otherwise they are empty.
+store pays nothing), while the arena still holds it; otherwise they are empty. They are
+prompt content: a subscriber whose peer cannot read the arena itself (a member of
+--allow-group the segment's mode leaves out, `Subscriber.token_ids`) gets none.
 
 A subscriber that arrives after chunks were stored may ask for a snapshot (SUBSCRIBE
 `snapshot`): the keys the arena and the spill tiers hold at that moment (those that list
@@ -94,6 +96,8 @@ class Subscriber:
             place with a child that came first).
         peer: the uid whose MAX_SNAPSHOTS_PER_PEER its snapshot counts against while it
             is paged (None: none counted).
+        token_ids: it may be sent the token ids of chunks (its peer can read the arena,
+            lmcached/daemon/peers.py `can_read_arena`); False: its events carry none.
     """
 
     namespaces: frozenset[int]
@@ -107,6 +111,7 @@ class Subscriber:
     disk_pos: int = 0
     disk_sent: set = dataclasses.field(default_factory=set)
     peer: int | None = None
+    token_ids: bool = True
 
     @property
     def snapshot_left(self) -> int:
@@ -234,12 +239,13 @@ class EventFeed:
     def subscribe(self, session_id: int, namespaces: list[int], fingerprints: list[bytes],
                   cursor: int, snapshot: list[bytes] | None = None,
                   disk_snapshot: list[tuple[bytes, bytes]] | None = None,
-                  peer: int | None = None) -> int:
+                  peer: int | None = None, token_ids: bool = True) -> int:
         """(Re)subscribe a session; returns the cursor it starts at: `cursor` when it
         is still readable or lost (the next EVENTS says how many), `head` for 0.
         `snapshot`, `disk_snapshot`: the arena's and the disk tier's keys now, paged
         before the live events (`read_snapshot`; not modified, `snapshot` may be
-        shared); `peer`: the uid it counts against (`snapshots_of`) while paged."""
+        shared); `peer`: the uid it counts against (`snapshots_of`) while paged;
+        `token_ids`: False, its events never carry token ids (`Subscriber.token_ids`)."""
         start = self.head if cursor == 0 else min(cursor, self.head)
         old = self.subscribers.get(session_id)
         if old is not None:
@@ -247,7 +253,8 @@ class EventFeed:
         sub = self.subscribers[session_id] = Subscriber(frozenset(namespaces),
                                                         frozenset(fingerprints), start,
                                                         snapshot=snapshot or None,
-                                                        disk_snapshot=disk_snapshot or None)
+                                                        disk_snapshot=disk_snapshot or None,
+                                                        token_ids=token_ids)
         if peer is not None and (sub.snapshot is not None or sub.disk_snapshot is not None):
             sub.peer = peer
             self.snapshots_by_peer[peer] = self.snapshots_by_peer.get(peer, 0) + 1

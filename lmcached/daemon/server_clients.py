@@ -9,7 +9,6 @@ apart from how bytes move (`server_io.py`) and the life cycle (`server.py`).
 
 import errno
 import os
-import pwd
 import selectors
 import socket
 import struct
@@ -24,6 +23,7 @@ from lmcached.daemon.connection import (
     SILENT_GRACE_S,
     ClientConnection,
 )
+from lmcached.daemon.peers import is_member
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.units import format_bytes
 
@@ -112,15 +112,7 @@ class ClientAccounting:
         --allow-group a member of that group (its primary gid or the group database)."""
         if uid in (0, os.geteuid()):
             return True
-        if self._allowed_gid is None:
-            return False
-        if gid == self._allowed_gid:
-            return True
-        try:
-            user = pwd.getpwuid(uid).pw_name
-            return self._allowed_gid in os.getgrouplist(user, gid)
-        except KeyError:
-            return False
+        return self._allowed_gid is not None and is_member(uid, gid, self._allowed_gid)
 
     def _enforce_buffer_budget(self) -> None:
         """Over the total buffer budget: drop the clients holding the most bytes."""

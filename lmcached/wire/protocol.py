@@ -329,7 +329,10 @@ class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
     first, but for a parent cached again later), then every chunk the disk tier holds
     (medium "disk", its ancestors on disk first). Reply: `SubscribeReply`; error `busy`
     for a snapshot while the peer's uid has `MAX_SNAPSHOTS_PER_PEER` others being paged
-    (lmcached/daemon/events.py, docs/kv-events.md).
+    (lmcached/daemon/events.py, docs/kv-events.md). A peer that cannot read the arena's
+    segment (a member of --allow-group that --shm-mode leaves out) is subscribed all
+    the same, but its events never carry token ids (the reply does not say so; the
+    daemon logs it).
     """
 
     namespaces: list[NamespaceId] = []
@@ -340,7 +343,8 @@ class Subscribe(msgspec.Struct, tag="subscribe", array_like=True):
 class Events(msgspec.Struct, tag="events", array_like=True):
     """The subscribed events from sequence number `cursor` on, at most `max_events` (0:
     the daemon's page size, which also caps larger counts); `token_ids`: read the token
-    ids of each chunk stored in the arena from its record (empty when gone). Polled by
+    ids of each chunk stored in the arena from its record (empty when gone, or when this
+    peer cannot read the arena itself: see `Subscribe`). Polled by
     the subscriber: the daemon never sends a frame unasked. Reply: `EventsReply`;
     error `no_subscription` before SUBSCRIBE."""
 
@@ -520,8 +524,9 @@ class ChunkEvent(msgspec.Struct, array_like=True):
         chunk_hash: the chunk's 16-byte prefix hash (a salt, if any, is folded in).
         parent: the hash of the chunk before it in its chain (b"": not known; a first
             chunk's parent is the root or a salted root).
-        token_ids: int64 little-endian token ids of a stored chunk when asked and the
-            arena still holds its record, else b"".
+        token_ids: int64 little-endian token ids of a stored chunk when asked, the
+            arena still holds its record and the subscriber's peer can read the arena,
+            else b"".
     """
 
     seq: int

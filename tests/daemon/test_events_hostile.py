@@ -3,12 +3,15 @@ that states more token ids than a frame holds, a poll that examines a whole ring
 filtered events, a SUBSCRIBE storm with snapshots, sessions cycling through made-up
 layouts, and a peer outside the daemon's uid
 asking for another user's namespaces. Every reply fits a frame, every request is priced
-by its work in the per-pass budget, and a peer outside the daemon's uid sees only the
-namespaces its own HELLO registered."""
+by its work in the per-pass budget, a peer outside the daemon's uid sees only the
+namespaces its own HELLO registered, and a peer that cannot read the arena's segment
+gets no token ids."""
 
+import logging
 import os
 
 import numpy as np
+import pytest
 
 from test_service import (  # noqa: F401 (make_service and service are fixtures)
     HEADER_BYTES,
@@ -26,6 +29,7 @@ from lmcached.daemon.events import (
     MAX_REPLY_TOKEN_BYTES,
     RING_SCAN_FACTOR,
 )
+from lmcached.shm.janitor import SHM_DIR
 from lmcached.wire.frames import encode_frame
 from lmcached.wire.protocol import (
     ALLOCATED,
@@ -45,6 +49,7 @@ from lmcached.wire.record_format import (
 )
 
 BIG_BLOCK = 2 << 20  # a block of a large model's chunk (tens of MB on a 70B model)
+OTHER_UID = 54321  # no user on the machine: its groups are its primary gid only
 
 
 def _store_record(service, session, ns: int, num_tokens: int, first: int) -> bytes:
@@ -184,3 +189,58 @@ def test_polling_again_from_an_overwritten_cursor_counts_its_loss_once(make_serv
         reply = service.handle(session, Events(1))
         assert reply.lost == 12 and len(reply.events) == 8
     assert feed.info()["events_lost"] == 12
+
+
+def _poll_all(service, session, cursor: int) -> list:
+    """Every event of `session`'s subscription (its snapshot, then the ring from
+    `cursor`), with token ids asked for."""
+    events = []
+    while True:
+        reply = service.handle(session, Events(cursor, 0, True))
+        assert isinstance(reply, EventsReply), reply
+        events += reply.events
+        if not reply.events and not reply.snapshot_left and reply.cursor == cursor:
+            return events
+        cursor = reply.cursor
+
+
+@pytest.mark.parametrize("mode, in_group, reads", [
+    (0o600, True, False),  # --allow-group with --shm-mode 0600: cannot map the arena
+    (0o660, True, True),
+    (0o640, True, True),
+    (0o660, False, False),  # outside the segment's group
+], ids=["0600-member", "0660-member", "0640-member", "0660-outsider"])
+def test_token_ids_go_only_to_peers_that_can_read_the_arena(service, caplog, mode,
+                                                            in_group, reads):
+    """The token ids of a chunk are prompt content only the arena holds: a peer of
+    another uid that the segment's mode leaves out (a member of --allow-group with
+    --shm-mode 0600) gets the events of its namespace, ring and snapshot, with no token
+    id bytes, and the daemon logs why once per session; one the mode lets read the
+    segment gets exactly each chunk's token ids, as the daemon's uid always does."""
+    segment = os.path.join(SHM_DIR, service.arena.segment_name.lstrip("/"))
+    os.chmod(segment, mode)
+    segment_gid = os.stat(segment).st_gid
+    owner = greeted(service, LAYOUT)
+    peer = greeted(service, LAYOUT, uid=OTHER_UID)
+    peer.gid = segment_gid if in_group else segment_gid + 1
+    tokens = {}
+    for first in (100, 200):  # before the SUBSCRIBE: in its snapshot and in the ring
+        ids = _store_record(service, owner, 1, 16, first)
+        tokens[hash_block_tokens(ROOT_HASH, np.frombuffer(ids, np.int64))] = ids
+    with caplog.at_level(logging.INFO, logger="lmcached.daemon.event_handlers"):
+        for session in (owner, peer):
+            assert isinstance(service.handle(session, Subscribe([], 1, True)), SubscribeReply)
+        assert isinstance(service.handle(peer, Subscribe([], 1, True)), SubscribeReply)
+    ids = _store_record(service, peer, 1, 16, 300)  # after: in the ring only
+    tokens[hash_block_tokens(ROOT_HASH, np.frombuffer(ids, np.int64))] = ids
+    logged = [r.getMessage() for r in caplog.records if "no token ids" in r.getMessage()]
+    assert logged == ([] if reads else [
+        f"session {peer.session_id} (pid {os.getpid()} uid {OTHER_UID} gid {peer.gid}) "
+        "cannot read the arena's segment (--shm-mode): its events carry no token ids"])
+    for session, can_read in ((owner, True), (peer, reads)):
+        events = _poll_all(service, session, 1)
+        assert sorted((e.seq > 0, e.chunk_hash) for e in events) == sorted(
+            [(False, h) for h in list(tokens)[:2]] + [(True, h) for h in tokens])
+        got = [e.token_ids for e in events]
+        assert got == ([tokens[e.chunk_hash] for e in events] if can_read
+                       else [b""] * len(events))

@@ -545,6 +545,96 @@ def test_without_allow_group_another_user_cannot_connect(
         assert daemon.stop() == 0
 
 
+# A member of --allow-group subscribes to the event feed of its layout's namespace and
+# pages all of it (snapshot, then the ring from 1), token ids asked for; it also tries to
+# open the arena's segment. Prints one JSON line.
+EVENTS_AS_OTHER_USER = textwrap.dedent("""
+    import json, os, sys
+    from lmcached.client import KVLayout
+    from lmcached.wire.connection import Connection, hello
+    from lmcached.wire.protocol import Events, Subscribe
+
+    sock, uid, gid, groups, segment = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \\
+        [int(g) for g in sys.argv[4].split(",") if g], sys.argv[5]
+    layout = KVLayout("security-llama", num_layers=2, num_kv_heads=2, head_size=16,
+                      chunk_size=16)
+    os.setgroups(groups)
+    os.setgid(gid)
+    os.setuid(uid)
+    out = {"uid": os.getuid(), "events": []}
+    try:
+        with open(segment, "rb"):
+            out["open_segment"] = "ok"
+    except OSError as exc:
+        out["open_segment"] = type(exc).__name__
+    with Connection(sock) as conn:
+        hello(conn, "member-events", [layout.to_wire()])
+        conn.request(Subscribe([], 1, True))
+        cursor = 1
+        while True:
+            reply = conn.request(Events(cursor, 0, True))
+            out["events"] += [[e.seq, e.kind, e.chunk_hash.hex(), e.token_ids.hex()]
+                              for e in reply.events]
+            if not reply.events and not reply.snapshot_left and reply.cursor == cursor:
+                break
+            cursor = reply.cursor
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shm_mode", ["0600", "0660"])
+def test_an_allow_group_member_gets_token_ids_only_if_it_can_read_the_arena(
+    second_user, group_socket_dir, unique_name, short_tmp, shm_mode
+):
+    """With --shm-mode 0600 a member of --allow-group cannot open the arena, so the
+    event feed gives it its namespace's events (snapshot and ring) without a byte of
+    token ids, prompt content written by the daemon's user, and the daemon logs why;
+    with 0660 it can, and each stored event carries exactly its chunk's token ids."""
+    import numpy as np
+    import torch
+
+    from lmcached.client import CacheEngine, KVLayout
+    from lmcached.wire.record_format import ROOT_HASH, hash_block_tokens
+
+    group, group_gid = second_user["group"], second_user["group_gid"]
+    sock = os.path.join(group_socket_dir, "d.sock")
+    daemon = start_daemon(unique_name, sock, os.path.join(short_tmp, "d.log"),
+                          "--capacity", "32MiB", "--allow-group", group, "--shm-mode", shm_mode)
+    try:
+        layout = KVLayout("security-llama", num_layers=2, num_kv_heads=2, head_size=16,
+                          chunk_size=16)
+        tokens = list(range(1000, 1064))
+        kv = torch.zeros(layout.chunk_shape(len(tokens))).to(layout.torch_dtype)
+        with CacheEngine.connect(layout, socket=sock, strict=True) as engine:
+            assert engine.store(tokens, kv) == 4
+        chunk_tokens, parent = {}, ROOT_HASH
+        for start in range(0, 64, 16):
+            ids = np.arange(1000 + start, 1016 + start, dtype=np.int64)
+            parent = hash_block_tokens(parent, ids)
+            chunk_tokens[parent.hex()] = ids.tobytes().hex()
+        (segment,) = list_segments(unique_name)
+        proc = subprocess.run(
+            [sys.executable, "-c", EVENTS_AS_OTHER_USER, sock, str(second_user["uid"]),
+             str(second_user["gid"]), str(group_gid), f"/dev/shm/{segment}"],
+            capture_output=True, text=True, timeout=120, cwd="/")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["uid"] == second_user["uid"] != 0
+        reads = shm_mode == "0660"
+        assert out["open_segment"] == ("ok" if reads else "PermissionError")
+        stored = [(seq > 0, chunk_hash) for seq, kind, chunk_hash, _ in out["events"]
+                  if kind == "stored"]
+        assert sorted(stored) == sorted((ring, h) for ring in (False, True)
+                                        for h in chunk_tokens)
+        assert [token_ids for _, _, _, token_ids in out["events"]] == [
+            chunk_tokens[chunk_hash] if reads else "" for _, _, chunk_hash, _ in out["events"]]
+        logged = "cannot read the arena's segment (--shm-mode): its events carry no token ids"
+        assert (logged in daemon.log()) == (not reads)
+    finally:
+        assert daemon.stop() == 0
+
+
 # ------------------------------------------------------------------------ orphans
 SWEEP_AS_OTHER_USER = textwrap.dedent("""
     import json, os, sys
