@@ -76,7 +76,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_stats import (
+from lmcached.client.vllm.connector_stats import (
     ConnectorStats,
     LMCachedConnectorStats,
     LMCachedPromMetrics,
@@ -300,7 +300,7 @@ class LMCachedConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
         """The guarded hooks' and CacheBlend's counts since the last call, which vLLM
-        makes every step (`ConnectorStats.take`, client/vllm/blend_stats.py); None when
+        makes every step (`ConnectorStats.take`, client/vllm/connector_stats.py); None when
         nothing was counted since."""
         return self.hooks.guarded("get_kv_connector_stats", self.blend_stats.take)
 
@@ -316,7 +316,7 @@ class LMCachedConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> LMCachedPromMetrics:
         """The connector's counters on vLLM's Prometheus output
-        (`LMCachedPromMetrics`, client/vllm/blend_stats.py: `vllm:lmcached_*_total`),
+        (`LMCachedPromMetrics`, client/vllm/connector_stats.py: `vllm:lmcached_*_total`),
         which vLLM's stats logger makes once and feeds every step's connector stats."""
         return LMCachedPromMetrics(vllm_config, metric_types, labelnames,
                                    per_engine_labelvalues)

@@ -1,5 +1,5 @@
 """The connector's counters (its guarded hooks' and CacheBlend's) through vLLM's
-connector stats and Prometheus output (client/vllm/blend_stats.py): each step's
+connector stats and Prometheus output (client/vllm/connector_stats.py): each step's
 increments, once; the workers' blocks and blends of TP rank 0 only, every rank's hook
 failures; summed and logged by vLLM's own `KVConnectorLogging`, and added to vLLM's
 Prometheus registry by its own `KVConnectorProm`, as it does for any connector. A real
@@ -24,7 +24,7 @@ pytest.importorskip(
 )
 
 from lmcached.client.serving.guarded_hooks import GuardedHooks  # noqa: E402
-from lmcached.client.vllm.blend_stats import (  # noqa: E402
+from lmcached.client.vllm.connector_stats import (  # noqa: E402
     COUNTERS,
     LABELLED_COUNTERS,
     ConnectorStats,
