@@ -96,7 +96,7 @@ def connector(blend_scheduler=None, blend_worker=None, tp_rank=0) -> LMCachedCon
     conn = LMCachedConnector.__new__(LMCachedConnector)
     conn.hooks = GuardedHooks()
     conn.hook_guard = conn.hooks.hook_guard
-    conn.blend_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank, hooks=conn.hooks)
+    conn.connector_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank, hooks=conn.hooks)
     return conn
 
 
@@ -123,7 +123,7 @@ def test_a_failing_count_is_caught_not_raised_into_vllm(caplog):
     with caplog.at_level(logging.WARNING):
         assert conn.get_kv_connector_stats() is None
     assert conn.hook_guard.failures["get_kv_connector_stats"] == 1
-    conn.blend_stats.source = None  # the failure itself is counted at the next call
+    conn.connector_stats.source = None  # the failure itself is counted at the next call
     assert conn.get_kv_connector_stats().data == {
         "hook_failures": {"get_kv_connector_stats": 1}}
 
