@@ -104,7 +104,7 @@ test-vllm: $(VLLM_VENV)/.installed-vllm
 		tests/client/vllm/test_vllm_blend.py \
 		tests/client/vllm/test_vllm_conformance.py tests/client/vllm/test_vllm_salts.py \
 		tests/client/vllm/test_vllm_hook_guard.py tests/client/vllm/test_vllm_kv_events.py \
-		tests/client/vllm/test_vllm_blend_stats.py tests/docs/test_doc_blocks.py
+		tests/client/vllm/test_vllm_connector_stats.py tests/docs/test_doc_blocks.py
 
 ## make test-sglang: create .venv-sglang (torch==2.13.0, then sglang==0.5.23 without its
 ## dependencies and the few pure-Python packages its HiCache storage modules import, then

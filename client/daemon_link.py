@@ -284,6 +284,17 @@ class DaemonLink:
                            "tier", device, reason)
 
     @property
+    def closed(self) -> bool:
+        """True once `close` was called: the link opens no session again."""
+        return self._closed
+
+    def peer_closed(self) -> bool:
+        """Whether the daemon has closed the current session's socket (one poll(2),
+        `Connection.peer_closed`); False while there is no session."""
+        conn = self._conn
+        return conn is not None and conn.peer_closed()
+
+    @property
     def generation(self) -> int | None:
         """Arena generation of the current session, or None while disconnected."""
         return self.hello_reply.generation if self.hello_reply else None
@@ -353,7 +364,7 @@ class DaemonLink:
                 self.mark_down(describe(exc))
                 raise CacheUnavailable(describe(exc)) from None
             except BaseException:  # interrupted half-way: the stream is out of step
-                self._drop_session()
+                self.drop_session()
                 raise
             if answer is None and not answers:
                 return None
@@ -420,7 +431,7 @@ class DaemonLink:
         if conn is not None and conn.awaiting:
             logger.debug("%s left %d replies uncollected: closing session %d", what,
                          conn.awaiting, self.hello_reply.session_id)
-            self._drop_session()
+            self.drop_session()
 
     def holds(self, session_id: int, generation: int) -> bool:
         """Whether session `session_id` of arena generation `generation` is still this
@@ -465,14 +476,16 @@ class DaemonLink:
         device tiers."""
         with self.lock:
             self._closed = True
-            self._drop_session()
+            self.drop_session()
             self._replace_tiers({})
             if self.arena is not None:
                 self._unmap(self.arena)
                 self.arena = None
 
-    def _drop_session(self) -> None:
-        """Close the connection (the daemon releases its pins); keep the arena mapped."""
+    def drop_session(self) -> None:
+        """Close the connection (the daemon releases its pins); keep the arena mapped.
+        The next request opens a new session (`ensure_connected`, the back-off allowing);
+        none after `close`."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None

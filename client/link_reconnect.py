@@ -12,8 +12,8 @@ call so that it re-opens with no miss (`reopen_if_closed_while_idle`).
 
 `ReconnectPolicy` is an object a `DaemonLink` holds (`link.reconnect`): its state is its
 own (the back-off, the next attempt, the outage's reason, the last answer's time, the
-outages ended), and each method takes the link it acts on, whose attributes it reads or
-changes are declared by `LinkSession`. Its log lines keep the logger name of the link
+outages ended), and each method takes the link it acts on, whose public members it reads
+or calls are declared by `LinkSession`. Its log lines keep the logger name of the link
 (lmcached.client.daemon_link), which docs/troubleshooting.md quotes.
 """
 
@@ -22,7 +22,6 @@ import time
 from typing import Protocol
 
 from lmcached.client.link_failures import CacheUnavailable, describe, permanent_refusal
-from lmcached.wire.connection import Connection
 from lmcached.wire.logger import init_logger
 from lmcached.wire.protocol import HelloReply
 
@@ -43,12 +42,15 @@ class LinkSession(Protocol):
     socket_path: str
     hello_reply: HelloReply | None
     data_timeout_s: float
-    _conn: Connection | None
-    _closed: bool
+
+    @property
+    def closed(self) -> bool: ...
 
     def connect(self, timeout_s: float | None = None) -> None: ...
 
-    def _drop_session(self) -> None: ...
+    def peer_closed(self) -> bool: ...
+
+    def drop_session(self) -> None: ...
 
 
 class ReconnectPolicy:
@@ -105,7 +107,7 @@ class ReconnectPolicy:
             permanent: the failure lasts until a setting changes (`permanent_refusal`).
         """
         with link.lock:
-            link._drop_session()
+            link.drop_session()
             if permanent:
                 if reason != self._down_reason:
                     logger.error(
@@ -142,7 +144,7 @@ class ReconnectPolicy:
         if reply is not None:
             return reply
         with link.lock:
-            if link._closed:
+            if link.closed:
                 raise CacheUnavailable("the engine is closed")
             if link.hello_reply is not None:
                 return link.hello_reply
@@ -162,13 +164,12 @@ class ReconnectPolicy:
         an "unavailable" warning when the daemon was never down). One poll(2), only
         after IDLE_PROBE_S without a request: nothing on a busy link. The new session
         has a new id, so pins of the old one never look held (`holds`)."""
-        conn = link._conn
-        if (conn is None or time.monotonic() - self._last_request_at < IDLE_PROBE_S
-                or not conn.peer_closed()):
+        if (time.monotonic() - self._last_request_at < IDLE_PROBE_S
+                or not link.peer_closed()):
             return
         logger.debug("lmcached daemon at %s closed idle session %d (--idle-timeout): "
                      "opening a new one", link.socket_path, link.hello_reply.session_id)
-        link._drop_session()
+        link.drop_session()
 
     def answered(self, link: LinkSession) -> None:
         """A reply was read on the link: note when, and end an outage if one was on."""

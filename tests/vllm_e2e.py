@@ -22,7 +22,7 @@ Modes (the result JSON always has "startup_s" and "mode"):
              the connector, "blend": the connector's CacheBlend counters (refusals by
              reason, claimed requests, blended requests, ...) as vLLM's connector stats
              carried them to its stats logger; "connector_stats": every count of the
-             connector's stats summed (their data layout, client/vllm/blend_stats.py);
+             connector's stats summed (their data layout, client/vllm/connector_stats.py);
              "prometheus": what vLLM's Prometheus registry holds of the connector's
              counters (`LLM.get_metrics()`, `vllm:lmcached_*`: [name, labels, value]);
              "block_size": vLLM's. With --fail-once HOOK (in-process mode), the

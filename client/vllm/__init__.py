@@ -24,13 +24,14 @@ What lives here, after vLLM's NixlConnector split into roles:
   why one is refused), `blend_config.py` (which engines can blend, the documents'
   namespace), `blend_scheduler.py` (which prompts to claim), `blend_worker.py`
   and `blend_layers.py` (the blend in `start_load_kv`, the document stores),
-  `blend_flash.py` (FlashAttention over the paged cache for the selected rows, CUDA),
-  `blend_stats.py` (their counters as vLLM's connector stats, `get_kv_connector_stats`).
+  `blend_flash.py` (FlashAttention over the paged cache for the selected rows, CUDA).
+- `connector_stats.py`: the connector's counters (its guarded hooks' and CacheBlend's) as
+  vLLM's connector stats (`get_kv_connector_stats`) and Prometheus counters.
 
 What it may import: the engine and its core in `lmcached.client` (engine, chain, daemon_link,
 records, layout, hashing, cuda, attention), `lmcached.client.serving`, `lmcached.client.blend`, `lmcached.wire`,
 `lmcached.shm`, and vllm. Only `connector.py`, `metadata.py`, `kv_events.py`, `namespaces.py`, `blend_models.py`,
-`blend_stats.py`, `blend_plugin.py` (inside `register`), and lazily `tp_group.py` and `blend_flash.py`,
+`connector_stats.py`, `blend_plugin.py` (inside `register`), and lazily `tp_group.py` and `blend_flash.py`,
 import vllm (absolute imports: `import vllm` here is the real vLLM, never this
 package), so the scheduler and worker roles import and test without vllm installed. This `__init__`
 imports nothing, for the same reason.

@@ -13,7 +13,7 @@ work is invisible to vLLM's token budget, so the claimed tokens of one step are 
 
 Requests that asked for blending and are served normally have their reason counted in
 `refusals` (one warning per reason). The counters reach vLLM's connector stats
-(`counters`, client/vllm/blend_stats.py). vllm-free.
+(`counters`, client/vllm/connector_stats.py). vllm-free.
 """
 
 import collections
@@ -200,7 +200,7 @@ class BlendScheduler:
 
     def counters(self) -> dict[str, Any]:
         """The counters so far, as vLLM's connector stats carry them
-        (client/vllm/blend_stats.py): "claimed_requests", "claimed_tokens",
+        (client/vllm/connector_stats.py): "claimed_requests", "claimed_tokens",
         "store_only_requests", "deferred" and "refusals" (by reason)."""
         return {"claimed_requests": self.num_claimed_requests,
                 "claimed_tokens": self.num_claimed_tokens,

@@ -191,7 +191,7 @@ class BlendWorker:
 
     def counters(self) -> dict[str, int]:
         """The counters so far, as vLLM's connector stats carry them
-        (client/vllm/blend_stats.py), named as the attributes without `num_`."""
+        (client/vllm/connector_stats.py), named as the attributes without `num_`."""
         return {"blended_requests": self.num_blended_requests,
                 "reused_tokens": self.num_reused_tokens,
                 "recomputed_tokens": self.num_recomputed_tokens,

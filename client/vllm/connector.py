@@ -76,7 +76,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmcached.client.vllm.blend_config import blend_refusal, segment_layouts
 from lmcached.client.vllm.blend_scheduler import DEFAULT_BLEND_TOKENS_PER_STEP, BlendScheduler
-from lmcached.client.vllm.blend_stats import (
+from lmcached.client.vllm.connector_stats import (
     ConnectorStats,
     LMCachedConnectorStats,
     LMCachedPromMetrics,
@@ -140,7 +140,7 @@ class LMCachedConnector(KVConnectorBase_V1):
         self.event_relay = None  # scheduler: the daemon's events for `take_events`
         self.hooks = GuardedHooks()  # failures caught, blocks promised or failed
         self.hook_guard = self.hooks.hook_guard
-        self.blend_stats = ConnectorStats(hooks=self.hooks)  # for `get_kv_connector_stats`
+        self.connector_stats = ConnectorStats(hooks=self.hooks)  # for `get_kv_connector_stats`
         try:
             layouts = namespace_layouts(vllm_config, kv_cache_config, self.chunk_size,
                                         transfer.get_from_extra_config("namespace", None))
@@ -158,19 +158,19 @@ class LMCachedConnector(KVConnectorBase_V1):
                 self.settings, blend_layouts[0], refusal,
                 int(transfer.get_from_extra_config("blend_tokens_per_step",
                                                    DEFAULT_BLEND_TOKENS_PER_STEP)))
-            self.blend_stats = ConnectorStats(blend_scheduler=self.blend_scheduler,
-                                              hooks=self.hooks)
+            self.connector_stats = ConnectorStats(blend_scheduler=self.blend_scheduler,
+                                                  hooks=self.hooks)
         else:
             rank = tensor_parallel_rank()
-            self.blend_stats = ConnectorStats(tp_rank=rank, hooks=self.hooks)
+            self.connector_stats = ConnectorStats(tp_rank=rank, hooks=self.hooks)
             self.worker_side = LMCachedConnectorWorker(self.settings, rank)
             if refusal is None:
                 tp_group = blend_tp_group() if self.settings.world_size > 1 else None
                 self.blend_worker = BlendWorker(
                     self.settings, blend_layouts[rank], vllm_config.model_config.hf_config,
                     tp_group, vllm_config.scheduler_config.max_num_batched_tokens)
-                self.blend_stats = ConnectorStats(blend_worker=self.blend_worker, tp_rank=rank,
-                                                  hooks=self.hooks)
+                self.connector_stats = ConnectorStats(blend_worker=self.blend_worker,
+                                                      tp_rank=rank, hooks=self.hooks)
 
     def _disable(self, reason: str) -> None:
         logger.warning("lmcached connector inactive (no loads, no saves): %s", reason)
@@ -300,9 +300,9 @@ class LMCachedConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> LMCachedConnectorStats | None:
         """The guarded hooks' and CacheBlend's counts since the last call, which vLLM
-        makes every step (`ConnectorStats.take`, client/vllm/blend_stats.py); None when
+        makes every step (`ConnectorStats.take`, client/vllm/connector_stats.py); None when
         nothing was counted since."""
-        return self.hooks.guarded("get_kv_connector_stats", self.blend_stats.take)
+        return self.hooks.guarded("get_kv_connector_stats", self.connector_stats.take)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
@@ -316,7 +316,7 @@ class LMCachedConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> LMCachedPromMetrics:
         """The connector's counters on vLLM's Prometheus output
-        (`LMCachedPromMetrics`, client/vllm/blend_stats.py: `vllm:lmcached_*_total`),
+        (`LMCachedPromMetrics`, client/vllm/connector_stats.py: `vllm:lmcached_*_total`),
         which vLLM's stats logger makes once and feeds every step's connector stats."""
         return LMCachedPromMetrics(vllm_config, metric_types, labelnames,
                                    per_engine_labelvalues)

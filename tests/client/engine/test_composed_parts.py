@@ -5,7 +5,9 @@ what an attribute is. The link's reconnect policy (client/link_reconnect.py) and
 connector's guarded-hook bookkeeping (client/serving/guarded_hooks.py) are objects with
 their own state, which the link and the connector hold (`link.reconnect`,
 `connector.hooks`). The check reads the classes' sources (the connector's needs no vLLM)
-and, where it can import them, their method resolution order.
+and, where it can import them, their method resolution order. What the policy reads and
+changes of its link is the link's public surface, declared by `LinkSession`: no private
+attribute of the link is named in client/link_reconnect.py.
 """
 
 import ast
@@ -14,7 +16,7 @@ import os
 import pytest
 
 from lmcached.client.daemon_link import DaemonLink
-from lmcached.client.link_reconnect import ReconnectPolicy
+from lmcached.client.link_reconnect import LinkSession, ReconnectPolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -78,3 +80,62 @@ def test_the_bases_check_finds_a_mixin():
                "    pass\n")
     assert bases_from_our_code(planted, "DaemonLink", "lmcached.client.daemon_link") == [
         "ReconnectPolicy", "gh.GuardedHooks", "Local"]
+
+
+def private_members_of_the_link(source: str, protocol: str = "LinkSession") -> list[str]:
+    """What Python `source` names of the link that is private (`_name`): members declared
+    in class `protocol`, and `link._name` / `getattr(link, "_name")` in every function
+    where `link` is a parameter annotated `protocol`."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == protocol:
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    member = item.target.id
+                elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    member = item.name
+                else:
+                    continue
+                if member.startswith("_"):
+                    found.append(f"{protocol}.{member}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            links = {arg.arg for arg in args
+                     if arg.annotation is not None and ast.unparse(arg.annotation) == protocol}
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in links and sub.attr.startswith("_")):
+                    found.append(f"{node.name}: {ast.unparse(sub)}")
+                elif (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name)
+                        and sub.func.id in ("getattr", "setattr", "hasattr") and sub.args
+                        and isinstance(sub.args[0], ast.Name) and sub.args[0].id in links
+                        and len(sub.args) > 1 and isinstance(sub.args[1], ast.Constant)
+                        and str(sub.args[1].value).startswith("_")):
+                    found.append(f"{node.name}: {ast.unparse(sub)}")
+    return found
+
+
+def test_the_reconnect_policy_names_no_private_member_of_the_link():
+    assert private_members_of_the_link(read("client/link_reconnect.py")) == []
+
+
+def test_the_link_has_every_member_the_policy_uses():
+    link = DaemonLink("/nonexistent/lmcached.sock", data_timeout_s=0.05)
+    members = set(LinkSession.__annotations__) | {
+        name for name, value in vars(LinkSession).items()
+        if (callable(value) or isinstance(value, property)) and not name.startswith("__")}
+    assert {"lock", "closed", "connect"} <= members
+    assert [name for name in sorted(members) if not hasattr(link, name)] == []
+
+
+def test_the_private_member_check_finds_them():
+    planted = ("class LinkSession(Protocol):\n"
+               "    lock: object\n    _conn: object\n"
+               "    def _drop_session(self) -> None: ...\n"
+               "def reopen(self, link: LinkSession, other) -> None:\n"
+               "    conn = link._conn\n    link.lock\n    other._private\n"
+               "    getattr(link, '_closed')\n    link._drop_session()\n")
+    assert private_members_of_the_link(planted) == [
+        "LinkSession._conn", "LinkSession._drop_session", "reopen: link._conn",
+        "reopen: getattr(link, '_closed')", "reopen: link._drop_session"]

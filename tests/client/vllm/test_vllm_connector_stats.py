@@ -1,5 +1,5 @@
 """The connector's counters (its guarded hooks' and CacheBlend's) through vLLM's
-connector stats and Prometheus output (client/vllm/blend_stats.py): each step's
+connector stats and Prometheus output (client/vllm/connector_stats.py): each step's
 increments, once; the workers' blocks and blends of TP rank 0 only, every rank's hook
 failures; summed and logged by vLLM's own `KVConnectorLogging`, and added to vLLM's
 Prometheus registry by its own `KVConnectorProm`, as it does for any connector. A real
@@ -24,7 +24,7 @@ pytest.importorskip(
 )
 
 from lmcached.client.serving.guarded_hooks import GuardedHooks  # noqa: E402
-from lmcached.client.vllm.blend_stats import (  # noqa: E402
+from lmcached.client.vllm.connector_stats import (  # noqa: E402
     COUNTERS,
     LABELLED_COUNTERS,
     ConnectorStats,
@@ -96,7 +96,7 @@ def connector(blend_scheduler=None, blend_worker=None, tp_rank=0) -> LMCachedCon
     conn = LMCachedConnector.__new__(LMCachedConnector)
     conn.hooks = GuardedHooks()
     conn.hook_guard = conn.hooks.hook_guard
-    conn.blend_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank, hooks=conn.hooks)
+    conn.connector_stats = ConnectorStats(blend_scheduler, blend_worker, tp_rank, hooks=conn.hooks)
     return conn
 
 
@@ -123,7 +123,7 @@ def test_a_failing_count_is_caught_not_raised_into_vllm(caplog):
     with caplog.at_level(logging.WARNING):
         assert conn.get_kv_connector_stats() is None
     assert conn.hook_guard.failures["get_kv_connector_stats"] == 1
-    conn.blend_stats.source = None  # the failure itself is counted at the next call
+    conn.connector_stats.source = None  # the failure itself is counted at the next call
     assert conn.get_kv_connector_stats().data == {
         "hook_failures": {"get_kv_connector_stats": 1}}
 

@@ -224,4 +224,4 @@ class LMCachedPromMetrics(KVConnectorPromMetrics):
                 self._warned.add(key)
                 logger.warning("lmcached: the connector stats carry a count no Prometheus "
                                "counter is declared for (%r): it is left out of /metrics; "
-                               "declare it in client/vllm/blend_stats.py's COUNTERS", key)
+                               "declare it in client/vllm/connector_stats.py's COUNTERS", key)
