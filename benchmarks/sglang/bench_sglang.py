@@ -13,14 +13,16 @@ pinned host pool and the arena's pages do:
   its V runs are contiguous: the batch is the pool's first pages), and one `memmove` per
   page run (the same runs the backend copies), into a private buffer: the fastest copy
   of the same bytes;
-- memcpy_into_shm: one `memmove` per page run into a mapping of a /dev/shm file, the kind
-  of memory a set writes (the daemon's arena is a shared memory segment);
+- memcpy_into_shm / memcpy_from_shm: one `memmove` per page run into / out of a mapping
+  of a /dev/shm file, the kind of memory a set writes and a get reads (the daemon's
+  arena is a shared memory segment);
 - lmcached set/get: `batch_set_v1` (fresh keys each run) / `batch_get_v1`;
 - file set/get: what SGLang's generic page path does with HiCacheFile: per page,
   `get_data_page` + `set` / `get` into a flat page + `set_from_flat_data_page`.
 
-    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4 --repeat 30  # 1 MiB pages: 64 MiB a batch
-    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 32 --repeat 12  # Llama-3-8B's KV: 8 MiB pages
+    # 1 MiB pages, 64 MiB a batch; Llama-3-8B's KV, 8 MiB pages, 512 MiB a batch
+    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 4 --repeat 30
+    python -m benchmarks.sglang.bench_sglang --pages 64 --layers 32 --repeat 12
 """
 
 import argparse
@@ -82,7 +84,8 @@ class HostPool:
         ptrs = []
         if self.layout == "page_first":
             for index in indices.tolist()[:: self.page_size]:
-                ptrs += [base + index * self.token_bytes, base + v_offset + index * self.token_bytes]
+                k = base + index * self.token_bytes
+                ptrs += [k, k + v_offset]
             return ptrs, [self.page_size * self.token_bytes] * len(ptrs)
         layer_token = self.token_bytes // self.layer_num
         for index in indices.tolist()[:: self.page_size]:
@@ -155,8 +158,9 @@ def main() -> None:
     # its V runs (of each layer, in layer_first) are contiguous. Two ways, the faster one
     # in each round is that round's memcpy: one np.copyto of the batch's tokens (one
     # memcpy per contiguous stretch: glibc may pick non-temporal stores for 32 MiB), one
-    # memmove per page run (512 KiB at the default shape: ordinary stores). And the page runs into a mapping of
-    # /dev/shm, the memory a set writes (the arena is a shared memory segment).
+    # memmove per page run (512 KiB at the default shape: ordinary stores). And the page
+    # runs into and out of a mapping of /dev/shm, the memory a set writes and a get reads
+    # (the arena is a shared memory segment).
     out = aligned_empty(batch_bytes).numpy()
     batch_kv = pool.tokens(0, n * ps).view(torch.int16).numpy()  # numpy has no bfloat16
     out_kv = out.view(np.int16).reshape(batch_kv.shape)
