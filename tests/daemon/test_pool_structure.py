@@ -12,6 +12,7 @@ import os
 from lmcached.daemon.block_pool import BlockPool
 from lmcached.daemon.pool_bookkeeping import ValueLedger
 from lmcached.wire.record_format import ROOT_HASH
+from test_block_pool import RecordingFeed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,19 +72,6 @@ def test_the_pool_holds_its_ledger():
     pool = BlockPool(2)
     assert isinstance(pool.ledger, ValueLedger)
     assert BlockPool(2).ledger is not pool.ledger
-
-
-class RecordingFeed:
-    """An event feed that records what it is told."""
-
-    def __init__(self) -> None:
-        self.calls = []
-
-    def stored(self, key, parent, block_id) -> None:
-        self.calls.append(("stored", key, parent, block_id))
-
-    def removed(self, key) -> None:
-        self.calls.append(("removed", key))
 
 
 def test_the_ledger_alone_counts_keeps_parents_and_announces():
