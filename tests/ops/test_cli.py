@@ -449,10 +449,14 @@ def test_serve_help_shows_each_option_with_its_environment_variable():
                              if not config.SETTINGS[key].hidden)]
     assert "--gpu-backend" not in proc.stdout  # hidden: for tests
     help_text = " ".join(proc.stdout.split())  # undo click's wrapping
+    start = 0
     for i, option in enumerate(options):
-        # this option's entry: from its name to the next option's
-        end = help_text.index(f" {options[i + 1]} ") if i + 1 < len(options) else None
-        entry = help_text[help_text.index(f" {option} "):end]
+        # this option's entry: from its name to the next option's, each looked for after
+        # the entry before it (an entry's help may name another option)
+        start = help_text.index(f" {option} ", start)
+        end = (help_text.index(f" {options[i + 1]} ", start + 1) if i + 1 < len(options)
+               else None)
+        entry = help_text[start:end]
         name = "LMCACHED_" + option[2:].replace("-", "_").upper()
         assert name in envs.ENV_VARS, name
         assert f"[env var: {name}" in entry, entry
