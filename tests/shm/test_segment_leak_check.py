@@ -3,6 +3,7 @@ test run leaves behind, and never another process's, which it would also unlink.
 names its segments at random (`vllm_dist_<uuid>...`), so a vLLM segment counts as this
 run's unless a process outside the run holds it."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,8 +39,11 @@ def _wait_for(path: str) -> str:
         return f.read()
 
 
-def test_another_processes_vllm_segment_is_not_flagged_but_one_of_ours_is(tmp_path):
-    before = our_segments()
+@contextlib.contextmanager
+def foreign_and_own_vllm_segments(tmp_path):
+    """Two vLLM-named segments: (foreign, mine). `foreign` is held by a process outside
+    this test run (FOREIGN_HOLDER), `mine` is created here and left unheld. Both are
+    gone, and the holder killed, afterwards."""
     foreign = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
     mine = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
     pid_path = str(tmp_path / "holder.pid")
@@ -47,15 +51,23 @@ def test_another_processes_vllm_segment_is_not_flagged_but_one_of_ours_is(tmp_pa
                    check=True, timeout=30)
     holder = int(_wait_for(pid_path))
     try:
-        fd = os.open(f"/dev/shm/{mine}", os.O_CREAT | os.O_RDWR, 0o600)  # left unheld
-        os.close(fd)
-        leaked = leaked_segments(before)
-        assert foreign not in leaked, "a segment another process holds is not this run's"
-        assert mine in leaked, "an unheld segment made during the test is this run's leak"
+        os.close(os.open(f"/dev/shm/{mine}", os.O_CREAT | os.O_RDWR, 0o600))  # unheld
+        yield foreign, mine
     finally:
-        os.unlink(f"/dev/shm/{mine}")
         os.kill(holder, 9)
         deadline = time.monotonic() + 10
         while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.unlink(f"/dev/shm/{foreign}")
+        for name in (mine, foreign):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
+
+def test_another_processes_vllm_segment_is_not_flagged_but_one_of_ours_is(tmp_path):
+    before = our_segments()
+    with foreign_and_own_vllm_segments(tmp_path) as (foreign, mine):
+        leaked = leaked_segments(before)
+        assert foreign not in leaked, "a segment another process holds is not this run's"
+        assert mine in leaked, "an unheld segment made during the test is this run's leak"

@@ -51,8 +51,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from conftest import VLLM_SEGMENT_PREFIX, leaked_segments, our_segments  # noqa: E402
-from test_segment_leak_check import FOREIGN_HOLDER  # noqa: E402
-from test_segment_leak_check import _wait_for as wait_for_file  # noqa: E402
+from test_segment_leak_check import foreign_and_own_vllm_segments  # noqa: E402
 from lmcached.client.vllm.connector import (  # noqa: E402
     LMCachedConnector,
     LMCachedConnectorMetadata,
@@ -688,28 +687,11 @@ def test_the_clean_up_after_an_instance_spares_a_segment_another_process_holds(t
     """`run_instance`'s clean-up unlinks a vLLM segment this run left (unheld, new), and
     never one that a process outside this run holds (another test run's live vLLM)."""
     before = our_segments()
-    foreign = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
-    mine = f"{VLLM_SEGMENT_PREFIX}{uuid.uuid4().hex}-test-[0-1]-cpushm"
-    pid_path = str(tmp_path / "holder.pid")
-    subprocess.run([sys.executable, "-c", FOREIGN_HOLDER, f"/dev/shm/{foreign}", pid_path],
-                   check=True, timeout=30)
-    holder = int(wait_for_file(pid_path))
-    try:
-        os.close(os.open(f"/dev/shm/{mine}", os.O_CREAT | os.O_RDWR, 0o600))
+    with foreign_and_own_vllm_segments(tmp_path) as (foreign, mine):
         removed = remove_vllm_segments_left(before)
         assert mine in removed and not os.path.exists(f"/dev/shm/{mine}")
         assert foreign not in removed and os.path.exists(f"/dev/shm/{foreign}"), \
             "the clean-up unlinked a segment another process holds"
-    finally:
-        os.kill(holder, 9)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for name in (mine, foreign):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
 
 
 @pytest.fixture(scope="module")
