@@ -15,9 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 import types
-import uuid
 
 import numpy as np
 import pytest
