@@ -111,7 +111,6 @@ class LmcachedStorage(HiCacheStorage):
         self.chain: Chain | None = None
         self.page_size = 0
         self.host_runs: HostPageRuns | None = None
-        self.runs_per_page = 0
         self.page_bytes = 0
         self.num_exists_pages = self.num_hit_pages = self.num_miss_pages = 0
         self.num_stored_pages = self.num_skipped_pages = 0
@@ -136,7 +135,6 @@ class LmcachedStorage(HiCacheStorage):
         self.page_size = mem_pool_host.page_size
         self.host_runs = HostPageRuns.learn(mem_pool_host)
         sizes = self.host_runs.sizes
-        self.runs_per_page = self.host_runs.runs_per_page
         self.page_bytes = self.host_runs.page_bytes
         parts = []
         if cfg.is_mla_model:
