@@ -46,6 +46,7 @@ import torch
 from benchmarks.common import GB, LLAMA_1B, daemon_info, machine_info, median, record_block_size
 from lmcached.client import CacheEngine
 from lmcached.daemon.disk.directory import prepare_disk_directory
+from lmcached.daemon.disk.scan import scan_slots
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer
 from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.launcher import temporary_daemon
@@ -284,7 +285,7 @@ def bench_rebuild(root: str, num_slots: int) -> dict:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     started = time.perf_counter()
-    found = slot_file.scan()
+    found = scan_slots(slot_file)
     scan_s = time.perf_counter() - started
     slot_file.close()
     disk_directory.close()

@@ -25,6 +25,7 @@ import time
 
 from benchmarks.common import median
 from lmcached.daemon.disk.directory import prepare_disk_directory
+from lmcached.daemon.disk.scan import scan_slots
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer
 from lmcached.daemon.spill.envelope import encode_envelope
 from lmcached.shm.arena import Arena
@@ -56,7 +57,7 @@ def drop_page_cache(path: str) -> None:
 def scan_s(slot_file: SlotFile) -> float:
     drop_page_cache(slot_file.path)
     started = time.perf_counter()
-    found = slot_file.scan()
+    found = scan_slots(slot_file)
     elapsed = time.perf_counter() - started
     if len(found) != slot_file.num_slots:
         raise RuntimeError(f"the scan found {len(found)} of {slot_file.num_slots} slots")

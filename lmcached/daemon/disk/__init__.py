@@ -6,7 +6,8 @@ What lives here (import name `lmcached.daemon.disk`, folder `lmcached/daemon/dis
 - `directory`: the directory's safety checks (its ancestors too), the open directory that
   every file in it is opened relative to, and the lock that keeps a second daemon out.
 - `slots`: the I/O. The preallocated slot file, O_DIRECT reads and writes of whole slots,
-  the envelope written last, and the scan of envelopes that rebuilds the index.
+  the envelope written last.
+- `scan`: the scan of every slot's envelope that rebuilds the index (threads, progress).
 - `counters`: the tier's counters (`DiskStats`, INFO `disk_*`), typed.
 - `index`: which slot holds which chunk, LRU order, the slots being read (loop thread).
 - `tier`: the daemon's side. The file's geometry, the writer and reader threads (the

@@ -60,7 +60,7 @@ class DiskIndex:
         self.events = None  # the daemon's EventFeed: told of chunks entering and leaving
 
     def rebuild(self, headers) -> int:
-        """Index the committed slots the scan found (`SlotFile.scan`), in slot order; a
+        """Index the committed slots the scan found (`scan.scan_slots`), in slot order; a
         chunk found in two slots keeps the first. Returns how many were indexed."""
         used = set()
         for header in headers:

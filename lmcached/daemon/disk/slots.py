@@ -42,16 +42,13 @@ file of the daemon's uid with mode 0600); a second open (O_DIRECT, the scan) mus
 the same file (`_open_again`).
 """
 
-import collections
 import errno
 import mmap
 import os
 import struct
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from lmcached.daemon.disk.directory import DiskDirectory
-from lmcached.daemon.spill.envelope import ENVELOPE_BYTES, parse_envelope
+from lmcached.daemon.spill.envelope import ENVELOPE_BYTES
 from lmcached.wire.protocol import HASH_BYTES
 from lmcached.wire.record_format import RECORD_HEADER_BYTES, read_header
 from lmcached.wire.logger import init_logger
@@ -64,11 +61,6 @@ SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, flags, slot_bytes, num_
 SUPERBLOCK_MAGIC = b"LMCDISK1"
 SUPERBLOCK_VERSION = 2  # 2: the record page-aligned after an envelope page
 PARENT_OFFSET = ENVELOPE_BYTES  # the parent hash's offset in a slot's envelope page
-_NO_PARENT = bytes(HASH_BYTES)
-SCAN_THREADS = 4
-SCAN_RANGE_SLOTS = 65536  # slots one scan task reads at most
-SCAN_PROGRESS_SLOTS = 4096  # progress is reported after every this many slots of a task
-SCAN_MAX_ERRORS = 64  # envelope reads that fail in one task before it skips the rest of it
 _ZERO_PAGE = bytes(PAGE_BYTES)
 _ERROR_KINDS = {errno.ENOSPC: "nospace", errno.EFBIG: "nospace", errno.EDQUOT: "nospace",
                 errno.EIO: "io", errno.EROFS: "readonly"}
@@ -95,28 +87,6 @@ def slot_bytes_for(block_bytes: int) -> int:
 def aligned_buffer(num_bytes: int) -> mmap.mmap:
     """A page-aligned anonymous buffer of `num_bytes` (rounded up to pages), for O_DIRECT."""
     return mmap.mmap(-1, round_up(num_bytes))
-
-
-class SlotHeader:
-    """A slot's envelope as the index rebuild read it.
-
-    Attributes:
-        slot: the slot number.
-        ns_fp: the namespace fingerprint, 16 bytes.
-        chunk_hash: the chunk hash, 16 bytes.
-        record_bytes: the record's length in bytes.
-        parent: the parent hash written beside the envelope (b"": none).
-    """
-
-    __slots__ = ("slot", "ns_fp", "chunk_hash", "record_bytes", "parent")
-
-    def __init__(self, slot: int, ns_fp: bytes, chunk_hash: bytes, record_bytes: int,
-                 parent: bytes = b"") -> None:
-        self.slot = slot
-        self.ns_fp = ns_fp
-        self.chunk_hash = chunk_hash
-        self.record_bytes = record_bytes
-        self.parent = parent
 
 
 def read_superblock(directory: DiskDirectory) -> tuple[int, int] | None:
@@ -194,7 +164,7 @@ class SlotFile:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.direct = direct
-        self.scan_errors: dict[str, int] = {}  # the last `scan`'s failed reads, by kind
+        self.scan_errors: dict[str, int] = {}  # the last `scan.scan_slots`' failed reads, by kind
 
     @classmethod
     def open(cls, directory: DiskDirectory, slot_bytes: int,
@@ -214,7 +184,7 @@ class SlotFile:
 
         Returns:
             (the file, kept): `kept` is True when the existing slots were kept (their
-            index can be rebuilt with `scan`).
+            index can be rebuilt with `scan.scan_slots`).
 
         Raises:
             DiskDirectoryError: the file is a symlink, a FIFO, a device..., or another
@@ -424,85 +394,16 @@ class SlotFile:
                              f"(file truncated?)")
         return head[:ENVELOPE_BYTES]
 
-    def scan(self, progress: Callable[[int, int], None] | None = None,
-             num_threads: int = SCAN_THREADS) -> list[SlotHeader]:
-        """Read every slot's envelope: the records a restarted daemon may serve.
-
-        A slot counts when its envelope has the magic, version and flags of
-        `envelope.parse_envelope`, and a record length that fits the slot; its checksum and
-        token ids are verified when it is read (`read`, `envelope.verify_parts`). Runs on
-        `num_threads` threads over ranges of slots, with buffered reads of one page.
-
-        Args:
-            progress: called as progress(done_slots, num_slots) every SCAN_PROGRESS_SLOTS
-                slots of a thread (any thread). It may raise to stop the scan (a stop
-                signal during the start-up): every thread stops at its next slot, and
-                `scan` raises that exception.
-
-        Returns:
-            The committed slots, in slot order. A slot whose envelope cannot be read
-            (EIO: a bad sector) is skipped as empty, and a task that met SCAN_MAX_ERRORS
-            of them skips the rest of its range (a dying disk must not stop the start);
-            `scan_errors` holds those errors (kind as `error_kind`: count).
+    def open_read_only(self) -> int:
+        """The file opened once more, read-only, relative to the directory (the index
+        rebuild's descriptor, `scan.scan_slots`); the caller closes it.
 
         Raises:
-            OSError: the file cannot be opened again for the scan (relative to the
-                directory), or it is another file now (ESTALE).
+            OSError: it cannot be opened, or is another file now (ESTALE).
             DiskDirectoryError: the name now leads to something else than a regular
                 file of ours.
         """
-        fd = _open_again(self._directory, self._fd, os.O_RDONLY)
-        num_slots = self.num_slots
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            step = max(1, min(SCAN_RANGE_SLOTS, -(-num_slots // num_threads)))
-            ranges = [(start, min(num_slots, start + step)) for start in range(0, num_slots, step)]
-            done = [0]
-            stopped: list[BaseException] = []  # what a progress call raised
-            failed: list[str] = []  # the kind of every envelope read that failed
-
-            def scan_range(bounds: tuple[int, int]) -> list[SlotHeader]:
-                found, errors = [], 0
-                for slot in range(*bounds):
-                    if stopped:
-                        break
-                    try:
-                        data = os.pread(fd, PARENT_OFFSET + HASH_BYTES,
-                                        self.slot_offset(slot))
-                    except OSError as exc:
-                        failed.append(error_kind(exc))
-                        errors += 1
-                        if errors >= SCAN_MAX_ERRORS:
-                            break
-                        continue
-                    header = self._header(data, slot)
-                    if header is not None:
-                        found.append(header)
-                    if (slot - bounds[0] + 1) % SCAN_PROGRESS_SLOTS == 0 or slot + 1 == bounds[1]:
-                        done[0] += (slot - bounds[0]) % SCAN_PROGRESS_SLOTS + 1
-                        if progress is not None:
-                            try:
-                                progress(done[0], num_slots)
-                            except BaseException as exc:  # noqa: BLE001 - raised by scan
-                                stopped.append(exc)
-                return found
-
-            with ThreadPoolExecutor(num_threads, thread_name_prefix="lmcached-disk-scan") as pool:
-                results = list(pool.map(scan_range, ranges))
-            if stopped:
-                raise stopped[0]
-            self.scan_errors = dict(collections.Counter(failed))
-            return [h for found in results for h in found]
-        finally:
-            os.close(fd)
-
-    def _header(self, data: bytes, slot: int) -> SlotHeader | None:
-        fields = parse_envelope(data)
-        if fields is None or not 1 <= fields.record_bytes <= self.max_record_bytes:
-            return None
-        parent = bytes(data[PARENT_OFFSET:PARENT_OFFSET + HASH_BYTES])
-        return SlotHeader(slot, fields.ns_fp, fields.chunk_hash, fields.record_bytes,
-                          b"" if parent == _NO_PARENT or len(parent) != HASH_BYTES else parent)
+        return _open_again(self._directory, self._fd, os.O_RDONLY)
 
     def is_deleted(self) -> bool:
         """Whether the file was unlinked under the daemon (its slots still work through

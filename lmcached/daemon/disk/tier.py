@@ -57,6 +57,7 @@ from lmcached.daemon.disk.index import DiskEntry, DiskIndex, DiskKey
 from lmcached.daemon.disk.prewarm import DiskPrewarm, Prewarm
 from lmcached.daemon.disk.recency import restore_recency, write_recency
 from lmcached.daemon.disk.save import DiskSave
+from lmcached.daemon.disk.scan import scan_slots
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, aligned_buffer, \
     read_superblock, round_up, slot_bytes_for
 from lmcached.daemon.disk.writes import DiskWrites, WriteJob
@@ -274,7 +275,7 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
         answers in its `loading` state meanwhile); the index is replaced at the end.
 
         Args:
-            progress: `SlotFile.scan`'s: called as progress(done_slots, num_slots) from
+            progress: `scan.scan_slots`'s: called as progress(done_slots, num_slots) from
                 the scan's threads; what it raises stops the scan and is raised here.
 
         Returns:
@@ -283,11 +284,11 @@ class DiskTier(DiskWrites, DiskFetches, DiskSave, DiskPrewarm, SpillTier):
         Raises:
             OSError: the slot file cannot be opened for the scan. A slot whose envelope
                 cannot be read is not an error: it is skipped as empty, counted in
-                `disk_errors_<kind>` and logged (`SlotFile.scan`).
+                `disk_errors_<kind>` and logged (`scan.scan_slots`).
         """
         started = time.monotonic()
         index = DiskIndex(self.slots.num_slots)
-        num_restored = index.rebuild(self.slots.scan(progress))
+        num_restored = index.rebuild(scan_slots(self.slots, progress))
         self.num_recency_restored = restore_recency(self.disk_directory, index,
                                                     self.slots.slot_bytes)
         index.events = self.events

@@ -8,7 +8,7 @@ import os
 from lmcached.daemon.disk.directory import prepare_disk_directory
 from lmcached.daemon.disk.index import DiskIndex
 from lmcached.daemon.disk.recency import FILE_NAME, restore_recency, write_recency
-from lmcached.daemon.disk.slots import SlotHeader
+from lmcached.daemon.disk.scan import SlotHeader
 
 SLOT_BYTES = 8192
 NUM_SLOTS = 16

@@ -15,10 +15,12 @@ import threading
 import pytest
 
 from test_l2_values import FP, make_record
+from lmcached.daemon.disk import scan as scan_module
 from lmcached.daemon.disk import slots as slots_module
 from lmcached.daemon.disk.directory import LOCK_NAME, DirectoryLock, DiskDirectoryError, \
     prepare_disk_directory
 from lmcached.daemon.disk.index import DiskIndex
+from lmcached.daemon.disk.scan import scan_slots
 from lmcached.daemon.disk.slots import FILE_NAME, PAGE_BYTES, SlotFile, aligned_buffer, round_up
 from lmcached.daemon.spill.envelope import VerifyError, encode_envelope, verify_parts
 from lmcached.wire.record_format import ROOT_HASH
@@ -75,13 +77,13 @@ def test_records_read_back_bit_exact_and_a_reopened_file_finds_them(disk_dir):
 
     reopened, kept = SlotFile.open(disk_dir, SLOT_BYTES, 8)  # a restart
     assert kept
-    found = reopened.scan()
+    found = scan_slots(reopened)
     assert [(h.slot, h.ns_fp, h.chunk_hash, h.record_bytes) for h in found] == [
         (0, FP, records[1][1], len(records[1][2])), (5, FP, records[0][1], len(records[0][2])),
         (7, FP, records[2][1], len(records[2][2]))]
     reopened.close()
     other, kept = SlotFile.open(disk_dir, 4 * PAGE_BYTES, 8)  # the block size changed
-    assert not kept and other.scan() == []
+    assert not kept and scan_slots(other) == []
     other.close()
 
 
@@ -110,7 +112,7 @@ def test_a_write_cut_short_is_never_indexed(disk_dir, monkeypatch, cut):
     monkeypatch.undo()
     slot_file.close()
     restarted, kept = SlotFile.open(disk_dir, SLOT_BYTES, 2)
-    assert kept and restarted.scan() == [], "a torn slot was indexed"
+    assert kept and scan_slots(restarted) == [], "a torn slot was indexed"
     restarted.close()
 
 
@@ -146,7 +148,7 @@ def test_a_slot_file_of_the_first_format_is_formatted_anew_and_logged(disk_dir, 
         f.write((1).to_bytes(4, "little"))
     assert slots_module.read_superblock(disk_dir) is None  # DiskTier.load finds no file
     reopened, kept = SlotFile.open(disk_dir, SLOT_BYTES, 4)
-    assert not kept and reopened.scan() == []
+    assert not kept and scan_slots(reopened) == []
     assert "written in slot format 1, this lmcached reads format 2 only" in caplog.text
     reopened.close()
     assert slots_module.read_superblock(disk_dir) == (SLOT_BYTES, 4)
@@ -253,7 +255,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_check_is_never_followed(tmp
         lock = DirectoryLock(checked)
         assert slots_module.read_superblock(checked) is None, "read the planted superblock"
         slot_file, kept = SlotFile.open(checked, SLOT_BYTES, 2)
-        assert not kept and slot_file.scan() == [], "indexed a planted record"
+        assert not kept and scan_slots(slot_file) == [], "indexed a planted record"
         slot_file.close()
         lock.release()
         assert sorted(os.listdir(tmp_path / "moved")) == sorted([FILE_NAME, LOCK_NAME])
@@ -411,7 +413,7 @@ class _Stop(Exception):
 def test_a_progress_call_that_raises_stops_every_scan_thread(disk_dir):
     """A stop signal during a warm restart's index rebuild (the start-up's progress
     callback raises): the scan stops at once, not after the whole file."""
-    num_slots = 4 * slots_module.SCAN_RANGE_SLOTS
+    num_slots = 4 * scan_module.SCAN_RANGE_SLOTS
     slot_file, _ = SlotFile.open(disk_dir, 2 * PAGE_BYTES, num_slots)
     write_record(slot_file, num_slots - 1, b"x" * 100, b"\1" * 16)
     calls = []
@@ -421,8 +423,8 @@ def test_a_progress_call_that_raises_stops_every_scan_thread(disk_dir):
         raise _Stop
 
     with pytest.raises(_Stop):
-        slot_file.scan(progress, num_threads=4)
+        scan_slots(slot_file, progress, num_threads=4)
     # Each thread stops at its next slot: at most one progress call each.
-    assert len(calls) <= 4 and max(calls) <= 4 * slots_module.SCAN_PROGRESS_SLOTS, calls
-    assert len(slot_file.scan()) == 1  # uninterrupted, the same file is scanned whole
+    assert len(calls) <= 4 and max(calls) <= 4 * scan_module.SCAN_PROGRESS_SLOTS, calls
+    assert len(scan_slots(slot_file)) == 1  # uninterrupted, the same file is scanned whole
     slot_file.close()

@@ -19,6 +19,7 @@ from test_disk_slots import chain
 from test_service import BLOCK_BYTES, greeted
 from lmcached.daemon.disk import writes as disk_writes
 from lmcached.daemon.disk.directory import DirectoryLock, prepare_disk_directory
+from lmcached.daemon.disk.scan import scan_slots
 from lmcached.daemon.disk.slots import PAGE_BYTES, SlotFile, round_up, slot_bytes_for
 from lmcached.daemon.disk.tier import DiskTier
 from lmcached.daemon.spill.envelope import namespace_fingerprint
@@ -306,7 +307,8 @@ def test_a_chunk_evicted_during_its_write_ahead_is_never_committed(disk_service,
     fp = service.spill_tier("disk")._ns_fp(1)
     assert (fp, PROMPT_A[0][1]) not in service.spill_tier("disk").index.entries, \
         "B2's bytes were indexed under A0's key"
-    assert PROMPT_A[0][1] not in {h.chunk_hash for h in service.spill_tier("disk").slots.scan()}, \
+    committed = scan_slots(service.spill_tier("disk").slots)
+    assert PROMPT_A[0][1] not in {h.chunk_hash for h in committed}, \
         "B2's bytes were committed on disk under A0's key: a restart would index them"
     info = disk_info(service)
     assert info["disk_write_drops_late"] == 1 and info["disk_writes"] >= 2, info
@@ -372,7 +374,7 @@ def test_clear_and_evict_erase_disk_copies_so_that_a_restart_does_not_bring_them
     service.jobs.process_completions()
     assert lookup(service, session) == arena_prefix(service)  # a miss, not a disk hit
     restarted, kept = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
-    found = {h.chunk_hash for h in restarted.scan()}
+    found = {h.chunk_hash for h in scan_slots(restarted)}
     restarted.close()
     assert kept and not found & set(on_disk), "a restart would serve an erased chunk"
 
@@ -736,7 +738,7 @@ def test_a_cancelled_write_ahead_erases_the_slot_of_the_chunk_it_evicted(disk_se
     forgotten = set(victims) - {e.slot for e in index.entries.values()}
     assert forgotten, "no chunk was evicted from the disk"
     restarted, _ = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
-    found = {h.slot: (h.ns_fp, h.chunk_hash) for h in restarted.scan()}
+    found = {h.slot: (h.ns_fp, h.chunk_hash) for h in scan_slots(restarted)}
     restarted.close()
     indexed = {e.slot: key for key, e in index.entries.items()}
     assert found == indexed, "a slot the index forgot keeps a chunk a restart would serve"
@@ -760,7 +762,7 @@ def test_invalidate_forgets_and_erases_the_disk_copy_so_that_a_restart_does_not_
     settle(service, lambda: len(tier._writes) == 0 and not tier._writing)
     service.jobs.process_completions()
     restarted, _ = SlotFile.open(tier.disk_directory, tier.slots.slot_bytes, tier.slots.num_slots)
-    found = {h.chunk_hash for h in restarted.scan()}
+    found = {h.chunk_hash for h in scan_slots(restarted)}
     restarted.close()
     assert chunk_hash not in found, "a restart would serve an invalidated chunk"
     assert_nothing_held(service)
