@@ -40,6 +40,7 @@ What lives here:
 
 What it may import: `lmcached.shm` and `lmcached.wire`; never `lmcached.client`, torch,
 click, transformers or vllm. prometheus_client only in metrics.py (with --metrics-port),
-redis-py only in l2/redis_store.py (with --l2). The layers between these modules are
-pyproject.toml's `daemon-layers` import-linter contract (tests/docs/test_layers.py runs it).
+redis-py only in l2/redis_store.py and l2/failures.py (with --l2). The layers between
+these modules are pyproject.toml's `daemon-layers` import-linter contract
+(tests/docs/test_layers.py runs it).
 """

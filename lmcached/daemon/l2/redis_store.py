@@ -3,9 +3,9 @@
 Why this file exists: the L2 tier's writer and fetch threads need a store that batches
 every request into one round trip per Redis node, works the same on one server and on a
 cluster, and turns an L2 that is down, slow or full into a counted event instead of an
-error or a hang. It is the only module that imports redis-py, so the daemon needs
-redis-py only when `--l2` is set (`pip install 'lmcached[l2]'`). Valkey speaks the same
-protocol.
+error or a hang. It and `failures` are the only modules that import redis-py, so the
+daemon needs redis-py only when `--l2` is set (`pip install 'lmcached[l2]'`). Valkey
+speaks the same protocol.
 
 How it talks to Redis (redis-py with hiredis, its C reply parser, when installed):
 
@@ -34,8 +34,6 @@ How it talks to Redis (redis-py with hiredis, its C reply parser, when installed
   traceback per call.
 """
 
-import socket
-
 import threading
 import time
 
@@ -57,15 +55,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from lmcached.daemon.l2.counters import ERROR_KINDS
+from lmcached.daemon.l2.failures import L2Misconfigured, L2Unavailable, describe_misconfiguration
+# parse_l2_url stays importable from here: settings and startup import it through this
+# module, so that a missing redis-py fails there with the install hint.
+from lmcached.daemon.l2.url import parse_l2_url  # noqa: F401
 from lmcached.daemon.l2.values import GENERATION_KEY
 from lmcached.wire.logger import init_logger
 
 logger = init_logger(__name__)
 
-URL_SCHEMES = ("redis://", "valkey://")
 BACKOFF_MIN_S = 0.1  # first wait after a failure
 BACKOFF_MAX_S = 5.0  # the wait doubles after each failed probe, up to this
-PEEK_BYTES = 64  # of a server's answer to PING shown when it does not speak RESP
 # An L2 that cannot answer now: raised by redis-py, or (cluster pipelines) returned in the
 # place of a command it re-sent alone. ClusterDownError: a master is gone (CLUSTERDOWN);
 # RedisClusterException: no startup node answers, or slots are not covered.
@@ -77,61 +77,6 @@ _TIMEOUT_ERRORS = (RedisTimeoutError, TimeoutError)
 _MISCONFIG_ERRORS = (InvalidResponse, AuthenticationError, NoPermissionError, ResponseError)
 
 _now = time.monotonic  # the back-off's clock (tests replace it)
-
-
-class L2Unavailable(Exception):
-    """The L2 cannot answer now (refused, reset, timed out, cluster down, or backing off).
-
-    Never an error to a client: the tier drops the write or answers a miss.
-    """
-
-
-class L2Misconfigured(L2Unavailable):
-    """The server answers, but not as an L2 can use (module docstring): handled as an
-    outage (backed off), logged once per distinct answer."""
-
-
-def parse_l2_url(url: str) -> list[tuple[str, int]]:
-    """The servers of an L2 URL: `redis://HOST:PORT[,HOST:PORT...]` (or `valkey://`).
-
-    One address is a standalone server or one node of a cluster; several addresses are
-    the startup nodes of a cluster (which the servers' `INFO cluster` confirms at first
-    use). IPv6 hosts go in brackets: `redis://[::1]:6379`.
-
-    Args:
-        url: the `--l2` option's value.
-
-    Returns:
-        (host, port) per address, in the URL's order.
-
-    Raises:
-        TypeError: `url` is not a str.
-        ValueError: another scheme, a missing or bad port, a credential, a database
-            number or query, an empty or repeated address; the message shows the fix.
-    """
-    if not isinstance(url, str):
-        raise TypeError(f"the L2 URL is a str like 'redis://10.0.0.5:6379', "
-                        f"got {type(url).__name__}")
-    scheme = next((s for s in URL_SCHEMES if url.startswith(s)), None)
-    if scheme is None:
-        raise ValueError(f"L2 URL {url!r}: write redis://HOST:PORT[,HOST:PORT...] "
-                         f"(or valkey://), e.g. redis://10.0.0.5:6379")
-    rest = url[len(scheme):]
-    if any(c in rest for c in "@/?#"):
-        raise ValueError(f"L2 URL {url!r}: credentials, database numbers and options are not "
-                         f"supported; give only HOST:PORT[,HOST:PORT...]")
-    addresses: list[tuple[str, int]] = []
-    for part in rest.split(","):
-        host, sep, port = part.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"L2 URL {url!r}: {part!r} is not HOST:PORT with a port in "
-                             f"1..65535, e.g. redis://10.0.0.5:6379")
-        if (host, int(port)) in addresses:
-            raise ValueError(f"L2 URL {url!r}: {part} is listed twice; list each server once")
-        addresses.append((host, int(port)))
-    return addresses
 
 
 class RedisL2:
@@ -344,7 +289,8 @@ class RedisL2:
             except L2Misconfigured:
                 raise
             except _MISCONFIG_ERRORS as exc:
-                raise self._misconfigured(*self._describe(exc), probing) from None
+                raise self._misconfigured(*describe_misconfiguration(
+                    exc, self.addresses, self._conn_kwargs["socket_timeout"]), probing) from None
             except _OUTAGE_ERRORS as exc:
                 raise self._down(exc, probing) from exc
             refused = {"full": 0, "response": 0}
@@ -397,8 +343,9 @@ class RedisL2:
                     replication = {} if cluster else probe.info("replication")
                 except _MISCONFIG_ERRORS as exc:
                     probe.close()
-                    raise self._misconfigured(*self._describe(exc, (host, port)),
-                                              self._probing) from None
+                    raise self._misconfigured(*describe_misconfiguration(
+                        exc, self.addresses, self._conn_kwargs["socket_timeout"], (host, port)),
+                        self._probing) from None
                 except _OUTAGE_ERRORS as exc:
                     probe.close()
                     last_exc = exc
@@ -435,22 +382,6 @@ class RedisL2:
                                 retry=no_retry, **self._conn_kwargs)
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.addresses],
                             retry=no_retry, cluster_error_retry_attempts=0, **self._conn_kwargs)
-
-    def _describe(self, exc: Exception, address: tuple[str, int] | None = None) -> tuple[str, str]:
-        """(error kind, what the server answered and the fix) of a misconfiguration."""
-        if address is None and len(self.addresses) == 1:
-            address = self.addresses[0]
-        where = f"{address[0]}:{address[1]}" if address else "a server"
-        if isinstance(exc, (AuthenticationError, NoPermissionError)):
-            return "auth", (f"{where} refuses lmcached: {type(exc).__name__}: {exc}; --l2 sends "
-                            f"no credentials: give a server that needs none (on a trusted "
-                            f"network) or let its default user in")
-        if isinstance(exc, InvalidResponse):
-            answer = _peek(address, self._conn_kwargs["socket_timeout"]) if address else str(exc)
-            return "protocol", (f"{where} does not speak RESP (Redis' protocol): to PING it "
-                                f"answered {answer}; give the address of a Redis or Valkey "
-                                f"server (port 6379 by default)")
-        return "response", f"{where} refused INFO: {exc}; is it a Redis or Valkey server?"
 
     def _misconfigured(self, kind: str, what: str, probing: bool) -> L2Misconfigured:
         """Count a misconfiguration, back off as for an outage, drop the client (the next
@@ -497,17 +428,6 @@ class RedisL2:
             self.state = "up"
             self._misconfig_logged = None
             self._backoff_s = BACKOFF_MIN_S
-
-
-def _peek(address: tuple[str, int], timeout_s: float) -> str:
-    """The first PEEK_BYTES a server sends back to an inline PING, as a Python literal
-    (what a misconfiguration's message shows), or why none came."""
-    try:
-        with socket.create_connection(address, timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return repr(sock.recv(PEEK_BYTES))
-    except OSError as exc:
-        return f"nothing readable ({exc.strerror or exc})"
 
 
 def _as_generation(result) -> int:
